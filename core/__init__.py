@@ -1,0 +1,66 @@
+"""agl: make existing LLM agents trainable with reinforcement learning, without rewriting them.
+
+The public API is imported lazily so ``import agl`` stays light (no torch, no agent framework):
+
+    import agl
+    agl.instrument()                      # every installed framework now emits spans
+    with agl.rollout_context(rollout_id, attempt):
+        run_my_agent()
+        agl.emit_reward(1.0)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+#: public name -> module that defines it
+_LAZY: dict[str, str] = {
+    # plugins and tracing
+    "instrument": "agl.instrument",
+    "uninstrument": "agl.instrument",
+    "Instrumentor": "agl.instrument",
+    "rollout_context": "agl.tracing",
+    "current_rollout": "agl.tracing",
+    "setup_tracing": "agl.tracing",
+    # emit API
+    "emit_reward": "agl.emit",
+    "emit_message": "agl.emit",
+    "emit_object": "agl.emit",
+    "emit_exception": "agl.emit",
+    # adapter / rewards / algorithm
+    "Adapter": "agl.adapter",
+    "AIR": "agl.rewards",
+    "LightningRL": "agl.algorithms.lightning_rl",
+    # runner / trainer
+    "Runner": "agl.runner",
+    "rollout": "agl.runner",
+    "Trainer": "agl.trainer",
+    # data model
+    "Task": "agl.types",
+    "Rollout": "agl.types",
+    "NewRollout": "agl.types",
+    "Attempt": "agl.types",
+    "Span": "agl.types",
+    "Resources": "agl.types",
+    "LLM": "agl.types",
+    "PromptTemplate": "agl.types",
+    "Transition": "agl.types",
+}
+
+__all__ = sorted([*_LAZY, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'agl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

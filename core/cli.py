@@ -1,0 +1,63 @@
+"""The ``agl`` command.
+
+Each top-level command lives in the module that owns the concept and is imported only when used, so
+``agl --help`` stays fast and never imports torch or a framework. A command module exposes
+``register_cli(parser: argparse.ArgumentParser) -> None``: it adds its own arguments (or sub-commands)
+and sets ``func=callable(args) -> int | None`` with ``parser.set_defaults``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+#: command -> (module that owns it, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "store": ("agl.store.cli", "serve a store over HTTP (agl store serve)"),
+    "rollouts": ("agl.inspect", "list rollouts or show one (attempts, status, error)"),
+    "spans": ("agl.inspect", "print the span tree of a rollout"),
+    "transitions": ("agl.export", "print the transitions a rollout would train on"),
+    "export": ("agl.export", "export transitions, SFT or DPO data as JSONL"),
+    "gateway": ("agl.gateway.cli", "serve the OpenAI-compatible gateway (agl gateway serve)"),
+    "models": ("agl.gateway.models", "prepare the embedded default model (agl models prepare)"),
+    "runner": ("agl.runner", "run an agent against a store: claim rollouts, run them, report"),
+    "plot": ("agl.plot", "plot the reward curve of a training run"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agl", description="agl: train existing LLM agents with RL.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            importlib.import_module(module).register_cli(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in args_list if not a.startswith("-")), None)
+    if command is not None and command not in COMMANDS:
+        print(f"agl: unknown command {command!r}; try: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    parser = build_parser(command)
+    args = parser.parse_args(args_list)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 0 if command is None else 2
+    try:
+        rc = func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        print(f"agl {command}: error: {exc}", file=sys.stderr)
+        return 2
+    return int(rc or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""Every span and attribute name agl reads or writes (DESIGN §4): the only place they are spelled.
+
+OpenTelemetry GenAI semantic conventions are used wherever one exists, so agl traces open in any OTel
+backend; agl's own names live under ``agl.``. Import the constants; never type a span name as a
+string literal elsewhere.
+"""
+
+from __future__ import annotations
+
+# ------------------------------------------------------------------------------------ span names
+# GenAI operation names double as span names: a span's name is the operation it performs.
+SPAN_CHAT = "chat"
+SPAN_EXECUTE_TOOL = "execute_tool"
+SPAN_INVOKE_AGENT = "invoke_agent"
+SPAN_REWARD = "agl.reward"
+SPAN_MESSAGE = "agl.message"
+SPAN_OBJECT = "agl.object"
+SPAN_EXCEPTION = "agl.exception"
+SPAN_HANDOFF = "agl.handoff"
+SPAN_GUARDRAIL = "agl.guardrail"
+SPAN_ROLLOUT = "agl.rollout"
+
+# ----------------------------------------------------------------------- GenAI semantic conventions
+GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
+GEN_AI_SYSTEM = "gen_ai.system"
+GEN_AI_AGENT_NAME = "gen_ai.agent.name"
+GEN_AI_AGENT_ID = "gen_ai.agent.id"
+GEN_AI_TOOL_NAME = "gen_ai.tool.name"
+GEN_AI_TOOL_CALL_ID = "gen_ai.tool.call.id"
+GEN_AI_TOOL_CALL_ARGUMENTS = "gen_ai.tool.call.arguments"
+GEN_AI_TOOL_CALL_RESULT = "gen_ai.tool.call.result"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"  # JSON string: the request messages
+GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"  # JSON string: the response message(s)
+GEN_AI_TOOL_DEFINITIONS = "gen_ai.tool.definitions"  # JSON string: tools offered to the model
+
+OP_CHAT = SPAN_CHAT
+OP_EXECUTE_TOOL = SPAN_EXECUTE_TOOL
+OP_INVOKE_AGENT = SPAN_INVOKE_AGENT
+
+# ------------------------------------------------------------------------------------ agl's own
+AGL_ROLLOUT_ID = "agl.rollout.id"
+AGL_ATTEMPT = "agl.attempt"
+AGL_SIDE = "agl.side"  # "client" (integration) or "server" (gateway) for chat spans
+SIDE_CLIENT = "client"
+SIDE_SERVER = "server"
+AGL_INTEGRATION = "agl.integration"  # which integration made the span (langchain, openai, ...)
+
+AGL_LLM_PROMPT_TOKEN_IDS = "agl.llm.prompt_token_ids"
+AGL_LLM_RESPONSE_TOKEN_IDS = "agl.llm.response_token_ids"
+AGL_LLM_RESPONSE_LOGPROBS = "agl.llm.response_logprobs"
+AGL_LLM_WEIGHT_VERSION = "agl.llm.weight_version"
+AGL_LLM_BACKEND = "agl.llm.backend"
+AGL_LLM_EXACT = "agl.llm.exact"  # False when token ids were re-derived rather than taken from the engine
+AGL_LLM_PREFIX_MATCH = "agl.llm.prefix_match"  # multi-turn drift: earlier turn re-rendered identically
+AGL_LLM_CHOICE_INDEX = "agl.llm.choice_index"  # for n>1: which choice this span's response ids are
+
+AGL_REWARD_VALUE = "agl.reward.value"
+AGL_REWARD_NAME = "agl.reward.name"
+AGL_REWARD_PRIMARY = "agl.reward.primary"
+AGL_REWARD_SOURCE = "agl.reward.source"  # "emit", "return" (agent's return value), "air"
+
+AGL_MESSAGE_BODY = "agl.message.body"
+AGL_OBJECT_JSON = "agl.object.json"
+AGL_EXCEPTION_TYPE = "exception.type"  # OTel semconv
+AGL_EXCEPTION_MESSAGE = "exception.message"  # OTel semconv
+AGL_EXCEPTION_STACKTRACE = "exception.stacktrace"  # OTel semconv
+
+AGL_HANDOFF_FROM = "agl.handoff.from"
+AGL_HANDOFF_TO = "agl.handoff.to"
+
+# ------------------------------------------------------------------------------------- baggage/http
+BAGGAGE_ROLLOUT_ID = AGL_ROLLOUT_ID
+BAGGAGE_ATTEMPT = AGL_ATTEMPT
+HEADER_TRACEPARENT = "traceparent"
+HEADER_BAGGAGE = "baggage"

@@ -1,0 +1,166 @@
+"""The Store protocol (DESIGN §5): the one contract every store implementation keeps.
+
+Implementations: ``memory.MemoryStore``, ``sqlite.SQLiteStore`` (the embedded default) and
+``http.HttpStore`` (client of ``agl store serve``). All of them pass ``tests/store/conformance.py``.
+
+Semantics, shared by every implementation:
+- ``enqueue`` takes many rollouts at once; ``claim`` is atomic and creates an attempt with a lease.
+- Heartbeats and span arrivals extend the lease. An expired lease ends the attempt ``lost``; a run past
+  ``config.timeout_s`` ends it ``timed_out``; an attempt finished ``failed`` counts the same. The rollout
+  is requeued while attempts remain, else it fails. Spans of an attempt that ended ``lost`` or
+  ``timed_out`` are kept but marked ``stale`` (they are never trained on).
+- ``claim`` and ``wait_for_rollouts`` block up to ``timeout_s`` and wake on events (no busy polling).
+- ``add_spans`` assigns ``seq``, strictly increasing within an attempt, and returns the stored spans.
+- Writes that carry an ``idempotency_key`` are applied once: a retry with the same key returns the
+  first result without writing again.
+- Bad input never changes state: unknown ids raise ``NotFoundError``, illegal status changes raise
+  ``ConflictError``, malformed data raises ``InvalidInputError``; all name the problem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from agl.types import (
+    Attempt,
+    AttemptError,
+    Claim,
+    Mode,
+    NewRollout,
+    Resource,
+    Resources,
+    Rollout,
+    Span,
+    Task,
+)
+
+__all__ = [
+    "ConflictError",
+    "InvalidInputError",
+    "NotFoundError",
+    "Store",
+    "StoreError",
+    "FINISH_STATUSES",
+]
+
+#: Statuses a worker may finish its own attempt with. ``lost``/``timed_out`` are the store's to set.
+FINISH_STATUSES = ("succeeded", "failed")
+
+
+class StoreError(Exception):
+    """Base of every error a store raises on purpose. ``status`` is the HTTP status the server uses."""
+
+    status = 400
+    code = "store_error"
+
+
+class InvalidInputError(StoreError, ValueError):
+    status = 400
+    code = "invalid_input"
+
+
+class NotFoundError(StoreError, KeyError):
+    status = 404
+    code = "not_found"
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else "not found"
+
+
+class ConflictError(StoreError):
+    """The request is well-formed but illegal in the current state (e.g. finishing an ended attempt)."""
+
+    status = 409
+    code = "conflict"
+
+
+@runtime_checkable
+class Store(Protocol):
+    """What runners, the gateway, the tracer and the trainer need from a store."""
+
+    # ---------------------------------------------------------------- tasks
+    def add_tasks(self, tasks: Sequence[Task]) -> list[Task]:
+        """Insert or replace tasks by id."""
+        ...
+
+    def get_task(self, task_id: str) -> Task: ...
+
+    def query_tasks(self, *, mode: Mode | None = None, limit: int | None = None) -> list[Task]: ...
+
+    # ------------------------------------------------------------- rollouts
+    def enqueue(self, rollouts: Sequence[NewRollout], *, idempotency_key: str | None = None) -> list[Rollout]:
+        """Queue rollouts atomically (all or none); ids are generated where not given, must be new."""
+        ...
+
+    def claim(self, worker_id: str, *, timeout_s: float = 0.0, modes: Sequence[Mode] | None = None) -> Claim | None:
+        """Atomically take the oldest queued rollout and start a new attempt on it, with a lease.
+
+        Blocks up to ``timeout_s`` for work to arrive; returns None when there is none. The rollout
+        records the resources version it runs with: its own if it was enqueued with one, else the latest.
+        """
+        ...
+
+    def heartbeat(self, rollout_id: str, attempt: int) -> Attempt:
+        """Extend the lease. Raises ConflictError if the attempt already ended (the worker lost it)."""
+        ...
+
+    def finish_attempt(
+        self, rollout_id: str, attempt: int, status: str, *, error: AttemptError | None = None
+    ) -> Rollout:
+        """End a running attempt as ``succeeded`` or ``failed`` and move the rollout on."""
+        ...
+
+    def cancel(self, rollout_id: str) -> Rollout:
+        """Cancel a queued or running rollout (its running attempt ends ``failed``)."""
+        ...
+
+    def get_rollout(self, rollout_id: str) -> Rollout: ...
+
+    def query_rollouts(
+        self,
+        *,
+        status: str | Sequence[str] | None = None,
+        mode: Mode | None = None,
+        group_id: str | None = None,
+        ids: Sequence[str] | None = None,
+        limit: int | None = None,
+    ) -> list[Rollout]:
+        """Rollouts matching every given filter, oldest first, each with its attempts."""
+        ...
+
+    def get_attempts(self, rollout_id: str) -> list[Attempt]: ...
+
+    def wait_for_rollouts(self, ids: Sequence[str], *, timeout_s: float) -> list[Rollout]:
+        """Block until every listed rollout is terminal or the timeout passes; return the terminal ones."""
+        ...
+
+    # ---------------------------------------------------------------- spans
+    def add_spans(self, spans: Sequence[Span], *, idempotency_key: str | None = None) -> list[Span]:
+        """Append spans (atomically, all or none); returns them with ``seq`` (and ``stale``) set."""
+        ...
+
+    def query_spans(
+        self,
+        *,
+        rollout_id: str | None = None,
+        attempt: int | None = None,
+        name: str | None = None,
+        trace_id: str | None = None,
+        include_stale: bool = True,
+        limit: int | None = None,
+    ) -> list[Span]:
+        """Spans matching every given filter, in store order (seq within an attempt)."""
+        ...
+
+    # ------------------------------------------------------------ resources
+    def add_resources(self, items: dict[str, Resource | dict[str, Any]]) -> Resources:
+        """Publish a new snapshot; its version is one more than the latest."""
+        ...
+
+    def get_resources(self, version: int | None = None) -> Resources | None:
+        """The given version, or the latest (None when nothing was published yet)."""
+        ...
+
+    # ----------------------------------------------------------- lifecycle
+    def close(self) -> None: ...
