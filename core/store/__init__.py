@@ -45,10 +45,14 @@ def open(url: str, **kwargs: Any) -> Store:  # noqa: A001 - mirrors the builtin 
 
         path = rest[1:] if rest.startswith("/") else rest
         if not path:
-            raise InvalidInputError("sqlite URL needs a path: sqlite:///relative.db or sqlite:////abs/path.db")
+            raise InvalidInputError(
+                "sqlite URL needs a path: sqlite:///relative.db or sqlite:////abs/path.db"
+            )
         return SQLiteStore(path, **kwargs)
     if scheme in ("http", "https"):
         from agl.store.http import HttpStore
 
         return HttpStore(url, **kwargs)
-    raise InvalidInputError(f"unknown store URL scheme {scheme!r}; use memory://, sqlite:///path.db or http://")
+    raise InvalidInputError(
+        f"unknown store URL scheme {scheme!r}; use memory://, sqlite:///path.db or http://"
+    )

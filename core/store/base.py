@@ -93,7 +93,9 @@ class Store(Protocol):
         """Queue rollouts atomically (all or none); ids are generated where not given, must be new."""
         ...
 
-    def claim(self, worker_id: str, *, timeout_s: float = 0.0, modes: Sequence[Mode] | None = None) -> Claim | None:
+    def claim(
+        self, worker_id: str, *, timeout_s: float = 0.0, modes: Sequence[Mode] | None = None
+    ) -> Claim | None:
         """Atomically take the oldest queued rollout and start a new attempt on it, with a lease.
 
         Blocks up to ``timeout_s`` for work to arrive; returns None when there is none. The rollout
