@@ -41,10 +41,14 @@ GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"  # JSON string: the request messages
 GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"  # JSON string: the response message(s)
 GEN_AI_TOOL_DEFINITIONS = "gen_ai.tool.definitions"  # JSON string: tools offered to the model
+ERROR_TYPE = "error.type"  # OTel semconv: the exception class (or error code) of a failed operation
 
 OP_CHAT = SPAN_CHAT
 OP_EXECUTE_TOOL = SPAN_EXECUTE_TOOL
 OP_INVOKE_AGENT = SPAN_INVOKE_AGENT
+OP_TEXT_COMPLETION = "text_completion"  # GenAI semconv: legacy completions API calls
+OP_GENERATE_CONTENT = "generate_content"  # GenAI semconv: multimodal generation calls
+EVENT_EXCEPTION = "exception"  # OTel: the event Span.record_exception adds
 
 # ------------------------------------------------------------------------------------ agl's own
 AGL_ROLLOUT_ID = "agl.rollout.id"
@@ -62,6 +66,7 @@ AGL_LLM_BACKEND = "agl.llm.backend"
 AGL_LLM_EXACT = "agl.llm.exact"  # False when token ids were re-derived rather than taken from the engine
 AGL_LLM_PREFIX_MATCH = "agl.llm.prefix_match"  # multi-turn drift: earlier turn re-rendered identically
 AGL_LLM_CHOICE_INDEX = "agl.llm.choice_index"  # for n>1: which choice this span's response ids are
+AGL_LLM_PROMPT_TEXT = "agl.llm.prompt_text"  # /v1/completions: the raw prompt (no chat template applied)
 
 AGL_REWARD_VALUE = "agl.reward.value"
 AGL_REWARD_NAME = "agl.reward.name"
@@ -76,6 +81,13 @@ AGL_EXCEPTION_STACKTRACE = "exception.stacktrace"  # OTel semconv
 
 AGL_HANDOFF_FROM = "agl.handoff.from"
 AGL_HANDOFF_TO = "agl.handoff.to"
+AGL_GUARDRAIL_NAME = "agl.guardrail.name"
+AGL_GUARDRAIL_TRIGGERED = "agl.guardrail.triggered"  # bool: the guardrail's tripwire fired
+
+# LangChain / LangGraph integration: where an agent span came from
+AGL_LANGCHAIN_RUN_ID = "agl.langchain.run_id"  # the LangChain run id (joins with LangSmith traces)
+AGL_LANGGRAPH_NODE = "agl.langgraph.node"  # the LangGraph node an invoke_agent span is a turn of
+AGL_LANGGRAPH_STEP = "agl.langgraph.step"  # int: the graph super-step that ran the node
 
 # ------------------------------------------------------------------------------------- baggage/http
 BAGGAGE_ROLLOUT_ID = AGL_ROLLOUT_ID

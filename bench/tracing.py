@@ -1,0 +1,193 @@
+"""Tracing cost: added latency per instrumented openai call, and span export throughput to SQLite.
+
+    python bench/tracing.py [--calls 1500] [--spans 50000]
+
+1. Added cost per LLM call: the real ``openai`` client calls a local OpenAI-protocol server
+   (tests/integrations/openai/fake_openai_server.py, in its own process) with and without
+   ``agl.instrument("openai")`` inside a rollout context; blocks of calls alternate between the two
+   so machine noise hits both alike; the figure is the difference of the p50 latencies. The same is
+   measured in-process with ``httpx.MockTransport`` (no network, no server), which isolates agl's own
+   work per call. Target (docs/architecture.md §10): <= 100 µs per call.
+2. Span export throughput: spans made inside a rollout context go through agl's batching processor
+   into a SQLite store; measured from the first span start until ``agl.tracing.flush()`` returns
+   (end to end), and the exporter alone (OTel span -> agl Span -> ``store.add_spans``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import openai
+from opentelemetry.sdk.trace import TracerProvider
+from tqdm import tqdm
+
+import agl
+from agl import semconv, tracing
+from agl.store.sqlite import SQLiteStore
+from agl.types import NewRollout
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVER = ROOT / "tests" / "integrations" / "openai" / "fake_openai_server.py"
+TARGET_US = 100.0
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant that answers briefly."},
+    {"role": "user", "content": "What is the capital of France? Answer in one word."},
+]
+COMPLETION = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "created": 0,
+    "model": "m",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Paris."}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 30, "completion_tokens": 2, "total_tokens": 32},
+}
+
+
+def _p50_us(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e6
+
+
+def measure(call: Callable[[], object], calls: int, blocks: int, label: str) -> tuple[float, float]:
+    """p50 latency (µs) without and with instrumentation, blocks alternating."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    per_block = max(1, calls // blocks)
+    for _ in range(20):  # warm up both paths
+        call()
+    with tqdm(total=2 * per_block * blocks, desc=label, unit="call", leave=False) as bar:
+        for block in range(2 * blocks):
+            on = block % 2 == 1
+            if on:
+                agl.instrument("openai")
+            else:
+                agl.uninstrument("openai")
+            samples = times[on]
+            for _ in range(per_block):
+                t0 = time.perf_counter()
+                call()
+                samples.append(time.perf_counter() - t0)
+            bar.update(per_block)
+    agl.uninstrument("openai")
+    return _p50_us(times[False]), _p50_us(times[True])
+
+
+def bench_calls(calls: int) -> list[tuple[str, float, float]]:
+    rows = []
+    store = SQLiteStore(Path(tempfile.mkdtemp()) / "calls.db")
+    tracing.setup_tracing(store, TracerProvider())
+    store.enqueue([NewRollout(id="ro-bench")])
+    store.claim("bench")
+    proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        base_url = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        client = openai.OpenAI(base_url=base_url, api_key="sk-bench", max_retries=0)
+
+        def chat() -> object:
+            return client.chat.completions.create(model="m", messages=MESSAGES)
+
+        def stream() -> object:
+            return list(client.chat.completions.create(model="m", messages=MESSAGES, stream=True))
+
+        mock = openai.OpenAI(
+            base_url="http://mock/v1",
+            api_key="sk-bench",
+            max_retries=0,
+            http_client=httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(200, json=COMPLETION))),
+        )
+
+        def in_process() -> object:
+            return mock.chat.completions.create(model="m", messages=MESSAGES)
+
+        with agl.rollout_context("ro-bench", 1):
+            for label, fn, n in (
+                ("chat, local server", chat, calls),
+                ("chat stream, local server", stream, calls),
+                ("chat, in-process transport", in_process, calls * 4),
+            ):
+                off, on = measure(fn, n, blocks=10, label=label)
+                rows.append((label, off, on))
+        tracing.flush(30)
+    finally:
+        proc.stdin.close()  # type: ignore[union-attr]
+        proc.wait(10)
+        tracing.reset_tracing()
+        store.close()
+    return rows
+
+
+def bench_export(n: int) -> list[tuple[str, float]]:
+    rows = []
+    store = SQLiteStore(Path(tempfile.mkdtemp()) / "spans.db")
+    provider = TracerProvider()
+    tracing.setup_tracing(store, provider)
+    store.enqueue([NewRollout(id="ro-export")])
+    store.claim("bench")
+    tracer = tracing.get_tracer("bench")
+    attrs = {
+        semconv.GEN_AI_OPERATION_NAME: semconv.OP_CHAT,
+        semconv.GEN_AI_REQUEST_MODEL: "Qwen/Qwen2.5-0.5B-Instruct",
+        semconv.GEN_AI_USAGE_INPUT_TOKENS: 512,
+        semconv.GEN_AI_USAGE_OUTPUT_TOKENS: 64,
+        semconv.GEN_AI_INPUT_MESSAGES: json.dumps(MESSAGES),
+    }
+    with agl.rollout_context("ro-export", 1, span=False):
+        t0 = time.perf_counter()
+        for _ in tqdm(range(n), desc="spans", unit="span", leave=False, mininterval=0.5):
+            tracer.start_span(semconv.SPAN_CHAT, attributes=attrs).end()
+        made = time.perf_counter() - t0
+        tracing.flush(120)
+        total = time.perf_counter() - t0
+    stored = len(store.query_spans(rollout_id="ro-export"))
+    assert stored == n, f"{stored} of {n} spans stored ({tracing.stats()})"
+    rows.append(("make + stamp + enqueue (agent thread)", n / made))
+    rows.append(("end to end into SQLite (until flush returns)", n / total))
+
+    # the exporter alone, on spans captured from the same provider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    captured = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(captured))
+    with agl.rollout_context("ro-export", 1, span=False):
+        for _ in range(n):
+            tracer.start_span(semconv.SPAN_CHAT, attributes=attrs).end()
+    otel_spans = list(captured.get_finished_spans())
+    exporter = tracing.StoreSpanExporter(store)
+    t0 = time.perf_counter()
+    for i in range(0, len(otel_spans), 512):
+        exporter.export(otel_spans[i : i + 512])
+    rows.append(("StoreSpanExporter alone, batches of 512", len(otel_spans) / (time.perf_counter() - t0)))
+    tracing.reset_tracing()
+    store.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=1500, help="calls per mode and case")
+    parser.add_argument("--spans", type=int, default=50_000)
+    args = parser.parse_args()
+
+    print(f"Added cost per openai call (p50, {args.calls} calls per mode; target <= {TARGET_US:.0f} µs)")
+    print(f"{'case':<30}{'plain µs':>12}{'instrumented µs':>18}{'added µs':>12}{'target':>10}")
+    for label, off, on in bench_calls(args.calls):
+        added = on - off
+        ok = "ok" if added <= TARGET_US else "MISSED"
+        print(f"{label:<30}{off:>12.0f}{on:>18.0f}{added:>12.1f}{ok:>10}")
+    print()
+    print(f"Span export throughput ({args.spans} spans with GenAI attributes, SQLite store)")
+    print(f"{'path':<48}{'spans/s':>12}")
+    for label, rate in bench_export(args.spans):
+        print(f"{label:<48}{rate:>12,.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,356 @@
+"""LightningRL: credit assignment and group-normalised advantages (DESIGN §8).
+
+LightningRL reduces a multi-call agent run to single-call RL: each LLM call (a :class:`Transition`)
+becomes one training sequence whose tokens share one advantage. This module holds the small, exact
+part of the method — from rewards to per-transition returns (*credit assignment*) and from returns to
+advantages (GRPO-style group normalisation). It is pure Python so it can be checked by hand values and
+run anywhere; the torch/TRL policy update lives in :mod:`agl.algorithms.update` and only the trainer
+imports it.
+
+Notation, for the rollouts ``i`` of one group, their transitions ``j = 1..n_i`` in call order, final
+reward ``R_i`` and intermediate rewards ``r_ij``:
+
+- ``identical``  : ``G_ij = R_i + r_ij``  (``G_ij = R_i``, the paper's rule, with
+  ``include_intermediate=False`` or when there are no intermediate rewards)
+- ``discounted`` : ``G_ij = r_ij + gamma * G_i,j+1`` with ``G_i,n_i+1 = R_i``
+- ``rollout`` advantages : ``A_ij = (G_ij - mean_i R_i) / (std_i R_i + eps)``
+- ``transition`` advantages : ``A_ij = (G_ij - mean_kl G_kl) / (std_kl G_kl + eps)``
+
+``std`` is the sample standard deviation (n-1, as TRL's GRPO uses), ``eps = 1e-6``, and without
+``normalize_std`` the division is dropped. A group whose statistic has no spread (fewer than two
+values, or a std below ``ZERO_STD``) carries no learning signal: all its advantages are 0 and it is
+counted in ``zero_variance_groups``. docs/architecture.md §8 works through examples by hand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from agl.types import Transition
+
+__all__ = [
+    "EPS",
+    "ZERO_STD",
+    "GroupStats",
+    "LightningRL",
+    "assign_credit",
+    "compute_advantages",
+    "credit_returns",
+    "group_statistics",
+    "iter_groups",
+]
+
+#: Added to the std before dividing, so tiny-but-nonzero spreads do not explode.
+EPS = 1e-6
+#: A std below this is treated as zero: the group has no signal.
+ZERO_STD = 1e-9
+
+Credit = Literal["identical", "discounted"]
+AdvantageLevel = Literal["rollout", "transition"]
+
+
+@dataclass
+class LightningRL:
+    """The LightningRL configuration: credit assignment, advantages and the policy-update settings.
+
+    Only ``credit``, ``gamma``, ``advantage_level``, ``normalize_std`` and ``group_size`` are used
+    here; the rest configure the token-level PPO-clip update in :mod:`agl.algorithms.update`.
+    """
+
+    credit: Credit = "identical"
+    gamma: float = 1.0
+    advantage_level: AdvantageLevel = "rollout"
+    normalize_std: bool = True
+    group_size: int = 4
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    kl_coef: float = 0.0
+    learning_rate: float = 1e-5
+    lora: bool = True
+    lora_r: int = 16
+    lora_alpha: int = 32
+    micro_batch_tokens: int = 4096
+    epochs_per_step: int = 1
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.credit not in ("identical", "discounted"):
+            raise ValueError(f"LightningRL.credit must be 'identical' or 'discounted', got {self.credit!r}")
+        if self.advantage_level not in ("rollout", "transition"):
+            raise ValueError(
+                f"LightningRL.advantage_level must be 'rollout' or 'transition', got {self.advantage_level!r}"
+            )
+        _number(self, "gamma", lo=0.0, hi=1.0)
+        _number(self, "clip_eps", lo=0.0, lo_open=True)
+        if self.clip_eps_high is not None:
+            _number(self, "clip_eps_high", lo=0.0, lo_open=True)
+        _number(self, "kl_coef", lo=0.0)
+        _number(self, "learning_rate", lo=0.0, lo_open=True)
+        _number(self, "max_grad_norm", lo=0.0, lo_open=True)
+        for name in ("group_size", "lora_r", "lora_alpha", "micro_batch_tokens", "epochs_per_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LightningRL.{name} must be an integer >= 1, got {value!r}")
+        for name in ("normalize_std", "lora"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LightningRL.{name} must be True or False, got {getattr(self, name)!r}")
+
+    # Convenience: the same pure functions, bound to this configuration.
+    def assign_credit(
+        self, transitions: Sequence[Transition], *, include_intermediate: bool = True
+    ) -> list[Transition]:
+        return assign_credit(transitions, self, include_intermediate=include_intermediate)
+
+    def compute_advantages(
+        self, transitions: Sequence[Transition], *, include_intermediate: bool = True
+    ) -> tuple[list[float], dict[str, Any]]:
+        return compute_advantages(transitions, self, include_intermediate=include_intermediate)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _number(
+    cfg: LightningRL, name: str, *, lo: float, hi: float | None = None, lo_open: bool = False
+) -> None:
+    value = getattr(cfg, name)
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if ok:
+        ok = (value > lo if lo_open else value >= lo) and (hi is None or value <= hi)
+    if not ok:
+        bound = f"{'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi is not None else "")
+        raise ValueError(f"LightningRL.{name} must be a finite number {bound}, got {value!r}")
+
+
+# ------------------------------------------------------------------------------------ credit
+
+
+def credit_returns(
+    final_reward: float,
+    intermediate: Sequence[float],
+    cfg: LightningRL | None = None,
+    *,
+    include_intermediate: bool = True,
+) -> list[float]:
+    """The credited return ``G_ij`` of each transition of ONE rollout, in call order.
+
+    ``intermediate[j]`` is the intermediate reward of the rollout's j-th transition (0 when none).
+    With ``include_intermediate=False`` intermediate rewards are ignored (the paper's identical rule).
+    """
+    cfg = cfg or _DEFAULT
+    big_r = float(final_reward)
+    if not include_intermediate:
+        intermediate = [0.0] * len(intermediate)
+    if cfg.credit == "identical":
+        return [big_r + float(r) for r in intermediate]
+    gamma = float(cfg.gamma)
+    out = [0.0] * len(intermediate)
+    g = big_r
+    for j in range(len(intermediate) - 1, -1, -1):
+        g = float(intermediate[j]) + gamma * g
+        out[j] = g
+    return out
+
+
+def _by_rollout(transitions: Sequence[Transition]) -> dict[tuple[str, int], list[int]]:
+    """Positions of each rollout attempt's transitions, in call (``index``) order; checks consistency."""
+    groups: dict[tuple[str, int], list[int]] = {}
+    for pos, t in enumerate(transitions):
+        groups.setdefault((t.rollout_id, t.attempt), []).append(pos)
+    for (rid, att), positions in groups.items():
+        positions.sort(key=lambda p: transitions[p].index)
+        seen: set[int] = set()
+        first = transitions[positions[0]]
+        for p in positions:
+            t = transitions[p]
+            if t.index in seen:
+                raise ValueError(
+                    f"rollout {rid!r} attempt {att} has two transitions with index {t.index}; "
+                    "each LLM call must appear once"
+                )
+            seen.add(t.index)
+            if t.final_reward != first.final_reward:
+                raise ValueError(
+                    f"rollout {rid!r} attempt {att} has transitions with different final rewards "
+                    f"({first.final_reward!r} and {t.final_reward!r}); a rollout has one final reward"
+                )
+            if t.group_id != first.group_id:
+                raise ValueError(
+                    f"rollout {rid!r} attempt {att} has transitions in different groups "
+                    f"({first.group_id!r} and {t.group_id!r})"
+                )
+    return groups
+
+
+def _returns(
+    transitions: Sequence[Transition], cfg: LightningRL, include_intermediate: bool
+) -> tuple[list[float], dict[tuple[str, int], list[int]]]:
+    by_rollout = _by_rollout(transitions)
+    returns = [0.0] * len(transitions)
+    for positions in by_rollout.values():
+        ts = [transitions[p] for p in positions]
+        g = credit_returns(
+            ts[0].final_reward,
+            [t.intermediate_reward for t in ts],
+            cfg,
+            include_intermediate=include_intermediate,
+        )
+        for p, value in zip(positions, g, strict=True):
+            returns[p] = value
+    return returns, by_rollout
+
+
+def assign_credit(
+    transitions: Sequence[Transition],
+    cfg: LightningRL | None = None,
+    *,
+    include_intermediate: bool = True,
+) -> list[Transition]:
+    """Copies of ``transitions`` (same order) whose ``reward`` is the credited return ``G_ij``.
+
+    Transitions are grouped by ``(rollout_id, attempt)`` and ordered by ``index``; ``final_reward`` and
+    ``intermediate_reward`` are the inputs, nothing else is read.
+    """
+    returns, _ = _returns(transitions, cfg or _DEFAULT, include_intermediate)
+    return [t.model_copy(update={"reward": g}) for t, g in zip(transitions, returns, strict=True)]
+
+
+# ------------------------------------------------------------------------------------ advantages
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """The statistic a group is normalised by, and whether it carries any signal."""
+
+    group_id: str
+    rollouts: int
+    transitions: int
+    mean: float
+    std: float
+    zero_variance: bool
+    final_reward_mean: float
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    n = len(values)
+    if n == 0:
+        return 0.0, 0.0
+    mean = math.fsum(values) / n
+    if n < 2:
+        return mean, 0.0
+    var = math.fsum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var)
+
+
+def _group_key(t: Transition) -> str:
+    # A rollout with no group is compared with nothing: it forms a group of its own.
+    return t.group_id if t.group_id is not None else f"rollout:{t.rollout_id}#{t.attempt}"
+
+
+def _statistics(
+    transitions: Sequence[Transition],
+    returns: Sequence[float],
+    by_rollout: dict[tuple[str, int], list[int]],
+    cfg: LightningRL,
+) -> tuple[dict[str, GroupStats], dict[str, list[int]]]:
+    members: dict[str, list[tuple[str, int]]] = {}
+    for key, positions in by_rollout.items():
+        members.setdefault(_group_key(transitions[positions[0]]), []).append(key)
+    stats: dict[str, GroupStats] = {}
+    positions_of: dict[str, list[int]] = {}
+    for gid, keys in members.items():
+        positions = [p for k in keys for p in by_rollout[k]]
+        finals = [transitions[by_rollout[k][0]].final_reward for k in keys]
+        if cfg.advantage_level == "rollout":
+            mean, std = _mean_std(finals)
+            n_values = len(finals)
+        else:
+            mean, std = _mean_std([returns[p] for p in positions])
+            n_values = len(positions)
+        stats[gid] = GroupStats(
+            group_id=gid,
+            rollouts=len(keys),
+            transitions=len(positions),
+            mean=mean,
+            std=std,
+            zero_variance=n_values < 2 or std < ZERO_STD,
+            final_reward_mean=math.fsum(finals) / len(finals),
+        )
+        positions_of[gid] = positions
+    return stats, positions_of
+
+
+def group_statistics(
+    transitions: Sequence[Transition],
+    cfg: LightningRL | None = None,
+    *,
+    include_intermediate: bool = True,
+) -> dict[str, GroupStats]:
+    """Per group: the mean/std the advantages are normalised by (final rewards at rollout level,
+    credited returns at transition level) and whether the group has zero variance."""
+    cfg = cfg or _DEFAULT
+    returns, by_rollout = _returns(transitions, cfg, include_intermediate)
+    stats, _ = _statistics(transitions, returns, by_rollout, cfg)
+    return stats
+
+
+def compute_advantages(
+    transitions: Sequence[Transition],
+    cfg: LightningRL | None = None,
+    *,
+    include_intermediate: bool = True,
+) -> tuple[list[float], dict[str, Any]]:
+    """One advantage per transition (same order as given) and batch statistics.
+
+    Returns are recomputed from ``final_reward``/``intermediate_reward`` with ``cfg``'s credit rule, so
+    the result never depends on which rule filled ``Transition.reward`` earlier. Groups come from
+    ``group_id`` (a transition without one is grouped with its own rollout only).
+    """
+    cfg = cfg or _DEFAULT
+    returns, by_rollout = _returns(transitions, cfg, include_intermediate)
+    stats, positions_of = _statistics(transitions, returns, by_rollout, cfg)
+    advantages = [0.0] * len(transitions)
+    zero_groups = 0
+    incomplete = 0
+    for gid, gs in stats.items():
+        if gs.rollouts != cfg.group_size:
+            incomplete += 1
+        if gs.zero_variance:
+            zero_groups += 1
+            continue
+        scale = gs.std + EPS if cfg.normalize_std else 1.0
+        for p in positions_of[gid]:
+            advantages[p] = (returns[p] - gs.mean) / scale
+    n = len(transitions)
+    adv_mean, adv_std = _mean_std(advantages)
+    finals = [transitions[ps[0]].final_reward for ps in by_rollout.values()]
+    return advantages, {
+        "groups": len(stats),
+        "zero_variance_groups": zero_groups,
+        "zero_variance_fraction": zero_groups / len(stats) if stats else 0.0,
+        "incomplete_groups": incomplete,
+        "rollouts": len(by_rollout),
+        "transitions": n,
+        "zero_advantage_transitions": sum(1 for a in advantages if a == 0.0),
+        "final_reward_mean": math.fsum(finals) / len(finals) if finals else 0.0,
+        "return_mean": math.fsum(returns) / n if n else 0.0,
+        "advantage_mean": adv_mean,
+        "advantage_std": adv_std,
+        "advantage_min": min(advantages) if n else 0.0,
+        "advantage_max": max(advantages) if n else 0.0,
+    }
+
+
+def iter_groups(transitions: Iterable[Transition]) -> dict[str, list[Transition]]:
+    """Transitions bucketed by group (the unit GRPO compares), in first-seen order."""
+    out: dict[str, list[Transition]] = {}
+    for t in transitions:
+        out.setdefault(_group_key(t), []).append(t)
+    return out
+
+
+_DEFAULT = LightningRL()

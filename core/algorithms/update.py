@@ -1,0 +1,515 @@
+"""The LightningRL policy update (DESIGN §8), built on TRL's GRPO machinery.
+
+LightningRL reduces multi-turn agent training to single-turn RL: every transition is one sequence
+(prompt ids + response ids) with one advantage, so TRL's GRPO loss applies unchanged. This module
+therefore does not reimplement the loss. ``_TransitionGRPOTrainer`` subclasses ``trl.GRPOTrainer`` and
+takes from it, unchanged:
+
+- model preparation: LoRA wrapping through peft (``peft_config``), gradient checkpointing, dropout off,
+  the fused LM head that computes per-token log-probs in chunks without materialising the logits;
+- the accelerate ``Accelerator`` (device placement, bf16/fp16 mixed precision, DDP/FSDP/DeepSpeed when
+  launched with ``accelerate launch``), the optimizer and scheduler (``Trainer._prepare_for_training``);
+- the loss: ``GRPOTrainer._compute_loss`` with ``loss_type="dapo"`` (token-level PPO-clip, token-mean
+  over every response token of the step via ``num_items_in_batch``), ``epsilon``/``epsilon_high``
+  clipping, the k3 KL estimator to a reference (``beta``), and its clip/KL/entropy metrics;
+- the reference for KL under LoRA: the same model with adapters disabled (TRL's ``use_adapter``);
+- checkpoints: ``Trainer._save_checkpoint`` / ``_load_optimizer_and_scheduler`` (adapter or full
+  weights, optimizer, scheduler, RNG, trainer state).
+
+Where it departs from ``GRPOTrainer.train()`` and why:
+
+- no generation and no reward functions: transitions come from the store (recorded by the gateway) and
+  advantages from ``agl.algorithms.lightning_rl``, so ``step()`` drives the optimisation itself instead
+  of ``Trainer.train()`` (whose loop owns a dataset, generation and its own step counting);
+- micro-batches are packed by a padded-token budget (``micro_batch_tokens``) rather than a fixed number of
+  rows, because agent prompts vary from tens to thousands of tokens; gradients accumulate across them;
+- the behaviour policy of the ratio is the engine's recorded log-probs (``old_per_token_logps``), falling
+  back to the current policy's detached log-probs for transitions without them (an ``openai`` passthrough
+  run); a micro-batch never mixes the two, since TRL takes the fallback per batch;
+- transitions with zero advantage are skipped when there is no KL term: they carry no gradient, and
+  skipping them (as DAPO's dynamic sampling does) saves most of the compute on a CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import pad, use_adapter
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from agl.types import Transition
+
+__all__ = ["MicroBatch", "PolicyUpdate", "pack_micro_batches"]
+
+log = logging.getLogger(__name__)
+
+_DEFAULTS: dict[str, Any] = {
+    "clip_eps": 0.2,
+    "clip_eps_high": None,
+    "kl_coef": 0.0,
+    "learning_rate": 1e-5,
+    "lora": True,
+    "lora_r": 16,
+    "lora_alpha": 32,
+    "micro_batch_tokens": 4096,
+    "epochs_per_step": 1,
+    "max_grad_norm": 1.0,
+}
+
+
+def _cfg(cfg: Any, name: str) -> Any:
+    return getattr(cfg, name, _DEFAULTS[name]) if cfg is not None else _DEFAULTS[name]
+
+
+@dataclass
+class MicroBatch:
+    """Rows of one forward/backward pass: indices into the step's transitions."""
+
+    rows: list[int]
+    prompt_len: int
+    response_len: int
+    has_logprobs: bool
+
+    @property
+    def padded_tokens(self) -> int:
+        return len(self.rows) * (self.prompt_len + self.response_len)
+
+
+def pack_micro_batches(
+    transitions: Sequence[Transition], budget_tokens: int, *, indices: Sequence[int] | None = None
+) -> list[MicroBatch]:
+    """Group transitions into micro-batches whose padded size (rows x (max prompt + max response)) fits
+    ``budget_tokens``. Longest first, so padding stays small; a transition longer than the budget goes
+    alone (it cannot be split without changing the loss). Rows with and without engine log-probs are
+    never mixed: TRL chooses the behaviour log-probs per batch."""
+    if budget_tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {budget_tokens}")
+    idx = list(range(len(transitions))) if indices is None else list(indices)
+    out: list[MicroBatch] = []
+    for has_lp in (True, False):
+        rows = [i for i in idx if (transitions[i].response_logprobs is not None) == has_lp]
+        rows.sort(
+            key=lambda i: len(transitions[i].prompt_ids) + len(transitions[i].response_ids), reverse=True
+        )
+        cur: MicroBatch | None = None
+        for i in rows:
+            p, r = len(transitions[i].prompt_ids), len(transitions[i].response_ids)
+            if cur is not None:
+                mp, mr = max(cur.prompt_len, p), max(cur.response_len, r)
+                if (len(cur.rows) + 1) * (mp + mr) <= budget_tokens:
+                    cur.rows.append(i)
+                    cur.prompt_len, cur.response_len = mp, mr
+                    continue
+            cur = MicroBatch(rows=[i], prompt_len=p, response_len=r, has_logprobs=has_lp)
+            out.append(cur)
+            if p + r > budget_tokens:
+                log.warning(
+                    "transition of %d tokens exceeds micro_batch_tokens=%d; it runs as its own micro-batch",
+                    p + r,
+                    budget_tokens,
+                )
+    return out
+
+
+class _TransitionGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` fed with precomputed transitions: generation and rewards are never used."""
+
+    def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:  # pragma: no cover - guard
+        raise RuntimeError("agl's policy update gets transitions from the store; it never generates")
+
+
+def _is_peft(model: Any) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is part of agl[train]
+        return False
+    return isinstance(model, PeftModel)
+
+
+class PolicyUpdate:
+    """Token-level PPO-clip updates of a causal LM from LightningRL transitions.
+
+    ``model`` is a loaded ``PreTrainedModel`` or a local path; ``cfg`` is a ``LightningRL`` (any object
+    with its fields). Call ``step(transitions, advantages)`` once per training step.
+    """
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        cfg: Any = None,
+        *,
+        output_dir: str | os.PathLike[str] = "agl-run",
+        temperature: float = 1.0,
+        gradient_checkpointing: bool | None = None,
+        mixed_precision: str | None = None,
+        seed: int = 0,
+        lora_target_modules: str | list[str] = "all-linear",
+        lr_scheduler_type: str = "constant",
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if temperature <= 0 or not math.isfinite(temperature):
+            raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+        self.cfg = cfg
+        use_cuda = torch.cuda.is_available()
+        if isinstance(model, (str, os.PathLike)):
+            model = AutoModelForCausalLM.from_pretrained(str(model))
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
+        if mixed_precision is None:
+            mixed_precision = "bf16" if use_cuda and torch.cuda.is_bf16_supported() else "no"
+        if mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {mixed_precision!r}")
+        if gradient_checkpointing is None:
+            # Recomputing activations trades compute for memory: worth it on a GPU, a loss on a CPU.
+            gradient_checkpointing = use_cuda
+        self.kl_coef = float(_cfg(cfg, "kl_coef"))
+        eps = float(_cfg(cfg, "clip_eps"))
+        eps_high = _cfg(cfg, "clip_eps_high")
+        args = GRPOConfig(
+            output_dir=str(output_dir),
+            report_to=[],
+            learning_rate=float(_cfg(cfg, "learning_rate")),
+            lr_scheduler_type=lr_scheduler_type,
+            warmup_steps=0,
+            max_grad_norm=float(_cfg(cfg, "max_grad_norm")),
+            beta=self.kl_coef,
+            epsilon=eps,
+            epsilon_high=float(eps_high) if eps_high is not None else eps,
+            loss_type="dapo",
+            importance_sampling_level="token",
+            temperature=float(temperature),
+            mask_truncated_completions=False,
+            gradient_checkpointing=bool(gradient_checkpointing),
+            bf16=mixed_precision == "bf16",
+            fp16=mixed_precision == "fp16",
+            use_cpu=not use_cuda,
+            seed=seed,
+            # Unused by agl (no generation), but GRPOConfig validates them.
+            num_generations=2,
+            per_device_train_batch_size=2,
+            steps_per_generation=1,
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+        )
+        peft_config = None
+        if bool(_cfg(cfg, "lora")) and not _is_peft(model):
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(
+                r=int(_cfg(cfg, "lora_r")),
+                lora_alpha=int(_cfg(cfg, "lora_alpha")),
+                lora_dropout=0.0,
+                target_modules=lora_target_modules,
+                task_type="CAUSAL_LM",
+            )
+        # GRPOTrainer builds a non-LoRA reference by re-loading the model from its hub id; agl's models are
+        # local objects, so the reference (only needed for full fine-tuning with KL) is copied below instead.
+        needs_copy_ref = self.kl_coef != 0.0 and peft_config is None and not _is_peft(model)
+        ref_model = None
+        if needs_copy_ref:
+            import copy
+
+            ref_model = copy.deepcopy(model).eval()
+            for p in ref_model.parameters():
+                p.requires_grad_(False)
+            args.beta = 0.0
+        from datasets import Dataset
+
+        self.trainer = _TransitionGRPOTrainer(
+            model=model,
+            reward_funcs=_no_reward,
+            args=args,
+            train_dataset=Dataset.from_list([{"prompt": ""}]),
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
+        tr = self.trainer
+        if ref_model is not None:
+            from trl.trainer.utils import add_fused_lm_head
+
+            add_fused_lm_head(ref_model, temperature=float(temperature))
+            tr.ref_model = tr.accelerator.prepare_model(ref_model, evaluation_mode=True)
+            tr.beta = self.kl_coef
+        self.tokenizer = tokenizer
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        self._wrapped, _ = tr._prepare_for_training(10**9, None, None)
+        # One optimizer step per epoch over a step's transitions; the token-mean normaliser is the whole
+        # step's response-token count, so TRL's own accumulation scaling must be neutral.
+        tr.current_gradient_accumulation_steps = 1
+        self.global_step = 0
+        self._rng = random.Random(seed)
+
+    # ------------------------------------------------------------------------------------ accessors
+    @property
+    def model(self) -> PreTrainedModel:
+        """The policy as a plain model object (a ``PeftModel`` under LoRA), unwrapped from accelerate."""
+        return self.trainer.accelerator.unwrap_model(self._wrapped)
+
+    @property
+    def device(self) -> torch.device:
+        return self.trainer.accelerator.device
+
+    @property
+    def is_lora(self) -> bool:
+        return _is_peft(self.model)
+
+    # -------------------------------------------------------------------------------------- batches
+    def _tensors(
+        self, transitions: Sequence[Transition], mb: MicroBatch, advantages: Sequence[float]
+    ) -> dict:
+        dev = self.device
+        rows = [transitions[i] for i in mb.rows]
+        prompt = [torch.tensor(t.prompt_ids, dtype=torch.long) for t in rows]
+        resp = [torch.tensor(t.response_ids, dtype=torch.long) for t in rows]
+        prompt_ids = pad(prompt, padding_value=self.pad_id, padding_side="left").to(dev)
+        prompt_mask = pad([torch.ones_like(p) for p in prompt], padding_value=0, padding_side="left").to(dev)
+        completion_ids = pad(resp, padding_value=self.pad_id, padding_side="right").to(dev)
+        completion_mask = pad([torch.ones_like(r) for r in resp], padding_value=0, padding_side="right").to(
+            dev
+        )
+        out: dict[str, Any] = {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+            "advantages": torch.tensor(
+                [float(advantages[i]) for i in mb.rows], dtype=torch.float32, device=dev
+            ),
+        }
+        if mb.has_logprobs:
+            lps = [torch.tensor(t.response_logprobs, dtype=torch.float32) for t in rows]
+            out["old_per_token_logps"] = pad(lps, padding_value=0.0, padding_side="right").to(dev)
+        return out
+
+    def _ref_logps(self, inputs: dict) -> torch.Tensor:
+        tr = self.trainer
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        keep = inputs["completion_ids"].size(1)
+        with torch.no_grad():
+            if tr.ref_model is not None:
+                lp, _, _ = tr._get_per_token_logps_and_entropies(tr.ref_model, input_ids, mask, keep)
+            else:
+                peft_model = self.model
+                name = "ref" if "ref" in getattr(peft_model, "peft_config", {}) else None
+                with use_adapter(peft_model, adapter_name=name):
+                    lp, _, _ = tr._get_per_token_logps_and_entropies(self._wrapped, input_ids, mask, keep)
+        return lp
+
+    # ----------------------------------------------------------------------------------------- step
+    def step(self, transitions: Sequence[Transition], advantages: Sequence[float]) -> dict[str, float]:
+        """One LightningRL update: ``epochs_per_step`` optimizer steps over the given transitions.
+
+        Returns metrics: loss, kl, clip_fraction, entropy, grad_norm, tokens_per_s, transitions, tokens,
+        micro_batches, skipped (zero-advantage transitions left out).
+        """
+        if len(transitions) != len(advantages):
+            raise ValueError(f"{len(transitions)} transitions but {len(advantages)} advantages")
+        for a in advantages:
+            if not math.isfinite(float(a)):
+                raise ValueError(f"advantages must be finite, got {a!r}")
+        tr = self.trainer
+        acc = tr.accelerator
+        keep = [
+            i
+            for i, t in enumerate(transitions)
+            if t.response_ids and (self.kl_coef != 0.0 or float(advantages[i]) != 0.0)
+        ]
+        skipped = len(transitions) - len(keep)
+        if acc.num_processes > 1:
+            keep = keep[acc.process_index :: acc.num_processes]
+        mbs = pack_micro_batches(transitions, int(_cfg(self.cfg, "micro_batch_tokens")), indices=keep)
+        n_resp_local = sum(len(transitions[i].response_ids) for i in keep)
+        n_tok_local = n_resp_local + sum(len(transitions[i].prompt_ids) for i in keep)
+        counts = torch.tensor([float(n_resp_local), float(n_tok_local), float(len(mbs))], device=self.device)
+        totals = acc.reduce(counts, reduction="sum") if acc.num_processes > 1 else counts
+        n_mb_max = int(acc.gather(counts[2:3]).max().item()) if acc.num_processes > 1 else len(mbs)
+        n_resp, n_tok = totals[0].clamp(min=1.0), float(totals[1].item())
+        metrics: dict[str, float] = {
+            "transitions": float(len(keep)),
+            "skipped": float(skipped),
+            "tokens": n_tok,
+            "response_tokens": float(n_resp_local),
+            "micro_batches": float(len(mbs)),
+        }
+        if n_mb_max == 0:
+            self.global_step += 1
+            tr.state.global_step = self.global_step
+            return {
+                **metrics,
+                "loss": 0.0,
+                "kl": 0.0,
+                "clip_fraction": 0.0,
+                "grad_norm": 0.0,
+                "tokens_per_s": 0.0,
+            }
+
+        model = self._wrapped
+        epochs = max(1, int(_cfg(self.cfg, "epochs_per_step")))
+        tr._metrics["train"].clear()
+        losses: list[float] = []
+        grad_norms: list[float] = []
+        t0 = time.perf_counter()
+        for _epoch in range(epochs):
+            order = list(range(len(mbs)))
+            self._rng.shuffle(order)
+            # Every rank runs the same number of backward passes (DDP would hang otherwise); a rank with
+            # fewer micro-batches repeats one with its loss multiplied by zero.
+            order += [order[-1] if order else -1] * (n_mb_max - len(order))
+            model.train()
+            epoch_loss = 0.0
+            for j, k in enumerate(order):
+                dummy = k < 0 or j >= len(mbs)
+                mb = mbs[k] if k >= 0 else None
+                if mb is None:  # a rank with no transitions at all still joins the collective backward
+                    loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+                    acc.backward(loss)
+                    continue
+                inputs = self._tensors(transitions, mb, advantages)
+                inputs["num_items_in_batch"] = n_resp
+                if tr.beta != 0.0:
+                    inputs["ref_per_token_logps"] = self._ref_logps(inputs)
+                sync = contextlib.nullcontext() if j == len(order) - 1 else acc.no_sync(model)
+                with sync, tr.compute_loss_context_manager():
+                    loss = tr.compute_loss(model, inputs)
+                    if dummy:
+                        loss = loss * 0.0
+                    acc.backward(loss)
+                if not dummy:
+                    epoch_loss += float(loss.detach().item())
+            norm = acc.clip_grad_norm_(model.parameters(), tr.args.max_grad_norm)
+            grad_norms.append(float(norm.item()) if torch.is_tensor(norm) else float(norm or 0.0))
+            tr.optimizer.step()
+            tr.lr_scheduler.step()
+            tr.optimizer.zero_grad(set_to_none=True)
+            losses.append(epoch_loss)
+        elapsed = max(time.perf_counter() - t0, 1e-9)
+        self.global_step += 1
+        tr.state.global_step = self.global_step
+        m = tr._metrics["train"]
+
+        def _mean(key: str) -> float:
+            vals = [v for v in m.get(key, []) if math.isfinite(v)]
+            return float(sum(vals) / len(vals)) if vals else 0.0
+
+        metrics.update(
+            loss=float(sum(losses) / len(losses)),
+            kl=_mean("kl"),
+            clip_fraction=_mean("clip_ratio/region_mean"),
+            entropy=_mean("entropy"),
+            grad_norm=float(sum(grad_norms) / len(grad_norms)),
+            tokens_per_s=n_tok * epochs / elapsed,
+            update_s=elapsed,
+            learning_rate=float(tr.lr_scheduler.get_last_lr()[0]),
+        )
+        m.clear()
+        return metrics
+
+    # ----------------------------------------------------------------------------------- inspection
+    @torch.no_grad()
+    def response_logprobs(self, transitions: Sequence[Transition]) -> list[list[float]]:
+        """Per-token log-probs of each transition's response under the current policy (at the update's
+        temperature): what the tests use to check that rewarded responses became more likely."""
+        out: list[list[float]] = [[] for _ in transitions]
+        mbs = pack_micro_batches(transitions, int(_cfg(self.cfg, "micro_batch_tokens")))
+        was_training = self._wrapped.training
+        self._wrapped.eval()
+        try:
+            for mb in mbs:
+                inputs = self._tensors(transitions, mb, [0.0] * len(transitions))
+                ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+                mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+                lp, _, _ = self.trainer._get_per_token_logps_and_entropies(
+                    self._wrapped, ids, mask, inputs["completion_ids"].size(1)
+                )
+                for row, i in enumerate(mb.rows):
+                    out[i] = lp[row, : len(transitions[i].response_ids)].float().cpu().tolist()
+        finally:
+            self._wrapped.train(was_training)
+        return out
+
+    # ---------------------------------------------------------------------------------- weight sync
+    @torch.no_grad()
+    def merged_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's weights as a plain model's state dict (LoRA deltas merged), for an inference
+        engine that holds its own copy of the base model. The training model is left untouched."""
+        model = self.model
+        if not _is_peft(model):
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        from peft.tuners.lora import LoraLayer
+
+        base = model.get_base_model()
+        sd = {k: v.detach().clone() for k, v in base.state_dict().items() if "lora_" not in k}
+        # peft renames wrapped weights "<mod>.base_layer.weight"; a plain model calls them "<mod>.weight".
+        sd = {k.replace(".base_layer.", "."): v for k, v in sd.items()}
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer):
+                for adapter in module.active_adapters:
+                    if adapter in module.lora_A:
+                        key = f"{name}.weight"
+                        sd[key] = sd[key] + module.get_delta_weight(adapter).to(sd[key].dtype)
+        return sd
+
+    def save_adapter(self, path: str | os.PathLike[str]) -> str:
+        """Save the LoRA adapter (or the full model) in the format vLLM's runtime LoRA loading reads."""
+        path = str(path)
+        os.makedirs(path, exist_ok=True)
+        if self.trainer.accelerator.is_main_process:
+            self.model.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+        self.trainer.accelerator.wait_for_everyone()
+        return path
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> str:
+        """Save adapter/weights, optimizer, scheduler, RNG and trainer state (TRL/transformers format)
+        under ``output_dir/checkpoint-<step>``; returns that directory."""
+        tr = self.trainer
+        tr.state.global_step = self.global_step
+        tr._save_checkpoint(self._wrapped, trial=None)
+        return os.path.join(tr.args.output_dir, f"checkpoint-{self.global_step}")
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> int:
+        """Resume from a directory written by ``save_checkpoint``; returns the step it was saved at."""
+        import json
+
+        path = str(path)
+        state_file = os.path.join(path, "trainer_state.json")
+        if not os.path.isfile(state_file):
+            raise FileNotFoundError(f"{path} is not an agl checkpoint (no trainer_state.json)")
+        tr = self.trainer
+        model = self.model
+        if _is_peft(model):
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            weights = os.path.join(path, "adapter_model.safetensors")
+            if not os.path.isfile(weights):
+                raise FileNotFoundError(f"{path} holds no LoRA adapter (adapter_model.safetensors)")
+            set_peft_model_state_dict(model, load_file(weights, device=str(self.device)))
+        else:
+            tr._load_from_checkpoint(path, self._wrapped)
+        tr._load_optimizer_and_scheduler(path)
+        with open(state_file) as f:
+            self.global_step = int(json.load(f)["global_step"])
+        tr.state.global_step = self.global_step
+        return self.global_step
+
+
+def _no_reward(**kwargs: Any) -> list[float]:  # pragma: no cover - GRPOTrainer requires a reward source
+    raise RuntimeError("rewards come from the store, not from a reward function")

@@ -1,0 +1,146 @@
+"""Emit API: rewards, messages, objects and exceptions as spans of the current rollout (DESIGN §4).
+
+Each call makes one short span (child of whatever span is current, e.g. the agent's) that the
+adapter reads: ``agl.reward`` spans become rewards (the last primary reward of an attempt is its
+final reward, earlier ones are intermediate rewards of the LLM call before them). Outside a rollout
+context the spans are still made (the user's own exporters see them) and a warning is issued once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import threading
+import warnings
+from collections.abc import Mapping
+from numbers import Real
+from typing import Any
+
+from opentelemetry.trace import Status, StatusCode
+
+from agl import semconv
+from agl.tracing import current_rollout, get_tracer
+
+__all__ = ["emit_exception", "emit_message", "emit_object", "emit_reward"]
+
+logger = logging.getLogger(__name__)
+
+_warned = False
+_warn_lock = threading.Lock()
+
+
+def _warn_outside_rollout(what: str) -> None:
+    global _warned
+    if _warned or current_rollout() is not None:
+        return
+    with _warn_lock:
+        if _warned:
+            return
+        _warned = True
+    message = (
+        f"agl.{what}() called outside a rollout context: the span is created but belongs to no rollout, "
+        "so it never reaches the store (run the agent inside agl.rollout_context() or the Runner)"
+    )
+    logger.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _reward_value(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{what} must be a real number, got {type(value).__name__} ({value!r})")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{what} must be finite, got {number!r}")
+    return number
+
+
+def _span(name: str, attributes: dict[str, Any]) -> Any:
+    return get_tracer(__name__).start_span(name, attributes=attributes)
+
+
+def emit_reward(value: float | Mapping[str, float], name: str | None = None, primary: bool = True) -> None:
+    """Record a reward of the current rollout as an ``agl.reward`` span.
+
+    ``value`` is a number, or a dict ``{name: number}`` for several named rewards at once (one span
+    per entry, in dict order). With a dict, at most one entry is primary: the one called ``name``
+    when ``name`` is given (it must be a key), else the first one; and only when ``primary`` is True.
+    The adapter uses the last primary reward of an attempt as its final reward; non-primary rewards
+    are recorded for analysis. A scalar reward is named ``name`` or ``"reward"``.
+
+    Raises ``ValueError`` for NaN/inf and ``TypeError`` for non-numbers, before emitting anything.
+    """
+    if isinstance(value, Mapping):
+        if not value:
+            raise ValueError("emit_reward() got an empty dict of rewards")
+        entries = []
+        for key, v in value.items():
+            if not isinstance(key, str) or not key:
+                raise TypeError(f"reward names must be non-empty strings, got {key!r}")
+            entries.append((key, _reward_value(v, f"reward {key!r}")))
+        if name is not None and name not in value:
+            raise ValueError(f"primary reward name {name!r} is not one of the given rewards {list(value)}")
+        primary_name = (name if name is not None else entries[0][0]) if primary else None
+        rewards = [(key, v, key == primary_name) for key, v in entries]
+    else:
+        if name is not None and (not isinstance(name, str) or not name):
+            raise TypeError(f"reward name must be a non-empty string, got {name!r}")
+        rewards = [(name or "reward", _reward_value(value, "reward"), bool(primary))]
+    _warn_outside_rollout("emit_reward")
+    for key, v, is_primary in rewards:
+        _span(
+            semconv.SPAN_REWARD,
+            {
+                semconv.AGL_REWARD_VALUE: v,
+                semconv.AGL_REWARD_NAME: key,
+                semconv.AGL_REWARD_PRIMARY: is_primary,
+                semconv.AGL_REWARD_SOURCE: "emit",
+            },
+        ).end()
+
+
+def emit_message(text: str) -> None:
+    """Record a free-text message (a log line that travels with the rollout's spans)."""
+    if not isinstance(text, str):
+        raise TypeError(f"emit_message() takes a string, got {type(text).__name__}")
+    _warn_outside_rollout("emit_message")
+    _span(semconv.SPAN_MESSAGE, {semconv.AGL_MESSAGE_BODY: text}).end()
+
+
+def _json_default(value: Any) -> Any:
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        return dump(mode="json")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    raise TypeError(f"object of type {type(value).__name__} is not JSON serialisable")
+
+
+def emit_object(obj: Any) -> None:
+    """Record any JSON-serialisable object (pydantic models and dataclasses too) as ``agl.object``."""
+    try:
+        body = json.dumps(obj, default=_json_default, allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"emit_object() needs a JSON-serialisable object without NaN/inf: {exc}") from exc
+    _warn_outside_rollout("emit_object")
+    _span(semconv.SPAN_OBJECT, {semconv.AGL_OBJECT_JSON: body}).end()
+
+
+def emit_exception(exc: BaseException) -> None:
+    """Record an exception as an ``agl.exception`` span with status ERROR and an exception event."""
+    if not isinstance(exc, BaseException):
+        raise TypeError(f"emit_exception() takes an exception, got {type(exc).__name__}")
+    _warn_outside_rollout("emit_exception")
+    span = _span(
+        semconv.SPAN_EXCEPTION,
+        {
+            semconv.AGL_EXCEPTION_TYPE: type(exc).__qualname__,
+            semconv.AGL_EXCEPTION_MESSAGE: str(exc),
+        },
+    )
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+    span.end()

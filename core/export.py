@@ -1,0 +1,433 @@
+"""Exports (``agl export``) and inspection (``agl transitions``) of what the adapter would train on.
+
+``agl export --store URL --format transitions|sft|dpo --out FILE.jsonl`` writes one JSON object per
+line (definitions in docs/architecture.md §8):
+
+- ``transitions``: every transition (``agl.types.Transition`` fields) plus its ``advantage`` under
+  the default LightningRL settings (or ``--credit``/``--gamma``/``--advantage-level``);
+- ``sft``: one chat per LLM call of the selected agents, from rollouts whose final reward is at
+  least ``--min-reward``: ``{"messages": [...prompt, {"role": "assistant", "content": response}]}``
+  (TRL's conversational SFT format, plus the token ids and provenance);
+- ``dpo``: for every group, the best rollout against the worst one (by final reward, ties skipped):
+  ``{"prompt": messages, "chosen": [assistant], "rejected": [assistant]}`` from the first transition
+  of the selected agents in each (TRL's conversational preference format); pairs whose prompts
+  differ are skipped.
+
+``agl transitions ROLLOUT_ID --store URL`` prints, per transition, the agent, the prompt tail and the
+response (decoded with ``--tokenizer`` if given), token counts, exactness and the rewards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from agl.adapter import Adapter, finishing_attempt
+from agl.algorithms.lightning_rl import LightningRL, compute_advantages
+from agl.rewards import AIR
+from agl.types import Rollout, Transition
+
+__all__ = [
+    "ExportResult",
+    "dpo_records",
+    "export",
+    "load_tokenizer",
+    "register_cli",
+    "sft_records",
+    "transition_records",
+]
+
+FORMATS = ("transitions", "sft", "dpo")
+
+
+@dataclass
+class ExportResult:
+    records: int = 0
+    rollouts: int = 0
+    transitions: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def skip(self, why: str, n: int = 1) -> None:
+        self.skipped[why] = self.skipped.get(why, 0) + n
+
+
+# ------------------------------------------------------------------------------------ records
+
+
+def _by_rollout(transitions: Iterable[Transition]) -> dict[tuple[str, int], list[Transition]]:
+    out: dict[tuple[str, int], list[Transition]] = {}
+    for t in transitions:
+        out.setdefault((t.rollout_id, t.attempt), []).append(t)
+    for ts in out.values():
+        ts.sort(key=lambda t: t.index)
+    return out
+
+
+def transition_records(
+    transitions: Sequence[Transition],
+    cfg: LightningRL | None = None,
+    *,
+    min_reward: float | None = None,
+    result: ExportResult | None = None,
+) -> list[dict[str, Any]]:
+    """Transitions as JSON objects with their advantage (computed over all given transitions' groups,
+    before the ``min_reward`` filter, so filtering never changes an advantage)."""
+    advantages, _ = compute_advantages(transitions, cfg)
+    out = []
+    for t, adv in zip(transitions, advantages, strict=True):
+        if min_reward is not None and t.final_reward < min_reward:
+            if result is not None:
+                result.skip("below_min_reward")
+            continue
+        rec = t.model_dump(mode="json")
+        rec["advantage"] = adv
+        out.append(rec)
+    return out
+
+
+def _assistant(t: Transition) -> dict[str, Any]:
+    return {"role": "assistant", "content": t.response_text if t.response_text is not None else ""}
+
+
+def sft_records(
+    transitions: Sequence[Transition], *, min_reward: float | None = None, result: ExportResult | None = None
+) -> list[dict[str, Any]]:
+    """One conversational SFT example per transition of the rollouts with final reward >= min_reward."""
+    out = []
+    for ts in _by_rollout(transitions).values():
+        if min_reward is not None and ts[0].final_reward < min_reward:
+            if result is not None:
+                result.skip("below_min_reward", len(ts))
+            continue
+        for t in ts:
+            if not t.messages or t.response_text is None:
+                if result is not None:
+                    result.skip("no_messages")
+                continue
+            out.append(
+                {
+                    "messages": [*t.messages, _assistant(t)],
+                    "prompt_ids": list(t.prompt_ids),
+                    "response_ids": list(t.response_ids),
+                    "rollout_id": t.rollout_id,
+                    "attempt": t.attempt,
+                    "agent": t.agent,
+                    "index": t.index,
+                    "final_reward": t.final_reward,
+                }
+            )
+    return out
+
+
+def dpo_records(
+    transitions: Sequence[Transition], *, min_reward: float | None = None, result: ExportResult | None = None
+) -> list[dict[str, Any]]:
+    """Per group: the best rollout's first transition (chosen) against the worst one's (rejected).
+
+    Best/worst by final reward; on ties the earlier rollout (in input order) is taken. Groups with one
+    rollout, no reward spread, a best rollout below ``min_reward``, or different first prompts are
+    skipped (and counted in ``result``).
+    """
+    res = result if result is not None else ExportResult()
+    groups: dict[str, list[list[Transition]]] = {}
+    for ts in _by_rollout(transitions).values():
+        gid = ts[0].group_id
+        if gid is None:
+            res.skip("no_group")
+            continue
+        groups.setdefault(gid, []).append(ts)
+    out = []
+    for gid, rollouts in groups.items():
+        if len(rollouts) < 2:
+            res.skip("single_rollout_group")
+            continue
+        best = max(rollouts, key=lambda ts: ts[0].final_reward)
+        worst = min(rollouts, key=lambda ts: ts[0].final_reward)
+        if best[0].final_reward == worst[0].final_reward:
+            res.skip("no_reward_spread")
+            continue
+        if min_reward is not None and best[0].final_reward < min_reward:
+            res.skip("below_min_reward")
+            continue
+        chosen, rejected = best[0], worst[0]
+        if not chosen.messages or list(chosen.messages) != list(rejected.messages):
+            res.skip("prompt_mismatch")
+            continue
+        out.append(
+            {
+                "prompt": list(chosen.messages),
+                "chosen": [_assistant(chosen)],
+                "rejected": [_assistant(rejected)],
+                "group_id": gid,
+                "agent": chosen.agent,
+                "chosen_rollout_id": chosen.rollout_id,
+                "rejected_rollout_id": rejected.rollout_id,
+                "chosen_reward": chosen.final_reward,
+                "rejected_reward": rejected.final_reward,
+            }
+        )
+    return out
+
+
+def _write_jsonl(records: Iterable[dict[str, Any]], out: str) -> None:
+    """All or nothing: records go to a temporary file that replaces ``out`` only when complete."""
+    if out == "-":
+        for rec in records:
+            sys.stdout.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        return
+    directory = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"output directory {directory} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=".agl-export-", suffix=".jsonl", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for rec in records:
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        os.replace(tmp, out)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def export(
+    store: Any,
+    fmt: str,
+    out: str,
+    *,
+    adapter: Adapter | None = None,
+    rollout_ids: Sequence[str] | None = None,
+    mode: str | None = None,
+    min_reward: float | None = None,
+    algorithm: LightningRL | None = None,
+    progress: bool = False,
+) -> ExportResult:
+    """Export the finished rollouts of ``store`` (or the given ones) as JSONL in ``fmt``."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+    adapter = adapter or Adapter(algorithm=algorithm)
+    if rollout_ids is None:
+        rollouts = store.query_rollouts(status=["succeeded", "failed"], mode=mode)
+        ids = [r.id for r in rollouts if finishing_attempt(r) is not None]
+    else:
+        ids = list(rollout_ids)
+    transitions = adapter.from_store(store, ids, progress=progress)
+    result = ExportResult(rollouts=len(ids), transitions=len(transitions))
+    if fmt == "transitions":
+        records = transition_records(transitions, algorithm, min_reward=min_reward, result=result)
+    elif fmt == "sft":
+        records = sft_records(transitions, min_reward=min_reward, result=result)
+    else:
+        records = dpo_records(transitions, min_reward=min_reward, result=result)
+    _write_jsonl(records, out)
+    result.records = len(records)
+    return result
+
+
+# ------------------------------------------------------------------------------------ tokenizer
+
+
+def load_tokenizer(spec: str) -> Any:
+    """``default`` (the shipped SmolLM2 tokenizer) or a local Hugging Face tokenizer directory."""
+    if spec in ("default", "smollm2"):
+        from agl.gateway.tokenizer import load_default_tokenizer
+
+        return load_default_tokenizer()
+    if not os.path.exists(spec):
+        raise FileNotFoundError(f"tokenizer {spec!r}: no such file or directory (or use --tokenizer default)")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ValueError(
+            "loading a tokenizer directory needs transformers: pip install 'agl[train]'"
+        ) from None
+    return AutoTokenizer.from_pretrained(spec, local_files_only=True)
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", required=True, help="store URL: sqlite:///path.db or http://host:port")
+    sel = p.add_mutually_exclusive_group()
+    sel.add_argument("--agents", help="comma-separated agent names to keep (default: all)")
+    sel.add_argument("--agents-regex", help="keep agents whose name fully matches this regular expression")
+    p.add_argument(
+        "--tokenizer", help="re-tokenise/decode with this tokenizer: 'default' or a local HF directory"
+    )
+    p.add_argument("--credit", choices=("identical", "discounted"), default="identical")
+    p.add_argument("--gamma", type=float, default=1.0, help="discount for --credit discounted")
+    p.add_argument("--advantage-level", choices=("rollout", "transition"), default="rollout")
+    p.add_argument("--no-air", action="store_true", help="ignore automatic intermediate rewards")
+    p.add_argument(
+        "--missing-reward", type=float, default=0.0, help="final reward of attempts that reported none"
+    )
+
+
+def register_cli(parser: argparse.ArgumentParser) -> None:
+    if parser.prog.split()[-1] == "transitions":
+        parser.add_argument("rollout_id", help="the rollout to show")
+        parser.add_argument("--attempt", type=int, help="show this attempt (default: the finishing one)")
+        parser.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+        parser.add_argument("--width", type=int, default=160, help="characters of prompt/response to show")
+        _add_common(parser)
+        parser.set_defaults(func=_cmd_transitions)
+    else:
+        parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
+        parser.add_argument("--out", required=True, help="output JSONL file ('-' for stdout)")
+        parser.add_argument("--min-reward", type=float, help="keep rollouts whose final reward is >= this")
+        parser.add_argument(
+            "--rollouts", help="comma-separated rollout ids (default: every finished rollout)"
+        )
+        parser.add_argument("--mode", choices=("train", "val", "test"))
+        _add_common(parser)
+        parser.set_defaults(func=_cmd_export)
+
+
+def _adapter_from_args(args: argparse.Namespace) -> Adapter:
+    agents: Any = None
+    if args.agents is not None:
+        agents = [a.strip() for a in args.agents.split(",") if a.strip()]
+    elif args.agents_regex is not None:
+        agents = args.agents_regex
+    algorithm = LightningRL(credit=args.credit, gamma=args.gamma, advantage_level=args.advantage_level)
+    return Adapter(
+        agents=agents,
+        tokenizer=load_tokenizer(args.tokenizer) if args.tokenizer else None,
+        air=AIR.off() if args.no_air else AIR(),
+        missing_reward=args.missing_reward,
+        algorithm=algorithm,
+    )
+
+
+def _open(url: str) -> Any:
+    from agl.store import open as open_store
+
+    return open_store(url)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    adapter = _adapter_from_args(args)
+    store = _open(args.store)
+    try:
+        ids = [i.strip() for i in args.rollouts.split(",") if i.strip()] if args.rollouts else None
+        result = export(
+            store,
+            args.fmt,
+            args.out,
+            adapter=adapter,
+            rollout_ids=ids,
+            mode=args.mode,
+            min_reward=args.min_reward,
+            algorithm=adapter.algorithm,
+            progress=sys.stderr.isatty(),
+        )
+    finally:
+        store.close()
+    skipped = ", ".join(f"{k}={v}" for k, v in sorted(result.skipped.items())) or "none"
+    print(
+        f"wrote {result.records} {args.fmt} record(s) to {args.out} from {result.rollouts} rollout(s), "
+        f"{result.transitions} transition(s); skipped: {skipped}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _short(text: str, width: int, *, tail: bool = False) -> str:
+    text = text.replace("\n", "\\n")
+    if len(text) <= width:
+        return text
+    return "…" + text[-(width - 1) :] if tail else text[: width - 1] + "…"
+
+
+def _prompt_tail(t: Transition, tok: Any) -> str:
+    if tok is not None and t.prompt_ids:
+        return str(tok.decode(list(t.prompt_ids[-96:])))
+    if t.messages:
+        last = t.messages[-1]
+        content = last.get("content")
+        if not isinstance(content, str):
+            content = json.dumps(content if content is not None else last.get("tool_calls"))
+        return f"[{last.get('role')}] {content}"
+    return ""
+
+
+def _response(t: Transition, tok: Any) -> str:
+    if tok is not None and t.response_ids:
+        return str(tok.decode(list(t.response_ids)))
+    return t.response_text or ""
+
+
+def print_transitions(
+    rollout: Rollout,
+    attempt: int | None,
+    ts: Sequence[Transition],
+    adapter: Adapter,
+    *,
+    width: int,
+    file: TextIO,
+) -> None:
+    st = adapter.last_stats
+    final = ts[0].final_reward if ts else None
+    print(
+        f"rollout {rollout.id}  status={rollout.status}  attempt={attempt}  group={rollout.group_id}  "
+        f"final_reward={final}  transitions={len(ts)}  exact={st.exact}  retokenised={st.retokenised}",
+        file=file,
+    )
+    notes = {
+        k: v
+        for k, v in st.as_dict().items()
+        if v
+        and k
+        in (
+            "missing_final_reward",
+            "no_tokenizer",
+            "unselected",
+            "duplicates",
+            "orphans",
+            "stale",
+            "failed_calls",
+            "retokenise_failed",
+            "unattached_rewards",
+        )
+    }
+    if st.air:
+        notes["air"] = st.air
+    if notes:
+        print(f"  notes: {notes}", file=file)
+    tok = adapter.tokenizer
+    for t in ts:
+        print(
+            f"#{t.index:<3} agent={t.agent}  exact={'yes' if t.exact else 'no'}  "
+            f"prompt={len(t.prompt_ids)} tok  response={len(t.response_ids)} tok  "
+            f"intermediate={t.intermediate_reward:+.3f}  final={t.final_reward:+.3f}  return={t.reward:+.3f}  "
+            f"span={t.span_id}",
+            file=file,
+        )
+        print(f"     prompt   {_short(_prompt_tail(t, tok), width, tail=True)}", file=file)
+        print(f"     response {_short(_response(t, tok), width)}", file=file)
+
+
+def _cmd_transitions(args: argparse.Namespace) -> int:
+    adapter = _adapter_from_args(args)
+    store = _open(args.store)
+    try:
+        rollout = store.get_rollout(args.rollout_id)
+        attempt = args.attempt if args.attempt is not None else finishing_attempt(rollout)
+        if attempt is None and rollout.attempts:
+            attempt = rollout.attempts[-1].number  # still running: show what it has so far
+        spans = store.query_spans(rollout_id=rollout.id, attempt=attempt) if attempt is not None else []
+    finally:
+        store.close()
+    ts = adapter.transitions(spans, rollout=rollout, attempt=attempt) if attempt is not None else []
+    if args.json:
+        for t in ts:
+            print(json.dumps(t.model_dump(mode="json"), ensure_ascii=False))
+        return 0
+    print_transitions(rollout, attempt, ts, adapter, width=args.width, file=sys.stdout)
+    return 0

@@ -1,0 +1,646 @@
+"""The gateway's ASGI app: OpenAI-compatible routes in front of one backend, a span per call.
+
+Routes (each also under ``/rollouts/{rollout_id}/attempts/{n}/v1/...``, the per-rollout base URL):
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``, ``GET /v1/models``.
+Outside a per-rollout path the rollout comes from the W3C ``baggage`` header (``agl.rollout.id``,
+``agl.attempt``). Admin: ``GET /agl/v1/status``, ``POST /agl/v1/weights`` ``{"path", "version"}``,
+``POST /agl/v1/adapters`` ``{"path", "name", "version"}`` (weight swaps between requests).
+
+Streaming: backends that generate a whole reply at once (scripted, transformers) are streamed after
+generation finishes — the chunks are real SSE chunks (content deltas, tool-call deltas, usage) but
+the first one arrives when the reply is complete. The span is stored before the first byte of the
+reply is sent, so it is in the store by the time the client has the full response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Mount, Route
+
+from agl import semconv as sc
+from agl.gateway.backends.base import (
+    Backend,
+    BackendError,
+    ContextWindowError,
+    GenerationRequest,
+    GenerationResult,
+    UnknownModelError,
+    UpstreamError,
+)
+from agl.gateway.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+    chat_completion_body,
+    completion_body,
+    new_id,
+    parse_request,
+    responses_body,
+    responses_output,
+    responses_to_generation,
+)
+from agl.gateway.spans import DriftTracker, SpanWriter, build_chat_spans, parse_trace_headers
+
+try:  # orjson is faster where installed; the stdlib is enough
+    import orjson
+
+    def _dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+
+    _loads = orjson.loads
+except ImportError:  # pragma: no cover
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+    _loads = json.loads
+
+__all__ = ["Gateway", "create_app"]
+
+log = logging.getLogger("agl.gateway")
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
+
+
+def _error(exc: ApiError) -> Response:
+    return Response(_dumps(exc.body()), status_code=exc.status, media_type="application/json")
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + _dumps(obj) + b"\n\n"
+
+
+def _sse_event(obj: dict[str, Any]) -> bytes:
+    return b"event: " + obj["type"].encode() + b"\ndata: " + _dumps(obj) + b"\n\n"
+
+
+def _pieces(text: str) -> list[str]:
+    """Split text for streaming into word-sized deltas (whitespace kept, so they join back exactly)."""
+    return re.findall(r"\s*\S+|\s+", text) or [""]
+
+
+class Gateway:
+    """Serves one backend; records a server-side ``chat`` span per call into ``store`` (optional).
+
+    ``stats`` counts calls, unattributed calls (no rollout: served, span not stored), cancelled
+    calls, backend errors and span writes.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        store: Any = None,
+        *,
+        api_key: str | None = None,
+        max_body_bytes: int = 32 * 1024 * 1024,
+    ) -> None:
+        self.backend = backend
+        self.store = store
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.stats: dict[str, int] = defaultdict(int)
+        self.drift = DriftTracker()
+        self.writer = SpanWriter(store, self.stats) if store is not None else None
+        self._swap_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------------------ plumbing
+    async def _body(self, request: Request) -> Any:
+        if self.api_key is not None:
+            auth = request.headers.get("authorization", "")
+            if auth != f"Bearer {self.api_key}":
+                raise ApiError(
+                    401,
+                    "missing or wrong API key (Authorization: Bearer ...)",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                )
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise ApiError(413, f"request body over {self.max_body_bytes} bytes")
+        raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            raise ApiError(413, f"request body over {self.max_body_bytes} bytes")
+        try:
+            return _loads(raw)
+        except ValueError as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+    def _context(self, request: Request) -> tuple[tuple[str, int] | None, str | None, str | None]:
+        """(rollout, trace id, parent span id) of a call."""
+        headers = request.headers
+        trace_id, parent_id, bag = parse_trace_headers(
+            headers.get(sc.HEADER_TRACEPARENT), headers.get(sc.HEADER_BAGGAGE)
+        )
+        params = request.path_params
+        if "rollout_id" in params:
+            rid, attempt = params["rollout_id"], params["attempt"]
+            if not _ID_RE.match(rid):
+                raise ApiError(400, f"invalid rollout id {rid!r} in the URL path", param="rollout_id")
+            if attempt < 1:
+                raise ApiError(
+                    400, f"invalid attempt {attempt} in the URL path: attempts start at 1", param="attempt"
+                )
+            return (rid, attempt), trace_id, parent_id
+        rid = bag.get(sc.BAGGAGE_ROLLOUT_ID)
+        if rid is None:
+            return None, trace_id, parent_id
+        raw_attempt = bag.get(sc.BAGGAGE_ATTEMPT)
+        if not _ID_RE.match(rid):
+            raise ApiError(400, f"invalid rollout id {rid!r} in the baggage header", param="baggage")
+        if raw_attempt is None or not raw_attempt.isdigit() or int(raw_attempt) < 1:
+            raise ApiError(
+                400,
+                f"baggage names rollout {rid!r} but no valid {sc.BAGGAGE_ATTEMPT} (got {raw_attempt!r})",
+                param="baggage",
+            )
+        return (rid, int(raw_attempt)), trace_id, parent_id
+
+    async def _run(self, request: Request, gen: GenerationRequest) -> GenerationResult:
+        """Generate; a client that disconnects first cancels the generation."""
+        try:
+            self.backend.check_model(gen.model)
+        except UnknownModelError as exc:
+            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+        if not self.backend.cancellable:
+            return await self.backend.generate(gen)
+        task = asyncio.ensure_future(self.backend.generate(gen))
+        watch = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            watch.cancel()
+        if task not in done:
+            task.cancel()
+            self.stats["cancelled_calls"] += 1
+            raise _ClientGone
+        return task.result()
+
+    async def _call(
+        self,
+        request: Request,
+        gen: GenerationRequest,
+        *,
+        trace: tuple[str | None, str | None],
+        input_messages: list[dict[str, Any]] | None = None,
+        response_id: str,
+    ) -> GenerationResult:
+        """Generate and record the span(s); map backend failures to API errors."""
+        rollout = gen.rollout
+        trace_id, parent_id = trace
+        start_ns = time.time_ns()
+        self.stats["calls"] += 1
+        if rollout is None:
+            self.stats["unattributed_calls"] += 1
+        error: BaseException | None = None
+        result: GenerationResult | None = None
+        try:
+            result = await self._run(request, gen)
+        except ContextWindowError as exc:
+            raise ApiError(
+                400,
+                str(exc),
+                param="messages" if gen.messages is not None else "prompt",
+                code="context_length_exceeded",
+            ) from None
+        except UpstreamError as exc:
+            error = exc
+            self.stats["backend_errors"] += 1
+            if 400 <= exc.status < 500:
+                raise ApiError(
+                    exc.status, str(exc), type="invalid_request_error", code="upstream_error"
+                ) from None
+            raise ApiError(
+                502,
+                f"the {self.backend.name} backend failed: {exc}",
+                type="backend_error",
+                code="backend_error",
+            ) from None
+        except (ApiError, _ClientGone):
+            raise
+        except Exception as exc:  # noqa: BLE001 - any backend failure is a 502 with an ERROR span
+            error = exc
+            self.stats["backend_errors"] += 1
+            if not isinstance(exc, BackendError):
+                log.exception("agl gateway: backend %s failed", self.backend.name)
+            raise ApiError(
+                502,
+                f"the {self.backend.name} backend failed: {exc}",
+                type="backend_error",
+                code="backend_error",
+            ) from None
+        finally:
+            if rollout is not None and self.writer is not None and (result is not None or error is not None):
+                prefix = None
+                if result is not None and result.prompt_ids is not None and gen.messages is not None:
+                    prefix = self.drift.check(rollout, gen.messages, result.prompt_ids)
+                    choice = result.choices[0]
+                    if choice.response_ids is not None:
+                        self.drift.remember(
+                            rollout,
+                            gen.messages,
+                            choice.message(),
+                            list(result.prompt_ids) + list(choice.response_ids),
+                        )
+                spans = build_chat_spans(
+                    request=gen,
+                    result=result,
+                    rollout=rollout,
+                    trace_id=trace_id,
+                    parent_id=parent_id,
+                    start_ns=start_ns,
+                    backend_name=self.backend.name,
+                    response_id=response_id,
+                    prefix_match=prefix,
+                    error=error,
+                    input_messages=input_messages,
+                )
+                await self.writer.write(spans)
+        return result
+
+    # --------------------------------------------------------------------------------- routes
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            body = await self._body(request)
+            req = parse_request(ChatCompletionRequest, body)
+            rollout, trace_id, parent_id = self._context(request)
+            gen = req.to_generation(rollout)
+            response_id = new_id("chatcmpl")
+            result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
+        except ApiError as exc:
+            return _error(exc)
+        except _ClientGone:
+            return Response(status_code=499)
+        tokens = None
+        if req.logprobs:
+            tokens = [self._token_strings(c.response_ids) for c in result.choices]
+        if not req.stream:
+            return Response(
+                _dumps(
+                    chat_completion_body(
+                        result, response_id, tokens=tokens, return_token_ids=req.return_token_ids
+                    )
+                ),
+                media_type="application/json",
+            )
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        return StreamingResponse(
+            self._chat_chunks(result, response_id, include_usage, req.return_token_ids),
+            media_type="text/event-stream",
+        )
+
+    def _token_strings(self, ids: list[int] | None) -> list[str] | None:
+        tok = getattr(self.backend, "tokenizer", None)
+        if ids is None or tok is None:
+            return None
+        return [tok.decode([i]) for i in ids]
+
+    async def _chat_chunks(
+        self, result: GenerationResult, response_id: str, include_usage: bool, token_ids: bool
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        head = {
+            "id": response_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": result.model,
+        }
+
+        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, **extra}
+            return _sse({**head, "choices": [choice]})
+
+        for i, c in enumerate(result.choices):
+            first: dict[str, Any] = {"role": "assistant", "content": ""}
+            yield chunk(i, first, **({"prompt_token_ids": result.prompt_ids} if token_ids and i == 0 else {}))
+            if c.content:
+                for piece in _pieces(c.content):
+                    yield chunk(i, {"content": piece})
+            for k, tc in enumerate(c.tool_calls):
+                yield chunk(
+                    i,
+                    {
+                        "tool_calls": [
+                            {
+                                "index": k,
+                                "id": tc.id,
+                                "type": "function",
+                                "function": {"name": tc.name, "arguments": ""},
+                            }
+                        ]
+                    },
+                )
+                yield chunk(i, {"tool_calls": [{"index": k, "function": {"arguments": tc.arguments}}]})
+            yield chunk(i, {}, c.finish_reason, **({"token_ids": c.response_ids} if token_ids else {}))
+        if include_usage:
+            prompt = result.prompt_tokens or 0
+            usage = {
+                "prompt_tokens": prompt,
+                "completion_tokens": result.completion_tokens,
+                "total_tokens": prompt + result.completion_tokens,
+            }
+            yield _sse({**head, "choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            body = await self._body(request)
+            req = parse_request(CompletionRequest, body)
+            rollout, trace_id, parent_id = self._context(request)
+            gen = req.to_generation(rollout)
+            response_id = new_id("cmpl")
+            result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
+        except ApiError as exc:
+            return _error(exc)
+        except _ClientGone:
+            return Response(status_code=499)
+        payload = completion_body(result, response_id, return_token_ids=req.return_token_ids)
+        if not req.stream:
+            return Response(_dumps(payload), media_type="application/json")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            head = {k: payload[k] for k in ("id", "created", "model")}
+            for c in payload["choices"]:
+                for piece in _pieces(c["text"]):
+                    yield _sse(
+                        {
+                            **head,
+                            "object": "text_completion",
+                            "choices": [
+                                {"index": c["index"], "text": piece, "logprobs": None, "finish_reason": None}
+                            ],
+                        }
+                    )
+                yield _sse(
+                    {
+                        **head,
+                        "object": "text_completion",
+                        "choices": [
+                            {
+                                "index": c["index"],
+                                "text": "",
+                                "logprobs": None,
+                                "finish_reason": c["finish_reason"],
+                            }
+                        ],
+                    }
+                )
+            if (req.stream_options or {}).get("include_usage"):
+                yield _sse({**head, "object": "text_completion", "choices": [], "usage": payload["usage"]})
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    async def responses(self, request: Request) -> Response:
+        try:
+            body = await self._body(request)
+            req = parse_request(ResponsesRequest, body)
+            rollout, trace_id, parent_id = self._context(request)
+            gen = responses_to_generation(req, rollout)
+            response_id = new_id("resp")
+            created = time.time()
+            result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
+        except ApiError as exc:
+            return _error(exc)
+        except _ClientGone:
+            return Response(status_code=499)
+        if not req.stream:
+            return Response(
+                _dumps(responses_body(req, response_id, created, result=result)),
+                media_type="application/json",
+            )
+        return StreamingResponse(
+            _response_events(req, response_id, created, result), media_type="text/event-stream"
+        )
+
+    async def list_models(self, request: Request) -> Response:
+        try:
+            await self._body(request) if self.api_key is not None else None
+        except ApiError as exc:
+            return _error(exc)
+        created = int(time.time())
+        data = [
+            {"id": m, "object": "model", "created": created, "owned_by": "agl"} for m in self.backend.models()
+        ]
+        return Response(_dumps({"object": "list", "data": data}), media_type="application/json")
+
+    async def status(self, request: Request) -> Response:
+        return Response(
+            _dumps(
+                {
+                    "backend": self.backend.name,
+                    "models": self.backend.models(),
+                    "weight_version": self.backend.weight_version,
+                    "exact": self.backend.exact,
+                    "stats": dict(self.stats),
+                }
+            ),
+            media_type="application/json",
+        )
+
+    async def _swap(
+        self, request: Request, fn: Callable[[dict[str, Any]], Awaitable[int]], what: str
+    ) -> Response:
+        try:
+            body = await self._body(request)
+            if not isinstance(body, dict) or not isinstance(body.get("path"), str):
+                raise ApiError(400, f"{what}: the body needs a 'path' string", param="path")
+            version = body.get("version")
+            if version is not None and (
+                not isinstance(version, int) or isinstance(version, bool) or version < 0
+            ):
+                raise ApiError(400, f"{what}: 'version' must be a non-negative integer", param="version")
+            async with self._swap_lock:
+                new_version = await fn(body)
+        except ApiError as exc:
+            return _error(exc)
+        except (BackendError, FileNotFoundError, ValueError) as exc:
+            return _error(ApiError(400, f"{what} failed: {exc}", code="swap_failed"))
+        return Response(_dumps({"weight_version": new_version}), media_type="application/json")
+
+    async def load_weights(self, request: Request) -> Response:
+        return await self._swap(
+            request, lambda b: self.backend.load_weights(b["path"], version=b.get("version")), "load weights"
+        )
+
+    async def load_adapter(self, request: Request) -> Response:
+        return await self._swap(
+            request,
+            lambda b: self.backend.load_adapter(b["path"], name=b.get("name"), version=b.get("version")),
+            "load adapter",
+        )
+
+    async def not_found(self, request: Request) -> Response:
+        return _error(ApiError(404, f"no route {request.method} {request.url.path}", code="unknown_url"))
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its reply was ready."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _response_events(
+    req: ResponsesRequest, response_id: str, created: float, result: GenerationResult
+) -> AsyncIterator[bytes]:
+    """The Responses-API SSE event sequence the openai SDK (and the Agents SDK) parse."""
+    seq = 0
+
+    def event(obj: dict[str, Any]) -> bytes:
+        nonlocal seq
+        obj["sequence_number"] = seq
+        seq += 1
+        return _sse_event(obj)
+
+    yield event(
+        {"type": "response.created", "response": responses_body(req, response_id, created, result=None)}
+    )
+    yield event(
+        {"type": "response.in_progress", "response": responses_body(req, response_id, created, result=None)}
+    )
+    items = responses_output(result.choices[0])
+    for idx, item in enumerate(items):
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            yield event(
+                {
+                    "type": "response.output_item.added",
+                    "output_index": idx,
+                    "item": {**item, "status": "in_progress", "content": []},
+                }
+            )
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            yield event(
+                {
+                    "type": "response.content_part.added",
+                    "item_id": item["id"],
+                    "output_index": idx,
+                    "content_index": 0,
+                    "part": part,
+                }
+            )
+            for piece in _pieces(text):
+                yield event(
+                    {
+                        "type": "response.output_text.delta",
+                        "item_id": item["id"],
+                        "output_index": idx,
+                        "content_index": 0,
+                        "delta": piece,
+                        "logprobs": [],
+                    }
+                )
+            yield event(
+                {
+                    "type": "response.output_text.done",
+                    "item_id": item["id"],
+                    "output_index": idx,
+                    "content_index": 0,
+                    "text": text,
+                    "logprobs": [],
+                }
+            )
+            yield event(
+                {
+                    "type": "response.content_part.done",
+                    "item_id": item["id"],
+                    "output_index": idx,
+                    "content_index": 0,
+                    "part": {**part, "text": text},
+                }
+            )
+        else:
+            yield event(
+                {
+                    "type": "response.output_item.added",
+                    "output_index": idx,
+                    "item": {**item, "arguments": "", "status": "in_progress"},
+                }
+            )
+            yield event(
+                {
+                    "type": "response.function_call_arguments.delta",
+                    "item_id": item["id"],
+                    "output_index": idx,
+                    "delta": item["arguments"],
+                }
+            )
+            yield event(
+                {
+                    "type": "response.function_call_arguments.done",
+                    "item_id": item["id"],
+                    "output_index": idx,
+                    "arguments": item["arguments"],
+                    "name": item["name"],
+                }
+            )
+        yield event({"type": "response.output_item.done", "output_index": idx, "item": item})
+    final = responses_body(req, response_id, created, result=result, output=items)
+    kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+    yield event({"type": kind, "response": final})
+
+
+def create_app(backend: Backend, store: Any = None, **kwargs: Any) -> Starlette:
+    """The ASGI app; ``app.state.gateway`` is the :class:`Gateway` (stats, drift tracker, backend)."""
+    gw = Gateway(backend, store, **kwargs)
+    v1 = [
+        Route("/chat/completions", gw.chat_completions, methods=["POST"]),
+        Route("/completions", gw.completions, methods=["POST"]),
+        Route("/responses", gw.responses, methods=["POST"]),
+        Route("/models", gw.list_models, methods=["GET"]),
+    ]
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.close()
+
+    async def on_404(request: Request, exc: Exception) -> Response:
+        return await gw.not_found(request)
+
+    async def on_405(request: Request, exc: Exception) -> Response:
+        return _error(
+            ApiError(
+                405, f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed"
+            )
+        )
+
+    async def on_500(request: Request, exc: Exception) -> Response:
+        log.exception("agl gateway: internal error on %s", request.url.path, exc_info=exc)
+        return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+
+    app = Starlette(
+        routes=[
+            Mount("/v1", routes=v1),
+            Mount("/rollouts/{rollout_id}/attempts/{attempt:int}/v1", routes=v1),
+            Route("/agl/v1/status", gw.status, methods=["GET"]),
+            Route("/agl/v1/weights", gw.load_weights, methods=["POST"]),
+            Route("/agl/v1/adapters", gw.load_adapter, methods=["POST"]),
+        ],
+        exception_handlers={404: on_404, 405: on_405, Exception: on_500},
+        lifespan=lifespan,
+    )
+    app.state.gateway = gw
+    return app

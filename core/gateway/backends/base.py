@@ -1,0 +1,201 @@
+"""The one small interface every gateway backend implements.
+
+The gateway owns HTTP, validation, spans and drift detection; a backend only turns a normalised
+request into token ids, logprobs and text. Keeping the interface this small is what lets the same
+server front an in-process model, a script, a vLLM fleet or a hosted API.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Backend",
+    "BackendError",
+    "Choice",
+    "ContextWindowError",
+    "GenerationRequest",
+    "GenerationResult",
+    "ToolCall",
+    "UnknownModelError",
+    "UpstreamError",
+]
+
+
+class BackendError(Exception):
+    """The backend failed to produce a reply; the gateway answers 502 and records an ERROR span."""
+
+
+class UpstreamError(BackendError):
+    """An upstream server refused the request itself (4xx): the gateway passes status and body on."""
+
+    def __init__(self, status: int, message: str, body: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+class ContextWindowError(Exception):
+    """The rendered prompt does not fit the model's context window (the gateway answers 400)."""
+
+    def __init__(self, prompt_tokens: int, limit: int) -> None:
+        super().__init__(
+            f"this model's maximum context length is {limit} tokens, but the prompt has {prompt_tokens} "
+            "tokens; shorten the messages"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+
+class UnknownModelError(Exception):
+    """The request names a model this backend does not serve (the gateway answers 404)."""
+
+    def __init__(self, model: str, available: list[str]) -> None:
+        super().__init__(
+            f"the model {model!r} does not exist on this gateway; available: {', '.join(available)}"
+        )
+        self.model = model
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call the model made; ``arguments`` is the JSON text, as OpenAI sends it."""
+
+    name: str
+    arguments: str
+    id: str
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass
+class GenerationRequest:
+    """A chat or completion request after validation, independent of the HTTP API it came through.
+
+    ``messages`` are OpenAI chat messages (content already flattened to text where it was a list of
+    parts); ``prompt`` is set instead for ``/v1/completions``. ``raw`` keeps the original body for the
+    pass-through backends, ``api`` says which route it came from. Cancelling the ``generate`` task
+    (the client went away) must stop the generation.
+    """
+
+    model: str
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    rollout: tuple[str, int] | None = None
+    api: str = "chat"
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Choice:
+    """One sampled reply. ``text`` is the raw decoded output; ``content``/``tool_calls`` its parse."""
+
+    text: str
+    content: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    response_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    finish_reason: str = "stop"
+
+    def message(self) -> dict[str, Any]:
+        """The OpenAI chat ``assistant`` message for this choice."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            msg["tool_calls"] = [tc.to_openai() for tc in self.tool_calls]
+        return msg
+
+
+@dataclass
+class GenerationResult:
+    """What a backend returns: exact ids when ``exact`` (engine ids), else text only."""
+
+    model: str
+    choices: list[Choice]
+    prompt_ids: list[int] | None = None
+    prompt_tokens: int | None = None
+    weight_version: int | None = None
+    exact: bool = True
+    prompt_text: str | None = None
+    raw: dict[str, Any] | None = None
+    #: completion tokens as an upstream reported them (pass-through backends without ids)
+    reported_completion_tokens: int | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        if self.reported_completion_tokens is not None:
+            return self.reported_completion_tokens
+        return sum(len(c.response_ids) if c.response_ids is not None else 0 for c in self.choices)
+
+
+class Backend(abc.ABC):
+    """Generation behind the gateway.
+
+    Implementations set ``name`` (recorded as ``agl.llm.backend``) and ``exact`` (False when the
+    engine gives no token ids). ``weight_version`` increases with every weight/adapter swap; a swap
+    happens between requests, never in the middle of one.
+    """
+
+    name: str = "backend"
+    exact: bool = True
+    #: True when generation is slow enough that a client disconnect should cancel it
+    cancellable: bool = True
+
+    def __init__(self) -> None:
+        self.weight_version = 0
+
+    @abc.abstractmethod
+    def models(self) -> list[str]:
+        """Model names this backend serves (the first is the default)."""
+
+    @abc.abstractmethod
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Produce ``request.n`` choices. Raise ContextWindowError, UnknownModelError or BackendError."""
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:  # pragma: no cover
+        """Optional true streaming; the gateway streams a finished generation when not implemented."""
+        raise NotImplementedError
+        yield {}
+
+    #: True when ``stream`` is implemented
+    streams: bool = False
+
+    def check_model(self, model: str) -> None:
+        available = self.models()
+        if model not in available:
+            raise UnknownModelError(model, available)
+
+    async def load_weights(self, source: Any, *, version: int | None = None) -> int:
+        """Swap in new full weights (a path or a state dict); returns the new weight version."""
+        raise BackendError(f"the {self.name} backend cannot load weights")
+
+    async def load_adapter(self, path: str, *, name: str | None = None, version: int | None = None) -> int:
+        """Swap in a LoRA adapter; returns the new weight version."""
+        raise BackendError(f"the {self.name} backend cannot load adapters")
+
+    def _bump_version(self, version: int | None) -> int:
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
+        return self.weight_version
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Called once by the server before the first request (load the model, open clients)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Called when the server stops."""

@@ -1,0 +1,133 @@
+"""Proxy to a vLLM OpenAI-compatible server, with the engine's exact token ids and logprobs.
+
+Every forwarded request gets ``return_token_ids: true`` (vLLM >= 0.10.2: the chat response carries
+``prompt_token_ids`` at top level and ``token_ids`` per choice; a completion choice carries both)
+and ``logprobs: true`` with ``top_logprobs: 0`` (chat: ``choices[i].logprobs.content[j].logprob``;
+completions: ``logprobs: 1`` → ``choices[i].logprobs.token_logprobs``). An upstream that returns no
+ids (an older vLLM) still serves, and its spans say ``agl.llm.exact = False``.
+
+Tool calls are parsed by vLLM itself (start it with ``--enable-auto-tool-choice --tool-call-parser
+hermes`` or the parser of your model).
+
+Weight swap: new weights arrive as LoRA adapters loaded at run time through vLLM's
+``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` (the server needs ``--enable-lora`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``). After a load, requests for the policy's name (``model``,
+by default the upstream's first model) are sent to the newest adapter, so agents keep their model
+name while the weights change; the adapter two versions back is unloaded. Requests that name another
+upstream model explicitly go to it unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from agl.gateway.backends._http import HttpUpstreamBackend
+from agl.gateway.backends.base import BackendError, GenerationRequest, GenerationResult, UnknownModelError
+
+__all__ = ["VLLMBackend"]
+
+log = logging.getLogger("agl.gateway")
+
+
+class VLLMBackend(HttpUpstreamBackend):
+    """``VLLMBackend("http://gpu-host:8000", model="Qwen/Qwen2.5-1.5B-Instruct")``."""
+
+    name = "vllm"
+    exact = True
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        keep_adapters: int = 2,
+    ) -> None:
+        super().__init__(base_url, api_key=api_key, timeout_s=timeout_s)
+        self.policy_name = model
+        self.upstream_models: list[str] = []
+        self.adapters: list[str] = []  # loaded LoRA names, oldest first
+        self.current_upstream: str | None = model
+        self.keep_adapters = max(1, keep_adapters)
+
+    async def start(self) -> None:
+        self.upstream_models = await self._get_models()
+        if self.policy_name is None:
+            if not self.upstream_models:
+                raise BackendError(f"{self.base_url} serves no model")
+            self.policy_name = self.upstream_models[0]
+        if self.current_upstream is None:
+            self.current_upstream = self.policy_name
+
+    def models(self) -> list[str]:
+        names = [self.policy_name] if self.policy_name else []
+        return names + [m for m in self.upstream_models if m not in names]
+
+    def check_model(self, model: str) -> None:
+        if model not in self.models():
+            raise UnknownModelError(model, self.models())
+
+    def _route(self, model: str) -> str:
+        return (self.current_upstream or model) if model == self.policy_name else model
+
+    def chat_body(self, request: GenerationRequest, model: str) -> dict[str, Any]:
+        body = super().chat_body(request, model)
+        body["return_token_ids"] = True
+        body["logprobs"] = True
+        body.setdefault("top_logprobs", 0)
+        return body
+
+    def completion_body(self, request: GenerationRequest, model: str) -> dict[str, Any]:
+        body = super().completion_body(request, model)
+        body["return_token_ids"] = True
+        if not body.get("logprobs"):
+            body["logprobs"] = 1
+        return body
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if not self.upstream_models:
+            await self.start()
+        version = self.weight_version
+        upstream = self._route(request.model)
+        result = await self.forward(request, upstream)
+        result.weight_version = version
+        if not result.exact:
+            log.warning("agl gateway: vLLM at %s returned no token ids (needs vLLM >= 0.10.2)", self.base_url)
+        return result
+
+    async def load_adapter(self, path: str, *, name: str | None = None, version: int | None = None) -> int:
+        """Load a LoRA adapter into vLLM and route the policy's requests to it."""
+        if not self.upstream_models:
+            await self.start()
+        new_version = self.weight_version + 1 if version is None else int(version)
+        lora_name = name or f"{self.policy_name}-agl-v{new_version}"
+        try:
+            resp = await self.client.post(
+                self.base_url + "/load_lora_adapter", json={"lora_name": lora_name, "lora_path": path}
+            )
+        except Exception as exc:  # noqa: BLE001 - any transport failure
+            raise BackendError(f"vLLM at {self.base_url} unreachable: {exc}") from exc
+        if resp.status_code >= 400:
+            raise BackendError(f"vLLM refused to load adapter {lora_name!r} from {path!r}: {resp.text[:500]}")
+        self.adapters.append(lora_name)
+        self.current_upstream = lora_name
+        if lora_name not in self.upstream_models:
+            self.upstream_models.append(lora_name)
+        self._bump_version(new_version)
+        while len(self.adapters) > self.keep_adapters:
+            old = self.adapters.pop(0)
+            try:
+                await self.client.post(self.base_url + "/unload_lora_adapter", json={"lora_name": old})
+                if old in self.upstream_models:
+                    self.upstream_models.remove(old)
+            except Exception as exc:  # noqa: BLE001 - an adapter left loaded is harmless
+                log.warning("agl gateway: could not unload adapter %s: %s", old, exc)
+        return self.weight_version
+
+    async def load_weights(self, source: Any, *, version: int | None = None) -> int:
+        raise BackendError(
+            "the vllm backend takes new weights as LoRA adapters (load_adapter); for full weights restart "
+            "vLLM on the new checkpoint"
+        )

@@ -1,0 +1,100 @@
+"""``agl gateway serve``: run the OpenAI-compatible gateway in front of one backend."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+__all__ = ["build_backend", "register_cli"]
+
+log = logging.getLogger("agl.gateway")
+
+
+def register_cli(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="gateway_command", metavar="SUBCOMMAND")
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible gateway")
+    p.add_argument(
+        "--backend",
+        choices=["transformers", "scripted", "vllm", "openai"],
+        default="transformers",
+        help="transformers (embedded, default), scripted (tests), vllm (proxy), openai (pass-through)",
+    )
+    p.add_argument(
+        "--model",
+        help="transformers: a local checkpoint path (default: SmolLM2-135M-Instruct, prepared on first use); "
+        "vllm: the policy's model name (default: the upstream's first model); scripted: the model name",
+    )
+    p.add_argument("--model-name", help="the name clients use for the model (transformers backend)")
+    p.add_argument("--upstream", help="vllm/openai: the upstream base URL (e.g. http://gpu:8000/v1)")
+    p.add_argument(
+        "--upstream-api-key", help="openai/vllm: API key for the upstream (default: $OPENAI_API_KEY)"
+    )
+    p.add_argument(
+        "--script", help="scripted: a JSON file with a list of replies (strings or {content, tool_calls})"
+    )
+    p.add_argument(
+        "--store", help="store URL for the spans (sqlite:///agl.db, http://127.0.0.1:4747, memory://)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--api-key", help="require this bearer token from clients")
+    p.add_argument("--max-batch-size", type=int, default=8, help="transformers: requests generated together")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=_serve)
+
+
+def build_backend(args: Any) -> Any:
+    """The backend the command-line arguments describe (also used by the trainer's embedded default)."""
+    if args.backend == "transformers":
+        from agl.gateway.backends.transformers import TransformersBackend
+
+        return TransformersBackend(args.model, model_name=args.model_name, max_batch_size=args.max_batch_size)
+    if args.backend == "scripted":
+        from agl.gateway.backends.scripted import ScriptedBackend
+
+        script: list[Any] = ["Hello from the agl scripted backend."]
+        if args.script:
+            path = Path(args.script)
+            if not path.exists():
+                raise FileNotFoundError(f"script file {path} not found")
+            script = json.loads(path.read_text())
+            if not isinstance(script, list) or not script:
+                raise ValueError(f"{path}: a script is a non-empty JSON list of replies")
+        return ScriptedBackend(script, models=[args.model or "scripted"], on_exhausted="cycle")
+    if not args.upstream:
+        raise ValueError(f"--backend {args.backend} needs --upstream URL")
+    if args.backend == "vllm":
+        from agl.gateway.backends.vllm import VLLMBackend
+
+        return VLLMBackend(args.upstream, model=args.model, api_key=args.upstream_api_key)
+    from agl.gateway.backends.openai import OpenAIBackend
+
+    return OpenAIBackend(
+        args.upstream, api_key=args.upstream_api_key, models=[args.model] if args.model else ()
+    )
+
+
+def _serve(args: Any) -> int:
+    if getattr(args, "gateway_command", None) != "serve":
+        print("usage: agl gateway serve [--backend ...] (see agl gateway serve --help)")
+        return 2
+    import uvicorn
+
+    from agl.gateway.app import create_app
+
+    store = None
+    if args.store:
+        import agl.store
+
+        store = agl.store.open(args.store)
+    else:
+        print("agl gateway: no --store given: calls are served but no spans are recorded")
+    backend = build_backend(args)
+    app = create_app(backend, store, api_key=args.api_key)
+    print(f"agl gateway: {args.backend} backend on http://{args.host}:{args.port}/v1")
+    print(f"  per-rollout base URL: http://{args.host}:{args.port}/rollouts/{{rollout_id}}/attempts/{{n}}/v1")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

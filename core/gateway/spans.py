@@ -1,0 +1,306 @@
+"""Server-side ``chat`` spans: built per call, written to the store before the client gets its reply.
+
+The gateway builds :class:`agl.types.Span` objects directly instead of going through an OTel
+``TracerProvider`` + batch exporter: a batch exporter would write *after* the response, and the
+contract is that the span is in the store by the time the client has the full response. Concurrent
+requests' spans are still written in one ``add_spans`` call (a small group-commit writer), so a busy
+gateway makes few store round-trips. The parent comes from the incoming W3C ``traceparent`` (parsed
+by OTel's own propagator); rollout and attempt from the URL path or the W3C ``baggage`` header.
+
+Calls that belong to no rollout are served but their spans are **not** stored (a stored span needs a
+rollout); they are counted in ``Gateway.stats["unattributed_calls"]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from agl import semconv as sc
+from agl.gateway.backends.base import Choice, GenerationRequest, GenerationResult
+from agl.types import Span, SpanEvent, SpanStatus
+
+__all__ = ["DriftTracker", "SpanWriter", "build_chat_spans", "parse_trace_headers"]
+
+log = logging.getLogger("agl.gateway")
+
+
+def _random_hex(nbytes: int) -> str:
+    while True:
+        value = os.urandom(nbytes).hex()
+        if value.strip("0"):
+            return value
+
+
+def parse_trace_headers(
+    traceparent: str | None, baggage: str | None
+) -> tuple[str | None, str | None, dict[str, str]]:
+    """(trace_id, parent span id, baggage entries) from W3C headers, via OTel's propagators."""
+    trace_id = parent_id = None
+    entries: dict[str, str] = {}
+    if traceparent:
+        from opentelemetry import trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        ctx = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
+        sctx = trace.get_current_span(ctx).get_span_context()
+        if sctx.is_valid:
+            trace_id, parent_id = f"{sctx.trace_id:032x}", f"{sctx.span_id:016x}"
+    if baggage:
+        from opentelemetry.baggage import get_all
+        from opentelemetry.baggage.propagation import W3CBaggagePropagator
+
+        ctx = W3CBaggagePropagator().extract({"baggage": baggage})
+        entries = {k: str(v) for k, v in get_all(ctx).items()}
+    return trace_id, parent_id, entries
+
+
+def _message_key(msg: dict[str, Any]) -> tuple[Any, ...]:
+    """What identifies a message for drift detection: role, text, tool calls (not their ids)."""
+    from agl.gateway.chat_format import flatten_content
+
+    calls = []
+    for tc in msg.get("tool_calls") or ():
+        fn = tc.get("function", {}) if isinstance(tc, dict) else {}
+        args = fn.get("arguments")
+        try:
+            args = (
+                json.dumps(json.loads(args), sort_keys=True)
+                if isinstance(args, str)
+                else json.dumps(args, sort_keys=True)
+            )
+        except ValueError:
+            pass
+        calls.append((fn.get("name"), args))
+    return (msg.get("role"), flatten_content(msg.get("content")).strip(), tuple(calls))
+
+
+class DriftTracker:
+    """Remembers each conversation's last prompt+response ids to check the next prompt against.
+
+    For every call of a rollout attempt it stores (the conversation's messages plus the reply, the
+    prompt ids plus the response ids). When a later request's messages start with a stored
+    conversation — the agent re-sends the earlier turns — the new prompt ids must start with the stored
+    ids; ``check`` returns whether they do (``None`` when the request continues no known conversation).
+    """
+
+    def __init__(self, max_attempts: int = 4096, per_attempt: int = 32) -> None:
+        self._by_attempt: OrderedDict[tuple[str, int], list[tuple[tuple[Any, ...], list[int]]]] = (
+            OrderedDict()
+        )
+        self.max_attempts = max_attempts
+        self.per_attempt = per_attempt
+
+    def check(
+        self, rollout: tuple[str, int], messages: Sequence[dict[str, Any]], prompt_ids: Sequence[int]
+    ) -> bool | None:
+        entries = self._by_attempt.get(rollout)
+        if not entries:
+            return None
+        keys = [_message_key(m) for m in messages]
+        for key, ids in reversed(entries):
+            if len(key) < len(keys) and tuple(keys[: len(key)]) == key:
+                return list(prompt_ids[: len(ids)]) == ids
+        return None
+
+    def remember(
+        self,
+        rollout: tuple[str, int],
+        messages: Sequence[dict[str, Any]],
+        reply: dict[str, Any],
+        ids: list[int],
+    ) -> None:
+        key = (*(_message_key(m) for m in messages), _message_key(reply))
+        entries = self._by_attempt.setdefault(rollout, [])
+        self._by_attempt.move_to_end(rollout)
+        entries.append((key, ids))
+        if len(entries) > self.per_attempt:
+            del entries[0]
+        while len(self._by_attempt) > self.max_attempts:
+            self._by_attempt.popitem(last=False)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def build_chat_spans(
+    *,
+    request: GenerationRequest,
+    result: GenerationResult | None,
+    rollout: tuple[str, int],
+    trace_id: str | None,
+    parent_id: str | None,
+    start_ns: int,
+    backend_name: str,
+    response_id: str,
+    prefix_match: bool | None = None,
+    error: BaseException | None = None,
+    input_messages: list[dict[str, Any]] | None = None,
+) -> list[Span]:
+    """One span per choice (``agl.llm.choice_index`` tells them apart when n > 1)."""
+    end_ns = time.time_ns()
+    trace_id = trace_id or _random_hex(16)
+    base: dict[str, Any] = {
+        sc.GEN_AI_OPERATION_NAME: sc.OP_CHAT,
+        sc.AGL_SIDE: sc.SIDE_SERVER,
+        sc.AGL_ROLLOUT_ID: rollout[0],
+        sc.AGL_ATTEMPT: rollout[1],
+        sc.AGL_LLM_BACKEND: backend_name,
+        sc.GEN_AI_REQUEST_MODEL: request.model,
+        sc.GEN_AI_RESPONSE_ID: response_id,
+    }
+    if request.temperature is not None:
+        base[sc.GEN_AI_REQUEST_TEMPERATURE] = float(request.temperature)
+    if request.top_p is not None:
+        base[sc.GEN_AI_REQUEST_TOP_P] = float(request.top_p)
+    if request.max_tokens is not None:
+        base[sc.GEN_AI_REQUEST_MAX_TOKENS] = int(request.max_tokens)
+    msgs = input_messages if input_messages is not None else request.messages
+    if msgs is not None:
+        base[sc.GEN_AI_INPUT_MESSAGES] = _dumps(msgs)
+    if request.prompt is not None:
+        base[sc.AGL_LLM_PROMPT_TEXT] = request.prompt
+    if request.tools:
+        base[sc.GEN_AI_TOOL_DEFINITIONS] = _dumps(request.tools)
+    if error is not None or result is None:
+        status = SpanStatus(
+            code="ERROR", message=f"{type(error).__name__}: {error}" if error else "no result"
+        )
+        events: tuple[SpanEvent, ...] = ()
+        if error is not None:
+            events = (
+                SpanEvent(
+                    name="exception",
+                    time_ns=end_ns,
+                    attributes={
+                        sc.AGL_EXCEPTION_TYPE: type(error).__name__,
+                        sc.AGL_EXCEPTION_MESSAGE: str(error),
+                    },
+                ),
+            )
+        return [
+            Span(
+                trace_id=trace_id,
+                span_id=_random_hex(8),
+                parent_id=parent_id,
+                name=sc.SPAN_CHAT,
+                kind="SERVER",
+                start_ns=start_ns,
+                end_ns=end_ns,
+                status=status,
+                attributes=base,
+                events=events,
+                rollout_id=rollout[0],
+                attempt=rollout[1],
+            )
+        ]
+    base[sc.GEN_AI_RESPONSE_MODEL] = result.model
+    base[sc.AGL_LLM_EXACT] = bool(result.exact)
+    if result.weight_version is not None:
+        base[sc.AGL_LLM_WEIGHT_VERSION] = int(result.weight_version)
+    if result.prompt_ids is not None:
+        base[sc.AGL_LLM_PROMPT_TOKEN_IDS] = list(result.prompt_ids)
+    if result.prompt_tokens is not None:
+        base[sc.GEN_AI_USAGE_INPUT_TOKENS] = int(result.prompt_tokens)
+    if prefix_match is not None:
+        base[sc.AGL_LLM_PREFIX_MATCH] = prefix_match
+    spans = []
+    many = len(result.choices) > 1
+    for i, choice in enumerate(result.choices):
+        attrs = dict(base)
+        _choice_attrs(attrs, choice)
+        if choice.response_ids is None and result.reported_completion_tokens is not None and not many:
+            attrs[sc.GEN_AI_USAGE_OUTPUT_TOKENS] = int(result.reported_completion_tokens)
+        if many:
+            attrs[sc.AGL_LLM_CHOICE_INDEX] = i
+        spans.append(
+            Span(
+                trace_id=trace_id,
+                span_id=_random_hex(8),
+                parent_id=parent_id,
+                name=sc.SPAN_CHAT,
+                kind="SERVER",
+                start_ns=start_ns,
+                end_ns=end_ns,
+                attributes=attrs,
+                rollout_id=rollout[0],
+                attempt=rollout[1],
+            )
+        )
+    return spans
+
+
+def _choice_attrs(attrs: dict[str, Any], choice: Choice) -> None:
+    attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] = [choice.finish_reason]
+    attrs[sc.GEN_AI_OUTPUT_MESSAGES] = _dumps([choice.message()])
+    if choice.response_ids is not None:
+        attrs[sc.AGL_LLM_RESPONSE_TOKEN_IDS] = list(choice.response_ids)
+        attrs[sc.GEN_AI_USAGE_OUTPUT_TOKENS] = len(choice.response_ids)
+    if choice.logprobs is not None:
+        attrs[sc.AGL_LLM_RESPONSE_LOGPROBS] = [float(x) for x in choice.logprobs]
+
+
+class SpanWriter:
+    """Group commit: spans of concurrent requests go to the store in one ``add_spans`` call.
+
+    ``await write(spans)`` returns once the spans are stored (or the write failed: failures are logged
+    and counted, never turned into an error for the client — the agent's run must not break because
+    a span could not be stored, e.g. for a rollout id the store does not know).
+    """
+
+    def __init__(self, store: Any, stats: dict[str, int]) -> None:
+        self.store = store
+        self.stats = stats
+        self._pending: list[tuple[list[Span], asyncio.Future[None]]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._inline = type(store).__name__ == "MemoryStore"
+
+    async def write(self, spans: list[Span]) -> None:
+        if self._inline:  # in-process and lock-protected: cheaper than a thread hop
+            self._add(spans)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((spans, fut))
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._drain())
+        await asyncio.shield(fut)
+
+    async def _drain(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            spans = [s for group, _ in batch for s in group]
+            try:
+                await asyncio.to_thread(self._add, spans, batch)
+            finally:
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_result(None)
+
+    def _add(self, spans: list[Span], batch: list[tuple[list[Span], Any]] | None = None) -> None:
+        try:
+            self.store.add_spans(spans)
+            self.stats["spans_stored"] += len(spans)
+            return
+        except Exception as exc:  # noqa: BLE001 - fall back to per-request writes, then give up loudly
+            if batch is None or len(batch) == 1:
+                self._failed(spans, exc)
+                return
+        for group, _ in batch:
+            try:
+                self.store.add_spans(group)
+                self.stats["spans_stored"] += len(group)
+            except Exception as exc:  # noqa: BLE001
+                self._failed(group, exc)
+
+    def _failed(self, spans: list[Span], exc: BaseException) -> None:
+        self.stats["span_write_errors"] += len(spans)
+        log.warning(
+            "agl gateway: could not store %d span(s) of rollout %s: %s", len(spans), spans[0].rollout_id, exc
+        )

@@ -1,0 +1,181 @@
+"""Helpers every store implementation shares, so their checks and messages are identical.
+
+The conformance suite compares implementations error for error; keeping input checks here means a
+new backend gets the same refusals (and the same wording) for free.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from agl.store.base import FINISH_STATUSES, InvalidInputError
+from agl.types import ROLLOUT_STATUSES, AttemptError, Resources
+
+__all__ = [
+    "Backoff",
+    "check_finish_status",
+    "check_limit",
+    "check_mode",
+    "check_statuses",
+    "check_timeout",
+    "coerce_many",
+    "coerce_one",
+    "describe_validation_error",
+    "make_resources",
+]
+
+M = TypeVar("M", bound=BaseModel)
+MODES = ("train", "val", "test")
+
+#: The backoff used to notice other processes' writes while blocked (claim / wait_for_rollouts).
+BACKOFF_MIN_S = 0.005
+BACKOFF_MAX_S = 0.1
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg', '')}" if loc else str(err.get("msg", "")))
+    more = exc.error_count() - 5
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def coerce_one(model: type[M], item: Any, what: str) -> M:
+    """Accept a model instance or a dict (validated by the model); refuse anything else by name."""
+    if isinstance(item, model):
+        return item
+    if isinstance(item, dict):
+        try:
+            return model.model_validate(item)
+        except ValidationError as exc:
+            raise InvalidInputError(f"invalid {what}: {describe_validation_error(exc)}") from None
+    raise InvalidInputError(
+        f"invalid {what}: expected a {model.__name__} or a dict, got {type(item).__name__}"
+    )
+
+
+def coerce_many(model: type[M], items: Iterable[Any], what: str) -> list[M]:
+    if isinstance(items, (str, bytes, dict)) or isinstance(items, BaseModel):
+        raise InvalidInputError(f"expected a list of {what}s, got {type(items).__name__}")
+    try:
+        seq = list(items)
+    except TypeError:
+        raise InvalidInputError(f"expected a list of {what}s, got {type(items).__name__}") from None
+    cls = model
+    out: list[M] = []
+    for i, item in enumerate(seq):
+        if type(item) is cls:  # fast path: already validated at construction
+            out.append(item)
+        else:
+            out.append(coerce_one(model, item, f"{what} #{i}"))
+    return out
+
+
+def check_timeout(timeout_s: Any) -> float:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise InvalidInputError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+    if not math.isfinite(timeout_s) or timeout_s < 0:
+        raise InvalidInputError(f"timeout_s must be a finite number >= 0, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def check_limit(limit: Any) -> int | None:
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise InvalidInputError(f"limit must be an integer >= 0, got {limit!r}")
+    return limit
+
+
+def check_mode(mode: Any) -> str | None:
+    if mode is not None and mode not in MODES:
+        raise InvalidInputError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    return mode
+
+
+def check_modes(modes: Sequence[str] | None) -> tuple[str, ...] | None:
+    if modes is None:
+        return None
+    if isinstance(modes, str):
+        modes = (modes,)
+    for m in modes:
+        check_mode(m)
+    return tuple(modes)
+
+
+def check_statuses(status: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    if status is None:
+        return None
+    statuses = (status,) if isinstance(status, str) else tuple(status)
+    for s in statuses:
+        if s not in ROLLOUT_STATUSES:
+            raise InvalidInputError(
+                f"unknown rollout status {s!r}; expected one of {', '.join(ROLLOUT_STATUSES)}"
+            )
+    return statuses
+
+
+def check_finish_status(status: Any) -> str:
+    if status not in FINISH_STATUSES:
+        raise InvalidInputError(
+            f"cannot finish an attempt as {status!r}: a worker finishes with one of {', '.join(FINISH_STATUSES)} "
+            "(lost/timed_out are set by the store)"
+        )
+    return status
+
+
+def check_error(error: Any) -> AttemptError | None:
+    if error is None:
+        return None
+    return coerce_one(AttemptError, error, "attempt error")
+
+
+def check_ids(ids: Any, what: str = "rollout id") -> list[str]:
+    if isinstance(ids, str) or ids is None:
+        raise InvalidInputError(f"expected a list of {what}s, got {type(ids).__name__}")
+    out = list(ids)
+    for i in out:
+        if not isinstance(i, str):
+            raise InvalidInputError(f"{what}s must be strings, got {i!r}")
+    return out
+
+
+def check_attempt_number(attempt: Any) -> int:
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+        raise InvalidInputError(f"attempt must be an integer >= 1, got {attempt!r}")
+    return attempt
+
+
+def make_resources(version: int, items: Any) -> Resources:
+    if not isinstance(items, dict):
+        raise InvalidInputError(f"resources must be a dict of name -> resource, got {type(items).__name__}")
+    for k in items:
+        if not isinstance(k, str) or not k:
+            raise InvalidInputError(f"resource names must be non-empty strings, got {k!r}")
+    try:
+        return Resources(version=version, items=items, created_at=time.time())
+    except ValidationError as exc:
+        raise InvalidInputError(f"invalid resources: {describe_validation_error(exc)}") from None
+
+
+class Backoff:
+    """Capped exponential backoff (5 ms -> 100 ms) for noticing writes made by other processes."""
+
+    __slots__ = ("delay",)
+
+    def __init__(self) -> None:
+        self.delay = BACKOFF_MIN_S
+
+    def reset(self) -> None:
+        self.delay = BACKOFF_MIN_S
+
+    def next(self) -> float:
+        d = self.delay
+        self.delay = min(self.delay * 2, BACKOFF_MAX_S)
+        return d

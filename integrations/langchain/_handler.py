@@ -1,0 +1,553 @@
+"""The LangChain callback handler that turns runs into agl spans (imported only when instrumenting).
+
+LangChain reports every run (chain, graph node, chat model, tool) to the callback handlers of its
+callback manager, with ``run_id``/``parent_run_id`` linking runs into a tree. The handler keeps a
+small record per live run and opens OpenTelemetry spans for the runs that matter for training:
+
+- ``invoke_agent`` for agents: LangGraph nodes (the node name), graphs and prebuilt agents that have
+  a name of their own (``create_agent(name=...)``, ``create_react_agent(name=...)``,
+  ``compile(name=...)``), and top-level runs named with ``run_name``; see :func:`node_agent`;
+- ``execute_tool`` for tool runs (``@tool``, ``StructuredTool``, tools run by ``ToolNode``), ERROR
+  when the tool raised or LangChain reported a handled tool error (``ToolMessage.status == "error"``).
+
+Every other run (prompts, parsers, sequences, routing functions) gets no span: its children attach
+to the nearest ancestor that has one. Spans are parented through the run tree, not through whatever
+context the callback happens to run in, so threads that lost the context still nest correctly.
+
+LLM calls get no span from this handler: ``ChatOpenAI`` calls the ``openai`` package, whose agl
+integration makes the client-side ``chat`` span. To make that span a child of the right agent, the
+handler makes the agent's span current (through a :class:`ScopeSpan`, see ``_scope``) where the
+agent's code runs: at the start of every node/agent/tool run, and again at the start of an LLM run
+if the context there lost it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+from uuid import UUID
+
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import ToolMessage
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from agl import semconv as sc
+from agl.integrations.langchain._scope import ScopeSpan, current_span
+
+__all__ = ["AglCallbackHandler", "node_agent", "root_agent"]
+
+logger = logging.getLogger(__name__)
+
+INTEGRATION = "langchain"
+#: the name ``StateGraph.compile()`` and the prebuilt agents give a graph nobody named
+DEFAULT_GRAPH_NAME = "LangGraph"
+#: nodes of the prebuilt agent loops (langchain's ``create_agent``, langgraph's
+#: ``create_react_agent``): inside an agent, these are that agent's turns, not agents of their own
+LOOP_NODES = frozenset(
+    {"agent", "model", "tools", "pre_model_hook", "post_model_hook", "generate_structured_response"}
+)
+#: ``create_agent`` middleware nodes are named ``"<Middleware>.<hook>"``
+MIDDLEWARE_HOOKS = (".before_agent", ".before_model", ".after_model", ".after_agent")
+#: the node that runs tools: never an agent
+TOOL_NODE = "tools"
+#: put ``{"agl_agent": "critic"}`` in a run's metadata to name any run an agent
+AGENT_METADATA_KEY = "agl_agent"
+#: run types LangChain gives prompt templates and output parsers: never agents
+_NOT_AGENT_RUN_TYPES = frozenset({"prompt", "parser"})
+_MAX_ATTR_CHARS = 32_768
+_SEEN_TOOL_CALLS = 8192
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# ---------------------------------------------------------------------------------------- naming
+
+
+def root_agent(name: str, run_type: str | None = None) -> str | None:
+    """The agent a top-level chain run stands for: its name, unless that is a LangChain default."""
+    if not name or name == DEFAULT_GRAPH_NAME or name.startswith("Runnable"):
+        return None
+    if run_type in _NOT_AGENT_RUN_TYPES:
+        return None
+    return name
+
+
+def is_loop_node(name: str) -> bool:
+    return name in LOOP_NODES or name.endswith(MIDDLEWARE_HOOKS)
+
+
+def node_agent(name: str, *, inside_agent: bool) -> str | None:
+    """The agent a LangGraph node stands for, or None when it is a turn of the enclosing agent.
+
+    Every node is an agent named after the node, except the standard agent-loop nodes
+    (:data:`LOOP_NODES`, middleware hooks): inside an agent (a named graph, or a node that runs the
+    loop as a subgraph) they are that agent's turns; at the top level they are agents of their own
+    name. The tool node is never an agent.
+    """
+    if name == TOOL_NODE:
+        return None
+    if is_loop_node(name) and inside_agent:
+        return None
+    return name
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+
+def _truncate(text: str) -> str:
+    return text if len(text) <= _MAX_ATTR_CHARS else text[:_MAX_ATTR_CHARS] + "…"
+
+
+def _json_default(value: Any) -> Any:
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        try:
+            return dump(mode="json")
+        except Exception:  # noqa: BLE001
+            pass
+    return repr(value)
+
+
+def _to_text(value: Any) -> str:
+    if isinstance(value, str):
+        return _truncate(value)
+    try:
+        return _truncate(json.dumps(value, default=_json_default, ensure_ascii=False))
+    except (TypeError, ValueError):
+        return _truncate(repr(value))
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error)
+    return _truncate(f"{type(error).__name__}: {text}" if text else type(error).__name__)
+
+
+def _is_control_flow(error: BaseException) -> bool:
+    """LangGraph raises GraphBubbleUp subclasses (interrupts, ``Command(graph=PARENT)``) to steer the
+    graph: they end a node without it having failed."""
+    return any(cls.__name__ == "GraphBubbleUp" for cls in type(error).__mro__)
+
+
+def _is_step(tags: Sequence[str] | None) -> bool:
+    return bool(tags) and any(t.startswith("graph:step:") for t in tags)  # type: ignore[union-attr]
+
+
+def _serialized_name(serialized: Any) -> str | None:
+    if isinstance(serialized, dict):
+        name = serialized.get("name")
+        if isinstance(name, str) and name:
+            return name
+        ids = serialized.get("id")
+        if isinstance(ids, list) and ids and isinstance(ids[-1], str):
+            return ids[-1]
+    return None
+
+
+def _tool_messages(obj: Any, depth: int = 0) -> Iterator[ToolMessage]:
+    """ToolMessages in a node's output: ``{"messages": [...]}``, lists, ``Command(update=...)``."""
+    if depth > 4:
+        return
+    if isinstance(obj, ToolMessage):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tool_messages(value, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tool_messages(value, depth + 1)
+    elif type(obj).__name__ == "Command":
+        yield from _tool_messages(getattr(obj, "update", None), depth + 1)
+
+
+def _safe(fn: F) -> F:
+    """agl's failures never break the user's run: log the first, count them all, carry on."""
+
+    @functools.wraps(fn)
+    def wrapper(self: AglCallbackHandler, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            self.errors += 1
+            if self.errors == 1:
+                logger.warning(
+                    "agl: the LangChain handler failed in %s (%r); the run goes on, later failures are "
+                    "only counted (handler.errors)",
+                    fn.__name__,
+                    exc,
+                    exc_info=True,
+                )
+            return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------------------------ runs
+
+
+class _Run:
+    """What the handler remembers about one live LangChain run."""
+
+    __slots__ = (
+        "parent",
+        "name",
+        "metadata",
+        "start_ns",
+        "ctx",
+        "span",
+        "scope",
+        "attached",
+        "is_graph",
+        "is_node",
+        "call_id",
+    )
+
+    def __init__(self, parent: _Run | None, name: str, metadata: dict[str, Any]) -> None:
+        self.parent = parent
+        self.name = name
+        self.metadata = metadata
+        self.start_ns = time.time_ns()
+        self.ctx = otel_context.get_current()  # the context the run started in
+        self.span: trace.Span | None = None
+        self.scope: ScopeSpan | None = None
+        self.attached: otel_context.Context | None = None
+        self.is_graph = False
+        self.is_node = False
+        self.call_id: str | None = None
+
+    def owner(self) -> trace.Span | None:
+        """The span of this run or of its nearest ancestor that has one."""
+        run: _Run | None = self
+        while run is not None:
+            if run.span is not None:
+                return run.span
+            run = run.parent
+        return None
+
+    def inside_agent(self) -> bool:
+        return self.owner() is not None
+
+
+class AglCallbackHandler(BaseCallbackHandler):
+    """Added to every LangChain run by the configure hook the instrumentor registers."""
+
+    # Called right where LangChain invokes it (never in a thread-pool copy of the context), so the
+    # context it attaches is the one the run's own code then runs in.
+    run_inline = True
+    raise_error = False
+
+    def __init__(self, tracer: trace.Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+        self.enabled = True
+        self.errors = 0
+        self._runs: dict[UUID, _Run] = {}
+        self._lock = threading.Lock()
+        self._tool_calls: OrderedDict[str, None] = OrderedDict()  # ids of tool calls that have a span
+
+    def __repr__(self) -> str:
+        return f"<agl LangChain handler {'enabled' if self.enabled else 'disabled'}, {len(self._runs)} live runs>"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> AglCallbackHandler:
+        return self  # LangChain deep-copies callback managers in places; there is one handler
+
+    def __copy__(self) -> AglCallbackHandler:
+        return self
+
+    # -------------------------------------------------------------------------- span plumbing
+    def _parent_context(self, run: _Run) -> otel_context.Context:
+        owner = run.parent.owner() if run.parent is not None else None
+        if owner is not None:
+            return trace.set_span_in_context(owner, run.ctx)
+        return run.ctx
+
+    def _open(self, run: _Run, name: str, attributes: dict[str, Any]) -> trace.Span:
+        span = self.tracer.start_span(
+            name,
+            context=self._parent_context(run),
+            kind=SpanKind.INTERNAL,
+            attributes=attributes,
+            start_time=run.start_ns,
+        )
+        run.span = span
+        return span
+
+    def _open_agent(self, run: _Run, agent: str, run_id: UUID | None) -> None:
+        attributes: dict[str, Any] = {
+            sc.GEN_AI_OPERATION_NAME: sc.OP_INVOKE_AGENT,
+            sc.GEN_AI_AGENT_NAME: agent,
+            sc.AGL_INTEGRATION: INTEGRATION,
+        }
+        if run_id is not None:
+            attributes[sc.AGL_LANGCHAIN_RUN_ID] = str(run_id)
+        if run.is_node:
+            attributes[sc.AGL_LANGGRAPH_NODE] = run.name
+            step = run.metadata.get("langgraph_step")
+            if isinstance(step, int) and not isinstance(step, bool):
+                attributes[sc.AGL_LANGGRAPH_STEP] = step
+        self._open(run, sc.SPAN_INVOKE_AGENT, attributes)
+
+    @staticmethod
+    def _attach(run: _Run, span: trace.Span) -> None:
+        """Make ``span`` current for the code this run executes (see ``_scope``)."""
+        if not span.get_span_context().is_valid:
+            return
+        ctx = otel_context.get_current()
+        scope = ScopeSpan(span, trace.get_current_span(ctx))
+        attached = trace.set_span_in_context(scope, ctx)
+        otel_context.attach(attached)
+        run.scope = scope
+        run.attached = attached
+
+    @staticmethod
+    def _detach(run: _Run) -> None:
+        scope = run.scope
+        if scope is None:
+            return
+        scope.close()
+        # Same context as the start (sync runs, tools): put the caller's context back for real.
+        # Elsewhere (async chain/LLM ends run in a copy) the closed scope already means the caller's span.
+        if otel_context.get_current() is run.attached:
+            otel_context.attach(run.ctx)
+
+    def _mark_graph(self, graph: _Run) -> None:
+        """``graph`` runs LangGraph nodes; a graph with a name of its own is an agent."""
+        if graph.is_graph:
+            return
+        with self._lock:
+            if graph.is_graph:
+                return
+            if graph.span is None and graph.name != DEFAULT_GRAPH_NAME:
+                self._open_agent(graph, graph.name, None)
+            graph.is_graph = True
+
+    def _seen_tool_call(self, call_id: str) -> bool:
+        with self._lock:
+            seen = call_id in self._tool_calls
+            self._tool_calls[call_id] = None
+            self._tool_calls.move_to_end(call_id)
+            while len(self._tool_calls) > _SEEN_TOOL_CALLS:
+                self._tool_calls.popitem(last=False)
+            return seen
+
+    # ------------------------------------------------------------------------------- chains
+    @_safe
+    def on_chain_start(
+        self,
+        serialized: dict[str, Any] | None,
+        inputs: Any,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        tags: list[str] | None = None,
+        metadata: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not self.enabled:
+            return
+        name = kwargs.get("name") or _serialized_name(serialized) or "chain"
+        parent = self._runs.get(parent_run_id) if parent_run_id is not None else None
+        md = metadata or {}
+        run = _Run(parent, name, md)
+        self._runs[run_id] = run
+
+        agent: str | None = None
+        if parent is not None and md.get("langgraph_node") == name and _is_step(tags):
+            run.is_node = True
+            self._mark_graph(parent)
+            agent = node_agent(name, inside_agent=parent.inside_agent())
+        elif parent is None:
+            agent = root_agent(name, kwargs.get("run_type"))
+        explicit = md.get(AGENT_METADATA_KEY)
+        if isinstance(explicit, str) and explicit:
+            if parent is None or parent.metadata.get(AGENT_METADATA_KEY) != explicit:
+                agent = explicit
+        if agent is not None:
+            self._open_agent(run, agent, run_id)
+        if run.span is not None or run.is_node:
+            owner = run.owner()
+            if owner is not None:
+                self._attach(run, owner)
+
+    @_safe
+    def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        run = self._runs.pop(run_id, None)
+        if run is None:
+            return
+        if run.is_node:
+            self._reported_tool_errors(run, outputs)
+        self._detach(run)
+        if run.span is not None:
+            run.span.end()
+
+    @_safe
+    def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        run = self._runs.pop(run_id, None)
+        if run is None:
+            return
+        self._detach(run)
+        span = run.span
+        if span is not None:
+            if not _is_control_flow(error):
+                span.record_exception(error)
+                span.set_attribute(sc.ERROR_TYPE, type(error).__qualname__)
+                span.set_status(Status(StatusCode.ERROR, _describe(error)))
+            span.end()
+
+    def _reported_tool_errors(self, node: _Run, outputs: Any) -> None:
+        """Tool errors a node reported without running a tool (ToolNode answering a call to an unknown
+        tool): an ERROR ``execute_tool`` span each, so AIR sees them like any other failed call."""
+        for message in _tool_messages(outputs):
+            if getattr(message, "status", None) != "error":
+                continue
+            call_id = message.tool_call_id
+            if not call_id or self._seen_tool_call(call_id):
+                continue
+            result = _to_text(message.content)
+            owner = node.owner()
+            ctx = trace.set_span_in_context(owner, node.ctx) if owner is not None else node.ctx
+            span = self.tracer.start_span(
+                sc.SPAN_EXECUTE_TOOL,
+                context=ctx,
+                kind=SpanKind.INTERNAL,
+                attributes={
+                    sc.GEN_AI_OPERATION_NAME: sc.OP_EXECUTE_TOOL,
+                    sc.GEN_AI_TOOL_NAME: message.name or "unknown",
+                    sc.GEN_AI_TOOL_CALL_ID: call_id,
+                    sc.GEN_AI_TOOL_CALL_RESULT: result,
+                    sc.AGL_INTEGRATION: INTEGRATION,
+                },
+            )
+            span.set_status(Status(StatusCode.ERROR, result))
+            span.end()
+
+    # ---------------------------------------------------------------------------------- LLMs
+    def _llm_start(self, run_id: UUID, parent_run_id: UUID | None) -> None:
+        if not self.enabled or parent_run_id is None:
+            return
+        parent = self._runs.get(parent_run_id)
+        owner = parent.owner() if parent is not None else None
+        if owner is None:
+            return
+        want = owner.get_span_context()
+        have = current_span().get_span_context()
+        if have.is_valid and have.trace_id == want.trace_id:
+            return  # the agent's span (or a span below it) is already current here
+        run = _Run(parent, "llm", {})
+        self._runs[run_id] = run
+        self._attach(run, owner)
+
+    @_safe
+    def on_chat_model_start(
+        self,
+        serialized: dict[str, Any] | None,
+        messages: Any,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._llm_start(run_id, parent_run_id)
+
+    @_safe
+    def on_llm_start(
+        self,
+        serialized: dict[str, Any] | None,
+        prompts: Any,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._llm_start(run_id, parent_run_id)
+
+    @_safe
+    def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        run = self._runs.pop(run_id, None)
+        if run is not None:
+            self._detach(run)
+
+    @_safe
+    def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        run = self._runs.pop(run_id, None)
+        if run is not None:
+            self._detach(run)
+
+    # --------------------------------------------------------------------------------- tools
+    @_safe
+    def on_tool_start(
+        self,
+        serialized: dict[str, Any] | None,
+        input_str: str,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        tags: list[str] | None = None,
+        metadata: dict[str, Any] | None = None,
+        inputs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not self.enabled:
+            return
+        name = _serialized_name(serialized) or kwargs.get("name") or "tool"
+        parent = self._runs.get(parent_run_id) if parent_run_id is not None else None
+        run = _Run(parent, name, metadata or {})
+        self._runs[run_id] = run
+        attributes: dict[str, Any] = {
+            sc.GEN_AI_OPERATION_NAME: sc.OP_EXECUTE_TOOL,
+            sc.GEN_AI_TOOL_NAME: name,
+            sc.GEN_AI_TOOL_CALL_ARGUMENTS: _to_text(inputs) if inputs is not None else _to_text(input_str),
+            sc.AGL_INTEGRATION: INTEGRATION,
+        }
+        call_id = kwargs.get("tool_call_id")
+        if isinstance(call_id, str) and call_id:
+            attributes[sc.GEN_AI_TOOL_CALL_ID] = call_id
+            run.call_id = call_id
+            self._seen_tool_call(call_id)
+        span = self._open(run, sc.SPAN_EXECUTE_TOOL, attributes)
+        self._attach(run, span)
+
+    @_safe
+    def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        run = self._runs.pop(run_id, None)
+        if run is None:
+            return
+        self._detach(run)
+        span = run.span
+        if span is None:
+            return
+        messages = list(_tool_messages(output)) if not isinstance(output, str) else []
+        message = messages[0] if messages else None
+        result = _to_text(message.content if message is not None else output)
+        span.set_attribute(sc.GEN_AI_TOOL_CALL_RESULT, result)
+        if message is not None:
+            call_id = message.tool_call_id
+            if call_id and run.call_id is None:
+                span.set_attribute(sc.GEN_AI_TOOL_CALL_ID, call_id)
+                self._seen_tool_call(call_id)
+            if getattr(message, "status", None) == "error":
+                # handle_tool_error / handle_validation_error: the model gets a message, but the call failed
+                span.set_status(Status(StatusCode.ERROR, result))
+        span.end()
+
+    @_safe
+    def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        run = self._runs.pop(run_id, None)
+        if run is None:
+            return
+        self._detach(run)
+        span = run.span
+        if span is None:
+            return
+        if not _is_control_flow(error):
+            span.record_exception(error)
+            span.set_attribute(sc.ERROR_TYPE, type(error).__qualname__)
+            span.set_status(Status(StatusCode.ERROR, _describe(error)))
+        span.end()

@@ -1,0 +1,401 @@
+"""Instrument the ``openai`` package: one client-side ``chat`` span per LLM call + trace headers.
+
+One patch point per client flavour covers every call (chat completions, responses, ``.parse``,
+``.stream`` helpers, ``with_raw_response``), every retry and every framework that talks through the
+openai package: ``SyncAPIClient.request`` / ``AsyncAPIClient.request``, the method all resource
+methods funnel into. While instrumented it
+
+- opens a ``chat`` span (kind CLIENT) for POSTs to ``/chat/completions`` and ``/responses``, made
+  current for the duration of the HTTP call, and records request and response (``_spans``);
+- adds W3C ``traceparent`` and ``baggage`` headers to every request it sends (rollout id and attempt
+  travel as baggage), so the gateway's server-side span becomes the client span's child; headers the
+  caller set explicitly are left alone;
+- for streams, wraps ``Stream.__stream__`` / ``AsyncStream.__stream__`` (the generators every stream
+  iterates) to assemble the output from the chunks, and ends the span when the stream is exhausted,
+  closed, fails or is garbage-collected.
+
+Every patch is a ``wrapt`` wrapper on the class attribute, restored by ``uninstrument()``. Names are
+looked up defensively so a renamed internal (openai 3.x) disables only the part it affects, with a
+warning, instead of breaking the import.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from opentelemetry import baggage, propagate, trace
+from opentelemetry import context as otel_context
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.trace import SpanKind
+
+from agl import semconv
+from agl.instrument import Instrumentor
+from agl.integrations.openai._spans import ChatSpan, classify, request_attributes
+
+__all__ = ["OpenAIInstrumentor"]
+
+logger = logging.getLogger(__name__)
+
+_STATE_ATTR = "_agl_chat_span"  # set on the httpx.Response of a streamed call
+_BAGGAGE = W3CBaggagePropagator()
+
+# (module, class, attribute, wrapper factory key)
+_CLIENT_TARGETS = (
+    ("openai._base_client", "SyncAPIClient", "request", "sync_request"),
+    ("openai._base_client", "AsyncAPIClient", "request", "async_request"),
+)
+_STREAM_TARGETS = (
+    ("openai._streaming", "Stream", "__stream__", "sync_stream"),
+    ("openai._streaming", "AsyncStream", "__stream__", "async_stream"),
+    ("openai._streaming", "Stream", "close", "sync_close"),
+    ("openai._streaming", "AsyncStream", "close", "async_close"),
+)
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _find_options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int | str | None]:
+    """The FinalRequestOptions argument of ``request`` and where it is (index or keyword)."""
+    if "options" in kwargs:
+        return kwargs["options"], "options"
+    for i, arg in enumerate(args):
+        if hasattr(arg, "url") and hasattr(arg, "method") and hasattr(arg, "json_data"):
+            return arg, i
+    return None, None
+
+
+def _client_headers(client: Any) -> Any:
+    headers = getattr(client, "_custom_headers", None)
+    if headers is None:
+        headers = getattr(client, "default_headers", None)
+    return headers or {}
+
+
+_W3C_FIELDS = frozenset({"traceparent", "tracestate", "baggage"})
+
+
+def _carrier(ctx: otel_context.Context) -> dict[str, str]:
+    """The trace headers for ``ctx``: W3C traceparent + baggage always (the gateway reads them), plus
+    whatever else the application's global propagator adds (B3, Jaeger...)."""
+    carrier: dict[str, str] = {}
+    textmap = propagate.get_global_textmap()
+    if not _W3C_FIELDS.issuperset(textmap.fields):
+        textmap.inject(carrier, context=ctx)
+    span_ctx = trace.get_current_span(ctx).get_span_context()
+    if span_ctx.is_valid:  # fast path of TraceContextTextMapPropagator.inject
+        carrier[semconv.HEADER_TRACEPARENT] = (
+            f"00-{span_ctx.trace_id:032x}-{span_ctx.span_id:016x}-{span_ctx.trace_flags:02x}"
+        )
+        if span_ctx.trace_state:
+            carrier["tracestate"] = span_ctx.trace_state.to_header()
+    header = _baggage_header(ctx)
+    if header:
+        carrier[semconv.HEADER_BAGGAGE] = header
+    return carrier
+
+
+_BAGGAGE_KEY = getattr(baggage, "_BAGGAGE_KEY", None)
+_baggage_cache: list[Any] = [None, ""]  # [the baggage dict last encoded (kept alive), its header]
+
+
+def _baggage_header(ctx: otel_context.Context) -> str:
+    """The W3C baggage header; encoded once per baggage (one per rollout_context), not per call."""
+    raw = ctx.get(_BAGGAGE_KEY) if _BAGGAGE_KEY is not None else None
+    if raw is not None and raw is _baggage_cache[0]:
+        return _baggage_cache[1]
+    if not baggage.get_all(ctx):
+        return ""
+    carrier: dict[str, str] = {}
+    _BAGGAGE.inject(carrier, context=ctx)
+    header = carrier.get(semconv.HEADER_BAGGAGE, "")
+    if raw is not None:
+        _baggage_cache[:] = [raw, header]
+    return header
+
+
+def _with_headers(options: Any, ctx: otel_context.Context, client: Any) -> Any:
+    """A copy of the request options with traceparent/baggage added (headers the caller set, on the
+    call or as the client's default headers, win)."""
+    carrier = _carrier(ctx)
+    if not carrier:
+        return options
+    existing = options.headers or {}
+    present = {str(k).lower() for k in existing}
+    present.update(str(k).lower() for k in _client_headers(client))
+    extra = {k: v for k, v in carrier.items() if k.lower() not in present}
+    if not extra:
+        return options
+    copy = options.model_copy() if hasattr(options, "model_copy") else options.copy()
+    copy.headers = {**existing, **extra}
+    return copy
+
+
+def _replace(args: tuple[Any, ...], kwargs: dict[str, Any], where: int | str, value: Any) -> tuple[Any, ...]:
+    if isinstance(where, str):
+        kwargs[where] = value
+        return args
+    return (*args[:where], value, *args[where + 1 :])
+
+
+def _is_raw(result: Any) -> bool:
+    return hasattr(result, "http_response") and hasattr(result, "parse")
+
+
+class _Call:
+    """Per-call work shared by the sync and async wrappers."""
+
+    __slots__ = ("state", "token", "stream")
+
+    def __init__(self, tracer: trace.Tracer, options: Any, kwargs: dict[str, Any]) -> None:
+        self.state: ChatSpan | None = None
+        self.token: object | None = None
+        self.stream = bool(kwargs.get("stream", False))
+        api = classify(str(getattr(options, "method", "")), str(getattr(options, "url", "")))
+        if api is not None:
+            body = getattr(options, "json_data", None)
+            span = tracer.start_span(
+                semconv.SPAN_CHAT, kind=SpanKind.CLIENT, attributes=request_attributes(api, body)
+            )
+            self.state = ChatSpan(api, span)
+            self.token = otel_context.attach(trace.set_span_in_context(span))
+
+    def context(self) -> otel_context.Context:
+        return otel_context.get_current()
+
+    def detach(self) -> None:
+        if self.token is not None:
+            otel_context.detach(self.token)
+            self.token = None
+
+    def on_result(self, result: Any) -> None:
+        state = self.state
+        if state is None:
+            return
+        if _is_raw(result):
+            response = result.http_response
+            if self.stream:
+                self._attach_stream(response)
+                return
+            try:
+                content = response.content  # already read for non-streamed raw responses
+            except Exception:  # noqa: BLE001 - body not read (with_streaming_response): no output to record
+                state.end()
+                return
+            try:
+                state.finish_response(json.loads(content))
+            except ValueError:
+                state.end()
+            return
+        response = getattr(result, "response", None)
+        if self.stream and response is not None:
+            self._attach_stream(response)
+            return
+        state.finish_response(result)
+
+    def _attach_stream(self, response: Any) -> None:
+        state = self.state
+        assert state is not None
+        try:
+            setattr(response, _STATE_ATTR, state)
+            weakref.finalize(response, state.finish_stream)  # never iterated: still end the span
+        except Exception:  # noqa: BLE001
+            state.end()
+
+
+# ------------------------------------------------------------------------------------ wrappers
+
+
+def _sync_request(tracer: trace.Tracer) -> Callable[..., Any]:
+    def wrapper(
+        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        options, where = _find_options(args, kwargs)
+        if options is None:
+            return wrapped(*args, **kwargs)
+        call = _Call(tracer, options, kwargs)
+        try:
+            args = _replace(args, kwargs, where, _with_headers(options, call.context(), instance))  # type: ignore[arg-type]
+            result = wrapped(*args, **kwargs)
+        except BaseException as exc:
+            if call.state is not None:
+                call.state.fail(exc)
+            raise
+        finally:
+            call.detach()
+        call.on_result(result)
+        return result
+
+    return wrapper
+
+
+def _async_request(tracer: trace.Tracer) -> Callable[..., Any]:
+    async def wrapper(
+        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        options, where = _find_options(args, kwargs)
+        if options is None:
+            return await wrapped(*args, **kwargs)
+        call = _Call(tracer, options, kwargs)
+        try:
+            args = _replace(args, kwargs, where, _with_headers(options, call.context(), instance))  # type: ignore[arg-type]
+            result = await wrapped(*args, **kwargs)
+        except BaseException as exc:
+            if call.state is not None:
+                call.state.fail(exc)
+            raise
+        finally:
+            call.detach()
+        call.on_result(result)
+        return result
+
+    return wrapper
+
+
+def _state_of(stream: Any) -> ChatSpan | None:
+    return getattr(getattr(stream, "response", None), _STATE_ATTR, None)
+
+
+def _sync_stream(_: trace.Tracer) -> Callable[..., Any]:
+    def wrapper(
+        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        return _observe(wrapped(*args, **kwargs), instance)
+
+    return wrapper
+
+
+def _observe(gen: Any, stream: Any) -> Any:
+    state = _state_of(stream)  # looked up at the first next(): the request wrapper sets it after return
+    if state is None:
+        yield from gen
+        return
+    try:
+        for item in gen:
+            state.on_chunk(item)
+            yield item
+    except GeneratorExit:
+        gen.close()
+        state.finish_stream()
+        raise
+    except BaseException as exc:
+        state.fail(exc)
+        raise
+    state.finish_stream()
+
+
+def _async_stream(_: trace.Tracer) -> Callable[..., Any]:
+    def wrapper(
+        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        return _aobserve(wrapped(*args, **kwargs), instance)
+
+    return wrapper
+
+
+async def _aobserve(gen: Any, stream: Any) -> Any:
+    state = _state_of(stream)
+    if state is None:
+        async for item in gen:
+            yield item
+        return
+    try:
+        async for item in gen:
+            state.on_chunk(item)
+            yield item
+    except GeneratorExit:
+        await gen.aclose()
+        state.finish_stream()
+        raise
+    except BaseException as exc:
+        state.fail(exc)
+        raise
+    state.finish_stream()
+
+
+def _sync_close(_: trace.Tracer) -> Callable[..., Any]:
+    def wrapper(
+        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            state = _state_of(instance)
+            if state is not None:
+                state.finish_stream()
+
+    return wrapper
+
+
+def _async_close(_: trace.Tracer) -> Callable[..., Any]:
+    async def wrapper(
+        wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        try:
+            return await wrapped(*args, **kwargs)
+        finally:
+            state = _state_of(instance)
+            if state is not None:
+                state.finish_stream()
+
+    return wrapper
+
+
+_FACTORIES: dict[str, Callable[[trace.Tracer], Callable[..., Any]]] = {
+    "sync_request": _sync_request,
+    "async_request": _async_request,
+    "sync_stream": _sync_stream,
+    "async_stream": _async_stream,
+    "sync_close": _sync_close,
+    "async_close": _async_close,
+}
+
+
+# --------------------------------------------------------------------------------- instrumentor
+
+
+class OpenAIInstrumentor(Instrumentor):
+    """Client-side ``chat`` spans and trace headers for every call made through the openai package."""
+
+    name = "openai"
+    extra = "openai"
+    instruments = ("openai >= 1.40",)
+
+    def __init__(self) -> None:
+        if not hasattr(self, "_patches"):
+            self._patches: list[tuple[type, str, Any, Any]] = []
+
+    def _instrument(self, **kwargs: Any) -> None:
+        import importlib
+
+        import wrapt
+
+        from agl import __version__
+
+        provider = kwargs.get("tracer_provider")
+        tracer = trace.get_tracer(__name__, __version__, tracer_provider=provider)
+        for module_name, class_name, attr, key in (*_CLIENT_TARGETS, *_STREAM_TARGETS):
+            try:
+                owner = getattr(importlib.import_module(module_name), class_name)
+                original = owner.__dict__[attr]
+            except (ImportError, AttributeError, KeyError):
+                logger.warning(
+                    "agl: openai has no %s.%s.%s (renamed in this openai version?); that part is not instrumented",
+                    module_name,
+                    class_name,
+                    attr,
+                )
+                continue
+            wrapper = wrapt.FunctionWrapper(original, _FACTORIES[key](tracer))
+            setattr(owner, attr, wrapper)
+            self._patches.append((owner, attr, original, wrapper))
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        while self._patches:
+            owner, attr, original, wrapper = self._patches.pop()
+            if owner.__dict__.get(attr) is wrapper:
+                setattr(owner, attr, original)

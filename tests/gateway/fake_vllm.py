@@ -1,0 +1,174 @@
+"""A fake vLLM OpenAI server: a real HTTP server reproducing vLLM's request and response fields.
+
+vLLM itself cannot run here (no GPU). The fields follow vLLM >= 0.10.2
+(``vllm/entrypoints/openai/chat_completion/protocol.py``, ``completion/protocol.py``,
+``models/serving.py``):
+
+- chat: request ``return_token_ids`` → response ``prompt_token_ids`` (top level) and
+  ``choices[i].token_ids``; ``logprobs: true`` + ``top_logprobs`` → ``choices[i].logprobs.content[j]``
+  = ``{token, logprob, bytes, top_logprobs}``; tool calls parsed from ``<tool_call>`` (hermes parser);
+- completions: ``choices[i].prompt_token_ids`` and ``choices[i].token_ids``; ``logprobs: N`` →
+  ``choices[i].logprobs.token_logprobs``;
+- ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` → 200 text, 400 when the name is taken;
+  ``POST /v1/unload_lora_adapter {"lora_name"}``; LoRA names appear in ``/v1/models``;
+- errors: ``{"error": {"message", "type", "param", "code"}}``; unknown model → 404; prompt over
+  ``max_model_len`` → 400 "This model's maximum context length is N tokens...".
+
+Prompts are rendered and tokenised with the real SmolLM2 tokenizer; replies come from a list.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from agl.gateway.chat_format import parse_tool_calls
+from agl.gateway.tokenizer import load_default_tokenizer
+
+
+class FakeVLLM:
+    def __init__(self, replies: list[str], *, model: str = "Qwen/Qwen2.5-0.5B-Instruct", max_model_len: int = 2048) -> None:
+        self.replies = list(replies)
+        self.model = model
+        self.max_model_len = max_model_len
+        self.loras: dict[str, str] = {}
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.fail_next = 0
+        self.tok = load_default_tokenizer()
+        self._i = 0
+        self.app = Starlette(
+            routes=[
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", self.unload_lora, methods=["POST"]),
+            ]
+        )
+
+    @staticmethod
+    def error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status_code=status)
+
+    async def models(self, request: Request) -> Response:
+        data = [{"id": self.model, "object": "model", "owned_by": "vllm", "root": self.model, "max_model_len": self.max_model_len}]
+        data += [{"id": n, "object": "model", "owned_by": "vllm", "root": p, "parent": self.model} for n, p in self.loras.items()]
+        return JSONResponse({"object": "list", "data": data})
+
+    def _check(self, body: dict[str, Any]) -> JSONResponse | None:
+        if self.fail_next:
+            self.fail_next -= 1
+            return self.error(500, "EngineCore encountered an issue", "InternalServerError")
+        model = body.get("model")
+        if model not in (self.model, *self.loras):
+            return self.error(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        return None
+
+    def _reply(self) -> str:
+        text = self.replies[self._i % len(self.replies)]
+        self._i += 1
+        return text
+
+    def _generate(self, prompt_ids: list[int], max_tokens: int | None) -> tuple[str, list[int], list[float], str] | JSONResponse:
+        if len(prompt_ids) + (max_tokens or 0) > self.max_model_len:
+            return self.error(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(prompt_ids) + (max_tokens or 0)} tokens ({len(prompt_ids)} in the messages, {max_tokens or 0} "
+                "in the completion). Please reduce the length of the messages or completion.",
+                "BadRequestError",
+            )
+        text = self._reply()
+        ids = self.tok.encode(text) + [self.tok.eos_token_id]
+        finish = "stop"
+        if max_tokens is not None and len(ids) > max_tokens:
+            ids, finish = ids[:max_tokens], "length"
+            text = self.tok.decode(ids)
+        logprobs = [-0.05 * (k + 1) for k in range(len(ids))]
+        return text, ids, logprobs, finish
+
+    async def chat(self, request: Request) -> Response:
+        body = json.loads(await request.body())
+        self.requests.append(("chat", body))
+        if (err := self._check(body)) is not None:
+            return err
+        prompt_text, prompt_ids = self.tok.encode_chat(body["messages"], body.get("tools"))
+        out = self._generate(prompt_ids, body.get("max_completion_tokens") or body.get("max_tokens"))
+        if isinstance(out, Response):
+            return out
+        text, ids, logprobs, finish = out
+        content, calls = parse_tool_calls(text) if body.get("tools") else (text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "reasoning": None}
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
+            finish = "tool_calls"
+        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+        if body.get("logprobs"):
+            choice["logprobs"] = {
+                "content": [
+                    {"token": self.tok.decode([t]), "logprob": lp, "bytes": list(self.tok.decode([t]).encode()), "top_logprobs": []}
+                    for t, lp in zip(ids, logprobs, strict=True)
+                ]
+            }
+        if body.get("return_token_ids"):
+            choice["token_ids"] = ids
+        resp: dict[str, Any] = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body["model"],
+            "choices": [choice],
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids), "total_tokens": len(prompt_ids) + len(ids)},
+            "prompt_logprobs": None,
+            "kv_transfer_params": None,
+        }
+        if body.get("return_token_ids"):
+            resp["prompt_token_ids"] = prompt_ids
+        return JSONResponse(resp)
+
+    async def completions(self, request: Request) -> Response:
+        body = json.loads(await request.body())
+        self.requests.append(("completions", body))
+        if (err := self._check(body)) is not None:
+            return err
+        prompt_ids = self.tok.encode(body["prompt"])
+        out = self._generate(prompt_ids, body.get("max_tokens", 16))
+        if isinstance(out, Response):
+            return out
+        text, ids, logprobs, finish = out
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+        if body.get("logprobs") is not None:
+            choice["logprobs"] = {
+                "text_offset": [],
+                "token_logprobs": logprobs,
+                "tokens": [self.tok.decode([t]) for t in ids],
+                "top_logprobs": [],
+            }
+        if body.get("return_token_ids"):
+            choice["token_ids"] = ids
+            choice["prompt_token_ids"] = prompt_ids
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids), "total_tokens": len(prompt_ids) + len(ids)}
+        return JSONResponse({"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": body["model"], "choices": [choice], "usage": usage})
+
+    async def load_lora(self, request: Request) -> Response:
+        body = json.loads(await request.body())
+        self.requests.append(("load_lora_adapter", body))
+        if not body.get("lora_name") or not body.get("lora_path"):
+            return self.error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        if body["lora_name"] in self.loras and not body.get("load_inplace"):
+            return self.error(400, f"The lora adapter '{body['lora_name']}' has already been loaded.", "InvalidUserInput")
+        self.loras[body["lora_name"]] = body["lora_path"]
+        return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+    async def unload_lora(self, request: Request) -> Response:
+        body = json.loads(await request.body())
+        self.requests.append(("unload_lora_adapter", body))
+        if body.get("lora_name") not in self.loras:
+            return self.error(404, f"The lora adapter '{body.get('lora_name')}' cannot be found.", "NotFoundError")
+        del self.loras[body["lora_name"]]
+        return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")

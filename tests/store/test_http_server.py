@@ -1,0 +1,335 @@
+"""The store server's HTTP contract: JSON errors, auth, body limits, idempotency, long-poll.
+
+Real uvicorn servers on 127.0.0.1 (in a thread, over a MemoryStore we can inspect directly) and the
+real ``HttpStore`` client; the conformance suite covers the Store semantics over HTTP separately.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from agl.cli import main as agl_main
+from agl.store.base import NotFoundError
+from agl.store.http import HttpStore, StoreAuthError
+from agl.store.memory import MemoryStore
+from agl.store.server import create_app, serve_in_thread
+from agl.types import NewRollout, Span
+
+
+def wait_until(pred: Any, timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return bool(pred())
+
+
+def error_of(resp: httpx.Response) -> dict[str, str]:
+    assert resp.headers["content-type"].startswith("application/json"), resp.text
+    err = resp.json()["error"]
+    assert isinstance(err["code"], str) and isinstance(err["message"], str) and err["message"]
+    return err
+
+
+def snapshot(store: MemoryStore) -> Any:
+    res = store.get_resources()
+    return (
+        [r.model_dump() for r in store.query_rollouts()],
+        [s.model_dump() for s in store.query_spans()],
+        [t.model_dump() for t in store.query_tasks()],
+        None if res is None else res.model_dump(),
+    )
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[MemoryStore, str]]:
+    store = MemoryStore()
+    with serve_in_thread(store, max_body_bytes=64 * 1024) as url:
+        yield store, url
+
+
+def make_span(rollout_id: str, attempt: int = 1) -> Span:
+    return Span(
+        trace_id="a" * 32,
+        span_id="b" * 16,
+        name="step",
+        start_ns=1,
+        end_ns=2,
+        rollout_id=rollout_id,
+        attempt=attempt,
+    )
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+def test_health_and_json_errors(served: tuple[MemoryStore, str]) -> None:
+    store, url = served
+    rid = store.enqueue([NewRollout()])[0].id
+    before = snapshot(store)
+    with httpx.Client(base_url=url) as c:
+        assert c.get("/health").json() == {"status": "ok"}
+
+        r = c.get("/nope")
+        assert (
+            r.status_code == 404 and error_of(r)["code"] == "no_route" and "/nope" in error_of(r)["message"]
+        )
+
+        r = c.get("/claim")
+        assert r.status_code == 405 and "POST" in error_of(r)["message"] and r.headers["allow"] == "POST"
+
+        r = c.post("/claim", content=b'{"worker_id": "w", ')
+        assert r.status_code == 400 and error_of(r)["code"] == "invalid_json"
+
+        r = c.post("/claim", json={"worker_id": "w", "timeout_s": "soon"})
+        assert r.status_code == 400 and "timeout_s" in error_of(r)["message"]
+
+        r = c.post("/claim", json={"worker_id": "w", "bogus": 1})
+        assert r.status_code == 400 and "bogus" in error_of(r)["message"]
+
+        r = c.post("/claim", json=[1, 2])
+        assert r.status_code == 400
+
+        r = c.get("/rollouts/ro-missing")
+        assert r.status_code == 404 and error_of(r)["code"] == "not_found"
+        assert "ro-missing" in error_of(r)["message"]
+
+        r = c.post(f"/rollouts/{rid}/attempts/1/finish", json={"status": "succeeded"})
+        assert r.status_code == 404 and "attempt 1" in error_of(r)["message"]
+
+        r = c.post(f"/rollouts/{rid}/attempts/1/finish", json={"status": "lost"})
+        assert r.status_code == 400 and error_of(r)["code"] == "invalid_input"
+
+        r = c.post("/spans", json={"spans": [{"trace_id": "xyz"}]})
+        assert r.status_code == 400 and "trace_id" in error_of(r)["message"]
+
+        r = c.get("/resources/7")
+        assert r.status_code == 404 and "7" in error_of(r)["message"]
+    assert snapshot(store) == before
+
+
+def test_conflict_maps_to_409(served: tuple[MemoryStore, str]) -> None:
+    store, url = served
+    rid = store.enqueue([NewRollout()])[0].id
+    store.claim("w")
+    store.finish_attempt(rid, 1, "succeeded")
+    r = httpx.post(f"{url}/rollouts/{rid}/cancel")
+    assert (
+        r.status_code == 409 and error_of(r)["code"] == "conflict" and "succeeded" in error_of(r)["message"]
+    )
+
+
+def test_body_limit_by_content_length_and_by_streamed_size(served: tuple[MemoryStore, str]) -> None:
+    store, url = served
+    rid = store.enqueue([NewRollout()])[0].id
+    store.claim("w")
+    before = snapshot(store)
+    big = json.dumps({"spans": [make_span(rid).model_dump(mode="json")] * 2000}).encode()
+    assert len(big) > 64 * 1024
+    r = httpx.post(f"{url}/spans", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and error_of(r)["code"] == "body_too_large" and str(64 * 1024) in r.text
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the server must count what streams in
+        for i in range(0, len(big), 8192):
+            yield big[i : i + 8192]
+
+    r = httpx.post(f"{url}/spans", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and error_of(r)["code"] == "body_too_large"
+    assert "transfer-encoding" not in r.request.headers or r.request.headers["transfer-encoding"] == "chunked"
+    assert snapshot(store) == before
+
+
+# -------------------------------------------------------------------------------------- auth
+
+
+def test_bearer_token_on_every_route_but_health(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = MemoryStore()
+    with serve_in_thread(store, token="s3cret") as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        for method, path in [
+            ("GET", "/rollouts/x"),
+            ("POST", "/claim"),
+            ("POST", "/v1/traces"),
+            ("GET", "/nope"),
+        ]:
+            r = httpx.request(method, url + path)
+            assert r.status_code == 401 and error_of(r)["message"] == "missing bearer token"
+            assert r.headers["www-authenticate"] == "Bearer"
+            r = httpx.request(method, url + path, headers={"authorization": "Bearer s3cre"})
+            assert r.status_code == 401 and error_of(r)["message"] == "invalid bearer token"
+        ok = httpx.post(f"{url}/claim", json={"worker_id": "w"}, headers={"authorization": "Bearer s3cret"})
+        assert ok.status_code == 200 and ok.json() == {"claim": None}
+
+        with pytest.raises(StoreAuthError, match="invalid bearer token"):
+            HttpStore(url, token="wrong").query_rollouts()
+        monkeypatch.delenv("AGL_STORE_TOKEN", raising=False)
+        with pytest.raises(StoreAuthError, match="missing"):
+            HttpStore(url).query_rollouts()
+        monkeypatch.setenv("AGL_STORE_TOKEN", "s3cret")
+        client = HttpStore(url)
+        assert client.enqueue([NewRollout(id="ro-1")])[0].id == "ro-1"
+        client.close()
+    assert [r.id for r in store.query_rollouts()] == ["ro-1"]
+
+
+def test_cli_refuses_public_address_without_token(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("AGL_STORE_TOKEN", raising=False)
+    rc = agl_main(["store", "serve", "--store", "memory://", "--host", "0.0.0.0", "--port", "0"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "0.0.0.0" in err and "token" in err and "AGL_STORE_TOKEN" in err
+    rc = agl_main(["store", "serve", "--store", "memory://", "--port", "0", "--max-body-bytes", "0"])
+    assert rc == 2 and "max-body-bytes" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- idempotency
+
+
+def test_idempotency_key_applies_a_write_once(served: tuple[MemoryStore, str]) -> None:
+    store, url = served
+    rid = store.enqueue([NewRollout()])[0].id
+    store.claim("w")
+    with httpx.Client(base_url=url) as c:
+        first = c.post(
+            f"/rollouts/{rid}/attempts/1/finish",
+            json={"status": "succeeded"},
+            headers={"idempotency-key": "k1"},
+        )
+        again = c.post(
+            f"/rollouts/{rid}/attempts/1/finish",
+            json={"status": "succeeded"},
+            headers={"idempotency-key": "k1"},
+        )
+        assert first.status_code == again.status_code == 200 and first.content == again.content
+        other = c.post(
+            f"/rollouts/{rid}/attempts/1/finish",
+            json={"status": "succeeded"},
+            headers={"idempotency-key": "k2"},
+        )
+        assert other.status_code == 409
+
+        item = {"items": {"main": {"type": "llm", "base_url": "http://x/v1", "model": "m"}}}
+        r1 = c.post("/resources", json=item, headers={"idempotency-key": "res-1"})
+        r2 = c.post("/resources", json=item, headers={"idempotency-key": "res-1"})
+        assert r1.json() == r2.json() and r1.json()["version"] == 1
+        assert store.get_resources() is not None and store.get_resources().version == 1  # type: ignore[union-attr]
+
+        body = {"rollouts": [{"input": 1}], "idempotency_key": "enq-1"}
+        e1, e2 = c.post("/rollouts", json=body), c.post("/rollouts", json=body)
+        assert e1.json() == e2.json()
+    assert len(store.query_rollouts()) == 2
+
+
+def test_prefer_return_minimal_for_span_batches(served: tuple[MemoryStore, str]) -> None:
+    store, url = served
+    rid = store.enqueue([NewRollout()])[0].id
+    store.claim("w")
+    body = {"spans": [make_span(rid).model_dump(mode="json")] * 3}
+    r = httpx.post(f"{url}/spans", json=body, headers={"prefer": "return=minimal"})
+    assert r.json() == {"seq": [1, 2, 3], "stale": [False, False, False]}
+    full = httpx.post(f"{url}/spans", json=body).json()
+    assert [s["seq"] for s in full["spans"]] == [4, 5, 6] and full["spans"][0]["rollout_id"] == rid
+
+
+# --------------------------------------------------------------------------------- long-poll
+
+
+class CountingTransport(httpx.BaseTransport):
+    """Counts the requests an HttpStore makes, forwarding them to a real transport."""
+
+    def __init__(self, inner: httpx.BaseTransport) -> None:
+        self.inner = inner
+        self.paths: list[str] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.paths.append(request.url.path)
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_claim_is_one_held_request_woken_by_enqueue(served: tuple[MemoryStore, str]) -> None:
+    store, url = served
+    client = HttpStore(url)
+    counting = CountingTransport(client._transport)
+    client._transport = counting
+    got: list[Any] = []
+    th = threading.Thread(target=lambda: got.append(client.claim("w", timeout_s=20)))
+    th.start()
+    time.sleep(0.3)
+    rid = store.enqueue([NewRollout()])[0].id
+    t0 = time.monotonic()
+    th.join(20)
+    assert got and got[0] is not None and got[0].rollout.id == rid
+    assert time.monotonic() - t0 < 3
+    assert counting.paths == ["/claim"]  # held server-side: no client polling
+    client.close()
+
+
+def test_waits_longer_than_the_server_cap_are_consecutive_long_polls() -> None:
+    store = MemoryStore()
+    app = create_app(store, long_poll_cap_s=0.3)
+    with serve_in_thread(app) as url:
+        client = HttpStore(url)
+        counting = CountingTransport(client._transport)
+        client._transport = counting
+        t0 = time.monotonic()
+        assert client.claim("w", timeout_s=1.0) is None
+        elapsed = time.monotonic() - t0
+        assert 0.9 <= elapsed < 5
+        assert 3 <= len(counting.paths) <= 6  # ~1.0 / 0.3 held requests, not a busy loop
+        rid = store.enqueue([NewRollout()])[0].id
+        store.claim("w")
+        assert client.wait_for_rollouts([rid], timeout_s=0.7) == []
+        store.finish_attempt(rid, 1, "succeeded")
+        assert [r.id for r in client.wait_for_rollouts([rid], timeout_s=5)] == [rid]
+        client.close()
+
+
+def test_long_poll_of_a_vanished_client_claims_nothing() -> None:
+    store = MemoryStore()
+    app = create_app(store)
+    with serve_in_thread(app) as url:
+        port = int(url.rsplit(":", 1)[1])
+        body = json.dumps({"worker_id": "ghost", "timeout_s": 20}).encode()
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(
+            b"POST /claim HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert wait_until(lambda: app.server.active_polls == 1)
+        sock.close()
+        assert wait_until(lambda: app.server.active_polls == 0)  # noticed within a poll slice
+        rid = store.enqueue([NewRollout()])[0].id
+        time.sleep(0.2)
+        assert store.get_rollout(rid).status == "queued"
+
+
+def test_test_namespaces_are_off_unless_enabled(served: tuple[MemoryStore, str]) -> None:
+    _, url = served
+    r = httpx.post(f"{url}/_test/stores")
+    assert r.status_code == 404 and error_of(r)["code"] == "no_route"
+
+
+def test_unknown_ids_in_paths_are_not_found_on_both_sides(served: tuple[MemoryStore, str]) -> None:
+    _, url = served
+    client = HttpStore(url)
+    for bad in ["a/b", "", "x" * 300, 5]:
+        with pytest.raises(NotFoundError):
+            client.get_rollout(bad)  # type: ignore[arg-type]
+    r = httpx.get(f"{url}/rollouts/a%2Fb")
+    assert r.status_code == 404 and r.headers["content-type"].startswith("application/json")
+    client.close()

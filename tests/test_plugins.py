@@ -1,0 +1,178 @@
+"""Plugin discovery (entry points), the Instrumentor base and agl.instrument()/uninstrument()."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pluggy
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+
+import agl
+from agl import plugins, semconv, tracing
+from agl.instrument import (
+    Instrumentor,
+    IntegrationNotFoundError,
+    MissingFrameworkError,
+    available_instrumentors,
+    instrumented,
+)
+from agl.types import Span, SpanStatus
+
+FIXTURES = Path(__file__).parent / "fixtures" / "plugin_dist"
+
+
+def _install(tmp_path: Path, which: str, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """'pip install' a fixture distribution: copy it to a fresh sys.path entry."""
+    site = tmp_path / f"site-{which}"
+    shutil.copytree(FIXTURES / which, site)
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    plugins.reset_plugin_manager()
+    return site
+
+
+@pytest.fixture(autouse=True)
+def _clean() -> Iterator[None]:
+    agl.uninstrument()
+    plugins.reset_plugin_manager()
+    yield
+    agl.uninstrument()
+    for name in ("agl_testplugin", "agl_misspelt_plugin"):
+        sys.modules.pop(name, None)
+    plugins.reset_plugin_manager()
+    importlib.invalidate_caches()
+    tracing.reset_tracing()
+
+
+@pytest.fixture()
+def demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    _install(tmp_path, "good", monkeypatch)
+    module = importlib.import_module("agl_testplugin")
+    module.calls.clear()
+    return module
+
+
+def test_builtin_integration_is_an_entry_point_plugin() -> None:
+    pm = plugins.get_plugin_manager()
+    assert pm is plugins.get_plugin_manager()  # loaded once
+    assert pm.get_plugin("openai") is importlib.import_module("agl.integrations.openai")
+    assert "openai" in available_instrumentors()
+
+
+def test_third_party_plugin_is_discovered_via_entry_points(demo) -> None:
+    pm = plugins.get_plugin_manager()
+    assert pm.get_plugin("agl_testplugin") is demo
+    found = available_instrumentors()
+    assert found["agl-test-demo"] is demo.DemoInstrumentor
+    assert found["agl-test-missing"] is demo.MissingFrameworkInstrumentor
+    # the distribution it came from is known to pluggy, like any installed plugin
+    dists = {d.project_name for _, d in pm.list_plugin_distinfo()}
+    assert "agl-testplugin" in dists
+
+
+def test_intermediate_reward_hook_from_plugin(demo) -> None:
+    pm = plugins.get_plugin_manager()
+    common = dict(trace_id="1" * 32, start_ns=1, end_ns=2, rollout_id="r1", attempt=1)
+    failed = Span(span_id="2" * 16, name=semconv.SPAN_EXECUTE_TOOL, status=SpanStatus(code="ERROR"), **common)
+    ok = Span(span_id="3" * 16, name=semconv.SPAN_EXECUTE_TOOL, **common)
+    assert pm.hook.agl_intermediate_reward(span=failed, spans=[failed, ok]) == [-0.25]
+    assert pm.hook.agl_intermediate_reward(span=ok, spans=[failed, ok]) == []
+
+
+def test_misspelt_hook_fails_loudly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _install(tmp_path, "misspelt", monkeypatch)
+    with pytest.raises(pluggy.PluginValidationError, match="agl_register_instrumentor"):
+        plugins.get_plugin_manager()
+
+
+def test_disabled_integrations_are_never_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(plugins.DISABLED_ENV, " agl_testplugin , openai")
+    _install(tmp_path, "good", monkeypatch)
+    pm = plugins.get_plugin_manager()
+    assert pm.get_plugin("agl_testplugin") is None
+    assert "agl_testplugin" not in sys.modules
+    assert "openai" not in available_instrumentors()
+    with pytest.raises(IntegrationNotFoundError, match="disabled by AGL_DISABLED_INTEGRATIONS"):
+        agl.instrument("openai")
+
+
+def test_instrument_named_passes_tracer_provider_and_is_idempotent(demo) -> None:
+    provider = TracerProvider()
+    assert agl.instrument("agl-test-demo", tracer_provider=provider) == ["agl-test-demo"]
+    assert agl.instrument("agl-test-demo", tracer_provider=provider) == ["agl-test-demo"]
+    assert demo.calls == [("instrument", provider)]
+    assert "agl-test-demo" in instrumented()
+    assert agl.uninstrument() == ["agl-test-demo"]
+    assert agl.uninstrument() == []
+    assert demo.calls == [("instrument", provider), ("uninstrument", None)]
+    assert "agl-test-demo" not in instrumented()
+
+
+def test_instrument_with_another_provider_reinstruments(demo) -> None:
+    first, second = TracerProvider(), TracerProvider()
+    agl.instrument("agl-test-demo", tracer_provider=first)
+    agl.instrument("agl-test-demo", tracer_provider=second)
+    assert demo.calls == [("instrument", first), ("uninstrument", None), ("instrument", second)]
+
+
+def test_instrument_all_skips_missing_frameworks(demo) -> None:
+    provider = TracerProvider()
+    done = agl.instrument(tracer_provider=provider)
+    assert "agl-test-demo" in done
+    assert "agl-test-missing" not in done
+    assert [c for c in demo.calls if c[0] == "instrument-missing"] == []
+    assert set(agl.uninstrument()) == set(done)
+
+
+def test_missing_framework_error_names_the_extra_and_changes_nothing(demo) -> None:
+    with pytest.raises(MissingFrameworkError, match=r"pip install 'agl\[missing-extra\]'") as info:
+        agl.instrument("agl-test-demo", "agl-test-missing", tracer_provider=TracerProvider())
+    assert isinstance(info.value, ImportError)
+    assert "agl-test-framework-that-does-not-exist" in str(info.value)
+    assert demo.calls == []  # nothing was instrumented, not even the installed one
+
+
+def test_unknown_name_lists_known_integrations(demo) -> None:
+    with pytest.raises(IntegrationNotFoundError, match="no integration named 'nope'") as info:
+        agl.instrument("agl-test-demo", "nope")
+    assert "agl-test-demo" in str(info.value) and "openai" in str(info.value)
+    assert demo.calls == []
+    with pytest.raises(IntegrationNotFoundError):
+        agl.uninstrument("nope")
+
+
+def test_register_refuses_non_instrumentors() -> None:
+    class Bad:
+        @plugins.hookimpl
+        def agl_register_instrumentors(self, register):
+            register(object)
+
+    pm = plugins.get_plugin_manager()
+    pm.register(Bad(), name="bad")
+    try:
+        with pytest.raises(TypeError, match="Instrumentor subclass"):
+            available_instrumentors()
+    finally:
+        pm.unregister(name="bad")
+
+
+def test_instrumentor_is_one_instance_per_class() -> None:
+    class A(Instrumentor):
+        name = "a"
+        instruments = ()
+
+        def _uninstrument(self, **kwargs):
+            pass
+
+    class B(A):
+        name = "b"
+
+    assert A() is A()
+    assert B() is B()
+    assert A() is not B()
+    assert list(A().instrumentation_dependencies()) == []
