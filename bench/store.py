@@ -27,10 +27,11 @@ TARGET_SQLITE = {"spans": 90_000.0, "rollouts": 5_000.0}
 BATCH = 100
 
 
-def make_span(rid: str, i: int) -> Span:
+def make_span(rid: str, i: int, trace_id: str | None = None) -> Span:
+    """A client chat span as the tracer records it; spans of one agent run share a trace id."""
     now = time.time_ns()
     return Span(
-        trace_id=os.urandom(16).hex(),
+        trace_id=trace_id or os.urandom(16).hex(),
         span_id=os.urandom(8).hex(),
         parent_id=os.urandom(8).hex(),
         name="chat" if i % 3 else "execute_tool",
@@ -54,7 +55,10 @@ def make_span(rid: str, i: int) -> Span:
 def bench_spans(store: Store, n: int) -> float:
     rid = store.enqueue([NewRollout()])[0].id
     store.claim("bench")
-    batches = [[make_span(rid, b * BATCH + i) for i in range(BATCH)] for b in range(n // BATCH)]
+    batches = []
+    for b in range(n // BATCH):
+        trace = os.urandom(16).hex()
+        batches.append([make_span(rid, b * BATCH + i, trace) for i in range(BATCH)])
     t0 = time.perf_counter()
     for batch in tqdm(batches, desc="spans", unit="batch", leave=False):
         store.add_spans(batch)

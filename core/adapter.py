@@ -243,7 +243,7 @@ class Adapter:
         self,
         agents: AgentSelection = None,
         tokenizer: Any = None,
-        air: AIR | None = None,
+        air: AIR | None = AIR(),
         missing_reward: float = 0.0,
         *,
         algorithm: LightningRL | None = None,
@@ -252,7 +252,11 @@ class Adapter:
         self._match = _agent_matcher(agents)
         self.agents = agents
         self.tokenizer = tokenizer
-        self.air = AIR() if air is None else air
+        if air is not None and not isinstance(air, AIR):
+            raise ValueError(
+                f"air must be an agl.rewards.AIR (or None for no automatic rewards), got {air!r}"
+            )
+        self.air = AIR.off() if air is None else air
         if isinstance(missing_reward, bool) or not isinstance(missing_reward, (int, float)):
             raise ValueError(f"missing_reward must be a number, got {missing_reward!r}")
         if not math.isfinite(missing_reward):
@@ -262,10 +266,6 @@ class Adapter:
         self.include_intermediate = include_intermediate
         self.stats = AdapterStats()
         self.last_stats = AdapterStats()
-
-    @classmethod
-    def without_air(cls, **kwargs: Any) -> Adapter:
-        return cls(air=AIR.off(), **kwargs)
 
     def reset_stats(self) -> None:
         self.stats = AdapterStats()
@@ -339,7 +339,7 @@ class Adapter:
                 )
             rid = next(iter(rids)) if rids else ""
         if attempt is None:
-            attempt = max((s.attempt for s in spans if not s.stale), default=1)
+            attempt = max((s.attempt for s in spans if not s.stale and s.rollout_id == rid), default=1)
         group_id = None if rollout is None else (rollout.group_id or rollout.task_id)
 
         # 1. keep the attempt's live spans, one copy of each

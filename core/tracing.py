@@ -545,11 +545,11 @@ def _resolve_provider(tracer_provider: Any) -> TracerProvider:
                 f"got {type(tracer_provider).__name__}"
             )
         return tracer_provider
+    if _provider is not None:
+        return _provider  # sticky: instrument() and the runner must agree on one provider
     current = trace.get_tracer_provider()
     if isinstance(current, TracerProvider):
         return current  # the application's own: add to it, never replace it
-    if _provider is not None:
-        return _provider
     provider = TracerProvider()
     trace.set_tracer_provider(provider)
     if trace.get_tracer_provider() is not provider:
@@ -571,7 +571,9 @@ def setup_tracing(
 ) -> TracerProvider:
     """Make spans carry their rollout and (with a store) reach it; returns the provider agl uses.
 
-    Idempotent: the processors are added once per provider. Giving a different store re-points the
+    The provider is ``tracer_provider`` when given; else the one an earlier call chose; else the
+    application's global SDK provider; else a new SDK provider, set as the global one (so spans that
+    frameworks make through the global provider are recorded too). Idempotent: the processors are added once per provider. Giving a different store re-points the
     export (after flushing what was queued for the previous one). The queue settings apply when the
     export processor is first created.
     """

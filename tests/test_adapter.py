@@ -651,6 +651,10 @@ def test_tool_success_bonus_and_weights() -> None:
     assert t1.intermediate_reward == 0.0
     t1, _ = Adapter(air=AIR.off()).transitions(a.spans)
     assert t1.intermediate_reward == 0.0
+    t1, _ = Adapter(air=None).transitions(a.spans)
+    assert t1.intermediate_reward == 0.0
+    with pytest.raises(ValueError, match="AIR"):
+        Adapter(air={"tool_error": -1})
     with pytest.raises(ValueError, match="tool_error"):
         AIR(tool_error=float("inf"))
 

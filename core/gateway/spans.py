@@ -81,12 +81,17 @@ def _message_key(msg: dict[str, Any]) -> tuple[Any, ...]:
     return (msg.get("role"), flatten_content(msg.get("content")).strip(), tuple(calls))
 
 
+def _tools_key(tools: Sequence[dict[str, Any]] | None) -> tuple[Any, ...]:
+    """Tools are part of the rendered prompt: a conversation continues only under the same tools."""
+    return ("tools", json.dumps(tools, sort_keys=True) if tools else "")
+
+
 class DriftTracker:
     """Remembers each conversation's last prompt+response ids to check the next prompt against.
 
-    For every call of a rollout attempt it stores (the conversation's messages plus the reply, the
-    prompt ids plus the response ids). When a later request's messages start with a stored
-    conversation — the agent re-sends the earlier turns — the new prompt ids must start with the stored
+    For every call of a rollout attempt it stores (the tools, the conversation's messages plus the
+    reply, the prompt ids plus the response ids). When a later request has the same tools and its
+    messages start with a stored conversation — the agent re-sends the earlier turns — the new prompt ids must start with the stored
     ids; ``check`` returns whether they do (``None`` when the request continues no known conversation).
     """
 
@@ -115,8 +120,9 @@ class DriftTracker:
         messages: Sequence[dict[str, Any]],
         reply: dict[str, Any],
         ids: list[int],
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> None:
-        key = (*(_message_key(m) for m in messages), _message_key(reply))
+        key = (_tools_key(tools), *(_message_key(m) for m in messages), _message_key(reply))
         entries = self._by_attempt.setdefault(rollout, [])
         self._by_attempt.move_to_end(rollout)
         entries.append((key, ids))

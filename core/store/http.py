@@ -265,6 +265,8 @@ class _Requests:
         self._headers = headers
         self._url_cache: dict[str, httpx.URL] = {}
         self._closed = False
+        #: requests re-sent after a connection error or 502/503/504 (for monitoring and tests)
+        self.retries = 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -561,6 +563,7 @@ class HttpStore(_Requests):
                 )
             time.sleep(min(self._backoff(attempt), max(0.0, give_up_at - now)))
             attempt += 1
+            self.retries += 1
             request = self._build(req)
 
     # ---------------------------------------------------------------- tasks
@@ -737,6 +740,7 @@ class AsyncHttpStore(_Requests):
                 )
             await asyncio.sleep(min(self._backoff(attempt), max(0.0, give_up_at - now)))
             attempt += 1
+            self.retries += 1
             request = self._build(req)
 
     # ---------------------------------------------------------------- tasks

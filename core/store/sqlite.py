@@ -163,6 +163,7 @@ _SPAN_CHUNK_COLS = "n, rollout_id, attempt, first_seq, stale, body"
 _TERMINAL_SQL = "('succeeded', 'failed', 'cancelled')"
 _STALE_ENDINGS = ("lost", "timed_out")
 _INF = float("inf")
+_UNKNOWN = object()
 _DEFAULT_STATUS = SpanStatus()
 #: a span arrival rewrites the lease only when it would move by more than this fraction of lease_s
 _LEASE_COALESCE = 0.1
@@ -333,6 +334,8 @@ class SQLiteStore:
                     c.execute(stmt)
         self._data_version = -1
         self._min_deadline = -_INF  # unknown: the first call reads it
+        self._latest_version: Any = _UNKNOWN  # latest resources version, while no other process wrote
+        self._maybe_queued = True  # False after a claim found the queue empty: then peek before writing
 
     # ------------------------------------------------------------ internals
     def _check_open(self) -> None:
@@ -348,6 +351,8 @@ class SQLiteStore:
         if dv != self._data_version:
             self._data_version = dv
             self._min_deadline = -_INF  # another process may have started or extended attempts
+            self._latest_version = _UNKNOWN  # ... or published resources
+            self._maybe_queued = True  # ... or enqueued
             return True
         return False
 
@@ -578,22 +583,29 @@ class SQLiteStore:
         if modes is not None:
             where += f" AND mode IN ({','.join('?' * len(modes))})"
             args.extend(modes)
-        # a read first: an empty queue never takes the write lock (idle workers stay cheap)
+        due = self._due(now)
+        # when the queue looked empty, a read first: idle workers never take the write lock
         if (
-            not self._due(now)
+            not due
+            and not self._maybe_queued
             and c.execute(f"SELECT n FROM rollouts WHERE {where} LIMIT 1", args).fetchone() is None
         ):
             return None
         with self._write():
-            self._reap_in_txn(now)
+            if due:
+                self._reap_in_txn(now)
             row = c.execute(
                 f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE {where} ORDER BY n LIMIT 1", args
             ).fetchone()
             if row is None:
+                self._maybe_queued = False
                 return None
+            self._maybe_queued = True
             version = row[_PINNED]
             if version is None:
-                version = c.execute("SELECT MAX(version) FROM resources").fetchone()[0]
+                if self._latest_version is _UNKNOWN:
+                    self._latest_version = c.execute("SELECT MAX(version) FROM resources").fetchone()[0]
+                version = self._latest_version
             number = row[_N_ATT] + 1
             lease = now + row[_LEASE_S]
             timeout_at = None if row[_TIMEOUT_S] is None else now + row[_TIMEOUT_S]
@@ -951,6 +963,7 @@ class SQLiteStore:
                     "INSERT INTO resources (version, body) VALUES (?, ?)",
                     (res.version, res.model_dump_json()),
                 )
+            self._latest_version = res.version
         return res
 
     def get_resources(self, version: int | None = None) -> Resources | None:

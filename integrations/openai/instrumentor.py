@@ -100,21 +100,23 @@ def _carrier(ctx: otel_context.Context) -> dict[str, str]:
 
 
 _BAGGAGE_KEY = getattr(baggage, "_BAGGAGE_KEY", None)
-_baggage_cache: list[Any] = [None, ""]  # [the baggage dict last encoded (kept alive), its header]
+_baggage_cache: tuple[Any, str] = (None, "")  # (the baggage dict last encoded, kept alive; its header)
 
 
 def _baggage_header(ctx: otel_context.Context) -> str:
     """The W3C baggage header; encoded once per baggage (one per rollout_context), not per call."""
+    global _baggage_cache
     raw = ctx.get(_BAGGAGE_KEY) if _BAGGAGE_KEY is not None else None
-    if raw is not None and raw is _baggage_cache[0]:
-        return _baggage_cache[1]
+    cached = _baggage_cache  # one read: another thread may replace it
+    if raw is not None and raw is cached[0]:
+        return cached[1]
     if not baggage.get_all(ctx):
         return ""
     carrier: dict[str, str] = {}
     _BAGGAGE.inject(carrier, context=ctx)
     header = carrier.get(semconv.HEADER_BAGGAGE, "")
     if raw is not None:
-        _baggage_cache[:] = [raw, header]
+        _baggage_cache = (raw, header)
     return header
 
 

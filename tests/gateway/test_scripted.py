@@ -238,10 +238,8 @@ def test_completions_and_models(store: Any, rollout: tuple[str, int]) -> None:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
         resp = client.completions.create(model="alias", prompt="Hello", max_tokens=8)
         assert [m.id for m in client.models.list()] == ["scripted", "alias"]
-        chunks = list(client.completions.create(model="alias", prompt="Hello", max_tokens=8, stream=True))
     assert resp.choices[0].text == " world"
-    assert "".join(c.choices[0].text for c in chunks if c.choices) in (" world", "")  # script exhausted below
-    (span, *_rest) = server_spans(store, rollout[0])
+    (span,) = server_spans(store, rollout[0])
     assert span.attributes[sc.AGL_LLM_PROMPT_TOKEN_IDS] == TOK.encode("Hello")
     assert span.attributes[sc.AGL_LLM_PROMPT_TEXT] == "Hello"
 

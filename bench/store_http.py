@@ -1,0 +1,531 @@
+"""Store over HTTP (``agl store serve`` + ``HttpStore``) against agentlightning 0.3.0's store server.
+
+    python bench/store_http.py [--baseline-python /work/al-venv/bin/python] [--quick]
+
+Measured, for agl and (with ``--baseline-python``) agentlightning 0.3.0 in the same run:
+- server start to first answer (a fresh process until ``/health`` answers 200);
+- spans/s from one client in batches of 100, and p50/p99 of one batch: agl's own JSON path
+  (``HttpStore.add_spans``) and, for both, OTLP/HTTP protobuf batches posted to ``/v1/traces``
+  (agentlightning's best bulk path);
+- claim (dequeue) + one span + finish, in rollouts/s: sequential, and 32 concurrent asyncio clients;
+- p50/p99 of querying the 300 spans of one rollout.
+
+agl serves a durable SQLite file (WAL); agentlightning's ``agl store`` CLI offers only its in-memory
+store (or MongoDB). The baseline runs in its own venv (``pip install agentlightning==0.3.0``) through a
+driver script passed to that interpreter; both use the same span shape (bench/store.py's ``make_span``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from agl.store.http import AsyncHttpStore, HttpStore
+from agl.store.server import ServerProcess
+from agl.types import NewRollout, Span
+
+TARGETS = {
+    "start_s": 0.5,
+    "spans_per_s": 50_000.0,
+    "rollouts_seq_per_s": 2_000.0,
+    "rollouts_c32_per_s": 1_300.0,
+    "query300_p50_ms": 3.0,
+}
+BATCH = 100
+CLIENTS = 32
+
+ATTRS: dict[str, Any] = {
+    "gen_ai.operation.name": "chat",
+    "gen_ai.request.model": "Qwen/Qwen2.5-0.5B-Instruct",
+    "gen_ai.usage.input_tokens": 512,
+    "gen_ai.usage.output_tokens": 64,
+    "agl.side": "client",
+    "agl.reward.value": 0.5,
+}
+
+#: Builds OTLP ExportTraceServiceRequest bodies; shared verbatim with the baseline driver.
+OTLP_BUILDER = r"""
+import os as _os, time as _time
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span as PSpan
+
+def _kv(key, value):
+    if isinstance(value, bool):
+        return KeyValue(key=key, value=AnyValue(bool_value=value))
+    if isinstance(value, int):
+        return KeyValue(key=key, value=AnyValue(int_value=value))
+    if isinstance(value, float):
+        return KeyValue(key=key, value=AnyValue(double_value=value))
+    return KeyValue(key=key, value=AnyValue(string_value=str(value)))
+
+def otlp_body(resource, attrs, n):
+    trace = _os.urandom(16)
+    now = _time.time_ns()
+    spans = [
+        PSpan(trace_id=trace, span_id=_os.urandom(8), parent_span_id=_os.urandom(8), name="chat", kind=3,
+              start_time_unix_nano=now, end_time_unix_nano=now + 1_000_000,
+              attributes=[_kv(k, v) for k, v in attrs.items()])
+        for _ in range(n)
+    ]
+    rs = ResourceSpans(resource={"attributes": [_kv(k, v) for k, v in resource.items()]},
+                       scope_spans=[ScopeSpans(spans=spans)])
+    return ExportTraceServiceRequest(resource_spans=[rs]).SerializeToString()
+"""
+_ns: dict[str, Any] = {}
+exec(OTLP_BUILDER, _ns)
+otlp_body: Callable[[dict[str, Any], dict[str, Any], int], bytes] = _ns["otlp_body"]
+
+
+def make_span(rid: str, trace_id: str | None = None) -> Span:
+    now = time.time_ns()
+    return Span(
+        trace_id=trace_id or os.urandom(16).hex(),
+        span_id=os.urandom(8).hex(),
+        parent_id=os.urandom(8).hex(),
+        name="chat",
+        kind="CLIENT",
+        start_ns=now,
+        end_ns=now + 1_000_000,
+        attributes=ATTRS,
+        resource={"service.name": "bench"},
+        rollout_id=rid,
+        attempt=1,
+    )
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def post(conn: http.client.HTTPConnection, path: str, body: bytes, ctype: str) -> bytes:
+    conn.request("POST", path, body=body, headers={"content-type": ctype})
+    resp = conn.getresponse()
+    data = resp.read()
+    if resp.status != 200:
+        raise RuntimeError(f"{path} answered {resp.status}: {data[:300]!r}")
+    return data
+
+
+def time_to_first_answer(cmd: list[str], port: int, health: str, env: dict[str, str]) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", health)
+                resp = conn.getresponse()
+                resp.read()
+                conn.close()
+                if resp.status == 200:
+                    return time.perf_counter() - t0
+            except OSError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}: {cmd}")
+            if time.perf_counter() - t0 > 60:
+                raise TimeoutError(f"no answer in 60 s: {cmd}")
+            time.sleep(0.002)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ------------------------------------------------------------------------------------------- agl
+
+
+def bench_agl(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
+    out: dict[str, float] = {}
+    starts = []
+    for i in range(args.starts):
+        port = free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "agl.cli",
+            "store",
+            "serve",
+            "--db",
+            str(tmp / f"start{i}.db"),
+            "--port",
+            str(port),
+        ]
+        starts.append(time_to_first_answer(cmd, port, "/health", dict(os.environ)))
+    out["start_s"] = statistics.median(starts)
+
+    server = ServerProcess(tmp / "bench.db")
+    url = server.start()
+    try:
+        store = HttpStore(url)
+        rid = store.enqueue([NewRollout()])[0].id
+        store.claim("bench")
+
+        # spans, JSON batches of 100 from one client
+        n_batches = args.spans // BATCH
+        batches = []
+        for _ in range(n_batches):
+            trace = os.urandom(16).hex()
+            batches.append([make_span(rid, trace) for _ in range(BATCH)])
+        for batch in batches[: max(1, n_batches // 10)]:  # warm-up
+            store.add_spans([s.model_copy(update={"span_id": os.urandom(8).hex()}) for s in batch])
+        lat = []
+        t0 = time.perf_counter()
+        for batch in tqdm(batches, desc="agl spans", unit="batch", leave=False):
+            t = time.perf_counter()
+            store.add_spans(batch)
+            lat.append(time.perf_counter() - t)
+        out["spans_per_s"] = n_batches * BATCH / (time.perf_counter() - t0)
+        out["batch_p50_ms"], out["batch_p99_ms"] = pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
+
+        # spans, OTLP protobuf batches of 100 (stdlib client: the same poster for both servers)
+        parts = url.rsplit(":", 1)
+        conn = http.client.HTTPConnection(parts[0].removeprefix("http://"), int(parts[1]))
+        bodies = [
+            otlp_body({"agl.rollout.id": rid, "agl.attempt": 1}, ATTRS, BATCH) for _ in range(n_batches)
+        ]
+        post(conn, "/v1/traces", bodies[0], "application/x-protobuf")
+        lat = []
+        t0 = time.perf_counter()
+        for body in tqdm(bodies, desc="agl otlp", unit="batch", leave=False):
+            t = time.perf_counter()
+            post(conn, "/v1/traces", body, "application/x-protobuf")
+            lat.append(time.perf_counter() - t)
+        out["otlp_spans_per_s"] = n_batches * BATCH / (time.perf_counter() - t0)
+        out["otlp_batch_p50_ms"] = pct(lat, 0.5) * 1e3
+        conn.close()
+
+        # 300-span query
+        qid = store.enqueue([NewRollout()])[0].id
+        assert store.claim("bench") is not None
+        for _ in range(3):
+            trace = os.urandom(16).hex()
+            store.add_spans(
+                [make_span(qid, trace).model_copy(update={"rollout_id": qid}) for _ in range(BATCH)]
+            )
+        assert len(store.query_spans(rollout_id=qid)) == 300
+        lat = []
+        for _ in tqdm(range(args.queries), desc="agl query", unit="query", leave=False):
+            t = time.perf_counter()
+            got = store.query_spans(rollout_id=qid)
+            lat.append(time.perf_counter() - t)
+        assert len(got) == 300
+        out["query300_p50_ms"], out["query300_p99_ms"] = pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
+
+        # claim + span + finish, sequential
+        n = args.rollouts
+        for i in range(0, n, 1000):
+            store.enqueue([NewRollout(input={"q": "what is 2+2?"}) for _ in range(min(1000, n - i))])
+        t0 = time.perf_counter()
+        for _ in tqdm(range(n), desc="agl rollouts", unit="rollout", leave=False):
+            c = store.claim("bench")
+            assert c is not None
+            store.add_spans([make_span(c.rollout.id)])
+            store.finish_attempt(c.rollout.id, c.attempt.number, "succeeded")
+        out["rollouts_seq_per_s"] = n / (time.perf_counter() - t0)
+        store.close()
+
+        # claim + span + finish, 32 concurrent asyncio clients
+        out["rollouts_c32_per_s"] = asyncio.run(_agl_concurrent(url, args.concurrent_rollouts))
+    finally:
+        server.stop()
+    return out
+
+
+async def _agl_concurrent(url: str, n: int) -> float:
+    feeder = AsyncHttpStore(url)
+    for i in range(0, n, 1000):
+        await feeder.enqueue([NewRollout(input={"q": "what is 2+2?"}) for _ in range(min(1000, n - i))])
+    await feeder.aclose()
+    clients = [AsyncHttpStore(url) for _ in range(CLIENTS)]
+    done = 0
+    bar = tqdm(total=n, desc="agl 32 clients", unit="rollout", leave=False)
+
+    async def worker(store: AsyncHttpStore) -> None:
+        nonlocal done
+        while True:
+            c = await store.claim("bench")
+            if c is None:
+                return
+            await store.add_spans([make_span(c.rollout.id)])
+            await store.finish_attempt(c.rollout.id, c.attempt.number, "succeeded")
+            done += 1
+            bar.update()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(s) for s in clients))
+    elapsed = time.perf_counter() - t0
+    bar.close()
+    for s in clients:
+        await s.aclose()
+    assert done == n, (done, n)
+    return n / elapsed
+
+
+# -------------------------------------------------------------------------------- agentlightning
+
+DRIVER = (
+    r"""
+import asyncio, http.client, json, os, socket, statistics, subprocess, sys, time
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+from agentlightning.store.client_server import LightningStoreClient
+from agentlightning.types import EnqueueRolloutRequest
+from agentlightning.types.tracer import Span as AlSpan
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.resources import Resource
+
+cfg = json.loads(sys.argv[1])
+ATTRS = cfg["attrs"]
+BATCH = 100
+port = cfg["port"]
+url = f"http://127.0.0.1:{port}"
+"""
+    + OTLP_BUILDER
+    + r"""
+def pct(values, q):
+    o = sorted(values); return o[min(len(o) - 1, int(round(q * (len(o) - 1))))]
+
+def post(conn, path, body):
+    conn.request("POST", path, body=body, headers={"content-type": "application/x-protobuf"})
+    r = conn.getresponse(); data = r.read()
+    if r.status != 200: raise RuntimeError(f"{path} answered {r.status}: {data[:300]!r}")
+
+_tp = TracerProvider(resource=Resource.create({"service.name": "bench"}))
+with _tp.get_tracer("bench").start_as_current_span("chat", attributes=ATTRS) as _s:
+    pass
+TEMPLATE = AlSpan.from_opentelemetry(_s, rollout_id="r", attempt_id="a", sequence_id=1)
+
+def span_for(rollout_id, attempt_id):
+    return TEMPLATE.model_copy(update={"rollout_id": rollout_id, "attempt_id": attempt_id, "span_id": os.urandom(8).hex()})
+
+async def main():
+    out = {}
+    proc = subprocess.Popen([sys.executable, "-m", "agentlightning.cli.store", "--host", "127.0.0.1", "--port", str(port),
+                             "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5); c.request("GET", "/v1/agl/health")
+                r = c.getresponse(); r.read(); c.close()
+                if r.status == 200: break
+            except OSError:
+                pass
+            if time.time() > deadline: raise TimeoutError("agentlightning server did not start")
+            time.sleep(0.05)
+        client = LightningStoreClient(url)
+        await client.enqueue_many_rollouts([EnqueueRolloutRequest(input={"q": 1})])
+        ar = await client.dequeue_rollout(worker_id="bench")
+        rid, aid = ar.rollout_id, ar.attempt.attempt_id
+
+        n_batches = cfg["spans"] // BATCH
+        conn = http.client.HTTPConnection("127.0.0.1", port)
+        res = {"agentlightning.rollout_id": rid, "agentlightning.attempt_id": aid}
+        bodies = [otlp_body(res, ATTRS, BATCH) for _ in range(n_batches)]
+        post(conn, "/v1/traces", bodies[0])
+        lat = []; t0 = time.perf_counter()
+        for body in bodies:
+            t = time.perf_counter(); post(conn, "/v1/traces", body); lat.append(time.perf_counter() - t)
+        out["otlp_spans_per_s"] = n_batches * BATCH / (time.perf_counter() - t0)
+        out["otlp_batch_p50_ms"] = pct(lat, 0.5) * 1e3
+        out["batch_p50_ms"], out["batch_p99_ms"] = pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
+        out["spans_per_s"] = out["otlp_spans_per_s"]
+
+        await client.enqueue_many_rollouts([EnqueueRolloutRequest(input={"q": 2})])
+        ar = await client.dequeue_rollout(worker_id="bench")
+        qid, qaid = ar.rollout_id, ar.attempt.attempt_id
+        for _ in range(3):
+            post(conn, "/v1/traces", otlp_body({"agentlightning.rollout_id": qid, "agentlightning.attempt_id": qaid}, ATTRS, BATCH))
+        assert len((await client.query_spans(qid)).items) == 300
+        lat = []
+        for _ in range(cfg["queries"]):
+            t = time.perf_counter(); got = await client.query_spans(qid); lat.append(time.perf_counter() - t)
+        assert len(got.items) == 300
+        out["query300_p50_ms"], out["query300_p99_ms"] = pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
+        conn.close()
+
+        n = cfg["rollouts"]
+        for i in range(0, n, 1000):
+            await client.enqueue_many_rollouts([EnqueueRolloutRequest(input={"q": "what is 2+2?"}) for _ in range(min(1000, n - i))])
+        t0 = time.perf_counter()
+        for _ in range(n):
+            ar = await client.dequeue_rollout(worker_id="bench")
+            await client.add_span(span_for(ar.rollout_id, ar.attempt.attempt_id))
+            await client.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status="succeeded")
+        out["rollouts_seq_per_s"] = n / (time.perf_counter() - t0)
+        await client.close()
+
+        n = cfg["concurrent_rollouts"]
+        feeder = LightningStoreClient(url)
+        for i in range(0, n, 1000):
+            await feeder.enqueue_many_rollouts([EnqueueRolloutRequest(input={"q": "what is 2+2?"}) for _ in range(min(1000, n - i))])
+        await feeder.close()
+        clients = [LightningStoreClient(url) for _ in range(cfg["clients"])]
+        done = 0
+        async def worker(c):
+            nonlocal done
+            while True:
+                ar = await c.dequeue_rollout(worker_id="bench")
+                if ar is None: return
+                await c.add_span(span_for(ar.rollout_id, ar.attempt.attempt_id))
+                await c.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status="succeeded")
+                done += 1
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(c) for c in clients))
+        out["rollouts_c32_per_s"] = n / (time.perf_counter() - t0)
+        assert done == n, (done, n)
+        for c in clients: await c.close()
+    finally:
+        proc.terminate()
+        try: proc.wait(10)
+        except subprocess.TimeoutExpired: proc.kill()
+    print("RESULT " + json.dumps(out), flush=True)
+
+asyncio.run(main())
+"""
+)
+
+
+def bench_baseline(args: argparse.Namespace) -> dict[str, float]:
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    env.pop("PYTHONPATH", None)
+    starts = []
+    for _ in range(args.starts):
+        port = free_port()
+        cmd = [
+            args.baseline_python,
+            "-m",
+            "agentlightning.cli.store",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
+        cmd += ["--log-level", "WARNING"]
+        starts.append(time_to_first_answer(cmd, port, "/v1/agl/health", env))
+    cfg = {
+        "port": free_port(),
+        "spans": args.spans,
+        "rollouts": args.rollouts,
+        "concurrent_rollouts": args.concurrent_rollouts,
+        "queries": args.queries,
+        "clients": CLIENTS,
+        "attrs": ATTRS,
+    }
+    print("running agentlightning 0.3.0 ...", file=sys.stderr, flush=True)
+    proc = subprocess.run(
+        [args.baseline_python, "-c", DRIVER, json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"baseline driver failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    out: dict[str, float] = json.loads(line[len("RESULT ") :])
+    out["start_s"] = statistics.median(starts)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ report
+
+ROWS = [
+    ("start_s", "server start -> first answer (s, median)", "lower"),
+    ("spans_per_s", "spans/s, batches of 100, one client *", "higher"),
+    ("batch_p50_ms", "  one batch of 100, p50 (ms)", "lower"),
+    ("batch_p99_ms", "  one batch of 100, p99 (ms)", "lower"),
+    ("otlp_spans_per_s", "spans/s, OTLP protobuf batches of 100", "higher"),
+    ("otlp_batch_p50_ms", "  one OTLP batch of 100, p50 (ms)", "lower"),
+    ("rollouts_seq_per_s", "claim + span + finish, sequential (/s)", "higher"),
+    ("rollouts_c32_per_s", f"claim + span + finish, {CLIENTS} clients (/s)", "higher"),
+    ("query300_p50_ms", "query 300 spans, p50 (ms)", "lower"),
+    ("query300_p99_ms", "query 300 spans, p99 (ms)", "lower"),
+]
+
+
+def fmt(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.0f}" if v >= 100 else f"{v:.2f}"
+
+
+def report(ours: dict[str, float], base: dict[str, float] | None) -> str:
+    lines = [
+        f"{'metric':<44} {'agl':>10} {'agentlightning':>15} {'agl/base':>9} {'target':>8}",
+        "-" * 90,
+    ]
+    for key, label, better in ROWS:
+        a, b = ours.get(key), (base or {}).get(key)
+        ratio = "-"
+        if a is not None and b:
+            r = a / b if better == "higher" else b / a
+            ratio = f"{r:.1f}x"
+        target = TARGETS.get(key)
+        lines.append(f"{label:<44} {fmt(a):>10} {fmt(b):>15} {ratio:>9} {fmt(target):>8}")
+    lines.append(
+        "* agl: HttpStore.add_spans (JSON); agentlightning: its best bulk path, OTLP protobuf. "
+        "Ratios are speedups (>1x = agl better)."
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--baseline-python", help="python of a venv with agentlightning==0.3.0 installed")
+    p.add_argument("--spans", type=int, default=20_000)
+    p.add_argument("--rollouts", type=int, default=1_000)
+    p.add_argument("--concurrent-rollouts", type=int, default=2_000)
+    p.add_argument("--queries", type=int, default=200)
+    p.add_argument("--starts", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
+    p.add_argument("--json", dest="json_out", help="also write the figures to this JSON file")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.spans, args.rollouts, args.concurrent_rollouts, args.queries, args.starts = (
+            2_000,
+            200,
+            320,
+            30,
+            2,
+        )
+    load0 = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="agl-bench-") as tmp:
+        ours = bench_agl(args, Path(tmp))
+    base = bench_baseline(args) if args.baseline_python else None
+    load1 = os.getloadavg()
+    print(report(ours, base))
+    print(f"load average (1 min) at start {load0[0]:.2f}, at end {load1[0]:.2f}; {os.cpu_count()} CPUs")
+    if args.json_out:
+        Path(args.json_out).write_text(
+            json.dumps({"agl": ours, "agentlightning": base, "load": [load0, load1]}, indent=2)
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""``agl rollouts list|show`` and ``agl spans ROLLOUT_ID``: look into a store as a person would.
+
+Works on any store URL (``--store``, else ``$AGL_STORE``, else ``sqlite:///agl.db``), so the same
+commands read a local run or a remote ``agl store serve``. ``--json`` prints the records instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from agl import semconv as sc
+
+__all__ = ["format_rollout", "format_rollouts", "format_span_tree", "register_cli"]
+
+STORE_ENV = "AGL_STORE"
+DEFAULT_STORE = "sqlite:///agl.db"
+
+#: span kind -> tag shown in the tree (by operation name, which is also the span name, DESIGN §4)
+_TAGS = {
+    sc.OP_INVOKE_AGENT: "agent",
+    sc.OP_EXECUTE_TOOL: "tool",
+    sc.OP_CHAT: "llm",
+    sc.SPAN_REWARD: "reward",
+    sc.SPAN_EXCEPTION: "error",
+    sc.SPAN_MESSAGE: "message",
+    sc.SPAN_OBJECT: "object",
+    sc.SPAN_HANDOFF: "handoff",
+    sc.SPAN_GUARDRAIL: "guardrail",
+    sc.SPAN_ROLLOUT: "rollout",
+}
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def register_cli(parser: argparse.ArgumentParser) -> None:
+    command = parser.prog.split()[-1]
+    if command == "spans":
+        _add_store_args(parser)
+        parser.add_argument("rollout_id", metavar="ROLLOUT_ID")
+        parser.add_argument("--attempt", type=int, default=None, help="attempt number (default: the latest)")
+        parser.add_argument("--all-attempts", action="store_true", help="every attempt, one tree each")
+        parser.add_argument("--no-stale", action="store_true", help="hide spans of attempts that were lost")
+        parser.add_argument("--width", type=int, default=100, help="longest line before details are cut")
+        parser.set_defaults(func=_cmd_spans)
+        return
+    sub = parser.add_subparsers(dest="rollouts_command", metavar="SUBCOMMAND")
+    ls = sub.add_parser("list", help="rollouts, oldest first, with status and attempts")
+    _add_store_args(ls)
+    ls.add_argument("--status", action="append", help="only this status (repeat for several)")
+    ls.add_argument("--mode", choices=["train", "val", "test"])
+    ls.add_argument("--group", dest="group_id", help="only this group id")
+    ls.add_argument("--limit", type=int, default=None, help="at most this many (the newest ones)")
+    ls.set_defaults(func=_cmd_list)
+    show = sub.add_parser("show", help="one rollout: its attempts, status, errors")
+    _add_store_args(show)
+    show.add_argument("rollout_id", metavar="ID")
+    show.add_argument("--traceback", action="store_true", help="print each failed attempt's traceback")
+    show.set_defaults(func=_cmd_show)
+    parser.set_defaults(func=lambda args: parser.print_help() or 2)
+
+
+def _add_store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help=f"store URL: sqlite:///path.db or http://host:port (default: ${STORE_ENV} or {DEFAULT_STORE})",
+    )
+    p.add_argument("--token", default=None, help="bearer token for an http store (default: $AGL_STORE_TOKEN)")
+    p.add_argument("--json", action="store_true", help="print JSON records instead of text")
+
+
+def _open_store(args: argparse.Namespace) -> Any:
+    import agl.store
+
+    url = args.store or os.environ.get(STORE_ENV) or DEFAULT_STORE
+    if url.startswith("sqlite:"):
+        rest = url.split("://", 1)[1]
+        path = rest[1:] if rest.startswith("/") else rest
+        if not os.path.exists(path):  # opening would create an empty store: say what is wrong instead
+            raise FileNotFoundError(f"no store at {path!r}; pass --store URL or set {STORE_ENV}")
+    if url.startswith(("http://", "https://")):
+        return agl.store.open(url, token=args.token, retry_timeout_s=5.0)
+    return agl.store.open(url)
+
+
+def _run(args: argparse.Namespace, body: Any) -> int:
+    from agl.store.base import StoreError
+
+    store = _open_store(args)
+    try:
+        body(store, sys.stdout)
+    except StoreError as exc:
+        print(f"agl: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        store.close()
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit < 0:
+        raise ValueError(f"--limit must be >= 0, got {args.limit}")
+
+    def body(store: Any, out: TextIO) -> None:
+        rollouts = store.query_rollouts(status=args.status, mode=args.mode, group_id=args.group_id)
+        if args.limit is not None:
+            rollouts = rollouts[len(rollouts) - args.limit :] if args.limit else []
+        if args.json:
+            out.write(json.dumps([r.model_dump(mode="json") for r in rollouts], indent=2) + "\n")
+        else:
+            out.write(format_rollouts(rollouts) + "\n")
+
+    return _run(args, body)
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    def body(store: Any, out: TextIO) -> None:
+        rollout = store.get_rollout(args.rollout_id)
+        counts = {}
+        for a in rollout.attempts:
+            counts[a.number] = len(store.query_spans(rollout_id=rollout.id, attempt=a.number))
+        if args.json:
+            out.write(json.dumps(rollout.model_dump(mode="json"), indent=2) + "\n")
+        else:
+            out.write(format_rollout(rollout, span_counts=counts, tracebacks=args.traceback) + "\n")
+
+    return _run(args, body)
+
+
+def _cmd_spans(args: argparse.Namespace) -> int:
+    def body(store: Any, out: TextIO) -> None:
+        rollout = store.get_rollout(args.rollout_id)
+        if args.all_attempts:
+            numbers = [a.number for a in rollout.attempts]
+        elif args.attempt is not None:
+            numbers = [args.attempt]
+        else:
+            numbers = [rollout.attempts[-1].number] if rollout.attempts else []
+        if not numbers:
+            out.write(f"rollout {rollout.id} is {rollout.status} and has no attempts yet\n")
+            return
+        records = []
+        for n in numbers:
+            spans = store.query_spans(rollout_id=rollout.id, attempt=n, include_stale=not args.no_stale)
+            if args.json:
+                records.extend(s.model_dump(mode="json") for s in spans)
+                continue
+            attempt = next((a for a in rollout.attempts if a.number == n), None)
+            status = attempt.status if attempt is not None else "unknown attempt"
+            out.write(f"rollout {rollout.id} attempt {n} ({status}): {len(spans)} span(s)\n")
+            out.write(format_span_tree(spans, width=args.width) + "\n")
+        if args.json:
+            out.write(json.dumps(records, indent=2) + "\n")
+
+    return _run(args, body)
+
+
+# ----------------------------------------------------------------------------------- formatting
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    return f"{seconds / 60:.1f}m"
+
+
+def _cut(text: str, width: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: max(0, width - 1)] + "…"
+
+
+def format_rollouts(rollouts: Sequence[Any]) -> str:
+    """A table: one line per rollout, with its attempts and the last error."""
+    if not rollouts:
+        return "no rollouts"
+    header = ("ID", "STATUS", "MODE", "ATTEMPTS", "GROUP", "CREATED", "LAST ERROR")
+    rows = [header]
+    for r in rollouts:
+        last_error = next((a.error for a in reversed(r.attempts) if a.error is not None), None)
+        err = "" if last_error is None else _cut(f"{last_error.type}: {last_error.message}", 60)
+        attempts = ",".join(a.status for a in r.attempts) or "-"
+        rows.append((r.id, r.status, r.mode, attempts, r.group_id or "-", _when(r.created_at), err))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
+        for row in rows
+    ]
+    counts: dict[str, int] = {}
+    for r in rollouts:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    lines.append(f"{len(rollouts)} rollout(s): " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def format_rollout(
+    rollout: Any, *, span_counts: dict[int, int] | None = None, tracebacks: bool = False
+) -> str:
+    """One rollout and each of its attempts: status, worker, timing, error."""
+    r = rollout
+    lines = [
+        f"rollout   {r.id}",
+        f"status    {r.status}" + (f" (ended {_when(r.ended_at)})" if r.ended_at else ""),
+        f"mode      {r.mode}    group {r.group_id or '-'}    task {r.task_id or '-'}",
+        f"resources {'latest at claim' if r.resources_version is None else f'v{r.resources_version}'}",
+        f"config    timeout {f'{r.config.timeout_s}s' if r.config.timeout_s else '-'}, lease {r.config.lease_s}s, "
+        f"max attempts {r.config.max_attempts}",
+        f"created   {_when(r.created_at)}",
+        f"input     {_cut(json.dumps(r.input, default=str), 100)}",
+    ]
+    if r.metadata:
+        lines.append(f"metadata  {_cut(json.dumps(r.metadata, default=str), 100)}")
+    lines.append(f"attempts  {len(r.attempts)}")
+    for a in r.attempts:
+        took = (a.ended_at or time.time()) - a.started_at
+        spans = "" if span_counts is None else f", {span_counts.get(a.number, 0)} span(s)"
+        lines.append(
+            f"  #{a.number} {a.status:<10} worker {a.worker_id or '-'}, started {_when(a.started_at)}, "
+            f"{'took' if a.ended_at else 'running for'} {_duration(took)}"
+            + (f", resources v{a.resources_version}" if a.resources_version is not None else "")
+            + spans
+        )
+        if a.error is not None:
+            lines.append(f"     error: {a.error.type}: {_cut(a.error.message, 200)}")
+            if tracebacks and a.error.traceback:
+                lines.extend("       " + line for line in a.error.traceback.rstrip().splitlines())
+    return "\n".join(lines)
+
+
+def _tag(span: Any) -> str:
+    op = span.attributes.get(sc.GEN_AI_OPERATION_NAME)
+    return _TAGS.get(op if isinstance(op, str) else span.name, _TAGS.get(span.name, ""))
+
+
+def _details(span: Any) -> str:
+    a = span.attributes
+    tag = _tag(span)
+    parts: list[str] = []
+    if tag == "agent":
+        parts.append(str(a.get(sc.GEN_AI_AGENT_NAME, "")))
+    elif tag == "tool":
+        parts.append(str(a.get(sc.GEN_AI_TOOL_NAME, "")))
+        if sc.GEN_AI_TOOL_CALL_ARGUMENTS in a:
+            parts.append(f"args={a[sc.GEN_AI_TOOL_CALL_ARGUMENTS]}")
+    elif tag == "llm":
+        model = a.get(sc.GEN_AI_RESPONSE_MODEL) or a.get(sc.GEN_AI_REQUEST_MODEL)
+        if model:
+            parts.append(str(model))
+        if sc.AGL_SIDE in a:
+            parts.append(f"({a[sc.AGL_SIDE]})")
+        prompt_ids = a.get(sc.AGL_LLM_PROMPT_TOKEN_IDS)
+        response_ids = a.get(sc.AGL_LLM_RESPONSE_TOKEN_IDS)
+        if isinstance(prompt_ids, list) and isinstance(response_ids, list):
+            parts.append(f"tokens {len(prompt_ids)}->{len(response_ids)}")
+        elif sc.GEN_AI_USAGE_INPUT_TOKENS in a or sc.GEN_AI_USAGE_OUTPUT_TOKENS in a:
+            parts.append(
+                f"usage {a.get(sc.GEN_AI_USAGE_INPUT_TOKENS, '?')}->{a.get(sc.GEN_AI_USAGE_OUTPUT_TOKENS, '?')}"
+            )
+        if sc.AGL_LLM_WEIGHT_VERSION in a:
+            parts.append(f"weights v{a[sc.AGL_LLM_WEIGHT_VERSION]}")
+    elif tag == "reward":
+        parts.append(f"{a.get(sc.AGL_REWARD_NAME, 'reward')}={a.get(sc.AGL_REWARD_VALUE, '?')}")
+        if a.get(sc.AGL_REWARD_PRIMARY):
+            parts.append("(primary)")
+    elif tag == "error":
+        parts.append(f"{a.get(sc.AGL_EXCEPTION_TYPE, '')}: {a.get(sc.AGL_EXCEPTION_MESSAGE, '')}")
+    elif tag == "message":
+        parts.append(str(a.get(sc.AGL_MESSAGE_BODY, "")))
+    if span.status.code == "ERROR":
+        parts.append(f"ERROR{': ' + span.status.message if span.status.message else ''}")
+    if span.stale:
+        parts.append("(stale)")
+    return " ".join(p for p in parts if p)
+
+
+def format_span_tree(spans: Sequence[Any], *, width: int = 100) -> str:
+    """An indented tree (children under parents, by start time) with agent/tool/LLM/reward spans tagged."""
+    if not spans:
+        return "  (no spans)"
+    by_id = {s.span_id: s for s in spans}
+    children: dict[str | None, list[Any]] = {}
+    for s in spans:
+        parent = s.parent_id if s.parent_id in by_id and s.parent_id != s.span_id else None
+        children.setdefault(parent, []).append(s)
+    for kids in children.values():
+        kids.sort(key=lambda s: (s.start_ns, s.seq or 0))
+    lines: list[str] = []
+    seen: set[str] = set()
+
+    def walk(span: Any, depth: int) -> None:
+        if span.span_id in seen:  # malformed parent links cannot loop the printer
+            return
+        seen.add(span.span_id)
+        tag = _tag(span)
+        label = f"{'  ' * depth}{f'[{tag}] ' if tag else ''}{span.name}"
+        details = _details(span)
+        dur = _duration(span.duration_ns / 1e9)
+        room = max(10, width - len(label) - len(dur) - 3)
+        line = f"{label} {_cut(details, room)}".rstrip() if details else label
+        lines.append(f"{line.ljust(width - len(dur) - 1)} {dur}")
+        for kid in children.get(span.span_id, ()):
+            walk(kid, depth + 1)
+
+    for root in children.get(None, ()):
+        walk(root, 0)
+    for s in spans:  # anything only reachable through a parent cycle
+        if s.span_id not in seen:
+            walk(s, 0)
+    return "\n".join("  " + line.rstrip() for line in lines)

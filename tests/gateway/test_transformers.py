@@ -1,0 +1,220 @@
+"""The transformers backend with a tiny random Llama and the shipped SmolLM2 tokenizer, via the real client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from gw_helpers import ADD_TOOL, server_spans, start_rollout
+
+from agl import semconv as sc
+from agl.gateway.testing import serve_gateway
+from agl.gateway.tokenizer import load_default_tokenizer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from agl.gateway.backends.transformers import TransformersBackend  # noqa: E402
+
+TOK = load_default_tokenizer()
+MAX_POS = 512
+
+
+def tiny_model(seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=TOK._tok.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=MAX_POS,
+        bos_token_id=1,
+        eos_token_id=TOK.eos_token_id,
+        pad_token_id=TOK.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return tiny_model()
+
+
+@pytest.fixture
+def backend(model: Any) -> Iterator[TransformersBackend]:
+    be = TransformersBackend(model, model_name="tiny", default_max_tokens=12)
+    yield be
+    be._executor.shutdown(wait=False)
+
+
+def recompute_logprobs(model: Any, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        logp = model(ids).logits[0].float().log_softmax(-1)
+    p = len(prompt_ids)
+    return [logp[p - 1 + k, t].item() for k, t in enumerate(response_ids)]
+
+
+def greedy(model: Any, prompt_ids: list[int], n: int) -> list[int]:
+    ids = list(prompt_ids)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(nxt)
+            ids.append(nxt)
+            if nxt == TOK.eos_token_id:
+                break
+    return out
+
+
+def check_span(model: Any, span: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> None:
+    a = span.attributes
+    prompt, response, logprobs = a[sc.AGL_LLM_PROMPT_TOKEN_IDS], a[sc.AGL_LLM_RESPONSE_TOKEN_IDS], a[sc.AGL_LLM_RESPONSE_LOGPROBS]
+    assert prompt == TOK.encode(TOK.render(messages, tools))
+    assert len(response) == len(logprobs) > 0
+    assert all(math.isfinite(x) and x <= 0 for x in logprobs)
+    assert logprobs == pytest.approx(recompute_logprobs(model, prompt, response), abs=1e-4)
+    assert a[sc.AGL_LLM_BACKEND] == "transformers" and a[sc.AGL_LLM_EXACT] is True
+
+
+def test_greedy_chat_ids_and_logprobs_match_the_model(store: Any, rollout: tuple[str, int], backend: Any, model: Any) -> None:
+    messages = [{"role": "user", "content": "Say something."}]
+    with serve_gateway(backend, store) as url:
+        client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
+        resp = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=10)
+    (span,) = server_spans(store, rollout[0])
+    check_span(model, span, messages)
+    response = span.attributes[sc.AGL_LLM_RESPONSE_TOKEN_IDS]
+    assert response == greedy(model, span.attributes[sc.AGL_LLM_PROMPT_TOKEN_IDS], 10)
+    text_ids = response[:-1] if response[-1] == TOK.eos_token_id else response
+    assert resp.choices[0].message.content == TOK.decode(text_ids)
+    assert resp.usage is not None and resp.usage.completion_tokens == len(response)
+    assert resp.choices[0].finish_reason == ("stop" if response[-1] == TOK.eos_token_id else "length")
+
+
+async def test_concurrent_sampled_requests_are_batched_and_exact(store: Any, backend: Any, model: Any) -> None:
+    rollouts = [start_rollout(store, f"ro-t{i}") for i in range(6)]
+    convs = [[{"role": "user", "content": "word " * (i + 1)}] for i in range(6)]
+    with serve_gateway(backend, store) as url:
+        async with httpx.AsyncClient(timeout=60) as http:
+            resps = await asyncio.gather(
+                *(
+                    http.post(url.for_rollout(*r) + "/chat/completions", json={"model": "tiny", "messages": m, "temperature": 1.0, "seed": None})
+                    for r, m in zip(rollouts, convs, strict=True)
+                )
+            )
+    assert all(r.status_code == 200 for r in resps)
+    for r, m in zip(rollouts, convs, strict=True):
+        (span,) = server_spans(store, r[0])
+        check_span(model, span, m)  # left-padded batch rows still give the model's own logprobs
+
+
+def test_streaming_and_tool_results_render_through_the_template(store: Any, rollout: tuple[str, int], backend: Any, model: Any) -> None:
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+    ]
+    with serve_gateway(backend, store) as url:
+        client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
+        chunks = list(client.chat.completions.create(model="tiny", messages=messages, tools=[ADD_TOOL], stream=True, max_tokens=6, temperature=0))
+    (span,) = server_spans(store, rollout[0])
+    check_span(model, span, messages, [ADD_TOOL])
+    prompt_text = TOK.decode(span.attributes[sc.AGL_LLM_PROMPT_TOKEN_IDS])
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in prompt_text
+    assert "<|im_start|>tool\n<tool_response>\n3\n</tool_response><|im_end|>" in prompt_text
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == json.loads(span.attributes[sc.GEN_AI_OUTPUT_MESSAGES])[0]["content"]
+
+
+def test_weight_swap_between_requests(store: Any, rollout: tuple[str, int], tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    base = tiny_model(seed=1)
+    be = TransformersBackend(base, model_name="tiny")
+    other = tiny_model(seed=2)
+    path = tmp_path / "new.safetensors"
+    save_file({k: v.contiguous() for k, v in other.state_dict().items() if k != "lm_head.weight"}, str(path))
+    messages = [{"role": "user", "content": "hi"}]
+    with serve_gateway(be, store) as url:
+        client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
+        client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=4)
+        swapped = httpx.post(url.root + "/agl/v1/weights", json={"path": str(path), "version": 7})
+        assert swapped.status_code == 200 and swapped.json() == {"weight_version": 7}
+        client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=4)
+        bad = httpx.post(url.root + "/agl/v1/weights", json={"path": str(tmp_path / "missing.safetensors")})
+        assert bad.status_code == 400 and "missing.safetensors" in bad.json()["error"]["message"]
+        assert httpx.get(url.root + "/agl/v1/status").json()["weight_version"] == 7
+    s1, s2 = server_spans(store, rollout[0])
+    assert s1.attributes[sc.AGL_LLM_WEIGHT_VERSION] == 0
+    assert s2.attributes[sc.AGL_LLM_WEIGHT_VERSION] == 7
+    check_span(other, s2, messages)  # the second call ran the new weights
+    be._executor.shutdown(wait=False)
+
+
+def test_lora_adapter_swap(store: Any, rollout: tuple[str, int], tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    base = tiny_model(seed=3)
+    lora = peft.get_peft_model(tiny_model(seed=3), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    lora.save_pretrained(str(tmp_path / "adapter"))
+    be = TransformersBackend(base, model_name="tiny")
+    messages = [{"role": "user", "content": "hi"}]
+    with serve_gateway(be, store) as url:
+        swapped = httpx.post(url.root + "/agl/v1/adapters", json={"path": str(tmp_path / "adapter"), "name": "step1"})
+        assert swapped.status_code == 200, swapped.text
+        assert swapped.json() == {"weight_version": 1}
+        openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x").chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+    (span,) = server_spans(store, rollout[0])
+    assert span.attributes[sc.AGL_LLM_WEIGHT_VERSION] == 1
+    check_span(lora, span, messages)
+    be._executor.shutdown(wait=False)
+
+
+def test_context_window_and_unknown_model(store: Any, backend: Any) -> None:
+    with serve_gateway(backend, store) as url:
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 600}])
+        assert str(MAX_POS) in str(info.value)
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+
+
+def test_disconnect_cancels_a_running_generation(store: Any, rollout: tuple[str, int], model: Any) -> None:
+    be = TransformersBackend(model, model_name="tiny")
+    with serve_gateway(be, store) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                url.for_rollout(*rollout) + "/chat/completions",
+                json={"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 100000, "temperature": 0},
+                timeout=0.5,
+            )
+        # the worker is free again: the next request is served (it would queue behind 100k tokens otherwise)
+        ok = openai.OpenAI(base_url=url, api_key="x", timeout=30, max_retries=0).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
+        assert ok.choices[0].message is not None
+        assert url.gateway.stats["cancelled_calls"] == 1
+    assert server_spans(store, rollout[0]) == []
+    be._executor.shutdown(wait=False)
+
+
+def test_completions_raw_prompt(store: Any, rollout: tuple[str, int], backend: Any, model: Any) -> None:
+    with serve_gateway(backend, store) as url:
+        client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
+        client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0)
+    (span,) = server_spans(store, rollout[0])
+    assert span.attributes[sc.AGL_LLM_PROMPT_TOKEN_IDS] == TOK.encode("Once upon a time")
+    resp_ids = span.attributes[sc.AGL_LLM_RESPONSE_TOKEN_IDS]
+    assert span.attributes[sc.AGL_LLM_RESPONSE_LOGPROBS] == pytest.approx(recompute_logprobs(model, TOK.encode("Once upon a time"), resp_ids), abs=1e-4)
