@@ -1,6 +1,10 @@
 """Store throughput: batched span inserts (spans/s) and claim + span + finish (rollouts/s).
 
-    python bench/store.py [--spans 50000] [--rollouts 5000] [--stores memory,sqlite,sqlite-full]
+    python bench/store.py [--spans 50000] [--rollouts 5000] [--repeat 3] [--stores memory,sqlite,sqlite-full]
+
+Each figure is the best of ``--repeat`` runs on a fresh store. ``wall`` is elapsed time; ``cpu`` is
+this process's CPU time (user + system, so SQLite's writes to the OS are included): on a machine
+shared with other jobs, ``cpu`` is what the store costs and ``wall`` what you got.
 
 The baseline is agentlightning 0.3.0's in-memory store, measured on the same 2-core machine:
 29.5k spans/s (batches of 100) and 1.7k rollouts/s (dequeue + span + finish).
@@ -52,35 +56,40 @@ def make_span(rid: str, i: int, trace_id: str | None = None) -> Span:
     )
 
 
-def bench_spans(store: Store, n: int) -> float:
+def bench_spans(store: Store, n: int) -> tuple[float, float]:
+    """Batches of 100 spans of one running attempt (spans are built before timing)."""
     rid = store.enqueue([NewRollout()])[0].id
     store.claim("bench")
     batches = []
     for b in range(n // BATCH):
         trace = os.urandom(16).hex()
         batches.append([make_span(rid, b * BATCH + i, trace) for i in range(BATCH)])
-    t0 = time.perf_counter()
+    w0, c0 = time.perf_counter(), time.process_time()
     for batch in tqdm(batches, desc="spans", unit="batch", leave=False):
         store.add_spans(batch)
-    return (len(batches) * BATCH) / (time.perf_counter() - t0)
+    total = len(batches) * BATCH
+    return total / (time.perf_counter() - w0), total / (time.process_time() - c0)
 
 
-def bench_rollouts(store: Store, n: int) -> float:
+def bench_rollouts(store: Store, n: int) -> tuple[float, float]:
+    """Claim, add one span, finish succeeded; rollouts are enqueued (in batches) before timing."""
     for _ in range(0, n, 1000):
         store.enqueue([NewRollout(input={"q": "what is 2+2?"}) for _ in range(1000)])
-    t0 = time.perf_counter()
-    for _ in tqdm(range(n), desc="rollouts", unit="rollout", leave=False):
+    spans = [make_span("ro-x", i) for i in range(n)]
+    w0, c0 = time.perf_counter(), time.process_time()
+    for i in tqdm(range(n), desc="rollouts", unit="rollout", leave=False):
         c = store.claim("bench")
         assert c is not None
-        store.add_spans([make_span(c.rollout.id, 0)])
+        store.add_spans([spans[i].model_copy(update={"rollout_id": c.rollout.id})])
         store.finish_attempt(c.rollout.id, c.attempt.number, "succeeded")
-    return n / (time.perf_counter() - t0)
+    return n / (time.perf_counter() - w0), n / (time.process_time() - c0)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--spans", type=int, default=50_000)
     ap.add_argument("--rollouts", type=int, default=5_000)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--stores", default="memory,sqlite,sqlite-full")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,21 +101,31 @@ def main() -> None:
         }
         rows = []
         for name in args.stores.split(","):
-            s1 = openers[name]()
-            spans = bench_spans(s1, args.spans)
-            s1.close()
-            s2 = openers[name]()
-            rollouts = bench_rollouts(s2, args.rollouts)
-            s2.close()
-            rows.append((name, spans, rollouts))
-    print(f"{'store':<12} {'spans/s (batch 100)':>20} {'x baseline':>10} {'rollouts/s':>11} {'x baseline':>10}")
-    print(f"{'agl-0.3 mem':<12} {BASELINE['spans']:>20,.0f} {1.0:>10.2f} {BASELINE['rollouts']:>11,.0f} {1.0:>10.2f}")
-    for name, spans, rollouts in rows:
+            best = [0.0, 0.0, 0.0, 0.0]
+            for _ in range(args.repeat):
+                for j, fn, n in ((0, bench_spans, args.spans), (2, bench_rollouts, args.rollouts)):
+                    store = openers[name]()
+                    try:
+                        wall, cpu = fn(store, n)
+                    finally:
+                        store.close()
+                    best[j], best[j + 1] = max(best[j], wall), max(best[j + 1], cpu)
+            rows.append((name, *best))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"best of {args.repeat}; load average {load:.1f} on {os.cpu_count()} CPUs")
+    head = f"{'store':<14}{'spans/s wall':>14}{'cpu':>10}{'x base':>8}{'rollouts/s wall':>17}{'cpu':>8}{'x base':>8}"
+    print(head)
+    print(
+        f"{'agl-0.3 memory':<14}{BASELINE['spans']:>14,.0f}{'':>10}{1.0:>8.2f}{BASELINE['rollouts']:>17,.0f}{'':>8}{1.0:>8.2f}"
+    )
+    for name, sw, sc, rw, rc in rows:
         print(
-            f"{name:<12} {spans:>20,.0f} {spans / BASELINE['spans']:>10.2f} "
-            f"{rollouts:>11,.0f} {rollouts / BASELINE['rollouts']:>10.2f}"
+            f"{name:<14}{sw:>14,.0f}{sc:>10,.0f}{sw / BASELINE['spans']:>8.2f}"
+            f"{rw:>17,.0f}{rc:>8,.0f}{rw / BASELINE['rollouts']:>8.2f}"
         )
-    print(f"targets for sqlite: >= {TARGET_SQLITE['spans']:,.0f} spans/s, >= {TARGET_SQLITE['rollouts']:,.0f} rollouts/s")
+    print(
+        f"targets (sqlite): >= {TARGET_SQLITE['spans']:,.0f} spans/s, >= {TARGET_SQLITE['rollouts']:,.0f} rollouts/s"
+    )
 
 
 if __name__ == "__main__":

@@ -70,11 +70,6 @@ class Instrumentor(BaseInstrumentor):
     def instrumentation_dependencies(self) -> Collection[str]:
         return self.instruments
 
-    @property
-    def tracer_provider(self) -> TracerProvider | None:
-        """The provider this integration was instrumented with (None when not instrumented)."""
-        return getattr(self, "_agl_tracer_provider", None)
-
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._instance = None
@@ -182,7 +177,7 @@ def instrument(*names: str, tracer_provider: TracerProvider | None = None) -> li
         for cls in chosen:
             instance = cls()
             if instance.is_instrumented_by_opentelemetry:
-                if instance.tracer_provider is provider:
+                if getattr(instance, "_agl_tracer_provider", None) is provider:
                     done.append(cls.name)
                     continue
                 instance.uninstrument()

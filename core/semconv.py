@@ -93,4 +93,5 @@ AGL_LANGGRAPH_STEP = "agl.langgraph.step"  # int: the graph super-step that ran 
 BAGGAGE_ROLLOUT_ID = AGL_ROLLOUT_ID
 BAGGAGE_ATTEMPT = AGL_ATTEMPT
 HEADER_TRACEPARENT = "traceparent"
+HEADER_TRACESTATE = "tracestate"
 HEADER_BAGGAGE = "baggage"

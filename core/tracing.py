@@ -424,7 +424,15 @@ class StoreSpanProcessor(SpanProcessor):
         self._flushing = 0
         self._shutdown = False
         self._worker: threading.Thread | None = None
-        self._pid = os.getpid()
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (p := ref()) is not None and p._after_fork())
+
+    def _after_fork(self) -> None:
+        """In a forked child the worker thread is gone and the lock may be held: start afresh."""
+        self._cond = threading.Condition(threading.Lock())
+        self._queue.clear()
+        self._worker = None
+        self._enqueued = self._done = self._flushing = 0
 
     # The store may change between runs (tests, a runner re-pointed at another store).
     def set_store(self, store: Store) -> None:
@@ -455,13 +463,12 @@ class StoreSpanProcessor(SpanProcessor):
                 return
             self._queue.append(span)
             self._enqueued += 1
-            if self._worker is None or self._pid != os.getpid():
+            if self._worker is None:
                 self._start_worker()
             if len(self._queue) >= self.max_batch_size:
                 self._cond.notify_all()
 
     def _start_worker(self) -> None:
-        self._pid = os.getpid()
         self._worker = threading.Thread(target=self._run, name="agl-span-export", daemon=True)
         self._worker.start()
 

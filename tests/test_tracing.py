@@ -432,3 +432,28 @@ def test_global_provider_is_used_or_created(mode: str) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert f"OK {mode}" in result.stdout
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_export_works_in_a_forked_child(provider, store) -> None:
+    import os
+
+    rid, n = _claim(store, "ro-fork")
+    tracing.setup_tracing(store, provider)
+    with rollout_context(rid, n, span=False):
+        _tracer().start_span("parent-side").end()
+    assert tracing.flush(10)  # the worker thread now exists in the parent
+    pid = os.fork()
+    if pid == 0:  # child: its copy of the store must receive the child's spans through a new worker
+        code = 1
+        try:
+            with rollout_context(rid, n, span=False):
+                _tracer().start_span("child-side").end()
+            ok = tracing.flush(10)
+            names = [s.name for s in store.query_spans(rollout_id=rid)]
+            code = 0 if ok and names == ["parent-side", "child-side"] else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [s.name for s in store.query_spans(rollout_id=rid)] == ["parent-side"]

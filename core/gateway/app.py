@@ -247,16 +247,10 @@ class Gateway:
             if rollout is not None and self.writer is not None and (result is not None or error is not None):
                 prefix = None
                 if result is not None and result.prompt_ids is not None and gen.messages is not None:
-                    prefix = self.drift.check(rollout, gen.messages, result.prompt_ids, gen.tools)
                     choice = result.choices[0]
-                    if choice.response_ids is not None:
-                        self.drift.remember(
-                            rollout,
-                            gen.messages,
-                            choice.message(),
-                            list(result.prompt_ids) + list(choice.response_ids),
-                            gen.tools,
-                        )
+                    prefix = self.drift.observe(
+                        rollout, gen.messages, gen.tools, result.prompt_ids, choice.message(), choice.response_ids
+                    )
                 spans = build_chat_spans(
                     request=gen,
                     result=result,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import time
 from collections import OrderedDict
@@ -24,6 +25,7 @@ from typing import Any
 
 from agl import semconv as sc
 from agl.gateway.backends.base import Choice, GenerationRequest, GenerationResult
+from agl.gateway.chat_format import flatten_content
 from agl.types import Span, SpanEvent, SpanStatus
 
 __all__ = ["DriftTracker", "SpanWriter", "build_chat_spans", "parse_trace_headers"]
@@ -63,10 +65,12 @@ def parse_trace_headers(
 
 def _message_key(msg: dict[str, Any]) -> tuple[Any, ...]:
     """What identifies a message for drift detection: role, text, tool calls (not their ids)."""
-    from agl.gateway.chat_format import flatten_content
-
+    content = msg.get("content")
+    text = (content if isinstance(content, str) else flatten_content(content)).strip()
+    if not msg.get("tool_calls"):
+        return (msg.get("role"), text, ())
     calls = []
-    for tc in msg.get("tool_calls") or ():
+    for tc in msg["tool_calls"]:
         fn = tc.get("function", {}) if isinstance(tc, dict) else {}
         args = fn.get("arguments")
         try:
@@ -78,7 +82,7 @@ def _message_key(msg: dict[str, Any]) -> tuple[Any, ...]:
         except ValueError:
             pass
         calls.append((fn.get("name"), args))
-    return (msg.get("role"), flatten_content(msg.get("content")).strip(), tuple(calls))
+    return (msg.get("role"), text, tuple(calls))
 
 
 def _tools_key(tools: Sequence[dict[str, Any]] | None) -> tuple[Any, ...]:
@@ -95,41 +99,45 @@ class DriftTracker:
     ids; ``check`` returns whether they do (``None`` when the request continues no known conversation).
     """
 
-    def __init__(self, max_attempts: int = 4096, per_attempt: int = 32) -> None:
-        self._by_attempt: OrderedDict[tuple[str, int], list[tuple[tuple[Any, ...], list[int]]]] = (
-            OrderedDict()
-        )
+    def __init__(self, max_attempts: int = 4096, per_attempt: int = 64) -> None:
+        # per attempt: conversation key (tools, messages..., reply) -> prompt+response ids, oldest first
+        self._by_attempt: OrderedDict[tuple[str, int], dict[tuple[Any, ...], list[int]]] = OrderedDict()
         self.max_attempts = max_attempts
         self.per_attempt = per_attempt
 
-    def check(
-        self, rollout: tuple[str, int], messages: Sequence[dict[str, Any]], prompt_ids: Sequence[int]
-    ) -> bool | None:
-        entries = self._by_attempt.get(rollout)
-        if not entries:
-            return None
-        keys = [_message_key(m) for m in messages]
-        for key, ids in reversed(entries):
-            if len(key) < len(keys) and tuple(keys[: len(key)]) == key:
-                return list(prompt_ids[: len(ids)]) == ids
-        return None
-
-    def remember(
+    def observe(
         self,
         rollout: tuple[str, int],
         messages: Sequence[dict[str, Any]],
-        reply: dict[str, Any],
-        ids: list[int],
-        tools: Sequence[dict[str, Any]] | None = None,
-    ) -> None:
-        key = (_tools_key(tools), *(_message_key(m) for m in messages), _message_key(reply))
-        entries = self._by_attempt.setdefault(rollout, [])
-        self._by_attempt.move_to_end(rollout)
-        entries.append((key, ids))
-        if len(entries) > self.per_attempt:
-            del entries[0]
-        while len(self._by_attempt) > self.max_attempts:
-            self._by_attempt.popitem(last=False)
+        tools: Sequence[dict[str, Any]] | None,
+        prompt_ids: Sequence[int],
+        reply: dict[str, Any] | None,
+        response_ids: Sequence[int] | None,
+    ) -> bool | None:
+        """Check this call's prompt ids against the conversation it continues, then remember it."""
+        keys = (_tools_key(tools), *(_message_key(m) for m in messages))
+        result: bool | None = None
+        known = self._by_attempt.get(rollout)
+        if known:
+            # the longest earlier conversation this one extends: it ends with an assistant turn
+            for end in range(len(keys) - 1, 1, -1):
+                if keys[end - 1][0] != "assistant":
+                    continue
+                ids = known.get(keys[:end])
+                if ids is not None:
+                    result = list(prompt_ids[: len(ids)]) == ids
+                    break
+        if reply is not None and response_ids is not None:
+            if known is None:
+                known = self._by_attempt[rollout] = {}
+            else:
+                self._by_attempt.move_to_end(rollout)
+            known[(*keys, _message_key(reply))] = [*prompt_ids, *response_ids]
+            if len(known) > self.per_attempt:
+                del known[next(iter(known))]
+            while len(self._by_attempt) > self.max_attempts:
+                self._by_attempt.popitem(last=False)
+        return result
 
 
 def _dumps(value: Any) -> str:
@@ -226,8 +234,11 @@ def build_chat_spans(
             attrs[sc.GEN_AI_USAGE_OUTPUT_TOKENS] = int(result.reported_completion_tokens)
         if many:
             attrs[sc.AGL_LLM_CHOICE_INDEX] = i
+        # every value here is made by the gateway from checked input (ids matched at the route, hex ids
+        # generated or parsed by OTel, attribute values of OTel types, logprobs checked finite), so the
+        # per-value validation of the model is skipped on this hot path
         spans.append(
-            Span(
+            Span.model_construct(
                 trace_id=trace_id,
                 span_id=_random_hex(8),
                 parent_id=parent_id,
@@ -235,9 +246,14 @@ def build_chat_spans(
                 kind="SERVER",
                 start_ns=start_ns,
                 end_ns=end_ns,
+                status=SpanStatus(),
                 attributes=attrs,
+                events=(),
+                resource={},
                 rollout_id=rollout[0],
                 attempt=rollout[1],
+                seq=None,
+                stale=False,
             )
         )
     return spans
@@ -250,7 +266,11 @@ def _choice_attrs(attrs: dict[str, Any], choice: Choice) -> None:
         attrs[sc.AGL_LLM_RESPONSE_TOKEN_IDS] = list(choice.response_ids)
         attrs[sc.GEN_AI_USAGE_OUTPUT_TOKENS] = len(choice.response_ids)
     if choice.logprobs is not None:
-        attrs[sc.AGL_LLM_RESPONSE_LOGPROBS] = [float(x) for x in choice.logprobs]
+        logprobs = [float(x) for x in choice.logprobs]
+        if all(map(math.isfinite, logprobs)):
+            attrs[sc.AGL_LLM_RESPONSE_LOGPROBS] = logprobs
+        else:  # not storable (and useless for a ratio); the ids are still exact
+            log.warning("agl gateway: dropped non-finite response logprobs")
 
 
 class SpanWriter:

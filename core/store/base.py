@@ -15,6 +15,28 @@ Semantics, shared by every implementation:
   first result without writing again.
 - Bad input never changes state: unknown ids raise ``NotFoundError``, illegal status changes raise
   ``ConflictError``, malformed data raises ``InvalidInputError``; all name the problem.
+
+Details every implementation keeps (``tests/store/conformance.py`` checks them):
+- Models or dicts are accepted wherever a model is expected; dicts are validated by the model and a
+  failure is an ``InvalidInputError`` naming the field.
+- ``enqueue``: an id already stored or repeated in the batch is a ``ConflictError``; a
+  ``resources_version`` that was never published is a ``NotFoundError``; either way nothing is stored.
+- ``claim`` takes queued rollouts oldest (first enqueued) first; a requeued rollout keeps its place.
+  Each claim records ``resources_version`` on the rollout and the attempt: the rollout's own if it was
+  enqueued with one, else the latest published at claim time (None when none was published).
+- ``finish_attempt``/``heartbeat`` on an attempt that is not running (ended, lost, timed out, or its
+  rollout cancelled) is a ``ConflictError``; an unknown rollout or attempt number a ``NotFoundError``.
+- ``cancel`` works on queued and running rollouts (the running attempt ends ``failed`` with error type
+  ``cancelled``); on a terminal rollout it is a ``ConflictError``.
+- ``add_spans``: spans for an unknown rollout or attempt are a ``NotFoundError`` and no span of the batch
+  is stored. Spans may arrive after their attempt ended: after ``succeeded``/``failed`` they are stored
+  as usual, after ``lost``/``timed_out`` they are stored ``stale``.
+- Every returned ``Rollout`` carries its ``attempts``. Queries return oldest first and honour ``limit``;
+  ``wait_for_rollouts`` returns the terminal ones in the order the ids were given.
+- Resources versions start at 1 and increase by one per ``add_resources``; an unknown version passed to
+  ``get_resources`` is a ``NotFoundError``.
+- An idempotent retry returns the rollouts (in their current state) or the spans of the first call; a
+  call that was refused does not consume its key.
 """
 
 from __future__ import annotations

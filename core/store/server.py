@@ -268,19 +268,27 @@ class StoreServer:
                 raise InvalidInputError(f"Content-Length {declared!r} is not a number") from None
             if size > limit:
                 raise _BodyTooLarge(f"request body of {size} bytes is over the limit of {limit} bytes")
+        # Straight from ASGI receive (Starlette's stream() adds an async generator per request);
+        # counted as it arrives, so a chunked body without Content-Length is limited too.
         chunks: list[bytes] = []
         total = 0
-        async for chunk in request.stream():
+        receive = request.receive
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise ClientDisconnect()
+            chunk = message.get("body", b"")
             total += len(chunk)
             if total > limit:
                 raise _BodyTooLarge(f"request body is over the limit of {limit} bytes")
             chunks.append(chunk)
-        return b"".join(chunks)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def _json_body(self, request: Request, model: type[_Body]) -> Any:
         body = await self._body(request)
         if not body.strip():
-            body = b"{}"
+            raise InvalidInputError("empty request body; expected a JSON object")
         return model.model_validate_json(body)
 
     def _idem_key(self, request: Request, body_key: str | None = None) -> str | None:
@@ -504,24 +512,25 @@ class StoreServer:
     # ------------------------------------------------------------ routing
     def routes(self) -> list[Route]:
         table: list[tuple[str, Callable[[Request], Awaitable[Response]], Sequence[str]]] = [
-            ("/tasks", self.add_tasks, ["POST"]),
-            ("/tasks/query", self.query_tasks, ["POST"]),
-            ("/tasks/{task_id}", self.get_task, ["GET"]),
+            # the hot paths of a runner first: Starlette tries routes in order
+            ("/claim", self.claim, ["POST"]),
+            ("/spans", self.add_spans, ["POST"]),
+            ("/rollouts/{rollout_id}/attempts/{attempt:int}/finish", self.finish, ["POST"]),
+            ("/rollouts/{rollout_id}/attempts/{attempt:int}/heartbeat", self.heartbeat, ["POST"]),
+            ("/v1/traces", self.otlp_traces, ["POST"]),
             ("/rollouts", self.enqueue, ["POST"]),
-            ("/rollouts/query", self.query_rollouts, ["POST"]),
             ("/rollouts/wait", self.wait, ["POST"]),
+            ("/spans/query", self.query_spans, ["POST"]),
+            ("/rollouts/query", self.query_rollouts, ["POST"]),
             ("/rollouts/{rollout_id}", self.get_rollout, ["GET"]),
             ("/rollouts/{rollout_id}/attempts", self.get_attempts, ["GET"]),
             ("/rollouts/{rollout_id}/cancel", self.cancel, ["POST"]),
-            ("/rollouts/{rollout_id}/attempts/{attempt:int}/heartbeat", self.heartbeat, ["POST"]),
-            ("/rollouts/{rollout_id}/attempts/{attempt:int}/finish", self.finish, ["POST"]),
-            ("/claim", self.claim, ["POST"]),
-            ("/spans", self.add_spans, ["POST"]),
-            ("/spans/query", self.query_spans, ["POST"]),
-            ("/resources", self.add_resources, ["POST"]),
             ("/resources/latest", self.get_resources, ["GET"]),
             ("/resources/{version:int}", self.get_resources, ["GET"]),
-            ("/v1/traces", self.otlp_traces, ["POST"]),
+            ("/resources", self.add_resources, ["POST"]),
+            ("/tasks", self.add_tasks, ["POST"]),
+            ("/tasks/query", self.query_tasks, ["POST"]),
+            ("/tasks/{task_id}", self.get_task, ["GET"]),
         ]
         routes = [Route("/health", self.health, methods=["GET"])]
         routes += [Route(path, fn, methods=list(methods)) for path, fn, methods in table]

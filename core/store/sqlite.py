@@ -42,6 +42,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from agl.store._common import (
     Backoff,
     check_attempt_number,
@@ -160,6 +162,11 @@ _ROLLOUT_COLS = (
     "metadata, created_at, updated_at, ended_at, n_attempts, pinned_version, attempts, timeout_at"
 )
 _SPAN_CHUNK_COLS = "n, rollout_id, attempt, first_seq, stale, body"
+_SPAN_TARGET_SQL = "SELECT n, n_attempts, lease_s, timeout_at, attempts FROM rollouts WHERE id = ?"
+_LAST_SEQ_SQL = "SELECT MAX(last_seq) FROM span_chunks WHERE rollout_id = ? AND attempt = ?"
+_INSERT_CHUNK_SQL = "INSERT INTO span_chunks (rollout_id, attempt, first_seq, last_seq, stale, body) VALUES (?, ?, ?, ?, ?, ?)"
+_INSERT_TRACE_SQL = "INSERT OR IGNORE INTO span_traces (trace_id, chunk) VALUES (?, ?)"
+_EXTEND_SQL = "UPDATE rollouts SET attempts = ?, deadline = ? WHERE n = ?"
 _TERMINAL_SQL = "('succeeded', 'failed', 'cancelled')"
 _STALE_ENDINGS = ("lost", "timed_out")
 _INF = float("inf")
@@ -182,12 +189,19 @@ def _construct(cls: type, values: dict[str, Any]) -> Any:
     ``values`` must hold every field. This is what ``model_construct`` does, minus its per-field
     default handling, which costs more than the rest of a read.
     """
-    obj = cls.__new__(cls)
-    object.__setattr__(obj, "__dict__", values)
-    object.__setattr__(obj, "__pydantic_fields_set__", set(values))
-    object.__setattr__(obj, "__pydantic_extra__", None)
-    object.__setattr__(obj, "__pydantic_private__", None)
+    obj = _new(cls)
+    _setattr(obj, "__dict__", values)
+    _set_fields_set(obj, set(values))
+    _set_extra(obj, None)
+    _set_private(obj, None)
     return obj
+
+
+_new = object.__new__
+_setattr = object.__setattr__
+_set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
+_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
+_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
 
 
 def _attempt(rollout_id: str, d: dict[str, Any]) -> Attempt:
@@ -813,17 +827,17 @@ class SQLiteStore:
         items = coerce_many(Span, spans, "span")
         if not items:
             return []
-        # group by attempt, keeping arrival order within each group
-        groups: dict[tuple[str, int], list[Span]] = {}
-        for s in items:
-            d = s.__dict__
-            key = (d["rollout_id"], d["attempt"])
-            g = groups.get(key)
-            if g is None:
-                groups[key] = [s]
-            else:
-                g.append(s)
-        bodies = {key: _dumps([_span_record(s) for s in g]) for key, g in groups.items()}
+        # group by attempt (one chunk row each), keeping arrival order within each group
+        d0 = items[0].__dict__
+        key0 = (d0["rollout_id"], d0["attempt"])
+        groups: dict[tuple[str, int], list[int]] = {}
+        if all(s.__dict__["rollout_id"] == key0[0] and s.__dict__["attempt"] == key0[1] for s in items):
+            groups[key0] = list(range(len(items)))
+        else:
+            for i, s in enumerate(items):
+                groups.setdefault((s.__dict__["rollout_id"], s.__dict__["attempt"]), []).append(i)
+        bodies = [_dumps([_span_record(items[i]) for i in idx]) for idx in groups.values()]
+        traces = [{items[i].__dict__["trace_id"] for i in idx} for idx in groups.values()]
         with self._lock:
             self._check_open()
             now = time.time()
@@ -835,70 +849,51 @@ class SQLiteStore:
                 self._reap_in_txn(now)
                 # every (rollout, attempt) is checked before anything is written
                 plan = []
-                for (rid, number), g in groups.items():
-                    row = c.execute(f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE id = ?", (rid,)).fetchone()
-                    if row is None:
-                        raise NotFoundError(
-                            f"span {g[0].span_id}: rollout {rid!r} not found; no span was stored"
-                        )
-                    if not 1 <= number <= row[_N_ATT]:
-                        raise NotFoundError(
-                            f"span {g[0].span_id}: attempt {number} of rollout {rid!r} not found; no span was stored"
-                        )
+                for (rid, number), idx in groups.items():
+                    row = c.execute(_SPAN_TARGET_SQL, (rid,)).fetchone()
+                    if row is None or not 1 <= number <= row[1]:
+                        what = f"rollout {rid!r}" if row is None else f"attempt {number} of rollout {rid!r}"
+                        sid = items[idx[0]].span_id
+                        raise NotFoundError(f"span {sid}: {what} not found; no span was stored")
                     plan.append(row)
                 chunk_ns: list[int] = []
-                stored: list[Span] = []
-                for ((rid, number), g), row in zip(groups.items(), plan, strict=True):
-                    last = c.execute(
-                        "SELECT MAX(last_seq) FROM span_chunks WHERE rollout_id = ? AND attempt = ?",
-                        (rid, number),
-                    ).fetchone()[0]
+                placed: list[tuple[int, bool]] = []  # (first seq, stale) per group
+                for ((rid, number), idx), row, body, tr in zip(
+                    groups.items(), plan, bodies, traces, strict=True
+                ):
+                    n, _, lease_s, timeout_at, attempts_json = row
+                    last = c.execute(_LAST_SEQ_SQL, (rid, number)).fetchone()[0]
                     first = (last or 0) + 1
-                    attempts = _loads(row[_ATTEMPTS])
+                    attempts = _loads(attempts_json)
                     cur = attempts[number - 1]
                     stale = cur["status"] in _STALE_ENDINGS
-                    cur_n = c.execute(
-                        "INSERT INTO span_chunks (rollout_id, attempt, first_seq, last_seq, stale, body) "
-                        "VALUES (?, ?, ?, ?, ?, ?)",
-                        (rid, number, first, first + len(g) - 1, stale, bodies[(rid, number)]),
+                    chunk = c.execute(
+                        _INSERT_CHUNK_SQL, (rid, number, first, first + len(idx) - 1, stale, body)
                     ).lastrowid
-                    chunk_ns.append(cur_n)  # type: ignore[arg-type]
-                    traces = {s.trace_id for s in g}
-                    c.executemany(
-                        "INSERT OR IGNORE INTO span_traces (trace_id, chunk) VALUES (?, ?)",
-                        [(t, cur_n) for t in traces],
-                    )
+                    chunk_ns.append(chunk)  # type: ignore[arg-type]
+                    for t in tr:
+                        c.execute(_INSERT_TRACE_SQL, (t, chunk))
                     # a span arrival is a sign of life: extend the lease (coalesced)
-                    lease_s = row[_LEASE_S]
                     if (
                         cur["status"] == "running"
-                        and now + lease_s - cur["lease_expires_at"] > lease_s * _LEASE_COALESCE
+                        and now - (cur["lease_expires_at"] - lease_s) > lease_s * _LEASE_COALESCE
                     ):
                         cur["lease_expires_at"] = lease = now + lease_s
-                        deadline = lease if row[_TIMEOUT_AT] is None else min(lease, row[_TIMEOUT_AT])
-                        c.execute(
-                            "UPDATE rollouts SET attempts = ?, deadline = ? WHERE n = ?",
-                            (_dumps(attempts), deadline, row[_N]),
-                        )
-                    for i, s in enumerate(g):
-                        d = dict(s.__dict__)
-                        d["seq"] = first + i
-                        d["stale"] = stale
-                        stored.append(_construct(Span, d))
+                        deadline = lease if timeout_at is None else min(lease, timeout_at)
+                        c.execute(_EXTEND_SQL, (_dumps(attempts), deadline, n))
+                    placed.append((first, stale))
                 if idempotency_key is not None:
                     c.execute(
                         "INSERT INTO idempotency (key, result) VALUES (?, ?)",
                         (f"spans:{idempotency_key}", _dumps(chunk_ns)),
                     )
-        if len(groups) > 1:  # return them in the order they were given
-            pos = {id(s): i for i, s in enumerate(items)}
-            by_input: list[Span | None] = [None] * len(items)
-            k = 0
-            for g in groups.values():
-                for s in g:
-                    by_input[pos[id(s)]] = stored[k]
-                    k += 1
-            stored = by_input  # type: ignore[assignment]
+        stored: list[Any] = [None] * len(items)
+        for idx, (first, stale) in zip(groups.values(), placed, strict=True):
+            for k, i in enumerate(idx):
+                d = dict(items[i].__dict__)
+                d["seq"] = first + k
+                d["stale"] = stale
+                stored[i] = _construct(Span, d)
         return stored
 
     def _spans_of_chunks(self, chunk_ns: list[int]) -> list[Span]:

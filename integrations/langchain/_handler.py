@@ -90,9 +90,9 @@ def node_agent(name: str, *, inside_agent: bool) -> str | None:
     Every node is an agent named after the node, except the standard agent-loop nodes
     (:data:`LOOP_NODES`, middleware hooks): inside an agent (a named graph, or a node that runs the
     loop as a subgraph) they are that agent's turns; at the top level they are agents of their own
-    name. The tool node is never an agent.
+    name. The tool node and LangGraph's reserved ``__*__`` nodes are never agents.
     """
-    if name == TOOL_NODE:
+    if name == TOOL_NODE or name.startswith("__"):  # LangGraph's own __start__/__end__
         return None
     if is_loop_node(name) and inside_agent:
         return None

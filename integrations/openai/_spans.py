@@ -52,8 +52,12 @@ def _json_default(value: Any) -> Any:
     return repr(value)
 
 
+_ENCODER = json.JSONEncoder(default=_json_default, ensure_ascii=False, separators=(",", ":"))
+
+
 def to_json(value: Any) -> str:
-    return json.dumps(value, default=_json_default, ensure_ascii=False, separators=(",", ":"))
+    """Compact JSON (one encoder reused: this runs on every LLM call)."""
+    return _ENCODER.encode(value)
 
 
 def classify(method: str, url: str) -> str | None:

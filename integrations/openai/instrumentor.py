@@ -35,6 +35,7 @@ from opentelemetry.trace import SpanKind
 from agl import semconv
 from agl.instrument import Instrumentor
 from agl.integrations.openai._spans import ChatSpan, classify, request_attributes
+from agl.tracing import current_rollout
 
 __all__ = ["OpenAIInstrumentor"]
 
@@ -59,12 +60,18 @@ _STREAM_TARGETS = (
 # ------------------------------------------------------------------------------------ helpers
 
 
+def _is_options(arg: Any) -> bool:
+    return not isinstance(arg, type) and hasattr(arg, "json_data") and hasattr(arg, "url")
+
+
 def _find_options(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int | str | None]:
-    """The FinalRequestOptions argument of ``request`` and where it is (index or keyword)."""
+    """The FinalRequestOptions argument of ``request(cast_to, options, ...)`` and where it is."""
     if "options" in kwargs:
         return kwargs["options"], "options"
+    if len(args) > 1 and _is_options(args[1]):  # the signature of openai 1.x/2.x
+        return args[1], 1
     for i, arg in enumerate(args):
-        if hasattr(arg, "url") and hasattr(arg, "method") and hasattr(arg, "json_data"):
+        if _is_options(arg):
             return arg, i
     return None, None
 
@@ -76,7 +83,21 @@ def _client_headers(client: Any) -> Any:
     return headers or {}
 
 
-_W3C_FIELDS = frozenset({"traceparent", "tracestate", "baggage"})
+_W3C_FIELDS = frozenset({semconv.HEADER_TRACEPARENT, semconv.HEADER_TRACESTATE, semconv.HEADER_BAGGAGE})
+
+
+_w3c_textmap: tuple[Any, bool] = (None, True)  # (global propagator last checked, only W3C fields?)
+
+
+def _only_w3c(textmap: Any) -> bool:
+    """Whether the global propagator injects nothing beyond traceparent/tracestate/baggage (cached)."""
+    global _w3c_textmap
+    cached = _w3c_textmap
+    if cached[0] is textmap:
+        return cached[1]
+    only = _W3C_FIELDS.issuperset(textmap.fields)
+    _w3c_textmap = (textmap, only)
+    return only
 
 
 def _carrier(ctx: otel_context.Context) -> dict[str, str]:
@@ -84,7 +105,7 @@ def _carrier(ctx: otel_context.Context) -> dict[str, str]:
     whatever else the application's global propagator adds (B3, Jaeger...)."""
     carrier: dict[str, str] = {}
     textmap = propagate.get_global_textmap()
-    if not _W3C_FIELDS.issuperset(textmap.fields):
+    if not _only_w3c(textmap):
         textmap.inject(carrier, context=ctx)
     span_ctx = trace.get_current_span(ctx).get_span_context()
     if span_ctx.is_valid:  # fast path of TraceContextTextMapPropagator.inject
@@ -92,7 +113,7 @@ def _carrier(ctx: otel_context.Context) -> dict[str, str]:
             f"00-{span_ctx.trace_id:032x}-{span_ctx.span_id:016x}-{span_ctx.trace_flags:02x}"
         )
         if span_ctx.trace_state:
-            carrier["tracestate"] = span_ctx.trace_state.to_header()
+            carrier[semconv.HEADER_TRACESTATE] = span_ctx.trace_state.to_header()
     header = _baggage_header(ctx)
     if header:
         carrier[semconv.HEADER_BAGGAGE] = header
@@ -159,10 +180,11 @@ class _Call:
         self.stream = bool(kwargs.get("stream", False))
         api = classify(str(getattr(options, "method", "")), str(getattr(options, "url", "")))
         if api is not None:
-            body = getattr(options, "json_data", None)
-            span = tracer.start_span(
-                semconv.SPAN_CHAT, kind=SpanKind.CLIENT, attributes=request_attributes(api, body)
-            )
+            attributes = request_attributes(api, getattr(options, "json_data", None))
+            rollout = current_rollout()
+            if rollout is not None:  # set here rather than by the stamping processor: one lock less
+                attributes[semconv.AGL_ROLLOUT_ID], attributes[semconv.AGL_ATTEMPT] = rollout
+            span = tracer.start_span(semconv.SPAN_CHAT, kind=SpanKind.CLIENT, attributes=attributes)
             self.state = ChatSpan(api, span)
             self.token = otel_context.attach(trace.set_span_in_context(span))
 
@@ -175,6 +197,14 @@ class _Call:
             self.token = None
 
     def on_result(self, result: Any) -> None:
+        try:
+            self._on_result(result)
+        except Exception as exc:  # noqa: BLE001
+            _log_failure(exc)
+            if self.state is not None:
+                self.state.end()
+
+    def _on_result(self, result: Any) -> None:
         state = self.state
         if state is None:
             return
@@ -212,16 +242,46 @@ class _Call:
 # ------------------------------------------------------------------------------------ wrappers
 
 
+def _begin(
+    tracer: trace.Tracer, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[_Call | None, tuple[Any, ...], dict[str, Any]]:
+    """Open the span and add the headers; on any failure of agl's own, the call goes out untouched."""
+    call: _Call | None = None
+    try:
+        options, where = _find_options(args, kwargs)
+        if options is None:
+            return None, args, kwargs
+        call = _Call(tracer, options, kwargs)
+        new_kwargs = dict(kwargs)
+        new_args = _replace(args, new_kwargs, where, _with_headers(options, call.context(), instance))  # type: ignore[arg-type]
+        return call, new_args, new_kwargs
+    except Exception as exc:  # noqa: BLE001 - agl must never break the user's LLM call
+        _log_failure(exc)
+        if call is not None:
+            call.detach()
+            if call.state is not None:
+                call.state.end()
+        return None, args, kwargs
+
+
+_failed_once = False
+
+
+def _log_failure(exc: BaseException) -> None:
+    global _failed_once
+    if not _failed_once:
+        _failed_once = True
+        logger.warning("agl: instrumenting an openai call failed (%r); the call went out untraced", exc)
+
+
 def _sync_request(tracer: trace.Tracer) -> Callable[..., Any]:
     def wrapper(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        options, where = _find_options(args, kwargs)
-        if options is None:
+        call, args, kwargs = _begin(tracer, instance, args, kwargs)
+        if call is None:
             return wrapped(*args, **kwargs)
-        call = _Call(tracer, options, kwargs)
         try:
-            args = _replace(args, kwargs, where, _with_headers(options, call.context(), instance))  # type: ignore[arg-type]
             result = wrapped(*args, **kwargs)
         except BaseException as exc:
             if call.state is not None:
@@ -239,12 +299,10 @@ def _async_request(tracer: trace.Tracer) -> Callable[..., Any]:
     async def wrapper(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        options, where = _find_options(args, kwargs)
-        if options is None:
+        call, args, kwargs = _begin(tracer, instance, args, kwargs)
+        if call is None:
             return await wrapped(*args, **kwargs)
-        call = _Call(tracer, options, kwargs)
         try:
-            args = _replace(args, kwargs, where, _with_headers(options, call.context(), instance))  # type: ignore[arg-type]
             result = await wrapped(*args, **kwargs)
         except BaseException as exc:
             if call.state is not None:

@@ -113,6 +113,9 @@ class OpenAIAgentsInstrumentor(Instrumentor):
                     type(provider).__name__,
                 )
             return
+        if not any(p is processor for p in current):
+            processor.shutdown()  # the app set its own processor list since: leave it as it is
+            return
         rest = [p for p in current if p is not processor]
         if replaced is not None:  # put back what was there, plus anything the app added since
             rest = [*replaced, *(p for p in rest if not any(p is r for r in replaced))]

@@ -96,13 +96,15 @@ def test_vllm_completions_and_responses(store: Any, rollout: tuple[str, int], up
     with serve_gateway(VLLMBackend(root), store) as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
         comp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=20)
-        resp = client.responses.create(model=MODEL, instructions="Be nice.", input="hi")
+        tool = {"type": "function", "name": "add", "parameters": ADD_TOOL["function"]["parameters"]}
+        resp = client.responses.create(model=MODEL, instructions="Be nice.", input="hi", tools=[tool])  # type: ignore[list-item]
     assert comp.choices[0].text == "Hello from vLLM."
     kind, sent = fake.requests[0]
     assert kind == "completions" and sent["return_token_ids"] is True and sent["logprobs"] == 1
     assert resp.output[0].type == "function_call"  # the second scripted upstream reply
     kind, sent = fake.requests[1]
     assert kind == "chat" and sent["messages"] == [{"role": "system", "content": "Be nice."}, {"role": "user", "content": "hi"}]
+    assert sent["tools"] == [{"type": "function", "function": {"name": "add", "parameters": ADD_TOOL["function"]["parameters"]}}]
     s1, s2 = server_spans(store, rollout[0])
     assert s1.attributes[sc.AGL_LLM_PROMPT_TOKEN_IDS] == TOK.encode("Hello")
     assert s1.attributes[sc.AGL_LLM_RESPONSE_LOGPROBS][0] == pytest.approx(-0.05)
@@ -127,8 +129,7 @@ def test_vllm_errors_pass_through(store: Any, rollout: tuple[str, int], upstream
 
 
 def test_vllm_unreachable_is_502(store: Any, rollout: tuple[str, int]) -> None:
-    backend = VLLMBackend("http://127.0.0.1:9", model=MODEL, timeout_s=2)
-    backend.upstream_models = [MODEL]
+    backend = VLLMBackend("http://127.0.0.1:9", model=MODEL, timeout_s=2)  # nothing listens on port 9
     with serve_gateway(backend, store) as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x", max_retries=0)
         with pytest.raises(openai.InternalServerError) as info:

@@ -221,6 +221,17 @@ def test_finish_failed_requeues_then_fails(store: Store) -> None:
     assert store.claim("w") is None
 
 
+def test_requeued_rollout_keeps_its_place(store: Store) -> None:
+    first, second = enqueue(store, 2, config=RolloutConfig(max_attempts=3))
+    store.claim("w")
+    store.finish_attempt(first.id, 1, "failed")
+    c = store.claim("w")
+    assert c is not None and c.rollout.id == first.id and c.attempt.number == 2
+    assert [a.number for a in c.rollout.attempts] == [1, 2]
+    c = store.claim("w")
+    assert c is not None and c.rollout.id == second.id
+
+
 def test_illegal_finish_refused_without_change(store: Store) -> None:
     r = enqueue(store, 2)[0]
     store.claim("w")

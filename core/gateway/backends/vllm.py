@@ -53,13 +53,27 @@ class VLLMBackend(HttpUpstreamBackend):
         self.keep_adapters = max(1, keep_adapters)
 
     async def start(self) -> None:
-        self.upstream_models = await self._get_models()
+        """List the upstream's models; an upstream that is not up yet is retried on the first request."""
+        try:
+            self.upstream_models = await self._get_models()
+        except BackendError as exc:
+            if self.policy_name is None:
+                log.warning("agl gateway: %s (retried on the first request)", exc)
+                return
+            log.warning("agl gateway: %s; serving %s until it answers", exc, self.policy_name)
+            self.upstream_models = [self.policy_name]
         if self.policy_name is None:
             if not self.upstream_models:
                 raise BackendError(f"{self.base_url} serves no model")
             self.policy_name = self.upstream_models[0]
         if self.current_upstream is None:
             self.current_upstream = self.policy_name
+
+    async def _ensure_started(self) -> None:
+        if not self.upstream_models:
+            await self.start()
+            if not self.upstream_models:
+                raise BackendError(f"vLLM at {self.base_url} is not reachable")
 
     def models(self) -> list[str]:
         names = [self.policy_name] if self.policy_name else []
@@ -87,8 +101,7 @@ class VLLMBackend(HttpUpstreamBackend):
         return body
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        if not self.upstream_models:
-            await self.start()
+        await self._ensure_started()
         version = self.weight_version
         upstream = self._route(request.model)
         result = await self.forward(request, upstream)
@@ -99,8 +112,7 @@ class VLLMBackend(HttpUpstreamBackend):
 
     async def load_adapter(self, path: str, *, name: str | None = None, version: int | None = None) -> int:
         """Load a LoRA adapter into vLLM and route the policy's requests to it."""
-        if not self.upstream_models:
-            await self.start()
+        await self._ensure_started()
         new_version = self.weight_version + 1 if version is None else int(version)
         lora_name = name or f"{self.policy_name}-agl-v{new_version}"
         try:

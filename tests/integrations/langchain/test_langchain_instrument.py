@@ -146,3 +146,22 @@ def test_agl_failures_never_break_the_run(traced: Traced) -> None:
         provider.shutdown()
     assert len(result["messages"]) == 3  # the user's run completed normally
     assert handler is not None and handler.errors >= 2
+
+
+def test_naming_rules() -> None:
+    from agl.integrations.langchain._handler import node_agent, root_agent
+
+    assert node_agent("writer", inside_agent=False) == node_agent("writer", inside_agent=True) == "writer"
+    assert node_agent("model", inside_agent=False) == "model"  # a top-level loop node names itself
+    for loop_node in ("model", "agent", "pre_model_hook", "SummarizationMiddleware.before_model"):
+        assert node_agent(loop_node, inside_agent=True) is None  # a turn of the enclosing agent
+    assert (
+        node_agent("tools", inside_agent=False) is None
+        and node_agent("__start__", inside_agent=False) is None
+    )
+    assert root_agent("writer") == "writer" and root_agent("sql_agent", "chain") == "sql_agent"
+    for default in ("LangGraph", "RunnableSequence", "RunnableParallel<a,b>", "RunnableLambda"):
+        assert root_agent(default) is None
+    assert (
+        root_agent("ChatPromptTemplate", "prompt") is None and root_agent("StrOutputParser", "parser") is None
+    )

@@ -458,3 +458,41 @@ def test_context_is_restored_after_runs(traced: Traced) -> None:
     (after,) = tree.named("after")
     assert after.parent_id == caller_span.span_id
     assert_llm_calls_nested(tree, out["record"], Counter({"writer": 3, "checker": 3}))
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["threads", "tasks"])
+def test_parallel_nodes_keep_their_own_context(traced: Traced, asynchronous: bool) -> None:
+    """Nodes of one super-step run at once (threads for sync graphs, tasks for async ones): each LLM
+    call still nests under its own node."""
+    traced.backend.policy = by_role
+    llm = llm_for(traced)
+    roles = ["writer", "checker", "rewriter"]
+
+    def node(role: str) -> Any:
+        def run(state: MessagesState) -> dict[str, Any]:
+            return {"messages": [llm.invoke([("system", f"{role}: go"), *state["messages"]])]}
+
+        async def arun(state: MessagesState) -> dict[str, Any]:
+            return {"messages": [await llm.ainvoke([("system", f"{role}: go"), *state["messages"]])]}
+
+        return arun if asynchronous else run
+
+    g = StateGraph(MessagesState)
+    for role in roles:
+        g.add_node(role, node(role))
+        g.add_edge(START, role)
+    graph = g.compile()
+    with traced.rollout() as out:
+        if asynchronous:
+            asyncio.run(graph.ainvoke(INPUT))
+        else:
+            graph.invoke(INPUT)
+    assert_llm_calls_nested(out["tree"], out["record"], Counter(dict.fromkeys(roles, 1)))
+
+
+def test_responses_api_calls_nest_too(traced: Traced) -> None:
+    traced.backend.policy = by_role
+    graph = two_node_graph(llm_for(traced, use_responses_api=True), "invoke")
+    with traced.rollout() as out:
+        graph.invoke(INPUT)
+    assert_llm_calls_nested(out["tree"], out["record"], Counter({"writer": 1, "checker": 1}))

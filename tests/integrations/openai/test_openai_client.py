@@ -400,3 +400,18 @@ async def test_rollout_travels_with_asyncio_tasks(traced) -> None:
         root = roots[span.attributes[semconv.AGL_ROLLOUT_ID]]
         assert span.parent.span_id == root.get_span_context().span_id
     await client.close()
+
+
+def test_a_failure_inside_agl_never_breaks_the_call(traced, monkeypatch, caplog) -> None:
+    from agl.integrations.openai import instrumentor
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("agl bug")
+
+    monkeypatch.setattr(instrumentor, "request_attributes", broken)
+    monkeypatch.setattr(instrumentor, "_failed_once", False)
+    with caplog.at_level("WARNING", logger=instrumentor.__name__):
+        reply = _client(traced).chat.completions.create(model="m", messages=MESSAGES)
+    assert reply.choices[0].message.content == REPLY
+    assert traced.chat_spans() == []
+    assert any("agl bug" in r.getMessage() for r in caplog.records)

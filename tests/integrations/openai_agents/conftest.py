@@ -1,4 +1,8 @@
-"""Fixtures for the OpenAI Agents SDK integration tests: a real gateway with the scripted model."""
+"""Fixtures for the OpenAI Agents SDK integration tests: a real gateway with the scripted model.
+
+No framework import at module level: without the SDK (the ``core`` env) the test modules skip
+themselves through ``pytest.importorskip`` and these fixtures are never used.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-pytest.importorskip("agents")
-pytest.importorskip("openai")
-
-from agents.tracing import TracingProcessor, get_trace_provider, set_trace_processors  # noqa: E402
-from openai_agents_rag_app import agent_of, policy  # noqa: E402
-from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
-
-import agl  # noqa: E402
-from agl.gateway.testing import GatewayURL, ScriptedBackend, serve_gateway  # noqa: E402
-from agl.store import open as open_store  # noqa: E402
-from agl.tracing import reset_tracing  # noqa: E402
+import agl
+from agl.gateway.testing import GatewayURL, ScriptedBackend, serve_gateway
+from agl.store import open as open_store
+from agl.tracing import reset_tracing
 
 
 @dataclass
@@ -41,6 +39,8 @@ class Model:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __call__(self, request: Any) -> Any:
+        from openai_agents_rag_app import agent_of, policy
+
         with self.lock:
             self.calls.append(
                 Recorded(request.rollout, agent_of(request.messages), request.messages, request.tools)
@@ -51,35 +51,12 @@ class Model:
         return [c for c in self.calls if c.rollout is not None and c.rollout[0] == rollout_id]
 
 
-class UserProcessor(TracingProcessor):
-    """A processor the application registered itself (stands in for the SDK's uploader, which
-    cannot reach OpenAI offline): agl must leave it in place and it must keep receiving spans."""
-
-    def __init__(self) -> None:
-        self.spans: list[Any] = []
-
-    def on_trace_start(self, trace: Any) -> None:
-        pass
-
-    def on_trace_end(self, trace: Any) -> None:
-        pass
-
-    def on_span_start(self, span: Any) -> None:
-        pass
-
-    def on_span_end(self, span: Any) -> None:
-        self.spans.append(span)
-
-    def shutdown(self) -> None:
-        pass
-
-    def force_flush(self) -> None:
-        pass
-
-
 @pytest.fixture(scope="session", autouse=True)
-def user_processor() -> Iterator[UserProcessor]:
+def user_processor() -> Iterator[Any]:
     """For the whole session the SDK's processors are [UserProcessor]: nothing tries to upload."""
+    from agents.tracing import get_trace_provider, set_trace_processors
+    from openai_agents_rag_app import UserProcessor
+
     provider = get_trace_provider()
     original = tuple(provider._multi_processor._processors)
     processor = UserProcessor()

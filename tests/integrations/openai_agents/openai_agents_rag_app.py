@@ -18,6 +18,7 @@ from agents import (
     OpenAIChatCompletionsModel,
     OpenAIResponsesModel,
     RunContextWrapper,
+    TracingProcessor,
     function_tool,
     input_guardrail,
 )
@@ -86,6 +87,35 @@ def build_app(model: Any) -> Agent[Any]:
 def question_topic(question: str) -> str:
     words = (w.strip("?.,!") for w in question.replace("[sloppy]", "").split())
     return " ".join(w for w in words if w.lower() in CORPUS)
+
+
+# ---------------------------------------------------------------------------------- test helpers
+
+
+class UserProcessor(TracingProcessor):
+    """A processor the application registered itself (stands in for the SDK's uploader, which
+    cannot reach OpenAI offline): agl must leave it in place and it must keep receiving spans."""
+
+    def __init__(self) -> None:
+        self.spans: list[Any] = []
+
+    def on_trace_start(self, trace: Any) -> None:
+        pass
+
+    def on_trace_end(self, trace: Any) -> None:
+        pass
+
+    def on_span_start(self, span: Any) -> None:
+        pass
+
+    def on_span_end(self, span: Any) -> None:
+        self.spans.append(span)
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self) -> None:
+        pass
 
 
 # ---------------------------------------------------------------------------------- scripted model

@@ -16,8 +16,8 @@ pytest.importorskip("agents")
 
 import agents  # noqa: E402
 from agents import Agent, Runner, function_tool  # noqa: E402
-from agents.tracing import get_trace_provider  # noqa: E402
-from openai_agents_rag_app import build_app, make_model  # noqa: E402
+from agents.tracing import get_trace_provider, set_trace_processors  # noqa: E402
+from openai_agents_rag_app import ANSWERER, RESEARCHER, UserProcessor, build_app, make_model  # noqa: E402
 from opentelemetry import trace  # noqa: E402
 
 import agl  # noqa: E402
@@ -96,6 +96,14 @@ def test_replace_exporter_swaps_the_sdk_processors_and_puts_them_back(
     assert processors() == (OpenAIAgentsInstrumentor().processor,)
     agl.uninstrument("openai_agents")
     assert processors() == before
+
+    # the app sets its own list while agl is instrumented: uninstrument leaves the app's choice alone
+    agl.instrument("openai_agents")
+    mine = UserProcessor()
+    set_trace_processors([mine])
+    agl.uninstrument("openai_agents")
+    assert processors() == (mine,)
+    set_trace_processors(list(before))
 
 
 def test_replace_exporter_as_an_instrument_argument(clean_agl: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -231,10 +239,7 @@ def test_tool_code_runs_inside_its_execute_tool_span(
         agl.emit_reward(0.5, name="searched", primary=False)
         return "Paris is the capital of France."
 
-    from openai_agents_rag_app import ANSWERER, RESEARCHER
-    from openai_agents_rag_app import make_model as mk
-
-    model = mk("responses", url.for_rollout("ro-tool", 1))
+    model = make_model("responses", url.for_rollout("ro-tool", 1))
     answerer = Agent(name="answerer", instructions=ANSWERER, model=model)
     researcher = Agent(
         name="researcher", instructions=RESEARCHER, tools=[search], handoffs=[answerer], model=model

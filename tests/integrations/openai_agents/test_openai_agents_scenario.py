@@ -77,9 +77,9 @@ def run_rollouts(agent: Any, store: Any, base_url: str, inputs: list[Any]) -> li
     store.add_resources({"main": LLM(base_url=base_url, model="scripted")})
     rollouts = store.enqueue([NewRollout(input=x) for x in inputs])
     ids = [r.id for r in rollouts]
-    Runner(agent, store, concurrency=2).run_until_done(ids, timeout_s=60)
+    stats = Runner(agent, store, concurrency=2, timeout_s=60).run(max_rollouts=len(ids))
     done = store.wait_for_rollouts(ids, timeout_s=30)
-    assert [r.status for r in done] == ["succeeded"] * len(ids), [r.attempts[-1].error for r in done]
+    assert [r.status for r in done] == ["succeeded"] * len(ids), stats.errors
     return ids
 
 

@@ -1,0 +1,120 @@
+"""``agl plot RUN_DIR...``: the reward curve of training runs (train and held-out reward vs step).
+
+Reads each run's ``metrics.jsonl`` (written by ``Trainer.fit``) and draws, like the LightningRL
+paper's Figure 6, the training reward and the validation reward against the training step; several
+run directories (e.g. seeds) go on one figure. Uses matplotlib's Agg backend: no display needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plot_run", "plot_runs", "read_metrics", "register_cli"]
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The metric records of a run, in order; a clear error when the directory holds none."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl (is it a Trainer.fit run_dir?)")
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"{path}:{n} is not JSON: {exc}") from None
+        if not isinstance(rec, dict) or "step" not in rec:
+            raise ValueError(f"{path}:{n} is not a metrics record (no 'step')")
+        records.append(rec)
+    return records
+
+
+def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            xs.append(float(r["step"]))
+            ys.append(float(v))
+    return xs, ys
+
+
+def _smooth(ys: list[float], k: int) -> list[float]:
+    if k <= 1 or len(ys) < 3:
+        return ys
+    out = []
+    for i in range(len(ys)):
+        window = ys[max(0, i - k + 1) : i + 1]
+        out.append(sum(window) / len(window))
+    return out
+
+
+def plot_runs(
+    run_dirs: Sequence[str | Path], out: str | Path, *, title: str | None = None, smooth: int = 3
+) -> Path:
+    """One figure, two panels (train reward, validation reward), one line per run; returns ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not run_dirs:
+        raise ValueError("plot needs at least one run directory")
+    runs = [(Path(d), read_metrics(d)) for d in run_dirs]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    drawn = 0
+    for d, records in runs:
+        label = d.name if len(runs) > 1 else None
+        xs, ys = _series(records, "train_reward")
+        if xs:
+            line = axes[0].plot(xs, ys, alpha=0.25)[0]
+            axes[0].plot(xs, _smooth(ys, smooth), color=line.get_color(), label=label)
+            drawn += 1
+        xs, ys = _series(records, "val_reward")
+        if xs:
+            axes[1].plot(xs, ys, marker="o", label=label)
+            drawn += 1
+    if not drawn:
+        plt.close(fig)
+        raise ValueError(f"no train_reward or val_reward values in {', '.join(str(d) for d, _ in runs)}")
+    axes[0].set_title(f"train reward (moving mean of {smooth})" if smooth > 1 else "train reward")
+    axes[1].set_title("held-out reward")
+    for ax in axes:
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("reward")
+    if len(runs) > 1:
+        axes[1].legend(fontsize=8)
+    fig.suptitle(title or ", ".join(d.name for d, _ in runs))
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None, **kw: Any) -> Path:
+    """``run_dir/reward_curve.png`` (or ``out``) for one run."""
+    return plot_runs([run_dir], out or Path(run_dir) / "reward_curve.png", **kw)
+
+
+def register_cli(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="Trainer run directories (metrics.jsonl)")
+    parser.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/reward_curve.png)")
+    parser.add_argument("--title", default=None)
+    parser.add_argument("--smooth", type=int, default=3, help="moving-mean window for the train curve")
+    parser.set_defaults(func=_cli)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    out = args.out or str(Path(args.run_dirs[0]) / "reward_curve.png")
+    path = plot_runs(args.run_dirs, out, title=args.title, smooth=args.smooth)
+    print(path)
+    return 0

@@ -1,0 +1,686 @@
+"""The Runner (DESIGN §9): claims rollouts from a store, runs the user's agent on them, reports back.
+
+A runner is the agent side of the loop. It long-polls the store for work, runs up to ``concurrency``
+rollouts at once (async agents as asyncio tasks; sync agents in threads, with their context copied so
+the rollout context and OTel context follow them), heartbeats each claimed attempt, honours a
+per-rollout timeout, and finishes the attempt:
+
+- the agent's return value (a number) becomes the attempt's primary ``agl.reward`` span
+  (``agl.reward.source = "return"``); ``None`` means the agent emitted its rewards itself;
+- an exception becomes an ``agl.exception`` span with the traceback and the attempt's error;
+- ``agl.tracing.flush()`` runs before ``finish_attempt``, so every span of an attempt is in the store
+  before its status changes (the trainer reads spans as soon as a rollout is terminal).
+
+The agent is called as ``agent(task_input, resources)``, where ``resources`` is the ``Resources``
+snapshot the rollout was enqueued with, its main LLM's ``base_url`` rewritten to the gateway's
+per-rollout path ``{gateway}/rollouts/{id}/attempts/{n}/v1``: the gateway knows which rollout a call
+belongs to even when a framework drops the tracing headers.
+
+SIGINT/SIGTERM stop claiming; in-flight rollouts get ``grace_s`` to finish, then are finished as failed
+(the store requeues them while attempts remain). A second signal stops at once, the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import contextvars
+import functools
+import importlib
+import inspect
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from agl import semconv
+from agl.types import LLM, AttemptError, Claim, Mode, Resources
+
+__all__ = [
+    "RolloutFunction",
+    "Runner",
+    "RunnerStats",
+    "load_agent",
+    "register_cli",
+    "rollout",
+    "rollout_resources",
+]
+
+log = logging.getLogger("agl.runner")
+
+AgentFn = Callable[..., Any]
+
+
+# ------------------------------------------------------------------------------------- decorator
+
+
+class RolloutFunction:
+    """An agent function marked with ``@agl.rollout``: called as ``fn(task_input, resources)``.
+
+    The function may take ``(task)`` or ``(task, resources)`` and may be sync or async; it returns a
+    reward (a number) or None. Calling the decorated object directly calls the function unchanged.
+    """
+
+    def __init__(self, fn: AgentFn, *, timeout_s: float | None = None, name: str | None = None) -> None:
+        if not callable(fn):
+            raise TypeError(f"@agl.rollout needs a function, got {type(fn).__name__}")
+        if timeout_s is not None and (not math.isfinite(timeout_s) or timeout_s <= 0):
+            raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        self.fn = fn
+        self.timeout_s = timeout_s
+        self.name = name or getattr(fn, "__name__", "agent")
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)  # noqa: B004 - async callable objects
+        )
+        self.takes_resources = _takes_two(fn)
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def invoke(self, task_input: Any, resources: Resources | None) -> Any:
+        """Call with the runner's convention, whatever the function's arity."""
+        return self.fn(task_input, resources) if self.takes_resources else self.fn(task_input)
+
+    def __repr__(self) -> str:
+        return f"<agl.rollout {self.name}>"
+
+
+def _takes_two(fn: AgentFn) -> bool:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    params = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values()):
+        return True
+    if not params:
+        raise TypeError(
+            f"agent {getattr(fn, '__name__', fn)!r} must take the task input as its first argument"
+        )
+    return len(params) >= 2
+
+
+def rollout(fn: AgentFn | None = None, *, timeout_s: float | None = None, name: str | None = None) -> Any:
+    """Mark a function as an agl agent: ``@agl.rollout`` or ``@agl.rollout(timeout_s=60)``.
+
+    The function is called as ``fn(task_input, resources)`` (or ``fn(task_input)``), sync or async,
+    and returns a reward or None (rewards emitted with ``agl.emit_reward``).
+    """
+    if fn is None:
+        return lambda f: RolloutFunction(f, timeout_s=timeout_s, name=name)
+    return RolloutFunction(fn, timeout_s=timeout_s, name=name)
+
+
+def _as_rollout_function(agent: AgentFn | RolloutFunction) -> RolloutFunction:
+    return agent if isinstance(agent, RolloutFunction) else RolloutFunction(agent)
+
+
+def load_agent(spec: str) -> RolloutFunction:
+    """``module:function`` (or ``module.function``) → the agent; the current directory is importable."""
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+    else:
+        module_name, _, attr = spec.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"--agent must be module:function, got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import agent module {module_name!r}: {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return _as_rollout_function(obj)
+
+
+def rollout_resources(resources: Resources | None, rollout_id: str, attempt: int) -> Resources | None:
+    """The snapshot an agent sees: every LLM's gateway URL rewritten to the per-rollout path."""
+    if resources is None:
+        return None
+    items: dict[str, Any] = {}
+    changed = False
+    for key, item in resources.items.items():
+        if isinstance(item, LLM) and "/rollouts/" not in item.base_url:
+            items[key] = item.model_copy(
+                update={"base_url": rollout_base_url(item.base_url, rollout_id, attempt)}
+            )
+            changed = True
+        else:
+            items[key] = item
+    return resources.model_copy(update={"items": items}) if changed else resources
+
+
+def rollout_base_url(base_url: str, rollout_id: str, attempt: int) -> str:
+    """``{gateway}/rollouts/{rollout_id}/attempts/{n}/v1`` from the gateway's root or ``/v1`` URL."""
+    root = str(base_url).rstrip("/")
+    if root.endswith("/v1"):
+        root = root[: -len("/v1")]
+    return f"{root}/rollouts/{rollout_id}/attempts/{int(attempt)}/v1"
+
+
+# ------------------------------------------------------------------------------------------ runner
+
+
+@dataclass
+class RunnerStats:
+    """What a runner did; ``errors`` keeps the last few error messages for a human."""
+
+    claimed: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    timed_out: int = 0
+    lost: int = 0  #: attempts the store ended under us (lease expired, cancelled)
+    released: int = 0  #: claimed work handed back on shutdown
+    rewards: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "claimed": self.claimed,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "timed_out": self.timed_out,
+            "lost": self.lost,
+            "released": self.released,
+            "reward_mean": sum(self.rewards) / len(self.rewards) if self.rewards else None,
+        }
+
+
+class _Lost(Exception):
+    """The store ended our attempt (lease expired or rollout cancelled): stop working on it."""
+
+
+class _Shutdown(Exception):
+    """The runner is stopping and this rollout did not finish within the grace period."""
+
+
+def _reward_value(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        v = float(value)
+        if not math.isfinite(v):
+            raise ValueError(f"the agent returned a non-finite reward ({value!r})")
+        return v
+    try:  # numpy scalars, 0-d tensors
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"the agent returned {type(value).__name__}; an agent returns a reward (a number) or None"
+        ) from None
+    if not math.isfinite(v):
+        raise ValueError(f"the agent returned a non-finite reward ({value!r})")
+    return v
+
+
+def _emit_return_reward(value: float) -> None:
+    """The agent's return value as the attempt's primary reward (source "return")."""
+    from agl.tracing import get_tracer
+
+    get_tracer("agl.runner").start_span(
+        semconv.SPAN_REWARD,
+        attributes={
+            semconv.AGL_REWARD_VALUE: value,
+            semconv.AGL_REWARD_NAME: "reward",
+            semconv.AGL_REWARD_PRIMARY: True,
+            semconv.AGL_REWARD_SOURCE: "return",
+        },
+    ).end()
+
+
+class Runner:
+    """Run ``agent`` on rollouts claimed from ``store``, ``concurrency`` at a time.
+
+    ``timeout_s`` caps each rollout (the rollout's own ``config.timeout_s`` or the ``@agl.rollout``
+    timeout apply when smaller). ``heartbeat_s`` defaults to a third of the rollout's lease.
+    ``modes`` restricts what is claimed (e.g. ``["val"]``). ``grace_s`` is how long in-flight work may
+    run on after a stop request before it is released.
+    """
+
+    def __init__(
+        self,
+        agent: AgentFn | RolloutFunction,
+        store: Any,
+        *,
+        concurrency: int = 1,
+        worker_id: str | None = None,
+        timeout_s: float | None = None,
+        heartbeat_s: float | None = None,
+        modes: Sequence[Mode] | None = None,
+        claim_timeout_s: float = 1.0,
+        grace_s: float = 30.0,
+        trace: bool = True,
+    ) -> None:
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+        for name, value in (("timeout_s", timeout_s), ("heartbeat_s", heartbeat_s)):
+            if value is not None and (not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if claim_timeout_s < 0 or grace_s < 0:
+            raise ValueError("claim_timeout_s and grace_s must be >= 0")
+        self.agent = _as_rollout_function(agent)
+        self.store = store
+        self.concurrency = concurrency
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.modes = list(modes) if modes is not None else None
+        self.claim_timeout_s = claim_timeout_s
+        self.grace_s = grace_s
+        self.stats = RunnerStats()
+        self._stop = threading.Event()
+        self._hard_stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_evt: asyncio.Event | None = None
+        self._hard_evt: asyncio.Event | None = None
+        self._resources: dict[int | None, Resources | None] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._remaining: int | None = None
+        self._idle_exit = False
+        if trace:
+            from agl.tracing import setup_tracing
+
+            setup_tracing(store)
+
+    # ------------------------------------------------------------------------------ control
+    def stop(self, *, now: bool = False) -> None:
+        """Stop claiming; with ``now`` (or a second call) release in-flight work at once. Thread-safe."""
+        if self._stop.is_set() or now:
+            self._hard_stop.set()
+        self._stop.set()
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._sync_events)
+
+    def _sync_events(self) -> None:
+        if self._stop.is_set() and self._stop_evt is not None:
+            self._stop_evt.set()
+        if self._hard_stop.is_set() and self._hard_evt is not None:
+            self._hard_evt.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self, *, max_rollouts: int | None = None, until_idle: bool = False) -> RunnerStats:
+        """Run until stopped (SIGINT/SIGTERM in the main thread), ``max_rollouts`` are done, or, with
+        ``until_idle``, no work arrives within ``claim_timeout_s``. Blocks; returns the stats."""
+        return asyncio.run(self.run_async(max_rollouts=max_rollouts, until_idle=until_idle, signals=True))
+
+    async def run_async(
+        self, *, max_rollouts: int | None = None, until_idle: bool = False, signals: bool = False
+    ) -> RunnerStats:
+        """The runner's loop as a coroutine (to run beside other tasks, e.g. in the trainer)."""
+        if max_rollouts is not None and max_rollouts < 0:
+            raise ValueError(f"max_rollouts must be >= 0, got {max_rollouts}")
+        self._stop.clear()
+        self._hard_stop.clear()
+        self._loop = asyncio.get_running_loop()
+        self._stop_evt, self._hard_evt = asyncio.Event(), asyncio.Event()
+        self._remaining = max_rollouts
+        self._idle_exit = until_idle
+        loop = asyncio.get_running_loop()
+        installed: list[int] = []
+        if signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    loop.add_signal_handler(sig, self._on_signal, sig)
+                    installed.append(sig)
+                except (NotImplementedError, RuntimeError):  # pragma: no cover - non-Unix loops
+                    pass
+        # Blocking store calls and long-poll claims each hold a thread (sync agents get their own).
+        self._executor = ThreadPoolExecutor(
+            max_workers=2 * self.concurrency + 4, thread_name_prefix=f"agl-runner-{self.worker_id}"
+        )
+        try:
+            workers = [asyncio.create_task(self._worker(i)) for i in range(self.concurrency)]
+            await asyncio.gather(*workers)
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+            self._loop = None
+        return self.stats
+
+    def _on_signal(self, sig: int) -> None:
+        hard = self._stop.is_set()
+        log.warning(
+            "agl runner %s: %s — %s",
+            self.worker_id,
+            signal.Signals(sig).name,
+            "releasing in-flight rollouts now"
+            if hard
+            else f"no new claims; finishing in-flight work (grace {self.grace_s:g}s)",
+        )
+        self.stop(now=hard)
+
+    # --------------------------------------------------------------------------- internals
+    async def _blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a blocking call in the runner's threads, with the caller's context (contextvars, OTel)."""
+        ctx = contextvars.copy_context()
+        call = functools.partial(ctx.run, fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
+    async def _in_daemon_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run a sync agent in its own daemon thread (with the caller's context): a rollout that is
+        abandoned (timeout, shutdown) cannot keep the process alive at exit, as a pool thread would."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        ctx = contextvars.copy_context()
+
+        def settle(ok: bool, value: Any) -> None:
+            if not fut.done():
+                fut.set_result(value) if ok else fut.set_exception(value)
+
+        def target() -> None:
+            try:
+                value = ctx.run(fn)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+                ok, value = False, exc
+            else:
+                ok = True
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(settle, ok, value)
+
+        threading.Thread(target=target, name=f"agl-agent-{self.worker_id}", daemon=True).start()
+        return await fut
+
+    def _take_slot(self) -> bool:
+        if self._remaining is None:
+            return True
+        if self._remaining <= 0:
+            return False
+        self._remaining -= 1
+        return True
+
+    async def _worker(self, index: int) -> None:
+        while not self._stop.is_set():
+            if not self._take_slot():
+                return
+            try:
+                claim: Claim | None = await self._blocking(
+                    self.store.claim, self.worker_id, timeout_s=self.claim_timeout_s, modes=self.modes
+                )
+            except Exception as exc:  # noqa: BLE001 - a store hiccup must not kill the worker
+                self._give_back_slot()
+                log.warning("agl runner %s: claim failed: %r", self.worker_id, exc)
+                await asyncio.sleep(min(1.0, self.claim_timeout_s or 0.1))
+                continue
+            if claim is None:
+                self._give_back_slot()
+                if self._idle_exit:
+                    return
+                continue
+            self.stats.claimed += 1
+            if self._stop.is_set():
+                await self._finish(claim, "failed", _shutdown_error(), released=True)
+                continue
+            await self._run_claim(claim)
+
+    def _give_back_slot(self) -> None:
+        if self._remaining is not None:
+            self._remaining += 1
+
+    async def _resources_for(self, version: int | None) -> Resources | None:
+        if version not in self._resources:
+            try:
+                self._resources[version] = await self._blocking(self.store.get_resources, version)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("agl runner: resources version %s unavailable: %r", version, exc)
+                return None
+        return self._resources[version]
+
+    def _timeout_for(self, claim: Claim) -> float | None:
+        limits = [t for t in (self.timeout_s, self.agent.timeout_s, claim.rollout.config.timeout_s) if t]
+        return min(limits) if limits else None
+
+    async def _run_claim(self, claim: Claim) -> None:
+        rollout, attempt = claim.rollout, claim.attempt
+        rid, number = rollout.id, attempt.number
+        resources = rollout_resources(await self._resources_for(rollout.resources_version), rid, number)
+        agent_task = asyncio.create_task(self._call_agent(rollout.input, resources, rid, number))
+        hb_every = self.heartbeat_s or max(0.05, rollout.config.lease_s / 3.0)
+        hb_task = asyncio.create_task(self._heartbeat(rid, number, hb_every))
+        stop_task = asyncio.create_task(self._wait_for_release())
+        timeout = self._timeout_for(claim)
+        status, error, reward = "succeeded", None, None
+        try:
+            done, _ = await asyncio.wait(
+                {agent_task, hb_task, stop_task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            if agent_task in done:
+                reward = agent_task.result()  # raises the agent's exception, already recorded as a span
+            elif hb_task in done:
+                hb_task.result()
+                raise _Lost("the attempt ended in the store")
+            elif stop_task in done:
+                raise _Shutdown()
+            else:
+                raise asyncio.TimeoutError()
+        except _Lost as exc:
+            agent_task.cancel()
+            self.stats.lost += 1
+            log.warning("agl runner: rollout %s attempt %d was lost (%s); dropping it", rid, number, exc)
+            return
+        except _Shutdown:
+            agent_task.cancel()
+            await self._record_in_context(
+                rid, number, _ShutdownError("worker shutting down before the rollout finished")
+            )
+            await self._finish(claim, "failed", _shutdown_error(), released=True)
+            return
+        except asyncio.TimeoutError:
+            agent_task.cancel()
+            exc = TimeoutError(f"rollout {rid} ran past its {timeout:g} s timeout")
+            await self._record_in_context(rid, number, exc)
+            status, error = "failed", AttemptError(type="TimeoutError", message=str(exc))
+            self.stats.timed_out += 1
+        except Exception as exc:  # noqa: BLE001 - the agent's own failure
+            status, error = (
+                "failed",
+                AttemptError(
+                    type=type(exc).__qualname__,
+                    message=str(exc),
+                    traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+                ),
+            )
+        finally:
+            hb_task.cancel()
+            stop_task.cancel()
+        if reward is not None:
+            self.stats.rewards.append(reward)
+        await self._finish(claim, status, error)
+
+    async def _wait_for_release(self) -> None:
+        """Completes when in-flight work must be handed back (hard stop, or grace period over)."""
+        assert self._stop_evt is not None and self._hard_evt is not None
+        await self._stop_evt.wait()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._hard_evt.wait(), self.grace_s)
+
+    async def _heartbeat(self, rollout_id: str, attempt: int, every: float) -> None:
+        from agl.store.base import ConflictError, NotFoundError
+
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self._blocking(self.store.heartbeat, rollout_id, attempt)
+            except (ConflictError, NotFoundError):
+                return  # the attempt ended: the caller treats this as lost
+            except Exception as exc:  # noqa: BLE001 - transient: the lease has slack for a retry
+                log.warning("agl runner: heartbeat for %s/%d failed: %r", rollout_id, attempt, exc)
+
+    async def _call_agent(
+        self, task_input: Any, resources: Resources | None, rid: str, number: int
+    ) -> float | None:
+        from agl.emit import emit_exception
+        from agl.tracing import rollout_context
+
+        agent = self.agent
+
+        def in_context_sync() -> float | None:
+            with rollout_context(rid, number):
+                try:
+                    value = _reward_value(agent.invoke(task_input, resources))
+                except BaseException as exc:
+                    emit_exception(exc)
+                    raise
+                if value is not None:
+                    _emit_return_reward(value)
+                return value
+
+        if not agent.is_async:
+            return await self._in_daemon_thread(in_context_sync)
+        async with rollout_context(rid, number):
+            try:
+                value = _reward_value(await agent.invoke(task_input, resources))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                emit_exception(exc)
+                raise
+            if value is not None:
+                _emit_return_reward(value)
+            return value
+
+    async def _record_in_context(self, rid: str, number: int, exc: BaseException) -> None:
+        """An error the runner itself detected (timeout, shutdown), recorded on the rollout's trace."""
+        from agl.emit import emit_exception
+        from agl.tracing import rollout_context
+
+        def record() -> None:
+            with rollout_context(rid, number, span=False):
+                emit_exception(exc)
+
+        try:
+            await self._blocking(record)
+        except Exception as err:  # noqa: BLE001
+            log.debug("agl runner: could not record %r: %r", exc, err)
+
+    async def _finish(
+        self, claim: Claim, status: str, error: AttemptError | None, *, released: bool = False
+    ) -> None:
+        from agl.store.base import ConflictError, NotFoundError
+        from agl.tracing import flush
+
+        rid, number = claim.rollout.id, claim.attempt.number
+        # The flush guarantee: the attempt's spans are stored before its status changes.
+        if not await self._blocking(flush, 30.0):
+            log.warning("agl runner: spans of %s/%d not all stored before finishing", rid, number)
+        try:
+            await self._blocking(self.store.finish_attempt, rid, number, status, error=error)
+        except (ConflictError, NotFoundError) as exc:
+            self.stats.lost += 1
+            log.warning("agl runner: could not finish %s/%d (%s): the store ended it first", rid, number, exc)
+            return
+        except Exception as exc:  # noqa: BLE001
+            self.stats.errors.append(f"{rid}/{number}: finish failed: {exc!r}")
+            log.error("agl runner: finishing %s/%d failed: %r", rid, number, exc)
+            return
+        if released:
+            self.stats.released += 1
+        elif status == "succeeded":
+            self.stats.succeeded += 1
+        else:
+            self.stats.failed += 1
+            if error is not None:
+                self.stats.errors = [
+                    *self.stats.errors[-9:],
+                    f"{rid}/{number}: {error.type}: {error.message}",
+                ]
+
+
+class _ShutdownError(RuntimeError):
+    pass
+
+
+def _shutdown_error() -> AttemptError:
+    return AttemptError(
+        type="WorkerShutdown", message="the runner stopped before the rollout finished; requeued"
+    )
+
+
+def run_agent(
+    agent: AgentFn | RolloutFunction, task_input: Any, resources: Resources | None = None
+) -> Awaitable[Any] | Any:
+    """Call an agent with the runner's convention outside any runner (tests, notebooks)."""
+    return _as_rollout_function(agent).invoke(task_input, resources)
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def register_cli(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--store", required=True, help="store URL: http://host:port, sqlite:///path.db, memory://"
+    )
+    parser.add_argument("--agent", required=True, help="the agent function as module:function")
+    parser.add_argument("--concurrency", type=int, default=1, help="rollouts run at once (default 1)")
+    parser.add_argument(
+        "--worker-id", default=None, help="name of this runner in attempts (default host-pid)"
+    )
+    parser.add_argument("--max-rollouts", type=int, default=None, help="exit after this many rollouts")
+    parser.add_argument("--timeout-s", type=float, default=None, help="per-rollout timeout in seconds")
+    parser.add_argument(
+        "--mode", action="append", choices=["train", "val", "test"], help="only claim these modes"
+    )
+    parser.add_argument("--until-idle", action="store_true", help="exit when no work arrives for a while")
+    parser.add_argument("--idle-s", type=float, default=5.0, help="long-poll wait per claim (default 5 s)")
+    parser.add_argument(
+        "--token", default=os.environ.get("AGL_STORE_TOKEN"), help="bearer token of the store server"
+    )
+    parser.set_defaults(func=_cli)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    import agl.store
+
+    if args.concurrency < 1:
+        raise ValueError("--concurrency must be >= 1")
+    agent = load_agent(args.agent)
+    kwargs: dict[str, Any] = {}
+    if args.token and args.store.startswith(("http://", "https://")):
+        kwargs["token"] = args.token
+    store = agl.store.open(args.store, **kwargs)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    runner = Runner(
+        agent,
+        store,
+        concurrency=args.concurrency,
+        worker_id=args.worker_id,
+        timeout_s=args.timeout_s,
+        modes=args.mode,
+        claim_timeout_s=args.idle_s,
+    )
+    log.info(
+        "agl runner %s: %s on %s, concurrency %d", runner.worker_id, agent.name, args.store, args.concurrency
+    )
+    try:
+        stats = runner.run(max_rollouts=args.max_rollouts, until_idle=args.until_idle)
+    finally:
+        with contextlib.suppress(Exception):
+            from agl.tracing import flush
+
+            flush(10.0)
+        with contextlib.suppress(Exception):
+            store.close()
+    print(stats.as_dict())
+    return 0

@@ -1,0 +1,770 @@
+"""The Trainer (DESIGN §1, §9): the training loop, end to end, in one process or against a store server.
+
+One step of ``fit``:
+
+1. publish a ``Resources`` snapshot (the gateway URL, model name, sampling) — its version is the step's
+   weight version — and push the policy's current weights to the inference backend with that version
+   (in-process swap for ``transformers``; a saved LoRA adapter loaded by the gateway's ``vllm`` backend);
+2. enqueue ``group_size`` rollouts for each of ``tasks_per_step`` training tasks (one GRPO group each),
+   plus the validation tasks every ``val_every`` steps, all pinned to that resources version;
+3. runners (in-process asyncio tasks by default, or ``agl runner`` processes anywhere) run the agent;
+   the gateway records every LLM call with exact token ids;
+4. the adapter turns each finished rollout's spans into transitions (only the finishing attempt, never
+   stale spans, only the selected agents); LightningRL computes advantages; ``PolicyUpdate`` updates the
+   policy (TRL's GRPO loss, LoRA by default);
+5. metrics go to ``run_dir/metrics.jsonl`` and TensorBoard; checkpoints to ``run_dir/checkpoints``.
+
+``dev(agent, data)`` runs rollouts against any endpoint without training and prints the transitions
+and rewards a run would train on.
+
+Torch, transformers and TRL are imported only when a policy is built: ``import agl.trainer`` is light.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import math
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from agl import semconv
+from agl.types import LLM, NewRollout, Rollout, RolloutConfig, Task, Transition
+
+__all__ = ["Trainer", "load_tokenizer"]
+
+log = logging.getLogger("agl.trainer")
+
+_BACKENDS = ("transformers", "vllm", "scripted", "openai")
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def load_tokenizer(model: Any = None) -> Any:
+    """A Hugging Face tokenizer for ``model`` (a path, a loaded model or None for the shipped SmolLM2
+    tokenizer, which is also what the gateway's scripted backend tokenises with)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = (
+        model
+        if isinstance(model, (str, os.PathLike))
+        else getattr(getattr(model, "config", None), "_name_or_path", None)
+    )
+    if path and Path(path, "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(str(path))
+    assets = Path(__file__).parent / "gateway" / "assets"
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(assets / "tokenizer.json"))
+    cfg = json.loads((assets / "tokenizer_config.json").read_text())
+    for key in ("eos_token", "bos_token", "unk_token", "pad_token"):
+        value = cfg.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value:
+            setattr(tok, key, value)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.chat_template = (assets / "chat_template.jinja").read_text()
+    return tok
+
+
+def _as_tasks(data: Iterable[Any], mode: str) -> list[Task]:
+    tasks = []
+    for i, item in enumerate(data):
+        if isinstance(item, Task):
+            tasks.append(item.model_copy(update={"mode": mode}))
+        else:
+            tasks.append(Task(id=f"{mode}-{i}", input=item, mode=mode))  # type: ignore[arg-type]
+    return tasks
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return float(sum(xs) / len(xs)) if xs else None
+
+
+class _ServedGateway:
+    """The gateway app under uvicorn in a daemon thread with its own event loop, so the trainer can
+    run backend coroutines (weight swaps) on the loop that serves requests."""
+
+    def __init__(self, backend: Any, store: Any, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        from agl.gateway.app import create_app
+
+        self.backend = backend
+        self.app = create_app(backend, store)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.root = f"http://{host}:{self._sock.getsockname()[1]}"
+        self.url = self.root + "/v1"
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)
+        self.loop = asyncio.new_event_loop()
+        self._error: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, name="agl-gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 600  # the lifespan loads the model (minutes on a first prepare)
+        while not self._server.started:
+            if self._error or not self._thread.is_alive():
+                raise RuntimeError(
+                    f"the gateway failed to start: {self._error[0] if self._error else 'it exited'}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError("the gateway did not start")
+            time.sleep(0.02)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._server.serve(sockets=[self._sock]))
+        except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
+            self._error.append(exc)
+
+    def call(self, coro_fn: Callable[[], Coroutine[Any, Any, Any]], timeout_s: float = 600.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro_fn(), self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=15)
+        self._sock.close()
+
+
+class _RunnerThread:
+    """In-process runners: the Runner's asyncio workers on their own loop in a daemon thread."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self._thread = threading.Thread(target=self._run, name="agl-runners", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.runner.run_async())
+        except Exception:  # noqa: BLE001
+            log.exception("agl trainer: the in-process runner crashed")
+
+    def close(self) -> None:
+        self.runner.stop(now=True)
+        self._thread.join(timeout=30)
+
+
+# ------------------------------------------------------------------------------------ trainer
+
+
+class Trainer:
+    """Train an agent's LLM with LightningRL.
+
+    ``algorithm``: a ``LightningRL`` (credit, advantages, update settings). ``model``: a local path or
+    a loaded ``PreTrainedModel`` (None: the embedded SmolLM2-135M-Instruct). ``backend``: what serves
+    the policy to the agent — ``"transformers"`` (embedded, in-process weight swaps), ``"vllm"``
+    (``vllm_url``; LoRA adapters loaded at run time), ``"scripted"`` (``script``; tests), ``"openai"``
+    (``base_url``; ``dev`` only), or a ``agl.gateway`` ``Backend`` instance. ``store``: a Store or URL
+    (default: SQLite in ``run_dir``). ``runners``: in-process concurrency (0: rollouts are run by
+    ``agl runner`` processes against ``store``; then ``gateway_url`` names a gateway they reach, and
+    weights go to it through its ``/agl/v1`` endpoints).
+    """
+
+    def __init__(
+        self,
+        algorithm: Any = None,
+        model: Any = None,
+        backend: Any = "transformers",
+        store: Any = None,
+        runners: int = 4,
+        *,
+        run_dir: str | os.PathLike[str] = "runs/agl",
+        agents: Any = None,
+        adapter: Any = None,
+        tokenizer: Any = None,
+        model_name: str | None = None,
+        sampling: dict[str, Any] | None = None,
+        tasks_per_step: int = 8,
+        steps: int = 20,
+        val_every: int = 5,
+        checkpoint_every: int = 0,
+        resume: bool = False,
+        seed: int = 0,
+        rollout_timeout_s: float | None = None,
+        lease_s: float = 120.0,
+        max_attempts: int = 2,
+        step_timeout_s: float | None = None,
+        gateway_url: str | None = None,
+        vllm_url: str | None = None,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        script: Any = None,
+        behaviour_logprobs: bool | None = None,
+        progress: bool = True,
+        update_options: dict[str, Any] | None = None,
+    ) -> None:
+        from agl.algorithms.lightning_rl import LightningRL
+
+        self.algorithm = algorithm if algorithm is not None else LightningRL()
+        if not isinstance(self.algorithm, LightningRL):
+            raise ValueError(f"algorithm must be an agl.LightningRL, got {type(self.algorithm).__name__}")
+        if isinstance(backend, str) and backend not in _BACKENDS:
+            raise ValueError(
+                f"backend must be one of {', '.join(_BACKENDS)} or a Backend instance, got {backend!r}"
+            )
+        for name, value in (("runners", runners), ("tasks_per_step", tasks_per_step), ("steps", steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if tasks_per_step < 1:
+            raise ValueError("tasks_per_step must be >= 1")
+        if val_every < 0 or checkpoint_every < 0:
+            raise ValueError("val_every and checkpoint_every must be >= 0")
+        if runners == 0 and gateway_url is None and backend in ("transformers", "scripted"):
+            log.info("agl trainer: runners=0 — rollouts wait for external `agl runner` processes")
+        if backend == "vllm" and not vllm_url:
+            raise ValueError(
+                "backend='vllm' needs vllm_url (the vLLM OpenAI server, e.g. http://host:8000/v1)"
+            )
+        if backend == "scripted" and script is None:
+            raise ValueError("backend='scripted' needs script= (replies, see agl.gateway.ScriptedBackend)")
+        self.model_arg = model
+        self.backend_arg = backend
+        self.store_arg = store
+        self.runners = runners
+        self.run_dir = Path(run_dir)
+        self.agents = agents
+        self.adapter_arg = adapter
+        self.tokenizer_arg = tokenizer
+        self.model_name = model_name
+        self.sampling = {"temperature": 1.0, "max_tokens": 64, **(sampling or {})}
+        self.tasks_per_step = tasks_per_step
+        self.steps = steps
+        self.val_every = val_every
+        self.checkpoint_every = checkpoint_every
+        self.resume = resume
+        self.seed = seed
+        self.rollout_config = RolloutConfig(
+            timeout_s=rollout_timeout_s, lease_s=lease_s, max_attempts=max_attempts
+        )
+        self.step_timeout_s = step_timeout_s
+        self.gateway_url = gateway_url
+        self.vllm_url = vllm_url
+        self.base_url = base_url
+        self.api_key = api_key
+        self.script = script
+        if behaviour_logprobs is None:
+            # Only an engine serving the trained weights reports the behaviour policy's log-probs.
+            behaviour_logprobs = backend in ("transformers", "vllm")
+        self.behaviour_logprobs = behaviour_logprobs
+        self.progress = progress
+        self.update_options = dict(update_options or {})
+        self.history: list[dict[str, Any]] = []
+        self.policy: Any = None
+        self.store: Any = None
+        self._gateway: _ServedGateway | None = None
+        self._runner: _RunnerThread | None = None
+        self._tb: Any = None
+        self._tokenizer: Any = None
+        self._served_model_name: str | None = None
+
+    # ------------------------------------------------------------------------------ setup
+    def _open_store(self) -> Any:
+        import agl.store
+
+        if self.store_arg is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            return agl.store.open(f"sqlite:///{(self.run_dir / 'store.db').resolve()}")
+        if isinstance(self.store_arg, str):
+            return agl.store.open(self.store_arg)
+        return self.store_arg
+
+    def _model_source(self) -> Any:
+        if self.model_arg is not None:
+            return self.model_arg
+        from agl.gateway.models import prepare_default_model
+
+        return str(prepare_default_model(progress=self.progress))
+
+    def _make_tokenizer(self, source: Any) -> Any:
+        if self.tokenizer_arg is not None:
+            return self.tokenizer_arg
+        return load_tokenizer(source)
+
+    def _make_backend(self, source: Any, *, for_training: bool, base_url: str | None = None) -> Any:
+        backend = self.backend_arg
+        if not isinstance(backend, str):
+            return backend
+        from agl import gateway
+
+        if base_url is not None or backend == "openai":
+            url = base_url or self.base_url
+            if not url:
+                raise ValueError("the openai backend needs base_url (an OpenAI-compatible endpoint)")
+            models = [self.model_name] if self.model_name else []
+            return gateway.OpenAIBackend(url, api_key=self.api_key, models=models)
+        if backend == "scripted":
+            return gateway.ScriptedBackend(self.script, accept_any_model=True, on_exhausted="repeat")
+        if backend == "vllm":
+            return gateway.VLLMBackend(self.vllm_url, model=self.model_name)
+        # transformers: the engine keeps its own copy of the weights; the trainer swaps new ones in.
+        model = copy.deepcopy(source) if not isinstance(source, (str, os.PathLike)) else str(source)
+        name = self.model_name or (Path(str(source)).name if isinstance(source, (str, os.PathLike)) else None)
+        return gateway.TransformersBackend(
+            model, tokenizer=self._tokenizer if not isinstance(model, str) else None, model_name=name
+        )
+
+    def _start(self, agent: Any, *, training: bool, base_url: str | None = None) -> None:
+        from agl.adapter import Adapter
+        from agl.runner import Runner
+
+        self.store = self._open_store()
+        source = (
+            self._model_source()
+            if training or (self.backend_arg == "transformers" and base_url is None)
+            else None
+        )
+        # Training needs the policy's tokenizer; dev uses one to print prompts and to re-tokenise calls
+        # of an endpoint without token ids (the shipped SmolLM2 one when nothing better is known).
+        self._tokenizer = self._make_tokenizer(source if source is not None else self.model_arg)
+        if self.gateway_url is None or base_url is not None:
+            backend = self._make_backend(source, for_training=training, base_url=base_url)
+            self._gateway = _ServedGateway(backend, self.store)
+            gw_url = self._gateway.url
+            models = backend.models()
+        else:
+            self._gateway = None
+            gw_url = self.gateway_url.rstrip("/")
+            gw_url = gw_url if gw_url.endswith("/v1") else gw_url + "/v1"
+            models = [self.model_name] if self.model_name else []
+        self._gateway_v1 = gw_url
+        self._served_model_name = self.model_name or (models[0] if models else "model")
+        if self.adapter_arg is not None:
+            self.adapter = self.adapter_arg
+        else:
+            self.adapter = Adapter(agents=self.agents, tokenizer=self._tokenizer, algorithm=self.algorithm)
+        if training:
+            self._build_policy(source)
+        if self.runners > 0:
+            runner = Runner(
+                agent, self.store, concurrency=self.runners, claim_timeout_s=1.0, worker_id="agl-trainer"
+            )
+            self._runner = _RunnerThread(runner)
+
+    def _build_policy(self, source: Any) -> None:
+        import torch
+
+        from agl.algorithms.update import PolicyUpdate
+
+        torch.manual_seed(self.seed)
+        self.policy = PolicyUpdate(
+            source,
+            self._tokenizer,
+            self.algorithm,
+            output_dir=self.run_dir / "checkpoints",
+            seed=self.seed,
+            **self.update_options,
+        )
+
+    def close(self) -> None:
+        """Stop the in-process runners and gateway, flush the spans and close TensorBoard."""
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+        with contextlib.suppress(Exception):
+            from agl.tracing import flush
+
+            flush(10.0)
+        if self._gateway is not None:
+            self._gateway.close()
+            self._gateway = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    # -------------------------------------------------------------------------- weight sync
+    def sync_weights(self, version: int) -> float:
+        """Push the policy's weights to the inference engine as ``version``; returns seconds taken."""
+        t0 = time.perf_counter()
+        policy = self.policy
+        backend_name = (
+            self.backend_arg if isinstance(self.backend_arg, str) else getattr(self.backend_arg, "name", "")
+        )
+        if backend_name in ("scripted", "openai") or policy is None:
+            return 0.0
+        if self._gateway is not None and backend_name == "transformers":
+            state = policy.merged_state_dict()
+            self._gateway.call(lambda: self._gateway.backend.load_weights(state, version=version))
+        elif self._gateway is not None:  # vllm: the adapter directory must be readable by vLLM
+            if not policy.is_lora:
+                raise ValueError(
+                    "the vllm backend takes new weights as LoRA adapters: use LightningRL(lora=True)"
+                )
+            path = policy.save_adapter(self.run_dir / "adapters" / f"v{version}")
+            self._gateway.call(
+                lambda: self._gateway.backend.load_adapter(str(Path(path).resolve()), version=version)
+            )
+        else:  # an external gateway: tell it through its HTTP API where the new weights are
+            import httpx
+
+            root = self._gateway_v1[: -len("/v1")]
+            if policy.is_lora and backend_name == "vllm":
+                path = policy.save_adapter(self.run_dir / "adapters" / f"v{version}")
+                resp = httpx.post(
+                    root + "/agl/v1/adapters",
+                    json={"path": str(Path(path).resolve()), "version": version},
+                    timeout=600,
+                )
+            else:
+                from safetensors.torch import save_file
+
+                target = self.run_dir / "weights" / f"v{version}"
+                target.mkdir(parents=True, exist_ok=True)
+                save_file(
+                    {k: v.contiguous() for k, v in policy.merged_state_dict().items()},
+                    str(target / "model.safetensors"),
+                )
+                resp = httpx.post(
+                    root + "/agl/v1/weights",
+                    json={"path": str(target.resolve()), "version": version},
+                    timeout=600,
+                )
+            if resp.status_code >= 400:
+                raise RuntimeError(f"the gateway refused the new weights: {resp.text[:300]}")
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------ rollouts
+    def _publish(self) -> int:
+        llm = LLM(
+            base_url=self._gateway_v1, model=self._served_model_name or "model", sampling=dict(self.sampling)
+        )
+        return self.store.add_resources({"main": llm}).version
+
+    def _enqueue(self, tasks: Sequence[Task], version: int, step: int, repeat: int) -> list[str]:
+        rollouts = []
+        for task in tasks:
+            group = f"{task.id}-s{step}"
+            for _ in range(repeat):
+                rollouts.append(
+                    NewRollout.from_task(
+                        task,
+                        group_id=group,
+                        resources_version=version,
+                        config=self.rollout_config,
+                        metadata={"step": step},
+                    )
+                )
+        return [r.id for r in self.store.enqueue(rollouts)] if rollouts else []
+
+    def _rollout_reward(self, rollout: Rollout, transitions: list[Transition]) -> float:
+        if transitions:
+            return transitions[0].final_reward
+        from agl.adapter import finishing_attempt
+
+        att = finishing_attempt(rollout)
+        if att is not None:
+            spans = self.store.query_spans(
+                rollout_id=rollout.id, attempt=att, name=semconv.SPAN_REWARD, include_stale=False
+            )
+            primary = [s for s in spans if s.attributes.get(semconv.AGL_REWARD_PRIMARY, True)]
+            if primary:
+                value = primary[-1].attributes.get(semconv.AGL_REWARD_VALUE)
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    return float(value)
+        return float(getattr(self.adapter, "missing_reward", 0.0))
+
+    def _collect(
+        self, ids: Sequence[str], bar: Any, label: str
+    ) -> tuple[dict[str, list[Transition]], dict[str, float], list[Rollout]]:
+        """Wait for rollouts, adapting each as it finishes; the bar shows the live mean reward."""
+        pending = set(ids)
+        transitions: dict[str, list[Transition]] = {}
+        rewards: dict[str, float] = {}
+        finished: list[Rollout] = []
+        deadline = None if self.step_timeout_s is None else time.monotonic() + self.step_timeout_s
+        while pending:
+            done = [
+                r for r in self.store.wait_for_rollouts(sorted(pending), timeout_s=0.5) if r.id in pending
+            ]
+            for r in done:
+                pending.discard(r.id)
+                ts = self.adapter.from_store(self.store, [r.id]) if r.status != "cancelled" else []
+                transitions[r.id] = ts
+                if r.status != "cancelled":
+                    rewards[r.id] = self._rollout_reward(r, ts)
+                finished.append(r)
+            if bar is not None and done:
+                train = [rewards[r.id] for r in finished if r.mode == "train" and r.id in rewards]
+                val = [rewards[r.id] for r in finished if r.mode == "val" and r.id in rewards]
+                post = {"rollouts": f"{len(ids) - len(pending)}/{len(ids)}"}
+                if train:
+                    post["reward"] = f"{sum(train) / len(train):.3f}"
+                if val:
+                    post["val"] = f"{sum(val) / len(val):.3f}"
+                bar.set_postfix(post, refresh=True)
+            if deadline is not None and time.monotonic() > deadline and pending:
+                log.warning(
+                    "agl trainer: %s: %d rollouts did not finish in time; cancelling them",
+                    label,
+                    len(pending),
+                )
+                for rid in list(pending):
+                    with contextlib.suppress(Exception):
+                        self.store.cancel(rid)
+                deadline = None
+        return transitions, rewards, finished
+
+    # ------------------------------------------------------------------------------- metrics
+    def _log(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+            except Exception:  # noqa: BLE001 - TensorBoard is optional
+                self._tb = False
+        if self._tb:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                    self._tb.add_scalar(key, value, record["step"])
+            self._tb.flush()
+
+    # ----------------------------------------------------------------------------------- fit
+    def fit(self, agent: Any, train: Iterable[Any], val: Iterable[Any] | None = None) -> dict[str, Any]:
+        """Train ``agent`` on ``train`` tasks, measuring held-out reward on ``val``; returns a summary
+        (``val_reward_before``/``after``, ``steps``, ``run_dir``, the history)."""
+        from tqdm.auto import tqdm
+
+        if self.backend_arg == "openai":
+            raise ValueError(
+                "the openai backend serves a hosted model that agl cannot update: use it with dev()"
+            )
+        train_tasks = _as_tasks(train, "train")
+        val_tasks = _as_tasks(val, "val") if val is not None else []
+        if not train_tasks:
+            raise ValueError("fit() needs at least one training task")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        start_step = 0
+        state_file = self.run_dir / "trainer_state.json"
+        if not self.resume and (self.run_dir / "metrics.jsonl").exists():
+            (self.run_dir / "metrics.jsonl").unlink()
+        self._start(agent, training=True)
+        rng = random.Random(self.seed)
+        order: list[int] = []
+        try:
+            if self.resume and state_file.exists():
+                state = json.loads(state_file.read_text())
+                start_step = self.policy.load_checkpoint(state["checkpoint"])
+                order = list(state.get("order", []))
+                rng.setstate(_rng_state(state["rng"]))
+                self.history = [
+                    json.loads(line)
+                    for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()
+                    if line.strip()
+                ]
+                for r in self.store.query_rollouts(status=["queued", "running"]):
+                    with contextlib.suppress(Exception):
+                        self.store.cancel(r.id)
+                log.info("agl trainer: resumed at step %d from %s", start_step, state["checkpoint"])
+            bar = tqdm(
+                total=self.steps,
+                initial=start_step,
+                desc="agl fit",
+                unit="step",
+                disable=not self.progress,
+                dynamic_ncols=True,
+            )
+            g = self.algorithm.group_size
+            for step in range(start_step, self.steps + 1):
+                final = step == self.steps
+                do_val = bool(val_tasks) and (
+                    final or step == start_step or (self.val_every and step % self.val_every == 0)
+                )
+                if final and not do_val:
+                    break
+                t_step = time.perf_counter()
+                version = self._publish()
+                sync_s = self.sync_weights(version)
+                batch: list[Task] = []
+                if not final:
+                    while len(batch) < self.tasks_per_step:
+                        if not order:
+                            order = list(range(len(train_tasks)))
+                            rng.shuffle(order)
+                        batch.append(train_tasks[order.pop()])
+                ids = self._enqueue(batch, version, step, g)
+                val_ids = self._enqueue(val_tasks, version, step, 1) if do_val else []
+                t0 = time.perf_counter()
+                transitions, rewards, finished = self._collect(ids + val_ids, bar, f"step {step}")
+                rollout_s = time.perf_counter() - t0
+                record: dict[str, Any] = {"step": step, "resources_version": version}
+                train_ts = [t for rid in ids for t in transitions.get(rid, [])]
+                if val_ids:
+                    vr = [rewards[r] for r in val_ids if r in rewards]
+                    record["val_reward"] = _mean(vr)
+                    record["val_rollouts"] = len(vr)
+                if not final:
+                    tr = [rewards[r] for r in ids if r in rewards]
+                    record["train_reward"] = _mean(tr)
+                    record["rollouts"] = len(ids)
+                    record["rollouts_failed"] = sum(
+                        1 for r in finished if r.id in set(ids) and r.status != "succeeded"
+                    )
+                    record["transitions"] = len(train_ts)
+                    record["exact_token_ratio"] = (
+                        (sum(1 for t in train_ts if t.exact) / len(train_ts)) if train_ts else None
+                    )
+                    if not self.behaviour_logprobs:
+                        train_ts = [t.model_copy(update={"response_logprobs": None}) for t in train_ts]
+                    if train_ts:
+                        advantages, adv_stats = self.algorithm.compute_advantages(train_ts)
+                        record["zero_variance_groups"] = adv_stats["zero_variance_groups"]
+                        record["groups"] = adv_stats["groups"]
+                        update = self.policy.step(train_ts, advantages)
+                        record.update(
+                            {
+                                "loss": update["loss"],
+                                "kl": update["kl"],
+                                "clip_fraction": update["clip_fraction"],
+                                "entropy": update.get("entropy"),
+                                "grad_norm": update["grad_norm"],
+                                "tokens_per_s": update["tokens_per_s"],
+                                "update_s": update.get("update_s"),
+                                "trained_transitions": update["transitions"],
+                            }
+                        )
+                record["rollout_s"] = rollout_s
+                record["sync_s"] = sync_s
+                record["step_s"] = time.perf_counter() - t_step
+                self._log(record)
+                if not final:
+                    bar.update(1)
+                    post = {
+                        "reward": f"{record['train_reward']:.3f}"
+                        if record.get("train_reward") is not None
+                        else "-"
+                    }
+                    last_val = next(
+                        (h["val_reward"] for h in reversed(self.history) if h.get("val_reward") is not None),
+                        None,
+                    )
+                    if last_val is not None:
+                        post["val"] = f"{last_val:.3f}"
+                    bar.set_postfix(post)
+                    done_steps = step + 1
+                    if (
+                        self.checkpoint_every and done_steps % self.checkpoint_every == 0
+                    ) or done_steps == self.steps:
+                        self._checkpoint(order, rng)
+            bar.close()
+        finally:
+            self.close()
+        with contextlib.suppress(Exception):
+            from agl.plot import plot_run
+
+            plot_run(self.run_dir)
+        vals = [(h["step"], h["val_reward"]) for h in self.history if h.get("val_reward") is not None]
+        return {
+            "run_dir": str(self.run_dir),
+            "steps": self.steps,
+            "val_reward_before": vals[0][1] if vals else None,
+            "val_reward_after": vals[-1][1] if vals else None,
+            "history": self.history,
+        }
+
+    def _checkpoint(self, order: list[int], rng: random.Random) -> None:
+        path = self.policy.save_checkpoint()
+        state = {
+            "checkpoint": str(Path(path).resolve()),
+            "step": self.policy.global_step,
+            "order": order,
+            "rng": _rng_json(rng.getstate()),
+        }
+        tmp = self.run_dir / "trainer_state.json.tmp"
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.run_dir / "trainer_state.json")
+
+    # ----------------------------------------------------------------------------------- dev
+    def dev(
+        self,
+        agent: Any,
+        data: Iterable[Any],
+        *,
+        base_url: str | None = None,
+        model: str | None = None,
+        api_key: str | None = None,
+        repeat: int = 1,
+        show: bool = True,
+    ) -> list[Transition]:
+        """Run ``agent`` on ``data`` without training (against ``base_url`` — any OpenAI-compatible
+        endpoint, through the gateway so calls are recorded — or the configured backend) and print the
+        transitions and rewards a training run would use. Returns the transitions."""
+        if model is not None:
+            self.model_name = model
+        if api_key is not None:
+            self.api_key = api_key
+        tasks = _as_tasks(data, "test")
+        if not tasks:
+            raise ValueError("dev() needs at least one task")
+        if self.store_arg is None:
+            self.store_arg = "memory://"
+        self._start(agent, training=False, base_url=base_url)
+        try:
+            version = self._publish()
+            ids = self._enqueue(tasks, version, 0, repeat)
+            transitions, rewards, finished = self._collect(ids, None, "dev")
+        finally:
+            self.close()
+        out: list[Transition] = []
+        by_id = {r.id: r for r in finished}
+        for rid in ids:
+            ts = transitions.get(rid, [])
+            out.extend(ts)
+            if show:
+                self._print_rollout(by_id.get(rid), ts, rewards.get(rid))
+        if show:
+            rs = [rewards[r] for r in ids if r in rewards]
+            print(
+                f"\n{len(ids)} rollouts, {len(out)} transitions, mean reward {_mean(rs) if rs else float('nan'):.3f}"
+            )
+        return out
+
+    def _print_rollout(self, rollout: Rollout | None, ts: list[Transition], reward: float | None) -> None:
+        if rollout is None:
+            return
+        err = rollout.attempts[-1].error if rollout.attempts else None
+        print(
+            f"\n=== rollout {rollout.id} [{rollout.status}] reward={reward} input={json.dumps(rollout.input)[:120]}"
+        )
+        if err is not None:
+            print(f"    error: {err.type}: {err.message}")
+        tok = self._tokenizer
+        for t in ts:
+            prompt_tail = ""
+            if tok is not None:
+                with contextlib.suppress(Exception):
+                    prompt_tail = tok.decode(list(t.prompt_ids)[-40:])
+            print(
+                f"  [{t.index}] agent={t.agent} prompt={len(t.prompt_ids)} tok response={len(t.response_ids)} tok "
+                f"exact={t.exact} reward={t.reward:g} (final {t.final_reward:g}, intermediate {t.intermediate_reward:g})"
+            )
+            if prompt_tail:
+                print("      prompt …" + prompt_tail.replace("\n", "\\n")[-160:])
+            print("      response: " + (t.response_text or "").replace("\n", "\\n")[:200])
+
+
+def _rng_json(state: Any) -> Any:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _rng_state(data: Any) -> Any:
+    version, internal, gauss = data
+    return (version, tuple(internal), gauss)

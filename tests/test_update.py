@@ -1,0 +1,195 @@
+"""The LightningRL policy update on TRL: packing, token-mean PPO-clip, behaviour log-probs, KL, LoRA
+merging, checkpoints. A tiny random Llama with the shipped SmolLM2 tokenizer stands in for a model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from agl.algorithms.lightning_rl import LightningRL  # noqa: E402
+from agl.algorithms.update import PolicyUpdate, pack_micro_batches  # noqa: E402
+from agl.trainer import load_tokenizer  # noqa: E402
+from agl.types import Transition  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def make(tok, tmp_path, *, seed: int = 0, **cfg) -> PolicyUpdate:
+    algo = LightningRL(**{"learning_rate": 5e-3, "lora_r": 8, "lora_alpha": 16, **cfg})
+    return PolicyUpdate(tiny_model(seed), tok, algo, output_dir=tmp_path / "ckpt", seed=seed)
+
+
+def tr(tok, prompt: str, response: str, rid: str = "r", logprobs=None) -> Transition:
+    p = tuple(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False))
+    r = tuple(tok(response, add_special_tokens=False)["input_ids"]) + (tok.eos_token_id,)
+    return Transition(rollout_id=rid, attempt=1, index=0, prompt_ids=p, response_ids=r, response_logprobs=logprobs)
+
+
+def seq_logprob(up: PolicyUpdate, ts: list[Transition]) -> list[float]:
+    return [sum(x) for x in up.response_logprobs(ts)]
+
+
+def test_packing_respects_the_token_budget_and_never_mixes_behaviour_sources(tok) -> None:
+    ts = [
+        tr(tok, "short", "a", "r1"),
+        tr(tok, "a somewhat longer prompt for the model to read", "longer answer here", "r2", logprobs=None),
+        tr(tok, "x" * 400, "y", "r3"),
+    ]
+    ts.append(ts[0].model_copy(update={"rollout_id": "r4", "response_logprobs": tuple([-1.0] * len(ts[0].response_ids))}))
+    longest = max(len(t.prompt_ids) + len(t.response_ids) for t in ts[:2])
+    mbs = pack_micro_batches(ts, longest * 2)
+    assert sorted(i for mb in mbs for i in mb.rows) == [0, 1, 2, 3]
+    for mb in mbs:
+        assert len({ts[i].response_logprobs is not None for i in mb.rows}) == 1
+        assert mb.has_logprobs == (ts[mb.rows[0]].response_logprobs is not None)
+        if len(mb.rows) > 1:
+            assert mb.padded_tokens <= longest * 2
+    # the over-long transition runs alone rather than being dropped or split
+    [alone] = [mb for mb in mbs if 2 in mb.rows]
+    assert alone.rows == [2]
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        pack_micro_batches(ts, 0)
+
+
+def test_rewarded_response_becomes_likelier_and_penalised_one_less(tok, tmp_path) -> None:
+    up = make(tok, tmp_path)
+    good, bad = tr(tok, "Say the answer", "Answer: 42", "g"), tr(tok, "Say the answer", "I do not know", "b")
+    before = seq_logprob(up, [good, bad])
+    for _ in range(4):
+        # behaviour log-probs recorded by "the engine" (here: the current policy), as the gateway does
+        lps = up.response_logprobs([good, bad])
+        batch = [t.model_copy(update={"response_logprobs": tuple(lp)}) for t, lp in zip([good, bad], lps, strict=True)]
+        metrics = up.step(batch, [1.0, -1.0])
+    after = seq_logprob(up, [good, bad])
+    assert after[0] > before[0] + 0.5
+    assert after[1] < before[1] - 0.5
+    assert metrics["transitions"] == 2 and metrics["tokens_per_s"] > 0 and metrics["grad_norm"] > 0
+    assert up.global_step == 4
+
+
+def test_loss_is_the_token_mean_over_the_whole_step_across_micro_batches(tok, tmp_path) -> None:
+    """At ratio 1 the PPO-clip loss is -sum_i(A_i * n_i) / sum_i(n_i): one token-mean over all response
+    tokens of the step, whatever the micro-batching."""
+    ts = [tr(tok, f"question {i}", "word " * (i + 1), f"r{i}") for i in range(4)]
+    adv = [1.0, -0.5, 2.0, -1.5]
+    n = [len(t.response_ids) for t in ts]
+    expected = -sum(a * k for a, k in zip(adv, n, strict=True)) / sum(n)
+    small = make(tok, tmp_path / "a", micro_batch_tokens=40)
+    big = make(tok, tmp_path / "b", micro_batch_tokens=100_000)
+    m_small = small.step(ts, adv)
+    m_big = big.step(ts, adv)
+    assert m_small["micro_batches"] > 1 and m_big["micro_batches"] == 1
+    assert m_small["loss"] == pytest.approx(expected, abs=1e-5)
+    assert m_big["loss"] == pytest.approx(expected, abs=1e-5)
+    # gradient accumulation over micro-batches gives the same update as one big batch
+    a, b = small.merged_state_dict(), big.merged_state_dict()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert m_small["grad_norm"] == pytest.approx(m_big["grad_norm"], rel=1e-4)
+
+
+def test_ratio_uses_the_engine_logprobs_and_clips(tok, tmp_path) -> None:
+    up = make(tok, tmp_path)
+    t = tr(tok, "hello", "some response text", "r")
+    [cur] = up.response_logprobs([t])
+    # The engine was much less likely to produce this response than the policy now is: ratio e^1 > 1+eps,
+    # so with a positive advantage every token is clipped and nothing moves.
+    stale = t.model_copy(update={"response_logprobs": tuple(x - 1.0 for x in cur)})
+    m = up.step([stale], [1.0])
+    assert m["clip_fraction"] == pytest.approx(1.0)
+    assert m["grad_norm"] == pytest.approx(0.0, abs=1e-8)
+    # Without engine log-probs the current policy is the behaviour policy: ratio 1, nothing clipped.
+    m = up.step([t], [1.0])
+    assert m["clip_fraction"] == 0.0 and m["grad_norm"] > 0
+
+
+def test_zero_advantage_transitions_are_skipped_without_kl(tok, tmp_path) -> None:
+    up = make(tok, tmp_path)
+    ts = [tr(tok, "a", "b", "r1"), tr(tok, "c", "d", "r2")]
+    m = up.step(ts, [0.0, 0.0])
+    assert m["skipped"] == 2 and m["transitions"] == 0 and m["loss"] == 0.0
+    with pytest.raises(ValueError, match="advantages"):
+        up.step(ts, [1.0])
+    with pytest.raises(ValueError, match="finite"):
+        up.step(ts, [math.nan, 1.0])
+
+
+def test_kl_to_the_base_model_with_lora_adapters_disabled(tok, tmp_path) -> None:
+    up = make(tok, tmp_path, kl_coef=0.1)
+    ts = [tr(tok, "hi", "Answer: 1", "r1"), tr(tok, "hi", "nope", "r2")]
+    first = up.step(ts, [1.0, -1.0])
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # zero-initialised LoRA: policy == reference
+    for _ in range(3):
+        last = up.step(ts, [1.0, -1.0])
+    assert last["kl"] > 1e-5
+
+
+def test_full_finetuning_with_kl_keeps_a_frozen_reference(tok, tmp_path) -> None:
+    up = make(tok, tmp_path, lora=False, kl_coef=0.1, learning_rate=1e-3)
+    assert not up.is_lora and up.trainer.ref_model is not None
+    ts = [tr(tok, "hi", "Answer: 1", "r1"), tr(tok, "hi", "nope", "r2")]
+    for _ in range(3):
+        m = up.step(ts, [1.0, -1.0])
+    assert m["kl"] > 0
+    ref = up.trainer.ref_model
+    assert all(not p.requires_grad for p in ref.parameters())
+
+
+def test_merged_weights_reproduce_the_lora_policy_in_a_plain_model(tok, tmp_path) -> None:
+    up = make(tok, tmp_path)
+    ts = [tr(tok, "q", "Answer: 7", "r1"), tr(tok, "q", "no", "r2")]
+    for _ in range(2):
+        up.step(ts, [1.0, -1.0])
+    plain = tiny_model(seed=123)
+    plain.load_state_dict(up.merged_state_dict(), strict=True)
+    ids = torch.tensor([list(ts[0].prompt_ids + ts[0].response_ids)])
+    with torch.no_grad():
+        a = plain(ids).logits
+        b = up.model(ids).logits
+    assert (a - b).abs().max().item() < 1e-4
+    assert up.is_lora  # the training model itself still carries the adapter
+
+
+def test_checkpoint_round_trip_restores_policy_and_optimizer(tok, tmp_path) -> None:
+    up = make(tok, tmp_path / "one")
+    ts = [tr(tok, "q", "Answer: 7", "r1"), tr(tok, "q", "no", "r2")]
+    for _ in range(3):
+        up.step(ts, [1.0, -1.0])
+    path = up.save_checkpoint()
+    want = seq_logprob(up, ts)
+    again = make(tok, tmp_path / "two")  # same base weights (same seed), fresh adapter
+    assert seq_logprob(again, ts) != pytest.approx(want)
+    assert again.load_checkpoint(path) == 3
+    assert seq_logprob(again, ts) == pytest.approx(want, abs=1e-5)
+    # the optimizer state came back too: the next step is identical
+    m1, m2 = up.step(ts, [1.0, -1.0]), again.step(ts, [1.0, -1.0])
+    assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6)
+    assert seq_logprob(again, ts) == pytest.approx(seq_logprob(up, ts), abs=1e-5)
+    with pytest.raises(FileNotFoundError, match="not an agl checkpoint"):
+        again.load_checkpoint(tmp_path)
+    adapter_dir = up.save_adapter(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_config.json").exists() and adapter_dir.endswith("adapter")
