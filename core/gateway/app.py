@@ -273,7 +273,7 @@ class Gateway:
             body = await self._body(request)
             req = parse_request(ChatCompletionRequest, body)
             rollout, trace_id, parent_id = self._context(request)
-            gen = req.to_generation(rollout)
+            gen = req.to_generation(rollout, body)
             response_id = new_id("chatcmpl")
             result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
         except ApiError as exc:
@@ -356,7 +356,7 @@ class Gateway:
             body = await self._body(request)
             req = parse_request(CompletionRequest, body)
             rollout, trace_id, parent_id = self._context(request)
-            gen = req.to_generation(rollout)
+            gen = req.to_generation(rollout, body)
             response_id = new_id("cmpl")
             result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
         except ApiError as exc:

@@ -123,19 +123,18 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("at most 4 stop sequences")
         return v
 
-    def to_generation(self, rollout: tuple[str, int] | None) -> GenerationRequest:
+    def to_generation(self, rollout: tuple[str, int] | None, body: dict[str, Any]) -> GenerationRequest:
+        """``body`` is the validated JSON body: its messages and tools are used as the client sent them."""
         messages = []
-        for m in self.messages:
-            msg = m.model_dump(exclude_none=True)
-            if isinstance(msg.get("content"), list):
-                msg["content"] = flatten_content(msg["content"])
-            if msg.get("role") == "assistant" and "content" not in msg:
-                msg["content"] = None
-            messages.append(msg)
+        for m in body["messages"]:
+            content = m.get("content")
+            if isinstance(content, list):
+                m = {**m, "content": flatten_content(content)}
+            messages.append(m)
         return GenerationRequest(
             model=self.model,
             messages=messages,
-            tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
+            tools=body.get("tools") or None,
             tool_choice=self.tool_choice,
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=self.response_format,
@@ -147,7 +146,7 @@ class ChatCompletionRequest(_SamplingFields):
             seed=self.seed,
             rollout=rollout,
             api="chat",
-            raw=self.model_dump(exclude_unset=True),
+            raw=body,
         )
 
 
@@ -165,7 +164,7 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("the gateway takes one prompt per request")
         return v
 
-    def to_generation(self, rollout: tuple[str, int] | None) -> GenerationRequest:
+    def to_generation(self, rollout: tuple[str, int] | None, body: dict[str, Any]) -> GenerationRequest:
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
         return GenerationRequest(
             model=self.model,
@@ -178,7 +177,7 @@ class CompletionRequest(_SamplingFields):
             seed=self.seed,
             rollout=rollout,
             api="completions",
-            raw=self.model_dump(exclude_unset=True),
+            raw=body,
         )
 
 

@@ -18,9 +18,13 @@ from agl.types import ROLLOUT_STATUSES, AttemptError, Resources
 
 __all__ = [
     "Backoff",
+    "check_attempt_number",
+    "check_error",
     "check_finish_status",
+    "check_ids",
     "check_limit",
     "check_mode",
+    "check_modes",
     "check_statuses",
     "check_timeout",
     "coerce_many",

@@ -76,6 +76,9 @@ def _open(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # pydantic scans every installed distribution for plugins when it builds its first model; a store
+    # server has no use for them and answers sooner without the scan (set the variable to override).
+    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     from agl.store.server import DEFAULT_MAX_BODY_BYTES, is_loopback, serve
 
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None

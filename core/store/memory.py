@@ -411,10 +411,11 @@ class MemoryStore:
                 self._rec(rid)
             deadline = time.time() + timeout_s
             while True:
+                self._check_open()  # closing the store wakes and ends every waiter
                 now = time.time()
                 self._reap(now)
                 done = [rec.public() for rid in id_list if (rec := self._recs[rid]).rollout.done]
-                if len(done) == len(id_list) or now >= deadline or self._closed:
+                if len(done) == len(id_list) or now >= deadline:
                     return done
                 self._wait(deadline)
 

@@ -6,7 +6,8 @@ the trainer here. Design choices, and why:
 - Bodies are the pydantic models of ``agl.types`` (validated with ``model_validate_json``, written with
   ``dump_json``): one schema, parsed and checked in one pass in pydantic-core.
 - Short store calls run inline on the event loop: they are microseconds of work on a thread-safe store,
-  and a thread hop would cost more than the call. Blocking calls (``claim`` and ``wait_for_rollouts``
+  and a thread hop would cost more than the call. (So a database that other processes write to as
+  well can stall the loop while SQLite waits for their lock: let the server own its database.) Blocking calls (``claim`` and ``wait_for_rollouts``
   with a timeout) first try without waiting inline, then wait in a worker thread (own limiter, so many
   long-polling runners never starve other requests) in slices, checking between slices whether the
   client is still there.
@@ -35,7 +36,8 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+import pydantic_core
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -44,9 +46,20 @@ from starlette.routing import Route
 
 from agl.store._common import describe_validation_error
 from agl.store.base import InvalidInputError, Store, StoreError
-from agl.types import Attempt, AttemptError, Claim, Mode, NewRollout, Resources, Rollout, Span, Task
+from agl.types import AttemptError, Claim, Mode, NewRollout, Rollout, Span, Task
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "LONG_POLL_CAP_S", "StoreServer", "create_app", "serve"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "LONG_POLL_CAP_S",
+    "TEST_NAMESPACES_ENV",
+    "ServerProcess",
+    "StoreServer",
+    "create_app",
+    "is_loopback",
+    "serve",
+    "serve_in_thread",
+    "shared_test_server",
+]
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 #: Longest a single claim/wait request is held; clients split longer waits into several requests.
@@ -65,7 +78,8 @@ _MAX_INT = 2**63 - 1
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # built on first use, not at import: the server answers /health sooner after start
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
 
 class _TasksIn(_Body):
@@ -124,12 +138,9 @@ class _ResourcesIn(_Body):
     items: dict[str, Any]
 
 
-_TASKS = TypeAdapter(list[Task])
-_ROLLOUTS = TypeAdapter(list[Rollout])
-_ATTEMPTS = TypeAdapter(list[Attempt])
-_SPANS = TypeAdapter(list[Span])
-_CLAIM = TypeAdapter(Claim | None)
-_RESOURCES = TypeAdapter(Resources | None)
+#: Lists and optionals of agl.types models are written by the models' own serializers (as fast as a
+#: TypeAdapter, without building one at import: start-up time is part of the contract).
+_dump = pydantic_core.to_json
 
 
 # ------------------------------------------------------------------------------------------- errors
@@ -368,12 +379,12 @@ class StoreServer:
     async def add_tasks(self, request: Request) -> Response:
         req = await self._json_body(request, _TasksIn)
         tasks = self._store(request).add_tasks(req.tasks)
-        return self._ok(b'{"tasks":' + _TASKS.dump_json(tasks) + b"}")
+        return self._ok(b'{"tasks":' + _dump(tasks) + b"}")
 
     async def query_tasks(self, request: Request) -> Response:
         req = await self._json_body(request, _TaskQuery)
         tasks = self._store(request).query_tasks(mode=req.mode, limit=req.limit)
-        return self._ok(b'{"tasks":' + _TASKS.dump_json(tasks) + b"}")
+        return self._ok(b'{"tasks":' + _dump(tasks) + b"}")
 
     async def get_task(self, request: Request) -> Response:
         task = self._store(request).get_task(request.path_params["task_id"])
@@ -383,7 +394,7 @@ class StoreServer:
         req = await self._json_body(request, _EnqueueIn)
         key = self._idem_key(request, req.idempotency_key)
         rollouts = self._store(request).enqueue(req.rollouts, idempotency_key=key)
-        return self._ok(b'{"rollouts":' + _ROLLOUTS.dump_json(rollouts) + b"}")
+        return self._ok(b'{"rollouts":' + _dump(rollouts) + b"}")
 
     async def claim(self, request: Request) -> Response:
         req = await self._json_body(request, _ClaimIn)
@@ -394,7 +405,7 @@ class StoreServer:
             return store.claim(req.worker_id, timeout_s=timeout_s, modes=modes)  # type: ignore[arg-type]
 
         claim = await self._long_poll(request, call, req.timeout_s, lambda c: c is not None)
-        return self._ok(b'{"claim":' + _CLAIM.dump_json(claim) + b"}")
+        return self._ok(b'{"claim":' + _dump(claim) + b"}")
 
     async def heartbeat(self, request: Request) -> Response:
         p = request.path_params
@@ -425,14 +436,14 @@ class StoreServer:
 
     async def get_attempts(self, request: Request) -> Response:
         attempts = self._store(request).get_attempts(request.path_params["rollout_id"])
-        return self._ok(b'{"attempts":' + _ATTEMPTS.dump_json(attempts) + b"}")
+        return self._ok(b'{"attempts":' + _dump(attempts) + b"}")
 
     async def query_rollouts(self, request: Request) -> Response:
         q = await self._json_body(request, _RolloutQuery)
         rollouts = self._store(request).query_rollouts(
             status=q.status, mode=q.mode, group_id=q.group_id, ids=q.ids, limit=q.limit
         )
-        return self._ok(b'{"rollouts":' + _ROLLOUTS.dump_json(rollouts) + b"}")
+        return self._ok(b'{"rollouts":' + _dump(rollouts) + b"}")
 
     async def wait(self, request: Request) -> Response:
         req = await self._json_body(request, _WaitIn)
@@ -443,7 +454,7 @@ class StoreServer:
             return store.wait_for_rollouts(req.ids, timeout_s=timeout_s)
 
         rollouts = await self._long_poll(request, call, req.timeout_s, lambda rs: len(rs) >= wanted)
-        return self._ok(b'{"rollouts":' + _ROLLOUTS.dump_json(rollouts) + b"}")
+        return self._ok(b'{"rollouts":' + _dump(rollouts) + b"}")
 
     async def add_spans(self, request: Request) -> Response:
         req = await self._json_body(request, _SpansIn)
@@ -453,7 +464,7 @@ class StoreServer:
             # RFC 7240: the client already holds the spans; send back only what the store assigned.
             body = json.dumps({"seq": [s.seq for s in spans], "stale": [s.stale for s in spans]})
             return self._ok(body.encode())
-        return self._ok(b'{"spans":' + _SPANS.dump_json(spans) + b"}")
+        return self._ok(b'{"spans":' + _dump(spans) + b"}")
 
     async def query_spans(self, request: Request) -> Response:
         q = await self._json_body(request, _SpanQuery)
@@ -465,7 +476,7 @@ class StoreServer:
             include_stale=q.include_stale,
             limit=q.limit,
         )
-        return self._ok(b'{"spans":' + _SPANS.dump_json(spans) + b"}")
+        return self._ok(b'{"spans":' + _dump(spans) + b"}")
 
     async def add_resources(self, request: Request) -> Response:
         async def run() -> Response:
@@ -479,7 +490,7 @@ class StoreServer:
         raw = request.path_params.get("version")
         version = None if raw is None else int(raw)
         res = self._store(request).get_resources(version)
-        return self._ok(b'{"resources":' + _RESOURCES.dump_json(res) + b"}")
+        return self._ok(b'{"resources":' + _dump(res) + b"}")
 
     async def otlp_traces(self, request: Request) -> Response:
         from agl.store import otlp
@@ -873,6 +884,7 @@ def serve(
         log_level=log_level,
         access_log=False,
         timeout_graceful_shutdown=2,
+        timeout_keep_alive=60,  # runners idle between rollouts keep their connection
         lifespan="on",
         server_header=False,
     )

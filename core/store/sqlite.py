@@ -467,7 +467,7 @@ class SQLiteStore:
         now = time.time()
         wake = min(until, now + backoff.next(), max(self._min_deadline, now))
         self._cond.wait(max(0.0, wake - now))
-        if self._others_wrote():
+        if not self._closed and self._others_wrote():
             backoff.reset()
 
     def _idempotent(self, key: str) -> Any:

@@ -84,6 +84,31 @@ def test_open_picks_the_http_client(served: tuple[MemoryStore, str]) -> None:
         HttpStore("ftp://x")
 
 
+def test_close_wakes_a_blocked_long_poll(served: tuple[MemoryStore, str]) -> None:
+    store, url = served
+    client = HttpStore(url)
+    client.query_rollouts()  # this thread's connection exists; the claimer opens its own
+    outcome: list[BaseException | object] = []
+
+    def claimer() -> None:
+        try:
+            outcome.append(client.claim("w", timeout_s=20))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    th = threading.Thread(target=claimer)
+    th.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    client.close()
+    th.join(10)
+    assert not th.is_alive() and time.monotonic() - t0 < 5
+    assert isinstance(outcome[0], ConflictError) and "closed" in str(outcome[0])
+    rid = store.enqueue([NewRollout()])[0].id
+    time.sleep(1.2)  # the server notices the vanished client within a poll slice
+    assert store.get_rollout(rid).status == "queued"
+
+
 def test_retries_until_the_server_comes_up(tmp_path: Path) -> None:
     port = free_port()
     client = HttpStore(f"http://127.0.0.1:{port}", retry_timeout_s=60)

@@ -246,6 +246,28 @@ def test_tool_calls_that_fail_without_raising_are_error_spans_and_penalised_once
     store.close()
 
 
+def test_parallel_tool_calls_each_get_their_own_span(memory_spans: Any) -> None:
+    provider, exporter = memory_spans
+    agl.instrument("openai", "autogen", tracer_provider=provider)
+    both = reply(None, tool_call("calculator", expression="2+3"), tool_call("calculator", expression="6*"))
+    with serve_gateway(ScriptedBackend([both, reply("ANSWER: 5")])) as url:
+        result = asyncio.run(_solve(str(url)))
+    assert result.messages[-1].content == "ANSWER: 5"
+    [turn] = _by_name(exporter, sc.SPAN_INVOKE_AGENT)
+    first_chat = _by_name(exporter, sc.SPAN_CHAT)[0]
+    issued = {
+        c["id"]: c for c in json.loads(first_chat.attributes[sc.GEN_AI_OUTPUT_MESSAGES])[0]["tool_calls"]
+    }
+    tools = {t.attributes[sc.GEN_AI_TOOL_CALL_ID]: t for t in _by_name(exporter, sc.SPAN_EXECUTE_TOOL)}
+    assert tools.keys() == issued.keys() and len(tools) == 2
+    for call_id, span in tools.items():
+        assert _parent(span, exporter) is turn
+        assert span.attributes[sc.GEN_AI_TOOL_CALL_ARGUMENTS] == issued[call_id]["function"]["arguments"]
+        ok = json.loads(issued[call_id]["function"]["arguments"])["expression"] == "2+3"
+        assert span.status.status_code.name == ("UNSET" if ok else "ERROR")
+        assert (span.attributes[sc.GEN_AI_TOOL_CALL_RESULT] == "5") is ok
+
+
 def _summary(result: Any) -> list[tuple[str, str, str]]:
     out = []
     for m in result.messages:

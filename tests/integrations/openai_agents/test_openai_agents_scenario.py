@@ -141,6 +141,7 @@ def test_retrieval_qa_end_to_end(
         ]
         rewards = [s for s in spans if s.name == sc.SPAN_REWARD]
         assert [r.attributes[sc.AGL_REWARD_VALUE] for r in rewards] == [1.0]
+        assert rollout_span.span_id in _ancestors(rewards[0], index)
 
         # --- every LLM call → exactly one exact transition with the gateway's token ids
         transitions = [t for t in all_transitions if t.rollout_id == rid]
