@@ -169,7 +169,10 @@ def bench_scripted(n: int, concurrency: int) -> list[dict[str, Any]]:
         base = asyncio.run(direct(n))
         rows = []
         for label, path in (
-            ("per-rollout URL, span stored", f"/rollouts/{ROLLOUT[0]}/attempts/{ROLLOUT[1]}/v1/chat/completions"),
+            (
+                "per-rollout URL, span stored",
+                f"/rollouts/{ROLLOUT[0]}/attempts/{ROLLOUT[1]}/v1/chat/completions",
+            ),
             ("plain /v1, no rollout", "/v1/chat/completions"),
         ):
             lat = asyncio.run(latency(port, path, n))
@@ -222,7 +225,9 @@ def bench_smollm2(new_tokens: int) -> list[dict[str, Any]]:
             for i in range(concurrency)
         ]
         await backend.generate(
-            GenerationRequest(model=backend.model_name or "", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            GenerationRequest(
+                model=backend.model_name or "", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
         )
         t = time.perf_counter()
         results = await asyncio.gather(*(backend.generate(r) for r in reqs))
@@ -232,12 +237,16 @@ def bench_smollm2(new_tokens: int) -> list[dict[str, Any]]:
     rows = []
     for c in (1, 8):
         tokens, elapsed = asyncio.run(run(c))
-        rows.append({"concurrency": c, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed})
+        rows.append(
+            {"concurrency": c, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+        )
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -250,7 +259,9 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     rows = bench_scripted(args.requests, args.concurrency)
     print("\nscripted backend, chat completion (ms; 'added' = end to end over HTTP minus the backend call)")
-    print(f"{'config':32} {'backend p50':>11} {'e2e p50':>8} {'e2e p99':>8} {'added p50':>9} {'added p99':>9} {'req/s':>8}")
+    print(
+        f"{'config':32} {'backend p50':>11} {'e2e p50':>8} {'e2e p99':>8} {'added p50':>9} {'added p99':>9} {'req/s':>8}"
+    )
     for r in rows:
         print(
             f"{r['config']:32} {r['backend_p50_ms']:11.3f} {r['e2e_p50_ms']:8.3f} {r['e2e_p99_ms']:8.3f} "
@@ -263,7 +274,9 @@ def main() -> None:
         f"{main_row.get('spans_stored', 0)} spans stored)"
     )
     if not args.skip_smollm2:
-        print(f"\nSmolLM2-135M-Instruct, transformers backend, greedy, {args.new_tokens} new tokens per request")
+        print(
+            f"\nSmolLM2-135M-Instruct, transformers backend, greedy, {args.new_tokens} new tokens per request"
+        )
         print(f"{'concurrency':>11} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
         for r in bench_smollm2(args.new_tokens):
             print(f"{r['concurrency']:11d} {r['tokens']:7d} {r['seconds']:8.2f} {r['tokens_per_s']:9.1f}")

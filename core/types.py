@@ -86,6 +86,23 @@ def _check_json_finite(value: Any, what: str) -> Any:
     return value
 
 
+def _check_attributes(v: dict[str, Any]) -> dict[str, Any]:
+    """OTel attribute rules: non-empty string keys; str/bool/int/float values or lists of them; finite."""
+    for key, value in v.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"attribute keys must be non-empty strings, got {key!r}")
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for item in items:
+            if item is None or not isinstance(item, (str, bool, int, float)):
+                raise ValueError(
+                    f"attribute {key!r} has a value of type {type(item).__name__}; OTel attributes are "
+                    "str, bool, int, float or a list of them"
+                )
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ValueError(f"attribute {key!r} is not finite ({item!r})")
+    return v
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
@@ -223,6 +240,11 @@ class SpanEvent(_Model):
     time_ns: int = Field(ge=0)
     attributes: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("attributes")
+    @classmethod
+    def _v_attrs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _check_attributes(v)
+
 
 class Span(_Model):
     """An OpenTelemetry span as the store keeps it, tagged with the rollout/attempt it belongs to."""
@@ -267,19 +289,7 @@ class Span(_Model):
     @field_validator("attributes", "resource")
     @classmethod
     def _v_attrs(cls, v: dict[str, Any]) -> dict[str, Any]:
-        for key, value in v.items():
-            if not isinstance(key, str) or not key:
-                raise ValueError(f"attribute keys must be non-empty strings, got {key!r}")
-            items = value if isinstance(value, (list, tuple)) else [value]
-            for item in items:
-                if item is None or not isinstance(item, (str, bool, int, float)):
-                    raise ValueError(
-                        f"attribute {key!r} has a value of type {type(item).__name__}; OTel attributes are "
-                        "str, bool, int, float or a list of them"
-                    )
-                if isinstance(item, float) and not math.isfinite(item):
-                    raise ValueError(f"attribute {key!r} is not finite ({item!r})")
-        return v
+        return _check_attributes(v)
 
     @model_validator(mode="after")
     def _v_times(self) -> Span:

@@ -19,6 +19,16 @@ from agl.trainer import load_tokenizer  # noqa: E402
 from agl.types import Transition  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core CI box OpenMP threads
+    contending with other processes make each step ~10x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def tok():
     return load_tokenizer()

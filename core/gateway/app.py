@@ -249,7 +249,12 @@ class Gateway:
                 if result is not None and result.prompt_ids is not None and gen.messages is not None:
                     choice = result.choices[0]
                     prefix = self.drift.observe(
-                        rollout, gen.messages, gen.tools, result.prompt_ids, choice.message(), choice.response_ids
+                        rollout,
+                        gen.messages,
+                        gen.tools,
+                        result.prompt_ids,
+                        choice.message(),
+                        choice.response_ids,
                     )
                 spans = build_chat_spans(
                     request=gen,

@@ -96,5 +96,7 @@ def _serve(args: Any) -> int:
     app = create_app(backend, store, api_key=args.api_key)
     print(f"agl gateway: {args.backend} backend on http://{args.host}:{args.port}/v1")
     print(f"  per-rollout base URL: http://{args.host}:{args.port}/rollouts/{{rollout_id}}/attempts/{{n}}/v1")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.log_level == "debug")
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.log_level == "debug"
+    )
     return 0

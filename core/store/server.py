@@ -346,26 +346,47 @@ class StoreServer:
             del self._inflight[full]
 
     async def _long_poll(
-        self, request: Request, call: Callable[[float], Any], timeout_s: float, done: Any
+        self,
+        request: Request,
+        call: Callable[[float], Any],
+        timeout_s: float,
+        done: Callable[[Any], bool],
+        orphaned: Callable[[Any], None] | None = None,
     ) -> Any:
-        """Run ``call(0)`` inline; if not ``done``, hold the request in a thread until done or timeout."""
+        """Run ``call(0)`` inline; if not ``done``, hold the request until done or timeout.
+
+        The wait runs in a worker thread in slices of ``_POLL_SLICE_S`` while a task watches the
+        connection; once the client is gone no new slice starts. A result that arrives for a client
+        that already left is handed to ``orphaned`` (a claim is given back rather than left to expire).
+        """
         result = call(0.0)
+        if done(result) or timeout_s <= 0:
+            return result
         deadline = time.monotonic() + min(timeout_s, self.long_poll_cap_s)
         if self._poll_limiter is None:
             self._poll_limiter = anyio.CapacityLimiter(1024)
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        watcher = asyncio.ensure_future(watch())
         self.active_polls += 1
         try:
-            while not done(result) and not self._closing:
+            while not done(result) and not self._closing and not gone.is_set():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 result = await anyio.to_thread.run_sync(
                     call, min(remaining, _POLL_SLICE_S), limiter=self._poll_limiter
                 )
-                if not done(result) and await request.is_disconnected():
-                    break
+            if gone.is_set() and done(result) and orphaned is not None:
+                orphaned(result)
         finally:
             self.active_polls -= 1
+            watcher.cancel()
         return result
 
     @staticmethod
@@ -404,7 +425,21 @@ class StoreServer:
         def call(timeout_s: float) -> Claim | None:
             return store.claim(req.worker_id, timeout_s=timeout_s, modes=modes)  # type: ignore[arg-type]
 
-        claim = await self._long_poll(request, call, req.timeout_s, lambda c: c is not None)
+        def give_back(claim: Claim) -> None:
+            # Nobody will run it: end the attempt now so the rollout is requeued (or fails when out of
+            # attempts) at once, instead of after its lease expires.
+            with contextlib.suppress(StoreError):
+                store.finish_attempt(
+                    claim.rollout.id,
+                    claim.attempt.number,
+                    "failed",
+                    error=AttemptError(
+                        type="client_disconnected",
+                        message=f"worker {req.worker_id!r} disconnected before the claim reached it",
+                    ),
+                )
+
+        claim = await self._long_poll(request, call, req.timeout_s, lambda c: c is not None, give_back)
         return self._ok(b'{"claim":' + _dump(claim) + b"}")
 
     async def heartbeat(self, request: Request) -> Response:

@@ -36,7 +36,7 @@ def _g(obj: Any, key: str) -> Any:
     """Field of an openai model or of the same data as a parsed-JSON dict."""
     if obj is None:
         return None
-    if isinstance(obj, Mapping):
+    if isinstance(obj, dict):  # a plain dict check: this runs for every field of every chunk
         return obj.get(key)
     return getattr(obj, key, None)
 

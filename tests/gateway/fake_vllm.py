@@ -32,7 +32,9 @@ from agl.gateway.tokenizer import load_default_tokenizer
 
 
 class FakeVLLM:
-    def __init__(self, replies: list[str], *, model: str = "Qwen/Qwen2.5-0.5B-Instruct", max_model_len: int = 2048) -> None:
+    def __init__(
+        self, replies: list[str], *, model: str = "Qwen/Qwen2.5-0.5B-Instruct", max_model_len: int = 2048
+    ) -> None:
         self.replies = list(replies)
         self.model = model
         self.max_model_len = max_model_len
@@ -53,11 +55,24 @@ class FakeVLLM:
 
     @staticmethod
     def error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status_code=status)
+        return JSONResponse(
+            {"error": {"message": message, "type": type_, "param": param, "code": status}}, status_code=status
+        )
 
     async def models(self, request: Request) -> Response:
-        data = [{"id": self.model, "object": "model", "owned_by": "vllm", "root": self.model, "max_model_len": self.max_model_len}]
-        data += [{"id": n, "object": "model", "owned_by": "vllm", "root": p, "parent": self.model} for n, p in self.loras.items()]
+        data = [
+            {
+                "id": self.model,
+                "object": "model",
+                "owned_by": "vllm",
+                "root": self.model,
+                "max_model_len": self.max_model_len,
+            }
+        ]
+        data += [
+            {"id": n, "object": "model", "owned_by": "vllm", "root": p, "parent": self.model}
+            for n, p in self.loras.items()
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     def _check(self, body: dict[str, Any]) -> JSONResponse | None:
@@ -74,7 +89,9 @@ class FakeVLLM:
         self._i += 1
         return text
 
-    def _generate(self, prompt_ids: list[int], max_tokens: int | None) -> tuple[str, list[int], list[float], str] | JSONResponse:
+    def _generate(
+        self, prompt_ids: list[int], max_tokens: int | None
+    ) -> tuple[str, list[int], list[float], str] | JSONResponse:
         if len(prompt_ids) + (max_tokens or 0) > self.max_model_len:
             return self.error(
                 400,
@@ -103,15 +120,31 @@ class FakeVLLM:
             return out
         text, ids, logprobs, finish = out
         content, calls = parse_tool_calls(text) if body.get("tools") else (text, [])
-        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "reasoning": None}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": content,
+            "refusal": None,
+            "reasoning": None,
+        }
         if calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
             finish = "tool_calls"
-        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": None,
+        }
         if body.get("logprobs"):
             choice["logprobs"] = {
                 "content": [
-                    {"token": self.tok.decode([t]), "logprob": lp, "bytes": list(self.tok.decode([t]).encode()), "top_logprobs": []}
+                    {
+                        "token": self.tok.decode([t]),
+                        "logprob": lp,
+                        "bytes": list(self.tok.decode([t]).encode()),
+                        "top_logprobs": [],
+                    }
                     for t, lp in zip(ids, logprobs, strict=True)
                 ]
             }
@@ -123,7 +156,11 @@ class FakeVLLM:
             "created": 0,
             "model": body["model"],
             "choices": [choice],
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids), "total_tokens": len(prompt_ids) + len(ids)},
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(ids),
+                "total_tokens": len(prompt_ids) + len(ids),
+            },
             "prompt_logprobs": None,
             "kv_transfer_params": None,
         }
@@ -141,7 +178,13 @@ class FakeVLLM:
         if isinstance(out, Response):
             return out
         text, ids, logprobs, finish = out
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": None,
+        }
         if body.get("logprobs") is not None:
             choice["logprobs"] = {
                 "text_offset": [],
@@ -152,8 +195,21 @@ class FakeVLLM:
         if body.get("return_token_ids"):
             choice["token_ids"] = ids
             choice["prompt_token_ids"] = prompt_ids
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids), "total_tokens": len(prompt_ids) + len(ids)}
-        return JSONResponse({"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": body["model"], "choices": [choice], "usage": usage})
+        usage = {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(ids),
+            "total_tokens": len(prompt_ids) + len(ids),
+        }
+        return JSONResponse(
+            {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [choice],
+                "usage": usage,
+            }
+        )
 
     async def load_lora(self, request: Request) -> Response:
         body = json.loads(await request.body())
@@ -161,7 +217,9 @@ class FakeVLLM:
         if not body.get("lora_name") or not body.get("lora_path"):
             return self.error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
         if body["lora_name"] in self.loras and not body.get("load_inplace"):
-            return self.error(400, f"The lora adapter '{body['lora_name']}' has already been loaded.", "InvalidUserInput")
+            return self.error(
+                400, f"The lora adapter '{body['lora_name']}' has already been loaded.", "InvalidUserInput"
+            )
         self.loras[body["lora_name"]] = body["lora_path"]
         return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
 
@@ -169,6 +227,8 @@ class FakeVLLM:
         body = json.loads(await request.body())
         self.requests.append(("unload_lora_adapter", body))
         if body.get("lora_name") not in self.loras:
-            return self.error(404, f"The lora adapter '{body.get('lora_name')}' cannot be found.", "NotFoundError")
+            return self.error(
+                404, f"The lora adapter '{body.get('lora_name')}' cannot be found.", "NotFoundError"
+            )
         del self.loras[body["lora_name"]]
         return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")

@@ -30,4 +30,6 @@ def start_rollout(store: Any, rollout_id: str) -> tuple[str, int]:
 
 
 def server_spans(store: Any, rollout_id: str) -> list[Any]:
-    return [s for s in store.query_spans(rollout_id=rollout_id) if s.attributes.get(sc.AGL_SIDE) == sc.SIDE_SERVER]
+    return [
+        s for s in store.query_spans(rollout_id=rollout_id) if s.attributes.get(sc.AGL_SIDE) == sc.SIDE_SERVER
+    ]

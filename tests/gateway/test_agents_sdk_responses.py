@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import openai
 import pytest
 from gw_helpers import server_spans
 
 from agl import semconv as sc
 from agl.gateway.testing import ScriptedBackend, reply, serve_gateway, tool_call
+
+openai = pytest.importorskip("openai")
 
 agents = pytest.importorskip("agents")
 
@@ -26,7 +27,9 @@ async def test_agent_tool_loop_over_responses(store: Any, rollout: tuple[str, in
         calls.append((a, b))
         return a * b
 
-    backend = ScriptedBackend([reply("Multiplying.", tool_call("multiply", a=6, b=7)), reply("The answer is 42.")])
+    backend = ScriptedBackend(
+        [reply("Multiplying.", tool_call("multiply", a=6, b=7)), reply("The answer is 42.")]
+    )
     with serve_gateway(backend, store) as url:
         client = openai.AsyncOpenAI(base_url=url.for_rollout(*rollout), api_key="x")
         model = agents.OpenAIResponsesModel(model="scripted", openai_client=client)

@@ -9,12 +9,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import openai
 import pytest
 from gw_helpers import server_spans
 
 from agl import semconv as sc
 from agl.gateway.testing import GatewayURL, ScriptedBackend, reply, serve_gateway
+
+openai = pytest.importorskip("openai")
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -40,16 +41,33 @@ def _error(resp: httpx.Response, status: int) -> dict[str, Any]:
         ({"messages": MSG}, "model", "missing required parameter"),
         ({"model": "scripted"}, "messages", "missing required parameter"),
         ({"model": "scripted", "messages": []}, "messages", "at least 1"),
-        ({"model": "scripted", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "invalid value"),
+        (
+            {"model": "scripted", "messages": [{"role": "wizard", "content": "x"}]},
+            "messages[0].role",
+            "invalid value",
+        ),
         ({"model": "scripted", "messages": MSG, "temperature": 5}, "temperature", "less than or equal to 2"),
         ({"model": "scripted", "messages": MSG, "n": 0}, "n", "greater than or equal to 1"),
-        ({"model": "scripted", "messages": MSG, "max_tokens": -1}, "max_tokens", "greater than or equal to 1"),
+        (
+            {"model": "scripted", "messages": MSG, "max_tokens": -1},
+            "max_tokens",
+            "greater than or equal to 1",
+        ),
         ({"model": "scripted", "messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
-        ({"model": "scripted", "messages": MSG, "tools": [{"type": "function"}]}, "tools[0].function", "missing"),
+        (
+            {"model": "scripted", "messages": MSG, "tools": [{"type": "function"}]},
+            "tools[0].function",
+            "missing",
+        ),
     ],
 )
 def test_schema_errors_are_400_naming_the_parameter(
-    gw: tuple[GatewayURL, str], store: Any, rollout: tuple[str, int], body: dict[str, Any], param: str, needle: str
+    gw: tuple[GatewayURL, str],
+    store: Any,
+    rollout: tuple[str, int],
+    body: dict[str, Any],
+    param: str,
+    needle: str,
 ) -> None:
     _, base = gw
     err = _error(httpx.post(base + "/chat/completions", json=body), 400)
@@ -79,11 +97,15 @@ def test_unknown_model_is_404_with_the_real_client(gw: tuple[GatewayURL, str], s
     assert store.query_spans() == []
 
 
-def test_prompt_over_the_context_window_is_400_naming_the_limit(gw: tuple[GatewayURL, str], store: Any) -> None:
+def test_prompt_over_the_context_window_is_400_naming_the_limit(
+    gw: tuple[GatewayURL, str], store: Any
+) -> None:
     _, base = gw
     client = openai.OpenAI(base_url=base, api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hello " * 9000}])
+        client.chat.completions.create(
+            model="scripted", messages=[{"role": "user", "content": "hello " * 9000}]
+        )
     body = info.value.body
     assert isinstance(body, dict)
     assert body["code"] == "context_length_exceeded"
@@ -123,7 +145,11 @@ def test_client_disconnect_cancels_the_generation(store: Any, rollout: tuple[str
     backend = ScriptedBackend(slow, cancellable=True)
     with serve_gateway(backend, store) as url:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url.for_rollout(*rollout) + "/chat/completions", json={"model": "scripted", "messages": MSG}, timeout=0.5)
+            httpx.post(
+                url.for_rollout(*rollout) + "/chat/completions",
+                json={"model": "scripted", "messages": MSG},
+                timeout=0.5,
+            )
         stats = url.gateway.stats
         for _ in range(500):  # the server notices the disconnect asynchronously
             if stats["cancelled_calls"]:
@@ -179,7 +205,9 @@ def test_baggage_without_attempt_is_400(gw: tuple[GatewayURL, str], store: Any) 
         ({"model": "scripted"}, "missing required parameter"),
     ],
 )
-def test_responses_bad_input(gw: tuple[GatewayURL, str], store: Any, body: dict[str, Any], needle: str) -> None:
+def test_responses_bad_input(
+    gw: tuple[GatewayURL, str], store: Any, body: dict[str, Any], needle: str
+) -> None:
     _, base = gw
     err = _error(httpx.post(base + "/responses", json=body), 400)
     assert needle in err["message"]
@@ -196,12 +224,22 @@ def test_completions_bad_input(gw: tuple[GatewayURL, str]) -> None:
 def test_api_key_is_enforced(store: Any) -> None:
     with serve_gateway(ScriptedBackend(["ok"]), store, api_key="secret") as url:
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).chat.completions.create(model="scripted", messages=MSG)
-        ok = openai.OpenAI(base_url=url, api_key="secret").chat.completions.create(model="scripted", messages=MSG)
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).chat.completions.create(
+                model="scripted", messages=MSG
+            )
+        ok = openai.OpenAI(base_url=url, api_key="secret").chat.completions.create(
+            model="scripted", messages=MSG
+        )
     assert ok.choices[0].message.content == "ok"
 
 
 def test_body_size_limit(store: Any) -> None:
     with serve_gateway(ScriptedBackend(["ok"]), store, max_body_bytes=1000) as url:
-        err = _error(httpx.post(url + "/chat/completions", json={"model": "scripted", "messages": [{"role": "user", "content": "x" * 2000}]}), 413)
+        err = _error(
+            httpx.post(
+                url + "/chat/completions",
+                json={"model": "scripted", "messages": [{"role": "user", "content": "x" * 2000}]},
+            ),
+            413,
+        )
     assert "1000" in err["message"]

@@ -18,7 +18,12 @@ TOK = load_default_tokenizer()
     "messages",
     [
         [{"role": "user", "content": "Hello"}],
-        [{"role": "system", "content": "Be short."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"}, {"role": "user", "content": "Bye ünïcödé 🚀"}],
+        [
+            {"role": "system", "content": "Be short."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hey"},
+            {"role": "user", "content": "Bye ünïcödé 🚀"},
+        ],
     ],
 )
 def test_rendering_matches_transformers_apply_chat_template(messages: list[dict[str, str]]) -> None:
@@ -34,14 +39,18 @@ def test_rendering_matches_transformers_apply_chat_template(messages: list[dict[
     if isinstance(expected, dict) or hasattr(expected, "input_ids"):
         expected = expected["input_ids"]
     assert TOK.encode_chat(messages)[1] == list(expected)
-    assert TOK.render(messages) == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert TOK.render(messages) == hf.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
 
 
 def test_shipped_tokenizer_is_smollm2() -> None:
     assert TOK.name == "SmolLM2-135M-Instruct"
     assert TOK.eos_token_id == 2 and TOK.token_to_id("<|im_start|>") == 1
     assert TOK.max_context == 8192
-    assert TOK.render([{"role": "user", "content": "x"}]).startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert TOK.render([{"role": "user", "content": "x"}]).startswith(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM"
+    )
 
 
 def test_lowering_tools_calls_and_results() -> None:
@@ -49,7 +58,17 @@ def test_lowering_tools_calls_and_results() -> None:
         [
             {"role": "developer", "content": "Use tools."},
             {"role": "user", "content": [{"type": "text", "text": "1+"}, {"type": "text", "text": "2?"}]},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a":1,"b":2}'}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "add", "arguments": '{"a":1,"b":2}'},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": "c1", "content": "3"},
         ],
         [ADD_TOOL],
@@ -66,7 +85,16 @@ def test_native_tool_templates_get_openai_messages() -> None:
     template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.role }}:{{ m.content }}{% if m.tool_calls %}{{ m.tool_calls[0].function.arguments.a }}{% endif %};{% endfor %}"
     out = render_chat(
         template,
-        [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 5}'}}]}],
+        [
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 5}'}}
+                ],
+            },
+        ],
         [ADD_TOOL],
     )
     assert out == "[add]user:q;assistant:5;"
@@ -77,15 +105,29 @@ def test_native_tool_templates_get_openai_messages() -> None:
     [
         ("plain answer", "plain answer", []),
         ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>', None, [("add", {"a": 1})]),
-        ('Sure.\n<tool_call>{"name": "add", "arguments": "{\\"a\\": 2}"}</tool_call>', "Sure.", [("add", {"a": 2})]),
-        ('<tool_call>[{"name": "f", "arguments": {}}, {"name": "g", "parameters": {"x": 1}}]</tool_call>', None, [("f", {}), ("g", {"x": 1})]),
-        ('<tool_call>\n```json\n{"name": "add", "arguments": {"a": 3}}\n```\n</tool_call>', None, [("add", {"a": 3})]),
+        (
+            'Sure.\n<tool_call>{"name": "add", "arguments": "{\\"a\\": 2}"}</tool_call>',
+            "Sure.",
+            [("add", {"a": 2})],
+        ),
+        (
+            '<tool_call>[{"name": "f", "arguments": {}}, {"name": "g", "parameters": {"x": 1}}]</tool_call>',
+            None,
+            [("f", {}), ("g", {"x": 1})],
+        ),
+        (
+            '<tool_call>\n```json\n{"name": "add", "arguments": {"a": 3}}\n```\n</tool_call>',
+            None,
+            [("add", {"a": 3})],
+        ),
         ('<tool_call>{"name": "add", "arguments": {"a": 4}}', None, [("add", {"a": 4})]),  # stopped at EOS
         ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
         ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
     ],
 )
-def test_parse_tool_calls_is_lenient(text: str, content: str | None, calls: list[tuple[str, dict[str, int]]]) -> None:
+def test_parse_tool_calls_is_lenient(
+    text: str, content: str | None, calls: list[tuple[str, dict[str, int]]]
+) -> None:
     got_content, got_calls = parse_tool_calls(text)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls

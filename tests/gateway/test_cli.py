@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from agl.cli import main as agl_main
+
+openai = pytest.importorskip("openai")
 
 
 def _free_port() -> int:
@@ -24,11 +25,27 @@ def _free_port() -> int:
 
 def test_gateway_serve_scripted_process(tmp_path: Path) -> None:
     script = tmp_path / "replies.json"
-    script.write_text(json.dumps(["first", {"content": None, "tool_calls": [{"name": "add", "arguments": {"a": 1}}]}]))
+    script.write_text(
+        json.dumps(["first", {"content": None, "tool_calls": [{"name": "add", "arguments": {"a": 1}}]}])
+    )
     port = _free_port()
     db = tmp_path / "agl.db"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agl.cli", "gateway", "serve", "--backend", "scripted", "--script", str(script), "--port", str(port), "--store", f"sqlite:///{db}"],
+        [
+            sys.executable,
+            "-m",
+            "agl.cli",
+            "gateway",
+            "serve",
+            "--backend",
+            "scripted",
+            "--script",
+            str(script),
+            "--port",
+            str(port),
+            "--store",
+            f"sqlite:///{db}",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -45,8 +62,13 @@ def test_gateway_serve_scripted_process(tmp_path: Path) -> None:
                 time.sleep(0.1)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
         msgs = [{"role": "user", "content": "x"}]
-        assert client.chat.completions.create(model="scripted", messages=msgs).choices[0].message.content == "first"
-        call = client.chat.completions.create(model="scripted", messages=msgs).choices[0].message.tool_calls[0]  # type: ignore[index]
+        assert (
+            client.chat.completions.create(model="scripted", messages=msgs).choices[0].message.content
+            == "first"
+        )
+        call = (
+            client.chat.completions.create(model="scripted", messages=msgs).choices[0].message.tool_calls[0]
+        )  # type: ignore[index]
         assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1}
     finally:
         proc.terminate()
@@ -62,7 +84,9 @@ def test_gateway_serve_scripted_process(tmp_path: Path) -> None:
         (["gateway", "serve", "--backend", "scripted", "--script", "/nonexistent.json"], "not found"),
     ],
 )
-def test_gateway_serve_argument_errors(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_gateway_serve_argument_errors(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert agl_main(argv) == 2
     assert needle in capsys.readouterr().err
 

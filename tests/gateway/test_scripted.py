@@ -7,13 +7,14 @@ import json
 from typing import Any
 
 import httpx
-import openai
 import pytest
 from gw_helpers import ADD_TOOL, server_spans, start_rollout
 
 from agl import semconv as sc
 from agl.gateway.testing import ScriptedBackend, reply, serve_gateway, tool_call
 from agl.gateway.tokenizer import load_default_tokenizer
+
+openai = pytest.importorskip("openai")
 
 TOK = load_default_tokenizer()
 
@@ -27,7 +28,9 @@ def test_chat_text_span_has_the_tokenizers_exact_ids(store: Any, rollout: tuple[
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
     with serve_gateway(backend, store) as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
-        resp = client.chat.completions.create(model="scripted", messages=messages, temperature=0.5, max_tokens=64)
+        resp = client.chat.completions.create(
+            model="scripted", messages=messages, temperature=0.5, max_tokens=64
+        )
     assert resp.choices[0].message.content == "Paris is the capital of France."
     assert resp.choices[0].finish_reason == "stop"
     (span,) = server_spans(store, rollout[0])
@@ -80,9 +83,9 @@ def test_parallel_tool_calls_then_results_prefix_match(store: Any, rollout: tupl
     s1, s2 = server_spans(store, rollout[0])
     a1, a2 = _attrs(s1), _attrs(s2)
     # the second prompt re-renders the first prompt + the generated reply token for token
-    assert a2[sc.AGL_LLM_PROMPT_TOKEN_IDS][: len(a1[sc.AGL_LLM_PROMPT_TOKEN_IDS]) + len(a1[sc.AGL_LLM_RESPONSE_TOKEN_IDS])] == (
-        a1[sc.AGL_LLM_PROMPT_TOKEN_IDS] + a1[sc.AGL_LLM_RESPONSE_TOKEN_IDS]
-    )
+    assert a2[sc.AGL_LLM_PROMPT_TOKEN_IDS][
+        : len(a1[sc.AGL_LLM_PROMPT_TOKEN_IDS]) + len(a1[sc.AGL_LLM_RESPONSE_TOKEN_IDS])
+    ] == (a1[sc.AGL_LLM_PROMPT_TOKEN_IDS] + a1[sc.AGL_LLM_RESPONSE_TOKEN_IDS])
     assert a2[sc.AGL_LLM_PREFIX_MATCH] is True
     assert a2[sc.AGL_LLM_PROMPT_TOKEN_IDS] == TOK.encode(TOK.render(messages, [ADD_TOOL]))
     assert json.loads(a1[sc.GEN_AI_TOOL_DEFINITIONS]) == [ADD_TOOL]
@@ -112,7 +115,11 @@ async def test_async_streaming_text_and_tool_call_deltas(store: Any, rollout: tu
         client = openai.AsyncOpenAI(base_url=url.for_rollout(*rollout), api_key="x")
         messages: list[dict[str, Any]] = [{"role": "user", "content": "20+22?"}]
         stream = await client.chat.completions.create(
-            model="scripted", messages=messages, tools=[ADD_TOOL], stream=True, stream_options={"include_usage": True}
+            model="scripted",
+            messages=messages,
+            tools=[ADD_TOOL],
+            stream=True,
+            stream_options={"include_usage": True},
         )
         content, calls, finish, usage = "", {}, None, None
         async for chunk in stream:
@@ -131,12 +138,26 @@ async def test_async_streaming_text_and_tool_call_deltas(store: Any, rollout: tu
         (span,) = server_spans(store, rollout[0])
         assert content == "Let me add."
         assert finish == "tool_calls"
-        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("add", {"a": 20, "b": 22})]
-        assert usage is not None and usage.completion_tokens == len(span.attributes[sc.AGL_LLM_RESPONSE_TOKEN_IDS])
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+            ("add", {"a": 20, "b": 22})
+        ]
+        assert usage is not None and usage.completion_tokens == len(
+            span.attributes[sc.AGL_LLM_RESPONSE_TOKEN_IDS]
+        )
         # the async non-streaming call of the second turn
         call = calls[0]
         messages += [
-            {"role": "assistant", "content": content, "tool_calls": [{"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+            {
+                "role": "assistant",
+                "content": content,
+                "tool_calls": [
+                    {
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": call["name"], "arguments": call["arguments"]},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": call["id"], "content": "42"},
         ]
         second = await client.chat.completions.create(model="scripted", messages=messages, tools=[ADD_TOOL])
@@ -161,11 +182,18 @@ def test_baggage_and_traceparent_on_plain_v1(store: Any, rollout: tuple[str, int
     assert (span.rollout_id, span.attempt) == rollout
 
 
-def test_calls_without_a_rollout_are_served_and_counted_not_stored(store: Any, rollout: tuple[str, int]) -> None:
+def test_calls_without_a_rollout_are_served_and_counted_not_stored(
+    store: Any, rollout: tuple[str, int]
+) -> None:
     with serve_gateway(ScriptedBackend(["ok"], on_exhausted="repeat"), store) as url:
         client = openai.OpenAI(base_url=url, api_key="x")
         for _ in range(3):
-            assert client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}]).choices[0].message.content == "ok"
+            assert (
+                client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}])
+                .choices[0]
+                .message.content
+                == "ok"
+            )
         assert url.gateway.stats["unattributed_calls"] == 3
         assert url.gateway.stats["calls"] == 3
     assert store.query_spans() == []
@@ -179,9 +207,15 @@ def test_script_cursor_is_per_rollout(store: Any) -> None:
         c1 = openai.OpenAI(base_url=url.for_rollout(*r1), api_key="x")
         c2 = openai.OpenAI(base_url=url.for_rollout(*r2), api_key="x")
         msgs = [{"role": "user", "content": "hi"}]
-        assert c1.chat.completions.create(model="scripted", messages=msgs).choices[0].message.content == "first"
-        assert c2.chat.completions.create(model="scripted", messages=msgs).choices[0].message.content == "first"
-        assert c1.chat.completions.create(model="scripted", messages=msgs).choices[0].message.content == "second"
+        assert (
+            c1.chat.completions.create(model="scripted", messages=msgs).choices[0].message.content == "first"
+        )
+        assert (
+            c2.chat.completions.create(model="scripted", messages=msgs).choices[0].message.content == "first"
+        )
+        assert (
+            c1.chat.completions.create(model="scripted", messages=msgs).choices[0].message.content == "second"
+        )
 
 
 def test_callable_script_sees_the_request(store: Any, rollout: tuple[str, int]) -> None:
@@ -192,13 +226,18 @@ def test_callable_script_sees_the_request(store: Any, rollout: tuple[str, int]) 
     with serve_gateway(ScriptedBackend(script), store) as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
         msgs = [{"role": "system", "content": "You are writer"}, {"role": "user", "content": "who?"}]
-        assert client.chat.completions.create(model="scripted", messages=msgs).choices[0].message.content == "I am writer"
+        assert (
+            client.chat.completions.create(model="scripted", messages=msgs).choices[0].message.content
+            == "I am writer"
+        )
 
 
 def test_n_choices_record_one_span_per_choice(store: Any, rollout: tuple[str, int]) -> None:
     with serve_gateway(ScriptedBackend(["same"]), store) as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
-        resp = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "x"}], n=3)
+        resp = client.chat.completions.create(
+            model="scripted", messages=[{"role": "user", "content": "x"}], n=3
+        )
     assert [c.index for c in resp.choices] == [0, 1, 2]
     spans = server_spans(store, rollout[0])
     assert sorted(s.attributes[sc.AGL_LLM_CHOICE_INDEX] for s in spans) == [0, 1, 2]
@@ -206,7 +245,9 @@ def test_n_choices_record_one_span_per_choice(store: Any, rollout: tuple[str, in
 
 
 def test_max_tokens_and_stop(store: Any, rollout: tuple[str, int]) -> None:
-    with serve_gateway(ScriptedBackend(["one two three four five six seven"], on_exhausted="repeat"), store) as url:
+    with serve_gateway(
+        ScriptedBackend(["one two three four five six seven"], on_exhausted="repeat"), store
+    ) as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
         msgs = [{"role": "user", "content": "count"}]
         cut = client.chat.completions.create(model="scripted", messages=msgs, max_completion_tokens=3)
@@ -222,7 +263,10 @@ def test_logprobs_and_token_ids_on_request(store: Any, rollout: tuple[str, int])
     with serve_gateway(ScriptedBackend(["Hi you"]), store) as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
         resp = client.chat.completions.create(
-            model="scripted", messages=[{"role": "user", "content": "x"}], logprobs=True, extra_body={"return_token_ids": True}
+            model="scripted",
+            messages=[{"role": "user", "content": "x"}],
+            logprobs=True,
+            extra_body={"return_token_ids": True},
         )
     content = resp.choices[0].logprobs.content  # type: ignore[union-attr]
     assert "".join(t.token for t in content) == "Hi you<|im_end|>"
@@ -264,20 +308,30 @@ def _responses_input(first: Any, result: str) -> list[dict[str, Any]]:
     return items
 
 
-RESP_TOOL = {"type": "function", "name": "add", "description": "Add two integers.", "parameters": ADD_TOOL["function"]["parameters"], "strict": False}
+RESP_TOOL = {
+    "type": "function",
+    "name": "add",
+    "description": "Add two integers.",
+    "parameters": ADD_TOOL["function"]["parameters"],
+    "strict": False,
+}
 
 
 def test_responses_api_function_calls_and_prefix_match(store: Any, rollout: tuple[str, int]) -> None:
     backend = ScriptedBackend([reply("Adding.", tool_call("add", a=1, b=2)), reply("It is 3.")])
     with serve_gateway(backend, store) as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
-        first = client.responses.create(model="scripted", instructions="You add.", input="1+2?", tools=[RESP_TOOL])
+        first = client.responses.create(
+            model="scripted", instructions="You add.", input="1+2?", tools=[RESP_TOOL]
+        )
         assert [o.type for o in first.output] == ["message", "function_call"]
         assert first.output_text == "Adding."
         call = first.output[1]
         assert call.name == "add" and json.loads(call.arguments) == {"a": 1, "b": 2}
         assert first.usage is not None and first.usage.output_tokens > 0
-        second = client.responses.create(model="scripted", instructions="You add.", input=_responses_input(first, "3"), tools=[RESP_TOOL])
+        second = client.responses.create(
+            model="scripted", instructions="You add.", input=_responses_input(first, "3"), tools=[RESP_TOOL]
+        )
     assert second.output_text == "It is 3."
     assert second.status == "completed"
     s1, s2 = server_spans(store, rollout[0])
@@ -288,7 +342,9 @@ def test_responses_api_function_calls_and_prefix_match(store: Any, rollout: tupl
     assert s2.attributes[sc.AGL_LLM_PREFIX_MATCH] is True
     tools_as_chat = [{"type": "function", "function": {k: v for k, v in RESP_TOOL.items() if k != "type"}}]
     assert s1.attributes[sc.AGL_LLM_PROMPT_TOKEN_IDS] == TOK.encode(
-        TOK.render([{"role": "system", "content": "You add."}, {"role": "user", "content": "1+2?"}], tools_as_chat)
+        TOK.render(
+            [{"role": "system", "content": "You add."}, {"role": "user", "content": "1+2?"}], tools_as_chat
+        )
     )
 
 
@@ -308,7 +364,9 @@ async def test_responses_api_streaming_events(store: Any, rollout: tuple[str, in
     assert json.loads(done.arguments) == {"a": 5, "b": 6}
     final = events[-1].response
     assert [o.type for o in final.output] == ["message", "function_call"]
-    assert final.usage is not None and final.usage.output_tokens == len(server_spans(store, rollout[0])[0].attributes[sc.AGL_LLM_RESPONSE_TOKEN_IDS])
+    assert final.usage is not None and final.usage.output_tokens == len(
+        server_spans(store, rollout[0])[0].attributes[sc.AGL_LLM_RESPONSE_TOKEN_IDS]
+    )
 
 
 def test_responses_max_output_tokens_is_incomplete(store: Any, rollout: tuple[str, int]) -> None:
@@ -333,8 +391,12 @@ def test_concurrent_clients_each_get_their_own_span(store: Any) -> None:
 
     async def main(url: Any) -> list[str]:
         async with httpx.AsyncClient() as http:
+
             async def one(r: tuple[str, int]) -> str:
-                resp = await http.post(url.for_rollout(*r) + "/chat/completions", json={"model": "scripted", "messages": [{"role": "user", "content": "x"}]})
+                resp = await http.post(
+                    url.for_rollout(*r) + "/chat/completions",
+                    json={"model": "scripted", "messages": [{"role": "user", "content": "x"}]},
+                )
                 return resp.json()["choices"][0]["message"]["content"]
 
             return await asyncio.gather(*(one(r) for r in rollouts))
@@ -353,7 +415,11 @@ def test_span_write_failure_does_not_fail_the_call(store: Any, api: str) -> None
     with serve_gateway(ScriptedBackend(["ok"]), store) as url:
         client = openai.OpenAI(base_url=url.for_rollout("ro-unknown", 1), api_key="x")
         if api == "chat":
-            out = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "x"}]).choices[0].message.content
+            out = (
+                client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "x"}])
+                .choices[0]
+                .message.content
+            )
         else:
             out = client.responses.create(model="scripted", input="x").output_text
         assert out == "ok"

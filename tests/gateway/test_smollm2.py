@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 from gw_helpers import server_spans
 
@@ -19,6 +18,8 @@ from agl import semconv as sc
 from agl.cli import main as agl_main
 from agl.gateway.testing import serve_gateway
 from agl.gateway.tokenizer import load_default_tokenizer
+
+openai = pytest.importorskip("openai")
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -38,7 +39,13 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(os.environ.get("AGL_CACHE_DIR") or tmp_path_factory.mktemp("agl-cache"))
 
 
-def test_models_prepare_then_serve_smollm2(cache_dir: Path, store: Any, rollout: tuple[str, int], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_models_prepare_then_serve_smollm2(
+    cache_dir: Path,
+    store: Any,
+    rollout: tuple[str, int],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.setenv("AGL_CACHE_DIR", str(cache_dir))
     assert agl_main(["models", "prepare"]) == 0
     model_dir = Path(capsys.readouterr().out.strip().splitlines()[-1])
@@ -53,7 +60,9 @@ def test_models_prepare_then_serve_smollm2(cache_dir: Path, store: Any, rollout:
     with serve_gateway(backend, store) as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x", timeout=300)
         assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct"]
-        resp = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=6, temperature=0)
+        resp = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=6, temperature=0
+        )
     text = resp.choices[0].message.content or ""
     assert text.strip()
     (span,) = server_spans(store, rollout[0])

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 from gw_helpers import ADD_TOOL, server_spans, start_rollout
 
 from agl import semconv as sc
 from agl.gateway.testing import serve_gateway
 from agl.gateway.tokenizer import load_default_tokenizer
+
+openai = pytest.importorskip("openai")
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -78,9 +79,15 @@ def greedy(model: Any, prompt_ids: list[int], n: int) -> list[int]:
     return out
 
 
-def check_span(model: Any, span: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> None:
+def check_span(
+    model: Any, span: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> None:
     a = span.attributes
-    prompt, response, logprobs = a[sc.AGL_LLM_PROMPT_TOKEN_IDS], a[sc.AGL_LLM_RESPONSE_TOKEN_IDS], a[sc.AGL_LLM_RESPONSE_LOGPROBS]
+    prompt, response, logprobs = (
+        a[sc.AGL_LLM_PROMPT_TOKEN_IDS],
+        a[sc.AGL_LLM_RESPONSE_TOKEN_IDS],
+        a[sc.AGL_LLM_RESPONSE_LOGPROBS],
+    )
     assert prompt == TOK.encode(TOK.render(messages, tools))
     assert len(response) == len(logprobs) > 0
     assert all(math.isfinite(x) and x <= 0 for x in logprobs)
@@ -88,7 +95,9 @@ def check_span(model: Any, span: Any, messages: list[dict[str, Any]], tools: lis
     assert a[sc.AGL_LLM_BACKEND] == "transformers" and a[sc.AGL_LLM_EXACT] is True
 
 
-def test_greedy_chat_ids_and_logprobs_match_the_model(store: Any, rollout: tuple[str, int], backend: Any, model: Any) -> None:
+def test_greedy_chat_ids_and_logprobs_match_the_model(
+    store: Any, rollout: tuple[str, int], backend: Any, model: Any
+) -> None:
     messages = [{"role": "user", "content": "Say something."}]
     with serve_gateway(backend, store) as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
@@ -103,14 +112,19 @@ def test_greedy_chat_ids_and_logprobs_match_the_model(store: Any, rollout: tuple
     assert resp.choices[0].finish_reason == ("stop" if response[-1] == TOK.eos_token_id else "length")
 
 
-async def test_concurrent_sampled_requests_are_batched_and_exact(store: Any, backend: Any, model: Any) -> None:
+async def test_concurrent_sampled_requests_are_batched_and_exact(
+    store: Any, backend: Any, model: Any
+) -> None:
     rollouts = [start_rollout(store, f"ro-t{i}") for i in range(6)]
     convs = [[{"role": "user", "content": "word " * (i + 1)}] for i in range(6)]
     with serve_gateway(backend, store) as url:
         async with httpx.AsyncClient(timeout=60) as http:
             resps = await asyncio.gather(
                 *(
-                    http.post(url.for_rollout(*r) + "/chat/completions", json={"model": "tiny", "messages": m, "temperature": 1.0, "seed": None})
+                    http.post(
+                        url.for_rollout(*r) + "/chat/completions",
+                        json={"model": "tiny", "messages": m, "temperature": 1.0, "seed": None},
+                    )
                     for r, m in zip(rollouts, convs, strict=True)
                 )
             )
@@ -120,15 +134,31 @@ async def test_concurrent_sampled_requests_are_batched_and_exact(store: Any, bac
         check_span(model, span, m)  # left-padded batch rows still give the model's own logprobs
 
 
-def test_streaming_and_tool_results_render_through_the_template(store: Any, rollout: tuple[str, int], backend: Any, model: Any) -> None:
+def test_streaming_and_tool_results_render_through_the_template(
+    store: Any, rollout: tuple[str, int], backend: Any, model: Any
+) -> None:
     messages: list[dict[str, Any]] = [
         {"role": "user", "content": "1+2?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "3"},
     ]
     with serve_gateway(backend, store) as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
-        chunks = list(client.chat.completions.create(model="tiny", messages=messages, tools=[ADD_TOOL], stream=True, max_tokens=6, temperature=0))
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny", messages=messages, tools=[ADD_TOOL], stream=True, max_tokens=6, temperature=0
+            )
+        )
     (span,) = server_spans(store, rollout[0])
     check_span(model, span, messages, [ADD_TOOL])
     prompt_text = TOK.decode(span.attributes[sc.AGL_LLM_PROMPT_TOKEN_IDS])
@@ -166,15 +196,22 @@ def test_weight_swap_between_requests(store: Any, rollout: tuple[str, int], tmp_
 def test_lora_adapter_swap(store: Any, rollout: tuple[str, int], tmp_path: Path) -> None:
     peft = pytest.importorskip("peft")
     base = tiny_model(seed=3)
-    lora = peft.get_peft_model(tiny_model(seed=3), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    lora = peft.get_peft_model(
+        tiny_model(seed=3),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
     lora.save_pretrained(str(tmp_path / "adapter"))
     be = TransformersBackend(base, model_name="tiny")
     messages = [{"role": "user", "content": "hi"}]
     with serve_gateway(be, store) as url:
-        swapped = httpx.post(url.root + "/agl/v1/adapters", json={"path": str(tmp_path / "adapter"), "name": "step1"})
+        swapped = httpx.post(
+            url.root + "/agl/v1/adapters", json={"path": str(tmp_path / "adapter"), "name": "step1"}
+        )
         assert swapped.status_code == 200, swapped.text
         assert swapped.json() == {"weight_version": 1}
-        openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x").chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+        openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x").chat.completions.create(
+            model="tiny", messages=messages, max_tokens=4
+        )
     (span,) = server_spans(store, rollout[0])
     assert span.attributes[sc.AGL_LLM_WEIGHT_VERSION] == 1
     check_span(lora, span, messages)
@@ -185,7 +222,9 @@ def test_context_window_and_unknown_model(store: Any, backend: Any) -> None:
     with serve_gateway(backend, store) as url:
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
         with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 600}])
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "word " * 600}]
+            )
         assert str(MAX_POS) in str(info.value)
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
@@ -197,7 +236,12 @@ def test_disconnect_cancels_a_running_generation(store: Any, rollout: tuple[str,
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(
                 url.for_rollout(*rollout) + "/chat/completions",
-                json={"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 100000, "temperature": 0},
+                json={
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": "go"}],
+                    "max_tokens": 100000,
+                    "temperature": 0,
+                },
                 timeout=0.5,
             )
         # the worker is free again: the next request is served (it would queue behind 100k tokens otherwise)
@@ -217,4 +261,6 @@ def test_completions_raw_prompt(store: Any, rollout: tuple[str, int], backend: A
     (span,) = server_spans(store, rollout[0])
     assert span.attributes[sc.AGL_LLM_PROMPT_TOKEN_IDS] == TOK.encode("Once upon a time")
     resp_ids = span.attributes[sc.AGL_LLM_RESPONSE_TOKEN_IDS]
-    assert span.attributes[sc.AGL_LLM_RESPONSE_LOGPROBS] == pytest.approx(recompute_logprobs(model, TOK.encode("Once upon a time"), resp_ids), abs=1e-4)
+    assert span.attributes[sc.AGL_LLM_RESPONSE_LOGPROBS] == pytest.approx(
+        recompute_logprobs(model, TOK.encode("Once upon a time"), resp_ids), abs=1e-4
+    )

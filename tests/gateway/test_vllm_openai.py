@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import openai
 import pytest
 from fake_vllm import FakeVLLM
 from gw_helpers import ADD_TOOL, server_spans
@@ -18,6 +17,8 @@ from agl.gateway.backends.vllm import VLLMBackend
 from agl.gateway.chat_format import render_tool_call
 from agl.gateway.testing import serve_asgi, serve_gateway
 from agl.gateway.tokenizer import load_default_tokenizer
+
+openai = pytest.importorskip("openai")
 
 TOK = load_default_tokenizer()
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -30,15 +31,22 @@ def upstream() -> Iterator[tuple[FakeVLLM, str]]:
         yield fake, root
 
 
-def test_vllm_proxy_adds_token_ids_and_records_them(store: Any, rollout: tuple[str, int], upstream: tuple[FakeVLLM, str]) -> None:
+def test_vllm_proxy_adds_token_ids_and_records_them(
+    store: Any, rollout: tuple[str, int], upstream: tuple[FakeVLLM, str]
+) -> None:
     fake, root = upstream
     with serve_gateway(VLLMBackend(root), store) as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
         assert [m.id for m in client.models.list()] == [MODEL]
         messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
-        first = client.chat.completions.create(model=MODEL, messages=messages, tools=[ADD_TOOL], temperature=0.7, max_tokens=50)
+        first = client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[ADD_TOOL], temperature=0.7, max_tokens=50
+        )
         assert first.choices[0].message.content == "Hello from vLLM."
-        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "2+3?"}]
+        messages += [
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": "2+3?"},
+        ]
         second = client.chat.completions.create(model=MODEL, messages=messages, tools=[ADD_TOOL])
         call = second.choices[0].message.tool_calls[0]  # type: ignore[index]
         assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 2, "b": 3})
@@ -50,16 +58,22 @@ def test_vllm_proxy_adds_token_ids_and_records_them(store: Any, rollout: tuple[s
     assert sent["stream"] is False
     s1, s2 = server_spans(store, rollout[0])
     a1 = s1.attributes
-    assert a1[sc.AGL_LLM_PROMPT_TOKEN_IDS] == TOK.encode(TOK.render([{"role": "user", "content": "hi"}], [ADD_TOOL]))
+    assert a1[sc.AGL_LLM_PROMPT_TOKEN_IDS] == TOK.encode(
+        TOK.render([{"role": "user", "content": "hi"}], [ADD_TOOL])
+    )
     assert a1[sc.AGL_LLM_RESPONSE_TOKEN_IDS] == TOK.encode("Hello from vLLM.") + [TOK.eos_token_id]
-    assert a1[sc.AGL_LLM_RESPONSE_LOGPROBS] == pytest.approx([-0.05 * (k + 1) for k in range(len(a1[sc.AGL_LLM_RESPONSE_TOKEN_IDS]))])
+    assert a1[sc.AGL_LLM_RESPONSE_LOGPROBS] == pytest.approx(
+        [-0.05 * (k + 1) for k in range(len(a1[sc.AGL_LLM_RESPONSE_TOKEN_IDS]))]
+    )
     assert a1[sc.AGL_LLM_BACKEND] == "vllm" and a1[sc.AGL_LLM_EXACT] is True
     # the engine's ids of turn 1 are a prefix of its ids of turn 2: no drift
     assert s2.attributes[sc.AGL_LLM_PREFIX_MATCH] is True
     assert first.choices[0].logprobs is None  # the client did not ask for logprobs: the span has them
 
 
-def test_vllm_lora_load_routes_the_policy_to_the_new_adapter(store: Any, rollout: tuple[str, int], upstream: tuple[FakeVLLM, str]) -> None:
+def test_vllm_lora_load_routes_the_policy_to_the_new_adapter(
+    store: Any, rollout: tuple[str, int], upstream: tuple[FakeVLLM, str]
+) -> None:
     fake, root = upstream
     with serve_gateway(VLLMBackend(root, keep_adapters=1), store) as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
@@ -75,7 +89,10 @@ def test_vllm_lora_load_routes_the_policy_to_the_new_adapter(store: Any, rollout
     chats = [b for k, b in fake.requests if k == "chat"]
     assert [b["model"] for b in chats] == [MODEL, "policy-v1", f"{MODEL}-agl-v2"]
     loads = [b for k, b in fake.requests if k == "load_lora_adapter"]
-    assert loads == [{"lora_name": "policy-v1", "lora_path": "/ckpt/step1"}, {"lora_name": f"{MODEL}-agl-v2", "lora_path": "/ckpt/step2"}]
+    assert loads == [
+        {"lora_name": "policy-v1", "lora_path": "/ckpt/step1"},
+        {"lora_name": f"{MODEL}-agl-v2", "lora_path": "/ckpt/step2"},
+    ]
     assert ("unload_lora_adapter", {"lora_name": "policy-v1"}) in fake.requests
     assert list(fake.loras) == [f"{MODEL}-agl-v2"]
     versions = [s.attributes[sc.AGL_LLM_WEIGHT_VERSION] for s in server_spans(store, rollout[0])]
@@ -91,7 +108,9 @@ def test_vllm_lora_refusal_is_reported(store: Any, upstream: tuple[FakeVLLM, str
         assert httpx.get(url.root + "/agl/v1/status").json()["weight_version"] == 0
 
 
-def test_vllm_completions_and_responses(store: Any, rollout: tuple[str, int], upstream: tuple[FakeVLLM, str]) -> None:
+def test_vllm_completions_and_responses(
+    store: Any, rollout: tuple[str, int], upstream: tuple[FakeVLLM, str]
+) -> None:
     fake, root = upstream
     with serve_gateway(VLLMBackend(root), store) as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
@@ -103,15 +122,22 @@ def test_vllm_completions_and_responses(store: Any, rollout: tuple[str, int], up
     assert kind == "completions" and sent["return_token_ids"] is True and sent["logprobs"] == 1
     assert resp.output[0].type == "function_call"  # the second scripted upstream reply
     kind, sent = fake.requests[1]
-    assert kind == "chat" and sent["messages"] == [{"role": "system", "content": "Be nice."}, {"role": "user", "content": "hi"}]
-    assert sent["tools"] == [{"type": "function", "function": {"name": "add", "parameters": ADD_TOOL["function"]["parameters"]}}]
+    assert kind == "chat" and sent["messages"] == [
+        {"role": "system", "content": "Be nice."},
+        {"role": "user", "content": "hi"},
+    ]
+    assert sent["tools"] == [
+        {"type": "function", "function": {"name": "add", "parameters": ADD_TOOL["function"]["parameters"]}}
+    ]
     s1, s2 = server_spans(store, rollout[0])
     assert s1.attributes[sc.AGL_LLM_PROMPT_TOKEN_IDS] == TOK.encode("Hello")
     assert s1.attributes[sc.AGL_LLM_RESPONSE_LOGPROBS][0] == pytest.approx(-0.05)
     assert s2.attributes[sc.AGL_LLM_EXACT] is True
 
 
-def test_vllm_errors_pass_through(store: Any, rollout: tuple[str, int], upstream: tuple[FakeVLLM, str]) -> None:
+def test_vllm_errors_pass_through(
+    store: Any, rollout: tuple[str, int], upstream: tuple[FakeVLLM, str]
+) -> None:
     fake, root = upstream
     with serve_gateway(VLLMBackend(root), store) as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x", max_retries=0)
@@ -137,12 +163,16 @@ def test_vllm_unreachable_is_502(store: Any, rollout: tuple[str, int]) -> None:
     assert info.value.status_code == 502 and "unreachable" in str(info.value)
 
 
-def test_openai_passthrough_is_marked_inexact(store: Any, rollout: tuple[str, int], upstream: tuple[FakeVLLM, str]) -> None:
+def test_openai_passthrough_is_marked_inexact(
+    store: Any, rollout: tuple[str, int], upstream: tuple[FakeVLLM, str]
+) -> None:
     fake, root = upstream
     with serve_gateway(OpenAIBackend(root + "/v1", api_key="sk-upstream"), store) as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x", max_retries=0)
         messages = [{"role": "user", "content": "hi"}]
-        out = client.chat.completions.create(model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True})
+        out = client.chat.completions.create(
+            model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True}
+        )
         chunks = list(out)
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="unknown", messages=messages)

@@ -354,7 +354,7 @@ def test_span_arrivals_extend_lease(store: Store) -> None:
 
 
 def test_timeout_ends_attempt_timed_out(store: Store) -> None:
-    r = enqueue(store, 1, config=RolloutConfig(timeout_s=0.3, lease_s=30))[0]
+    r = enqueue(store, 1, config=RolloutConfig(timeout_s=0.5, lease_s=30))[0]
     store.claim("w")
     store.heartbeat(r.id, 1)
     assert wait_until(lambda: store.get_rollout(r.id).status == "failed")
@@ -433,7 +433,7 @@ def test_seq_strictly_increasing_under_concurrency(store: Store) -> None:
 
 
 def test_stale_spans(store: Store) -> None:
-    r = enqueue(store, 1, config=RolloutConfig(lease_s=0.2, max_attempts=2))[0]
+    r = enqueue(store, 1, config=RolloutConfig(lease_s=0.5, max_attempts=2))[0]
     store.claim("w")
     early = store.add_spans([span(r.id), span(r.id)])
     assert not any(s.stale for s in early)
