@@ -89,6 +89,17 @@ AGL_LANGCHAIN_RUN_ID = "agl.langchain.run_id"  # the LangChain run id (joins wit
 AGL_LANGGRAPH_NODE = "agl.langgraph.node"  # the LangGraph node an invoke_agent span is a turn of
 AGL_LANGGRAPH_STEP = "agl.langgraph.step"  # int: the graph super-step that ran the node
 
+# CrewAI integration: the crew kickoff and task spans that agent spans nest in
+SPAN_CREW = "agl.crew"  # one Crew.kickoff (its tasks are children)
+SPAN_TASK = "agl.task"  # one Task of a crew (the agent executing it is a child)
+AGL_CREW_NAME = "agl.crew.name"
+AGL_CREW_PROCESS = "agl.crew.process"  # "sequential" | "hierarchical"
+AGL_TASK_ID = "agl.task.id"
+AGL_TASK_NAME = "agl.task.name"
+# bool on an execute_tool span: the tool failed and the framework itself ran the same call again; the
+# last attempt carries the call's outcome (so one failing call is one ERROR, however often retried)
+AGL_TOOL_RETRIED = "agl.tool.retried"
+
 # ------------------------------------------------------------------------------------- baggage/http
 BAGGAGE_ROLLOUT_ID = AGL_ROLLOUT_ID
 BAGGAGE_ATTEMPT = AGL_ATTEMPT

@@ -54,6 +54,7 @@ from agl.store._common import (
     check_timeout,
     coerce_many,
 )
+from agl.store._wire import dump_spans
 from agl.store.base import ConflictError, InvalidInputError, NotFoundError, StoreError
 from agl.types import (
     _ID_RE,
@@ -764,7 +765,8 @@ class _Requests:
         items = coerce_many(Span, spans, "span")
         if idempotency_key is not None and not isinstance(idempotency_key, str):
             raise InvalidInputError(f"idempotency_key must be a string, got {idempotency_key!r}")
-        body = _to_json({"spans": items, "idempotency_key": idempotency_key or uuid.uuid4().hex})
+        key = json.dumps(idempotency_key or uuid.uuid4().hex).encode()
+        body = b'{"spans":' + dump_spans(items) + b',"idempotency_key":' + key + b"}"
         if idempotency_key is not None:
             # A caller's own key may be replayed with other spans: return exactly what the store kept.
             return _Req("POST", self._u("/spans"), body, _P_SPANS)

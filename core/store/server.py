@@ -45,6 +45,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from agl.store._common import describe_validation_error
+from agl.store._wire import dump_spans
 from agl.store.base import InvalidInputError, Store, StoreError
 from agl.types import AttemptError, Claim, Mode, NewRollout, Rollout, Span, Task
 
@@ -499,7 +500,7 @@ class StoreServer:
             # RFC 7240: the client already holds the spans; send back only what the store assigned.
             body = json.dumps({"seq": [s.seq for s in spans], "stale": [s.stale for s in spans]})
             return self._ok(body.encode())
-        return self._ok(b'{"spans":' + _dump(spans) + b"}")
+        return self._ok(b'{"spans":' + dump_spans(spans) + b"}")
 
     async def query_spans(self, request: Request) -> Response:
         q = await self._json_body(request, _SpanQuery)
@@ -511,7 +512,7 @@ class StoreServer:
             include_stale=q.include_stale,
             limit=q.limit,
         )
-        return self._ok(b'{"spans":' + _dump(spans) + b"}")
+        return self._ok(b'{"spans":' + dump_spans(spans) + b"}")
 
     async def add_resources(self, request: Request) -> Response:
         async def run() -> Response:

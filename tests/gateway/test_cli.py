@@ -14,8 +14,6 @@ import pytest
 
 from agl.cli import main as agl_main
 
-openai = pytest.importorskip("openai")
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -60,16 +58,11 @@ def test_gateway_serve_scripted_process(tmp_path: Path) -> None:
                 assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
                 assert time.monotonic() < deadline, "the gateway did not start"
                 time.sleep(0.1)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
-        msgs = [{"role": "user", "content": "x"}]
-        assert (
-            client.chat.completions.create(model="scripted", messages=msgs).choices[0].message.content
-            == "first"
-        )
-        call = (
-            client.chat.completions.create(model="scripted", messages=msgs).choices[0].message.tool_calls[0]
-        )  # type: ignore[index]
-        assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1}
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        body = {"model": "scripted", "messages": [{"role": "user", "content": "x"}]}
+        assert httpx.post(url, json=body).json()["choices"][0]["message"]["content"] == "first"
+        call = httpx.post(url, json=body).json()["choices"][0]["message"]["tool_calls"][0]["function"]
+        assert call["name"] == "add" and json.loads(call["arguments"]) == {"a": 1}
     finally:
         proc.terminate()
         out = proc.communicate(timeout=20)[0]

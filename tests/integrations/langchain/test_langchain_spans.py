@@ -496,3 +496,25 @@ def test_responses_api_calls_nest_too(traced: Traced) -> None:
     with traced.rollout() as out:
         graph.invoke(INPUT)
     assert_llm_calls_nested(out["tree"], out["record"], Counter({"writer": 1, "checker": 1}))
+
+
+def test_agl_agent_metadata_names_a_nested_chain(traced: Traced) -> None:
+    traced.backend.policy = by_role
+    llm = llm_for(traced)
+    critic = ChatPromptTemplate.from_messages([("system", "checker: criticise"), ("user", "{draft}")]) | llm
+
+    def writer(state: MessagesState) -> dict[str, Any]:
+        draft = llm.invoke([("system", "writer: draft"), *state["messages"]])
+        critic.invoke({"draft": draft.content}, config={"metadata": {"agl_agent": "checker"}})
+        return {"messages": [draft]}
+
+    g = StateGraph(MessagesState)
+    g.add_node("writer", writer)
+    g.add_edge(START, "writer")
+    with traced.rollout() as out:
+        g.compile().invoke(INPUT)
+    tree: Tree = out["tree"]
+    (writer_span,) = tree.agents("writer")
+    (checker_span,) = tree.agents("checker")  # one span, though its children inherit the metadata
+    assert checker_span.parent_id == writer_span.span_id
+    assert_llm_calls_nested(tree, out["record"], Counter({"writer": 1, "checker": 1}))

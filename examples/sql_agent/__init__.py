@@ -1,0 +1,1 @@
+"""Text-to-SQL with LangGraph (writer → checker → rewriter), trained with LightningRL: see README.md."""

@@ -1,0 +1,297 @@
+"""Trainer.fit end to end on the mechanics: a tiny random Llama (with the shipped SmolLM2 tokenizer)
+as the policy, the scripted gateway backend as the engine, the real openai client as the agent's LLM
+client, a memory store, and runners that run (and die) for real.
+
+Asserts: rewarded responses become likelier and penalised ones less likely; only the selected agent's
+transitions are trained on; a runner that dies mid-rollout (lease expiry) has its rollout retried and
+its stale spans are never trained on; metrics, checkpoints, resume, the plot and ``dev`` work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+openai = pytest.importorskip("openai")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import agl  # noqa: E402
+from agl import semconv as sc  # noqa: E402
+from agl import tracing  # noqa: E402
+from agl.algorithms.update import PolicyUpdate  # noqa: E402
+from agl.runner import Runner  # noqa: E402
+from agl.store.memory import MemoryStore  # noqa: E402
+from agl.trainer import Trainer, load_tokenizer  # noqa: E402
+from agl.types import Transition  # noqa: E402
+
+GOOD = "Answer: 42"
+BAD = "I am not sure."
+CHECKED = "Looks fine to me."
+STALE = "This reply belongs to a dead runner."
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _instrumented() -> Iterator[None]:
+    agl.instrument("openai")
+    yield
+    agl.uninstrument()
+    tracing.reset_tracing()
+
+
+def tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=49152,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        )
+    )
+
+
+class Script:
+    """The engine: the writer's replies alternate between a good and a bad answer (so every GRPO
+    group has both); the checker always approves; a dying runner's call gets a marked reply."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, request: Any) -> str:
+        system = request.messages[0]["content"] if request.messages else ""
+        if "checker" in system:
+            return CHECKED
+        if "dying" in system:
+            return STALE
+        with self.lock:
+            self.n += 1
+            return GOOD if self.n % 2 else BAD
+
+
+def _agent_span(name: str) -> Any:
+    return tracing.get_tracer("tests.agent").start_as_current_span(
+        sc.SPAN_INVOKE_AGENT, attributes={sc.GEN_AI_OPERATION_NAME: sc.OP_INVOKE_AGENT, sc.GEN_AI_AGENT_NAME: name}
+    )
+
+
+def _ask(client: Any, model: str, system: str, question: str) -> str:
+    out = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        max_tokens=16,
+    )
+    return out.choices[0].message.content or ""
+
+
+def two_agent_app(task: dict, resources: agl.Resources, *, dying: bool = False) -> float:
+    """A writer answers (trained); a checker reviews (not selected for training)."""
+    llm = resources.llm
+    assert llm is not None
+    client = openai.OpenAI(base_url=llm.base_url, api_key="x")
+    with _agent_span("writer"):
+        answer = _ask(client, llm.model, "dying writer" if dying else "You are the writer.", task["q"])
+    with _agent_span("checker"):
+        _ask(client, llm.model, "You are the checker.", f"Check: {answer}")
+    return 1.0 if answer.strip() == GOOD else 0.0
+
+
+class Spy:
+    """Wraps the real PolicyUpdate.step: records what was trained on and the probe probabilities."""
+
+    def __init__(self, tok: Any) -> None:
+        self.batches: list[list[Transition]] = []
+        self.before: list[float] | None = None
+        self.probe: list[Transition] | None = None
+        self.tok = tok
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        real = PolicyUpdate.step
+        spy = self
+
+        def step(self_: PolicyUpdate, transitions: Any, advantages: Any) -> dict[str, float]:
+            spy.batches.append(list(transitions))
+            if spy.probe is None:
+                prompt = transitions[0].prompt_ids
+                eos = (spy.tok.eos_token_id,)
+                spy.probe = [
+                    Transition(rollout_id="probe", attempt=1, index=0, prompt_ids=prompt, response_ids=tuple(spy.tok(text, add_special_tokens=False)["input_ids"]) + eos)
+                    for text in (GOOD, BAD)
+                ]
+                spy.before = [sum(x) for x in self_.response_logprobs(spy.probe)]
+            return real(self_, transitions, advantages)
+
+        monkeypatch.setattr(PolicyUpdate, "step", step)
+
+
+def test_fit_trains_the_selected_agent_and_skips_stale_spans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tok = load_tokenizer()
+    spy = Spy(tok)
+    spy.install(monkeypatch)
+    store = MemoryStore()
+    algo = agl.LightningRL(group_size=4, learning_rate=2e-2, lora_r=8, lora_alpha=16)
+    trainer = Trainer(
+        algo,
+        model=tiny_model(),
+        backend="scripted",
+        script=Script(),
+        store=store,
+        runners=0,  # the test runs the runners itself: a healthy one and one that dies
+        run_dir=tmp_path / "run",
+        agents=["writer"],
+        tokenizer=tok,
+        tasks_per_step=2,
+        steps=4,
+        val_every=2,
+        lease_s=1.0,
+        max_attempts=3,
+        progress=False,
+    )
+    train = [{"q": f"What is {i} * 6?"} for i in range(4)]
+    val = [{"q": "What is 7 * 6?"}]
+
+    def dying_agent(task: dict, resources: agl.Resources) -> float:
+        reward = two_agent_app(task, resources, dying=True)
+        time.sleep(2.5)  # no heartbeats (heartbeat_s=100): the lease expires, as when a host dies
+        return reward
+
+    dead = Runner(dying_agent, store, heartbeat_s=100, claim_timeout_s=0.5, modes=["train"], worker_id="dying")
+    healthy = Runner(two_agent_app, store, concurrency=4, claim_timeout_s=0.2, worker_id="healthy")
+    fit_result: dict[str, Any] = {}
+    fit_thread = threading.Thread(target=lambda: fit_result.update(trainer.fit(two_agent_app, train, val)))
+    dead_thread = threading.Thread(target=lambda: asyncio.run(dead.run_async(max_rollouts=1)))
+    dead_thread.start()  # waits for work before anyone else does, so it takes the first rollout
+    fit_thread.start()
+    deadline = time.monotonic() + 60
+    while dead.stats.claimed == 0:
+        assert time.monotonic() < deadline, "the dying runner never claimed"
+        time.sleep(0.02)
+    healthy_thread = threading.Thread(target=lambda: asyncio.run(healthy.run_async()))
+    healthy_thread.start()
+    fit_thread.join(timeout=120)
+    healthy.stop(now=True)
+    healthy_thread.join(timeout=30)
+    dead_thread.join(timeout=30)
+    assert not fit_thread.is_alive()
+    assert fit_result, "fit() failed"
+
+    # the dying runner's rollout was retried after its lease expired, and its spans are stale
+    lost = [r for r in store.query_rollouts() if any(a.status == "lost" for a in r.attempts)]
+    assert len(lost) == 1
+    rollout = lost[0]
+    assert rollout.status == "succeeded" and rollout.attempts[0].worker_id == "dying"
+    stale = store.query_spans(rollout_id=rollout.id, attempt=1)
+    assert stale and all(s.stale for s in stale)
+    assert any(STALE in json.dumps(s.attributes) for s in stale)
+
+    trained = [t for batch in spy.batches for t in batch]
+    assert len(spy.batches) == 4
+    # only the selected agent's calls, never the dying attempt's
+    assert trained and {t.agent for t in trained} == {"writer"}
+    assert all(t.response_text in (GOOD, BAD) for t in trained)
+    assert not any(t.response_text == CHECKED for t in trained)
+    assert [t.attempt for t in trained if t.rollout_id == rollout.id] == [2]
+    assert all(t.exact for t in trained)
+
+    # the update moved probability mass from the penalised to the rewarded reply
+    after = [sum(x) for x in trainer.policy.response_logprobs(spy.probe)]
+    assert spy.before is not None
+    assert after[0] > spy.before[0] + 0.5, (spy.before, after)
+    assert after[1] < spy.before[1] - 0.5, (spy.before, after)
+
+    # metrics, resources versions, plot
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if "train_reward" in r]
+    assert [r["step"] for r in train_records] == [0, 1, 2, 3]
+    assert [r["step"] for r in records if r.get("val_reward") is not None] == [0, 2, 4]
+    for r in train_records:
+        assert r["exact_token_ratio"] == 1.0 and r["transitions"] == 8 and r["train_reward"] == pytest.approx(0.5, abs=0.26)
+        assert {"loss", "kl", "clip_fraction", "tokens_per_s", "zero_variance_groups", "grad_norm"} <= set(r)
+    versions = [r["resources_version"] for r in records]
+    assert versions == sorted(set(versions))  # bumps every step
+    for r in store.query_rollouts(status="succeeded"):
+        assert r.resources_version in versions
+    assert (tmp_path / "run" / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert any((tmp_path / "run" / "tb").iterdir())
+    assert (tmp_path / "run" / "trainer_state.json").exists()
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path: Path) -> None:
+    tok = load_tokenizer()
+    common: dict[str, Any] = dict(
+        model=tiny_model(),
+        backend="scripted",
+        script=Script(),
+        runners=4,
+        run_dir=tmp_path / "run",
+        tokenizer=tok,
+        tasks_per_step=1,
+        val_every=0,
+        progress=False,
+        agents=["writer"],
+    )
+    algo = agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8)
+    first = Trainer(algo, store="memory://", steps=2, checkpoint_every=1, **common)
+    first.fit(two_agent_app, [{"q": "a"}, {"q": "b"}])
+    assert first.policy.global_step == 2
+    common["model"] = tiny_model()
+    second = Trainer(algo, store="memory://", steps=3, resume=True, **common)
+    second.fit(two_agent_app, [{"q": "a"}, {"q": "b"}])
+    assert second.policy.global_step == 3
+    steps = [r["step"] for r in second.history if "train_reward" in r]
+    assert steps == [0, 1, 2]  # the resumed run trained only step 2
+    ckpt = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
+    assert ckpt["step"] == 3 and Path(ckpt["checkpoint"]).name == "checkpoint-3"
+
+
+def test_dev_prints_transitions_and_rewards(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trainer = Trainer(backend="scripted", script=Script(), runners=2, run_dir=tmp_path / "dev", agents=["writer"], progress=False)
+    out = trainer.dev(two_agent_app, [{"q": "What is 6 * 7?"}, {"q": "What is 1 + 1?"}])
+    text = capsys.readouterr().out
+    assert len(out) == 2 and {t.agent for t in out} == {"writer"}
+    assert "agent=writer" in text and "response: " in text and "reward=" in text
+    assert "2 rollouts, 2 transitions" in text
+    assert trainer.policy is None  # dev never builds a policy
+
+
+def test_plot_cli_and_bad_input(tmp_path: Path) -> None:
+    from agl.cli import main
+
+    run = tmp_path / "r"
+    run.mkdir()
+    rows = [{"step": i, "train_reward": i / 10, **({"val_reward": i / 8} if i % 2 == 0 else {})} for i in range(5)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert main(["plot", str(run), "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["plot", str(tmp_path / "nope")]) == 2
+    with pytest.raises(ValueError, match="backend"):
+        Trainer(backend="tpu")
+    with pytest.raises(ValueError, match="vllm_url"):
+        Trainer(backend="vllm")
+    with pytest.raises(ValueError, match="script"):
+        Trainer(backend="scripted")
+    with pytest.raises(ValueError, match="dev"):
+        Trainer(backend="openai", base_url="http://127.0.0.1:9/v1").fit(two_agent_app, [{"q": "x"}])
