@@ -254,17 +254,24 @@ def test_resume_continues_from_the_checkpoint(tmp_path: Path) -> None:
         agents=["writer"],
     )
     algo = agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8)
-    first = Trainer(algo, store="memory://", steps=2, checkpoint_every=1, **common)
+    first = Trainer(algo, store="memory://", steps=1, checkpoint_every=1, **common)
     first.fit(two_agent_app, [{"q": "a"}, {"q": "b"}])
-    assert first.policy.global_step == 2
+    assert first.policy.global_step == 1
+    trained = first.policy.merged_state_dict()
     common["model"] = tiny_model()
-    second = Trainer(algo, store="memory://", steps=3, resume=True, **common)
+    same = Trainer(algo, store="memory://", steps=1, resume=True, **common)  # nothing left to train
+    same.fit(two_agent_app, [{"q": "a"}, {"q": "b"}])
+    resumed = same.policy.merged_state_dict()
+    assert same.policy.global_step == 1
+    assert max((trained[k] - resumed[k]).abs().max().item() for k in trained) < 1e-6
+    common["model"] = tiny_model()
+    second = Trainer(algo, store="memory://", steps=2, resume=True, **common)
     second.fit(two_agent_app, [{"q": "a"}, {"q": "b"}])
-    assert second.policy.global_step == 3
+    assert second.policy.global_step == 2
     steps = [r["step"] for r in second.history if "train_reward" in r]
-    assert steps == [0, 1, 2]  # the resumed run trained only step 2
+    assert steps == [0, 1]  # the first run's step 0 from its metrics, then the resumed step 1
     ckpt = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
-    assert ckpt["step"] == 3 and Path(ckpt["checkpoint"]).name == "checkpoint-3"
+    assert ckpt["step"] == 2 and Path(ckpt["checkpoint"]).name == "checkpoint-2"
 
 
 def test_dev_prints_transitions_and_rewards(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -383,8 +383,11 @@ class StoreServer:
                 result = await anyio.to_thread.run_sync(
                     call, min(remaining, _POLL_SLICE_S), limiter=self._poll_limiter
                 )
-            if gone.is_set() and done(result) and orphaned is not None:
-                orphaned(result)
+            if done(result) and orphaned is not None:
+                for _ in range(3):  # let a disconnect the loop already saw reach the watcher
+                    await asyncio.sleep(0)
+                if gone.is_set():
+                    orphaned(result)
         finally:
             self.active_polls -= 1
             watcher.cancel()

@@ -207,6 +207,7 @@ class _Run:
         "is_graph",
         "is_node",
         "call_id",
+        "pending",
     )
 
     def __init__(self, parent: _Run | None, name: str, metadata: dict[str, Any]) -> None:
@@ -221,6 +222,7 @@ class _Run:
         self.is_graph = False
         self.is_node = False
         self.call_id: str | None = None
+        self.pending: list[tuple[trace.Span, str, int]] | None = None  # failed tools without a call id
 
     def owner(self) -> trace.Span | None:
         """The span of this run or of its nearest ancestor that has one."""
@@ -233,6 +235,13 @@ class _Run:
 
     def inside_agent(self) -> bool:
         return self.owner() is not None
+
+    def node(self) -> _Run | None:
+        """The nearest LangGraph node run above this one."""
+        run = self.parent
+        while run is not None and not run.is_node:
+            run = run.parent
+        return run
 
 
 class AglCallbackHandler(BaseCallbackHandler):
@@ -383,6 +392,7 @@ class AglCallbackHandler(BaseCallbackHandler):
             return
         if run.is_node:
             self._reported_tool_errors(run, outputs)
+        self._end_pending(run)
         self._detach(run)
         if run.span is not None:
             run.span.end()
@@ -392,6 +402,7 @@ class AglCallbackHandler(BaseCallbackHandler):
         run = self._runs.pop(run_id, None)
         if run is None:
             return
+        self._end_pending(run)
         self._detach(run)
         span = run.span
         if span is not None:
@@ -410,6 +421,8 @@ class AglCallbackHandler(BaseCallbackHandler):
             call_id = message.tool_call_id
             if not call_id or self._seen_tool_call(call_id):
                 continue
+            if self._claim_pending(node, message.name, call_id):
+                continue  # a failed tool run whose id LangChain did not report: now it has one
             result = _to_text(message.content)
             owner = node.owner()
             ctx = trace.set_span_in_context(owner, node.ctx) if owner is not None else node.ctx
@@ -427,6 +440,21 @@ class AglCallbackHandler(BaseCallbackHandler):
             )
             span.set_status(Status(StatusCode.ERROR, result))
             span.end()
+
+    @staticmethod
+    def _claim_pending(node: _Run, tool: str | None, call_id: str) -> bool:
+        for i, (span, name, _) in enumerate(node.pending or ()):
+            if name == tool:
+                span.set_attribute(sc.GEN_AI_TOOL_CALL_ID, call_id)
+                node.pending[i] = (span, "", node.pending[i][2])  # type: ignore[index]
+                return True
+        return False
+
+    @staticmethod
+    def _end_pending(run: _Run) -> None:
+        for span, _, end_ns in run.pending or ():
+            span.end(end_ns)
+        run.pending = None
 
     # ---------------------------------------------------------------------------------- LLMs
     def _llm_start(self, run_id: UUID, parent_run_id: UUID | None) -> None:
@@ -546,8 +574,22 @@ class AglCallbackHandler(BaseCallbackHandler):
         span = run.span
         if span is None:
             return
+        if run.call_id is None:
+            call_id = kwargs.get("tool_call_id")
+            if isinstance(call_id, str) and call_id:
+                span.set_attribute(sc.GEN_AI_TOOL_CALL_ID, call_id)
+                run.call_id = call_id
+                self._seen_tool_call(call_id)
         if not _is_control_flow(error):
             span.record_exception(error)
             span.set_attribute(sc.ERROR_TYPE, type(error).__qualname__)
             span.set_status(Status(StatusCode.ERROR, _describe(error)))
+        node = run.node() if run.call_id is None else None
+        if node is not None:
+            # Older langchain-core reports no tool call id for a tool that raised; the node's error
+            # ToolMessage names it. Keep the span open until the node ends to give it that id.
+            if node.pending is None:
+                node.pending = []
+            node.pending.append((span, run.name, time.time_ns()))
+            return
         span.end()

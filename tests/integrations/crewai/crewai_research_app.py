@@ -19,6 +19,7 @@ from agl.gateway.testing import reply, tool_call
 
 FACTS = {"france": "Paris is the capital of France.", "japan": "Tokyo is the capital of Japan."}
 SLOPPY = "[sloppy]"
+WRONG_TOOL = "[wrong-tool]"  # the researcher first asks for a tool it does not have
 MANAGER = "Crew Manager"  # CrewAI's role for the manager it creates in a hierarchical crew
 DELEGATE = "delegate_work_to_coworker"
 
@@ -31,9 +32,21 @@ def lookup_fact(key: str) -> str:
 
 
 def make_tools(kind: str = "decorator") -> list[Any]:
-    """The lookup tool as ``@tool`` function or as a ``BaseTool`` subclass (both CrewAI styles)."""
-    from crewai.tools import BaseTool, tool
+    """The lookup tool as ``@tool`` function or as a ``BaseTool`` subclass (both CrewAI styles);
+    ``"failure"``: a ``@tool`` that *returns* CrewAI's ``ToolFailure`` instead of raising."""
+    from crewai.tools import BaseTool, ToolFailure, tool
     from pydantic import BaseModel, Field
+
+    if kind == "failure":
+
+        @tool("lookup")
+        def lookup_reporting(key: str) -> Any:
+            """Look a fact up by its key (a lowercase country name)."""
+            if key not in FACTS:
+                return ToolFailure(message=f"unknown key {key!r}", code="unknown_key")
+            return FACTS[key]
+
+        return [lookup_reporting]
 
     if kind == "decorator":
 
@@ -116,7 +129,10 @@ def build_crew(
 
 
 def crew_inputs(task: dict[str, Any]) -> dict[str, str]:
-    return {"country": task["country"], "flag": SLOPPY if task.get("sloppy") else ""}
+    flags = [SLOPPY] if task.get("sloppy") else []
+    if task.get("wrong_tool"):
+        flags.append(WRONG_TOOL)
+    return {"country": task["country"], "flag": " ".join(flags)}
 
 
 # ------------------------------------------------------------------------------- the scripted model
@@ -163,11 +179,14 @@ def policy(request: Any) -> Any:
     if agent == "researcher":
         sloppy = SLOPPY in _text(messages)
         keys = ([country[:-1] + "x"] if sloppy else []) + [country]  # "francx": not a known key
+        if WRONG_TOOL in _text(messages):
+            keys = [""] + keys  # "" stands for a call of a tool the researcher does not have
         if seen < len(keys):
             args = {"key": keys[seen]}
+            name = "encyclopedia" if not keys[seen] else "lookup"
             if native:
-                return reply(None, tool_call("lookup", args))
-            return reply(_react("I must look it up.", "lookup", args))
+                return reply(None, tool_call(name, args))
+            return reply(_react("I must look it up.", name, args))
         return reply(f"Thought: I know it now.\nFinal Answer: {FACTS[country]}")
     if agent == "writer":
         capital = FACTS[country].split(" ")[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -278,7 +279,8 @@ def test_create_agent_parallel_tool_calls(traced: Traced, asynchronous: bool) ->
 
 
 def test_create_react_agent_named_and_as_subgraph(traced: Traced) -> None:
-    with pytest.warns(DeprecationWarning):
+    with warnings.catch_warnings():  # deprecated in LangGraph 1.x in favour of create_agent; still used
+        warnings.simplefilter("ignore", DeprecationWarning)
         from langgraph.prebuilt import create_react_agent
 
         researcher = create_react_agent(
@@ -518,3 +520,38 @@ def test_agl_agent_metadata_names_a_nested_chain(traced: Traced) -> None:
     (checker_span,) = tree.agents("checker")  # one span, though its children inherit the metadata
     assert checker_span.parent_id == writer_span.span_id
     assert_llm_calls_nested(tree, out["record"], Counter({"writer": 1, "checker": 1}))
+
+
+def test_hand_written_tool_node_reporting_errors(traced: Traced) -> None:
+    """A node that runs tools itself and reports failures as error ToolMessages: one ERROR span per
+    failed call, carrying the call id the node reported (also what older langchain-core needs, which
+    does not tell callbacks the id of a tool that raised), and a synthetic one for a call it refused."""
+    from langchain_core.messages import ToolMessage
+
+    @tool
+    def lookup(key: str) -> str:
+        """Look a key up."""
+        raise ValueError(f"no such key: {key}")
+
+    def run_tools(state: MessagesState) -> dict[str, Any]:
+        replies = []
+        try:
+            lookup.invoke({"key": "k1"})  # called with plain arguments: LangChain knows no call id
+        except ValueError as exc:
+            replies.append(ToolMessage(str(exc), tool_call_id="c_1", name="lookup", status="error"))
+        replies.append(ToolMessage("unknown tool", tool_call_id="c_2", name="search", status="error"))
+        return {"messages": replies}
+
+    g = StateGraph(MessagesState)
+    g.add_node("run_tools", run_tools)
+    g.add_edge(START, "run_tools")
+    with traced.rollout() as out:
+        g.compile().invoke(INPUT)
+    tree: Tree = out["tree"]
+    spans = {s.attributes.get(sc.GEN_AI_TOOL_CALL_ID): s for s in tree.tools()}
+    assert set(spans) == {"c_1", "c_2"}, tree.shape()
+    assert spans["c_1"].attributes[sc.GEN_AI_TOOL_NAME] == "lookup" and spans["c_1"].status.code == "ERROR"
+    assert [e.name for e in spans["c_1"].events] == [sc.EVENT_EXCEPTION]
+    assert spans["c_2"].attributes[sc.GEN_AI_TOOL_NAME] == "search" and spans["c_2"].status.code == "ERROR"
+    assert all(tree.agent_of(s) == "run_tools" for s in spans.values())
+    assert spans["c_1"].end_ns <= spans["c_2"].start_ns  # the deferred span keeps its own end time
