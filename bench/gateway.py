@@ -209,11 +209,11 @@ def bench_scripted(n: int, concurrency: int) -> list[dict[str, Any]]:
         proc.wait(timeout=10)
 
 
-def bench_smollm2(new_tokens: int) -> list[dict[str, Any]]:
+def bench_smollm2(new_tokens: int, threads: int | None) -> list[dict[str, Any]]:
     from agl.gateway.backends.base import GenerationRequest
     from agl.gateway.backends.transformers import TransformersBackend
 
-    backend = TransformersBackend(max_batch_size=8)
+    backend = TransformersBackend(max_batch_size=8, threads=threads)
     prompts = [
         "Write a short story about a robot learning to paint.",
         "Explain how photosynthesis works.",
@@ -225,7 +225,7 @@ def bench_smollm2(new_tokens: int) -> list[dict[str, Any]]:
         "How do airplanes stay in the air?",
     ]
 
-    async def run(concurrency: int) -> tuple[int, float]:
+    async def run(concurrency: int) -> tuple[int, float, float]:
         await backend.start()
         reqs = [
             GenerationRequest(
@@ -241,10 +241,10 @@ def bench_smollm2(new_tokens: int) -> list[dict[str, Any]]:
                 model=backend.model_name or "", messages=[{"role": "user", "content": "hi"}], max_tokens=2
             )
         )
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         results = await asyncio.gather(*(backend.generate(r) for r in reqs))
-        elapsed = time.perf_counter() - t
-        return sum(len(r.choices[0].response_ids or ()) for r in results), elapsed
+        elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
+        return sum(len(r.choices[0].response_ids or ()) for r in results), elapsed, cpu
 
     rows = []
     for c in (1, 8):
@@ -255,21 +255,7 @@ def bench_smollm2(new_tokens: int) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--requests", type=int, default=3000)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--skip-smollm2", action="store_true")
-    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.serve:
-        serve(args.serve)
-        return
-    print(f"load average before: {os.getloadavg()[0]:.2f}")
-    rows = bench_scripted(args.requests, args.concurrency)
+def report_scripted(rows: list[dict[str, Any]]) -> None:
     print("\nscripted backend, chat completion (ms; 'added' = end to end over HTTP minus the backend call)")
     print(
         f"{'config':32} {'backend p50':>11} {'e2e p50':>8} {'e2e p99':>8} {'added p50':>9} "
@@ -288,13 +274,38 @@ def main() -> None:
         f"req/s {main_row['rps'] / BASELINE_RPS:.1f}x higher (targets: <= 0.5 ms, >= 1400 req/s; "
         f"{main_row.get('spans_stored', 0)} spans stored)"
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--skip-smollm2", action="store_true")
+    parser.add_argument("--skip-scripted", action="store_true")
+    parser.add_argument("--threads", type=int, help="torch CPU threads for SmolLM2 (default: torch's choice)")
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve)
+        return
+    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    if not args.skip_scripted:
+        report_scripted(bench_scripted(args.requests, args.concurrency))
     if not args.skip_smollm2:
         print(
             f"\nSmolLM2-135M-Instruct, transformers backend, greedy, {args.new_tokens} new tokens per request"
         )
-        print(f"{'concurrency':>11} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
-        for r in bench_smollm2(args.new_tokens):
-            print(f"{r['concurrency']:11d} {r['tokens']:7d} {r['seconds']:8.2f} {r['tokens_per_s']:9.1f}")
+        print(
+            f"{'concurrency':>11} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'CPU s':>7} {'tokens/CPU s':>12}"
+        )
+        for r in bench_smollm2(args.new_tokens, args.threads):
+            print(
+                f"{r['concurrency']:11d} {r['tokens']:7d} {r['seconds']:8.2f} {r['tokens_per_s']:9.1f} "
+                f"{r['cpu_s']:7.1f} {r['tokens_per_cpu_s']:12.1f}"
+            )
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
 
 

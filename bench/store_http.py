@@ -57,8 +57,8 @@ ATTRS: dict[str, Any] = {
     "agl.reward.value": 0.5,
 }
 
-#: Builds OTLP ExportTraceServiceRequest bodies; shared verbatim with the baseline driver.
-OTLP_BUILDER = r"""
+#: OTLP request bodies and CPU accounting; shared verbatim with the baseline driver.
+SHARED = r"""
 import os as _os, time as _time
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
@@ -85,10 +85,47 @@ def otlp_body(resource, attrs, n):
     rs = ResourceSpans(resource={"attributes": [_kv(k, v) for k, v in resource.items()]},
                        scope_spans=[ScopeSpans(spans=spans)])
     return ExportTraceServiceRequest(resource_spans=[rs]).SerializeToString()
+
+def tree_cpu(pid):
+    # CPU seconds (user + system) of a process and its descendants, from /proc (Linux)
+    tick = _os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for entry in _os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, (0, 0.0))[1]
+        todo.extend(c for c, (ppid, _) in stats.items() if ppid == p)
+    return total
+
+class Meter:
+    # wall time, and CPU time of this process plus the server's process tree, over a section
+    def __init__(self, server_pid):
+        self.pid = server_pid
+    def __enter__(self):
+        self.w0, self.c0, self.s0 = _time.perf_counter(), _time.process_time(), tree_cpu(self.pid)
+        return self
+    def __exit__(self, *exc):
+        self.wall = _time.perf_counter() - self.w0
+        self.cpu = _time.process_time() - self.c0 + tree_cpu(self.pid) - self.s0
+
+def pct(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 """
 _ns: dict[str, Any] = {}
-exec(OTLP_BUILDER, _ns)
+exec(SHARED, _ns)
 otlp_body: Callable[[dict[str, Any], dict[str, Any], int], bytes] = _ns["otlp_body"]
+tree_cpu: Callable[[int], float] = _ns["tree_cpu"]
+Meter: Any = _ns["Meter"]
+pct: Callable[[Sequence[float], float], float] = _ns["pct"]
 
 
 def make_span(rid: str, trace_id: str | None = None) -> Span:
@@ -108,11 +145,6 @@ def make_span(rid: str, trace_id: str | None = None) -> Span:
     )
 
 
-def pct(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -128,7 +160,8 @@ def post(conn: http.client.HTTPConnection, path: str, body: bytes, ctype: str) -
     return data
 
 
-def time_to_first_answer(cmd: list[str], port: int, health: str, env: dict[str, str]) -> float:
+def time_to_first_answer(cmd: list[str], port: int, health: str, env: dict[str, str]) -> tuple[float, float]:
+    """(wall s, server CPU s) from spawning a server until its health route answers 200."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
@@ -140,13 +173,13 @@ def time_to_first_answer(cmd: list[str], port: int, health: str, env: dict[str, 
                 resp.read()
                 conn.close()
                 if resp.status == 200:
-                    return time.perf_counter() - t0
+                    return time.perf_counter() - t0, tree_cpu(proc.pid)
             except OSError:
                 pass
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}: {cmd}")
-            if time.perf_counter() - t0 > 60:
-                raise TimeoutError(f"no answer in 60 s: {cmd}")
+            if time.perf_counter() - t0 > 120:
+                raise TimeoutError(f"no answer in 120 s: {cmd}")
             time.sleep(0.002)
     finally:
         proc.terminate()
@@ -157,30 +190,38 @@ def time_to_first_answer(cmd: list[str], port: int, health: str, env: dict[str, 
             proc.wait()
 
 
+def record(out: dict[str, float], key: str, n: int, meter: Any) -> None:
+    """``key`` per wall second and ``key_cpu`` per CPU second of client + server."""
+    out[key] = n / meter.wall
+    out[key + "_cpu"] = n / meter.cpu if meter.cpu > 0 else float("nan")
+
+
+def starts(
+    cmds: list[tuple[list[str], int]], health: str, env: dict[str, str], out: dict[str, float]
+) -> None:
+    runs = [time_to_first_answer(cmd, port, health, env) for cmd, port in cmds]
+    out["start_s"] = statistics.median(w for w, _ in runs)
+    out["start_cpu_s"] = statistics.median(c for _, c in runs)
+
+
 # ------------------------------------------------------------------------------------------- agl
 
 
 def bench_agl(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     out: dict[str, float] = {}
-    starts = []
+    cmds = []
     for i in range(args.starts):
         port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "agl.cli",
-            "store",
-            "serve",
-            "--db",
-            str(tmp / f"start{i}.db"),
-            "--port",
-            str(port),
-        ]
-        starts.append(time_to_first_answer(cmd, port, "/health", dict(os.environ)))
-    out["start_s"] = statistics.median(starts)
+        db = str(tmp / f"start{i}.db")
+        cmds.append(
+            ([sys.executable, "-m", "agl.cli", "store", "serve", "--db", db, "--port", str(port)], port)
+        )
+    starts(cmds, "/health", dict(os.environ), out)
 
     server = ServerProcess(tmp / "bench.db")
     url = server.start()
+    assert server.proc is not None
+    pid = server.proc.pid
     try:
         store = HttpStore(url)
         rid = store.enqueue([NewRollout()])[0].id
@@ -195,28 +236,27 @@ def bench_agl(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
         for batch in batches[: max(1, n_batches // 10)]:  # warm-up
             store.add_spans([s.model_copy(update={"span_id": os.urandom(8).hex()}) for s in batch])
         lat = []
-        t0 = time.perf_counter()
-        for batch in tqdm(batches, desc="agl spans", unit="batch", leave=False):
-            t = time.perf_counter()
-            store.add_spans(batch)
-            lat.append(time.perf_counter() - t)
-        out["spans_per_s"] = n_batches * BATCH / (time.perf_counter() - t0)
+        with Meter(pid) as m:
+            for batch in tqdm(batches, desc="agl spans", unit="batch", leave=False):
+                t = time.perf_counter()
+                store.add_spans(batch)
+                lat.append(time.perf_counter() - t)
+        record(out, "spans_per_s", n_batches * BATCH, m)
         out["batch_p50_ms"], out["batch_p99_ms"] = pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
 
         # spans, OTLP protobuf batches of 100 (stdlib client: the same poster for both servers)
-        parts = url.rsplit(":", 1)
-        conn = http.client.HTTPConnection(parts[0].removeprefix("http://"), int(parts[1]))
-        bodies = [
-            otlp_body({"agl.rollout.id": rid, "agl.attempt": 1}, ATTRS, BATCH) for _ in range(n_batches)
-        ]
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port))
+        resource = {"agl.rollout.id": rid, "agl.attempt": 1}
+        bodies = [otlp_body(resource, ATTRS, BATCH) for _ in range(n_batches)]
         post(conn, "/v1/traces", bodies[0], "application/x-protobuf")
         lat = []
-        t0 = time.perf_counter()
-        for body in tqdm(bodies, desc="agl otlp", unit="batch", leave=False):
-            t = time.perf_counter()
-            post(conn, "/v1/traces", body, "application/x-protobuf")
-            lat.append(time.perf_counter() - t)
-        out["otlp_spans_per_s"] = n_batches * BATCH / (time.perf_counter() - t0)
+        with Meter(pid) as m:
+            for body in tqdm(bodies, desc="agl otlp", unit="batch", leave=False):
+                t = time.perf_counter()
+                post(conn, "/v1/traces", body, "application/x-protobuf")
+                lat.append(time.perf_counter() - t)
+        record(out, "otlp_spans_per_s", n_batches * BATCH, m)
         out["otlp_batch_p50_ms"] = pct(lat, 0.5) * 1e3
         conn.close()
 
@@ -225,46 +265,52 @@ def bench_agl(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
         assert store.claim("bench") is not None
         for _ in range(3):
             trace = os.urandom(16).hex()
-            store.add_spans(
-                [make_span(qid, trace).model_copy(update={"rollout_id": qid}) for _ in range(BATCH)]
-            )
+            store.add_spans([make_span(qid, trace) for _ in range(BATCH)])
         assert len(store.query_spans(rollout_id=qid)) == 300
         lat = []
-        for _ in tqdm(range(args.queries), desc="agl query", unit="query", leave=False):
-            t = time.perf_counter()
-            got = store.query_spans(rollout_id=qid)
-            lat.append(time.perf_counter() - t)
+        with Meter(pid) as m:
+            for _ in tqdm(range(args.queries), desc="agl query", unit="query", leave=False):
+                t = time.perf_counter()
+                got = store.query_spans(rollout_id=qid)
+                lat.append(time.perf_counter() - t)
         assert len(got) == 300
         out["query300_p50_ms"], out["query300_p99_ms"] = pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
+        out["query300_cpu_ms"] = m.cpu / args.queries * 1e3
 
         # claim + span + finish, sequential
         n = args.rollouts
         for i in range(0, n, 1000):
             store.enqueue([NewRollout(input={"q": "what is 2+2?"}) for _ in range(min(1000, n - i))])
-        t0 = time.perf_counter()
-        for _ in tqdm(range(n), desc="agl rollouts", unit="rollout", leave=False):
-            c = store.claim("bench")
-            assert c is not None
-            store.add_spans([make_span(c.rollout.id)])
-            store.finish_attempt(c.rollout.id, c.attempt.number, "succeeded")
-        out["rollouts_seq_per_s"] = n / (time.perf_counter() - t0)
+        with Meter(pid) as m:
+            for _ in tqdm(range(n), desc="agl rollouts", unit="rollout", leave=False):
+                c = store.claim("bench")
+                assert c is not None
+                store.add_spans([make_span(c.rollout.id)])
+                store.finish_attempt(c.rollout.id, c.attempt.number, "succeeded")
+        record(out, "rollouts_seq_per_s", n, m)
         store.close()
 
         # claim + span + finish, 32 concurrent asyncio clients
-        out["rollouts_c32_per_s"] = asyncio.run(_agl_concurrent(url, args.concurrent_rollouts))
+        n = args.concurrent_rollouts
+        asyncio.run(_agl_enqueue(url, n))
+        with Meter(pid) as m:
+            asyncio.run(_agl_concurrent(url, n))
+        record(out, "rollouts_c32_per_s", n, m)
     finally:
         server.stop()
     return out
 
 
-async def _agl_concurrent(url: str, n: int) -> float:
-    feeder = AsyncHttpStore(url)
-    for i in range(0, n, 1000):
-        await feeder.enqueue([NewRollout(input={"q": "what is 2+2?"}) for _ in range(min(1000, n - i))])
-    await feeder.aclose()
+async def _agl_enqueue(url: str, n: int) -> None:
+    async with AsyncHttpStore(url) as feeder:
+        for i in range(0, n, 1000):
+            await feeder.enqueue([NewRollout(input={"q": "what is 2+2?"}) for _ in range(min(1000, n - i))])
+
+
+async def _agl_concurrent(url: str, n: int) -> None:
     clients = [AsyncHttpStore(url) for _ in range(CLIENTS)]
     done = 0
-    bar = tqdm(total=n, desc="agl 32 clients", unit="rollout", leave=False)
+    bar = tqdm(total=n, desc=f"agl {CLIENTS} clients", unit="rollout", leave=False)
 
     async def worker(store: AsyncHttpStore) -> None:
         nonlocal done
@@ -277,21 +323,18 @@ async def _agl_concurrent(url: str, n: int) -> float:
             done += 1
             bar.update()
 
-    t0 = time.perf_counter()
     await asyncio.gather(*(worker(s) for s in clients))
-    elapsed = time.perf_counter() - t0
     bar.close()
     for s in clients:
         await s.aclose()
     assert done == n, (done, n)
-    return n / elapsed
 
 
 # -------------------------------------------------------------------------------- agentlightning
 
 DRIVER = (
     r"""
-import asyncio, http.client, json, os, socket, statistics, subprocess, sys, time
+import asyncio, http.client, json, os, subprocess, sys, time
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 from agentlightning.store.client_server import LightningStoreClient
 from agentlightning.types import EnqueueRolloutRequest
@@ -305,15 +348,16 @@ BATCH = 100
 port = cfg["port"]
 url = f"http://127.0.0.1:{port}"
 """
-    + OTLP_BUILDER
+    + SHARED
     + r"""
-def pct(values, q):
-    o = sorted(values); return o[min(len(o) - 1, int(round(q * (len(o) - 1))))]
-
 def post(conn, path, body):
     conn.request("POST", path, body=body, headers={"content-type": "application/x-protobuf"})
     r = conn.getresponse(); data = r.read()
     if r.status != 200: raise RuntimeError(f"{path} answered {r.status}: {data[:300]!r}")
+
+def record(out, key, n, m):
+    out[key] = n / m.wall
+    out[key + "_cpu"] = n / m.cpu if m.cpu > 0 else float("nan")
 
 _tp = TracerProvider(resource=Resource.create({"service.name": "bench"}))
 with _tp.get_tracer("bench").start_as_current_span("chat", attributes=ATTRS) as _s:
@@ -323,12 +367,19 @@ TEMPLATE = AlSpan.from_opentelemetry(_s, rollout_id="r", attempt_id="a", sequenc
 def span_for(rollout_id, attempt_id):
     return TEMPLATE.model_copy(update={"rollout_id": rollout_id, "attempt_id": attempt_id, "span_id": os.urandom(8).hex()})
 
+async def enqueue(n):
+    feeder = LightningStoreClient(url)
+    for i in range(0, n, 1000):
+        await feeder.enqueue_many_rollouts([EnqueueRolloutRequest(input={"q": "what is 2+2?"}) for _ in range(min(1000, n - i))])
+    await feeder.close()
+
 async def main():
     out = {}
     proc = subprocess.Popen([sys.executable, "-m", "agentlightning.cli.store", "--host", "127.0.0.1", "--port", str(port),
                              "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pid = proc.pid
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 180
         while True:
             try:
                 c = http.client.HTTPConnection("127.0.0.1", port, timeout=5); c.request("GET", "/v1/agl/health")
@@ -348,13 +399,14 @@ async def main():
         res = {"agentlightning.rollout_id": rid, "agentlightning.attempt_id": aid}
         bodies = [otlp_body(res, ATTRS, BATCH) for _ in range(n_batches)]
         post(conn, "/v1/traces", bodies[0])
-        lat = []; t0 = time.perf_counter()
-        for body in bodies:
-            t = time.perf_counter(); post(conn, "/v1/traces", body); lat.append(time.perf_counter() - t)
-        out["otlp_spans_per_s"] = n_batches * BATCH / (time.perf_counter() - t0)
-        out["otlp_batch_p50_ms"] = pct(lat, 0.5) * 1e3
-        out["batch_p50_ms"], out["batch_p99_ms"] = pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
-        out["spans_per_s"] = out["otlp_spans_per_s"]
+        lat = []
+        with Meter(pid) as m:
+            for body in bodies:
+                t = time.perf_counter(); post(conn, "/v1/traces", body); lat.append(time.perf_counter() - t)
+        record(out, "otlp_spans_per_s", n_batches * BATCH, m)
+        record(out, "spans_per_s", n_batches * BATCH, m)
+        out["otlp_batch_p50_ms"] = out["batch_p50_ms"] = pct(lat, 0.5) * 1e3
+        out["batch_p99_ms"] = pct(lat, 0.99) * 1e3
 
         await client.enqueue_many_rollouts([EnqueueRolloutRequest(input={"q": 2})])
         ar = await client.dequeue_rollout(worker_id="bench")
@@ -363,28 +415,26 @@ async def main():
             post(conn, "/v1/traces", otlp_body({"agentlightning.rollout_id": qid, "agentlightning.attempt_id": qaid}, ATTRS, BATCH))
         assert len((await client.query_spans(qid)).items) == 300
         lat = []
-        for _ in range(cfg["queries"]):
-            t = time.perf_counter(); got = await client.query_spans(qid); lat.append(time.perf_counter() - t)
+        with Meter(pid) as m:
+            for _ in range(cfg["queries"]):
+                t = time.perf_counter(); got = await client.query_spans(qid); lat.append(time.perf_counter() - t)
         assert len(got.items) == 300
         out["query300_p50_ms"], out["query300_p99_ms"] = pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
+        out["query300_cpu_ms"] = m.cpu / cfg["queries"] * 1e3
         conn.close()
 
         n = cfg["rollouts"]
-        for i in range(0, n, 1000):
-            await client.enqueue_many_rollouts([EnqueueRolloutRequest(input={"q": "what is 2+2?"}) for _ in range(min(1000, n - i))])
-        t0 = time.perf_counter()
-        for _ in range(n):
-            ar = await client.dequeue_rollout(worker_id="bench")
-            await client.add_span(span_for(ar.rollout_id, ar.attempt.attempt_id))
-            await client.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status="succeeded")
-        out["rollouts_seq_per_s"] = n / (time.perf_counter() - t0)
+        await enqueue(n)
+        with Meter(pid) as m:
+            for _ in range(n):
+                ar = await client.dequeue_rollout(worker_id="bench")
+                await client.add_span(span_for(ar.rollout_id, ar.attempt.attempt_id))
+                await client.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status="succeeded")
+        record(out, "rollouts_seq_per_s", n, m)
         await client.close()
 
         n = cfg["concurrent_rollouts"]
-        feeder = LightningStoreClient(url)
-        for i in range(0, n, 1000):
-            await feeder.enqueue_many_rollouts([EnqueueRolloutRequest(input={"q": "what is 2+2?"}) for _ in range(min(1000, n - i))])
-        await feeder.close()
+        await enqueue(n)
         clients = [LightningStoreClient(url) for _ in range(cfg["clients"])]
         done = 0
         async def worker(c):
@@ -395,9 +445,9 @@ async def main():
                 await c.add_span(span_for(ar.rollout_id, ar.attempt.attempt_id))
                 await c.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status="succeeded")
                 done += 1
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(c) for c in clients))
-        out["rollouts_c32_per_s"] = n / (time.perf_counter() - t0)
+        with Meter(pid) as m:
+            await asyncio.gather(*(worker(c) for c in clients))
+        record(out, "rollouts_c32_per_s", n, m)
         assert done == n, (done, n)
         for c in clients: await c.close()
     finally:
@@ -414,7 +464,8 @@ asyncio.run(main())
 def bench_baseline(args: argparse.Namespace) -> dict[str, float]:
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     env.pop("PYTHONPATH", None)
-    starts = []
+    out: dict[str, float] = {}
+    cmds = []
     for _ in range(args.starts):
         port = free_port()
         cmd = [
@@ -426,8 +477,8 @@ def bench_baseline(args: argparse.Namespace) -> dict[str, float]:
             "--port",
             str(port),
         ]
-        cmd += ["--log-level", "WARNING"]
-        starts.append(time_to_first_answer(cmd, port, "/v1/agl/health", env))
+        cmds.append(([*cmd, "--log-level", "WARNING"], port))
+    starts(cmds, "/v1/agl/health", env, out)
     cfg = {
         "port": free_port(),
         "spans": args.spans,
@@ -443,13 +494,12 @@ def bench_baseline(args: argparse.Namespace) -> dict[str, float]:
         capture_output=True,
         text=True,
         env=env,
-        timeout=1800,
+        timeout=3600,
     )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"baseline driver failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    out: dict[str, float] = json.loads(line[len("RESULT ") :])
-    out["start_s"] = statistics.median(starts)
+    out.update(json.loads(line[len("RESULT ") :]))
     return out
 
 
@@ -457,15 +507,21 @@ def bench_baseline(args: argparse.Namespace) -> dict[str, float]:
 
 ROWS = [
     ("start_s", "server start -> first answer (s, median)", "lower"),
+    ("start_cpu_s", "  server CPU until then (s)", "lower"),
     ("spans_per_s", "spans/s, batches of 100, one client *", "higher"),
+    ("spans_per_s_cpu", "  per CPU-second (client + server)", "higher"),
     ("batch_p50_ms", "  one batch of 100, p50 (ms)", "lower"),
     ("batch_p99_ms", "  one batch of 100, p99 (ms)", "lower"),
     ("otlp_spans_per_s", "spans/s, OTLP protobuf batches of 100", "higher"),
+    ("otlp_spans_per_s_cpu", "  per CPU-second (client + server)", "higher"),
     ("otlp_batch_p50_ms", "  one OTLP batch of 100, p50 (ms)", "lower"),
     ("rollouts_seq_per_s", "claim + span + finish, sequential (/s)", "higher"),
+    ("rollouts_seq_per_s_cpu", "  per CPU-second (client + server)", "higher"),
     ("rollouts_c32_per_s", f"claim + span + finish, {CLIENTS} clients (/s)", "higher"),
+    ("rollouts_c32_per_s_cpu", "  per CPU-second (client + server)", "higher"),
     ("query300_p50_ms", "query 300 spans, p50 (ms)", "lower"),
     ("query300_p99_ms", "query 300 spans, p99 (ms)", "lower"),
+    ("query300_cpu_ms", "  CPU per query, client + server (ms)", "lower"),
 ]
 
 

@@ -15,6 +15,7 @@ reply is sent, so it is in the store by the time the client has the full respons
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import re
@@ -116,16 +117,19 @@ class Gateway:
         self._swap_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------------------ plumbing
-    async def _body(self, request: Request) -> Any:
+    def _auth(self, request: Request) -> None:
         if self.api_key is not None:
             auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {self.api_key}":
+            if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
                 raise ApiError(
                     401,
                     "missing or wrong API key (Authorization: Bearer ...)",
                     type="authentication_error",
                     code="invalid_api_key",
                 )
+
+    async def _body(self, request: Request) -> Any:
+        self._auth(request)
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise ApiError(413, f"request body over {self.max_body_bytes} bytes")
@@ -218,12 +222,13 @@ class Gateway:
                 code="context_length_exceeded",
             ) from None
         except UpstreamError as exc:
+            if 400 <= exc.status < 500:  # the upstream refused bad input: passed on, nothing recorded
+                self.stats["upstream_refusals"] += 1
+                too_long = "context length" in str(exc).lower()
+                code = "context_length_exceeded" if too_long else "upstream_error"
+                raise ApiError(exc.status, str(exc), type="invalid_request_error", code=code) from None
             error = exc
             self.stats["backend_errors"] += 1
-            if 400 <= exc.status < 500:
-                raise ApiError(
-                    exc.status, str(exc), type="invalid_request_error", code="upstream_error"
-                ) from None
             raise ApiError(
                 502,
                 f"the {self.backend.name} backend failed: {exc}",
@@ -429,7 +434,7 @@ class Gateway:
 
     async def list_models(self, request: Request) -> Response:
         try:
-            await self._body(request) if self.api_key is not None else None
+            self._auth(request)
         except ApiError as exc:
             return _error(exc)
         created = int(time.time())
@@ -439,6 +444,10 @@ class Gateway:
         return Response(_dumps({"object": "list", "data": data}), media_type="application/json")
 
     async def status(self, request: Request) -> Response:
+        try:
+            self._auth(request)
+        except ApiError as exc:
+            return _error(exc)
         return Response(
             _dumps(
                 {

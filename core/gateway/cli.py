@@ -42,6 +42,7 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--api-key", help="require this bearer token from clients")
     p.add_argument("--max-batch-size", type=int, default=8, help="transformers: requests generated together")
+    p.add_argument("--threads", type=int, help="transformers: torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_serve)
 
@@ -51,7 +52,12 @@ def build_backend(args: Any) -> Any:
     if args.backend == "transformers":
         from agl.gateway.backends.transformers import TransformersBackend
 
-        return TransformersBackend(args.model, model_name=args.model_name, max_batch_size=args.max_batch_size)
+        return TransformersBackend(
+            args.model,
+            model_name=args.model_name,
+            max_batch_size=args.max_batch_size,
+            threads=getattr(args, "threads", None),
+        )
     if args.backend == "scripted":
         from agl.gateway.backends.scripted import ScriptedBackend
 

@@ -879,7 +879,14 @@ def shared_test_server() -> ServerProcess:
             log_path=os.path.join(tmp, "server.log"),
         )
         server.start()
-        atexit.register(server.stop)
+
+        def cleanup() -> None:
+            import shutil
+
+            server.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+        atexit.register(cleanup)
         _shared = server
     return _shared
 

@@ -1,0 +1,1 @@
+"""Retrieval QA over a synthetic encyclopedia with the OpenAI Agents SDK (see README.md)."""

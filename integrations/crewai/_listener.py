@@ -104,6 +104,7 @@ class _Entry:
     # tool: (attributes, error, exception, end time) of a failure not yet settled (see _defer_failure)
     failure: tuple[dict[str, Any], str, BaseException | None, int] | None = None
     failed_tool: _Entry | None = None  # agent: its tool entry whose failure is not settled yet
+    instant: bool = False  # tool: a call CrewAI refused without running it
 
 
 def _json(value: Any) -> str:
@@ -296,7 +297,7 @@ class AglEventListener:
     def open_spans(self) -> int:
         """How many spans are open now (tests: nothing may leak after a run)."""
         with self._lock:
-            return len(self._by_event)
+            return len(self._by_event) + len(self._unsettled)
 
     # ------------------------------------------------------------------------------------ internals
     def _failed(self, exc: BaseException) -> None:
@@ -637,17 +638,38 @@ class AglEventListener:
             return agent.calls.pop(chosen)[0]
 
     def _instant_tool_error(self, source: Any, event: Any) -> None:
+        """A tool call CrewAI refused before running anything (unknown tool, invalid input), or an
+        error whose start was never seen: an ERROR ``execute_tool`` span, settled like a failure.
+
+        CrewAI reports one refused call several times (its ``ToolUsage`` retries the selection), so
+        repeats of the same refusal before the agent's next step are the same call: one span.
+        """
         parent = self._parent("tool", event)
+        agent = parent.agent if parent is not None else None
+        name = getattr(event, "tool_name", None)
+        with self._lock:
+            failed = agent.failed_tool if agent is not None else None
+            if failed is not None and failed.instant and failed.key[2] == name:
+                return
         ctx = parent.ctx if parent is not None else otel_context.get_current()
         _, span_kind, attrs = self._describe("tool", source, event)
         span = self._tracer.start_span(
             semconv.SPAN_EXECUTE_TOOL, context=ctx, kind=span_kind, attributes=attrs
         )
-        raw = getattr(event, "error", None)
-        if isinstance(raw, BaseException):
-            span.record_exception(raw)
-            span.set_attribute(semconv.ERROR_TYPE, type(raw).__name__)
-        span.set_status(
-            Status(StatusCode.ERROR, str(raw) if raw is not None else str(getattr(event, "type", "")))
+        entry = _Entry(
+            kind="tool",
+            event_id=event.event_id,
+            key=("tool", _agent_id(event), name),
+            span=span,
+            ctx=trace.set_span_in_context(span, ctx),
+            parent=parent,
+            agent=agent,
+            instant=True,
         )
-        span.end()
+        if parent is not None:
+            with self._lock:
+                parent.children.append(entry)
+        raw = getattr(event, "error", None)
+        exception = raw if isinstance(raw, BaseException) else None
+        failure_attrs = {semconv.ERROR_TYPE: type(exception).__name__} if exception is not None else {}
+        self._defer_failure(entry, failure_attrs, str(raw) if raw is not None else str(event.type), exception)

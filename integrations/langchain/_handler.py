@@ -6,9 +6,12 @@ small record per live run and opens OpenTelemetry spans for the runs that matter
 
 - ``invoke_agent`` for agents: LangGraph nodes (the node name), graphs and prebuilt agents that have
   a name of their own (``create_agent(name=...)``, ``create_react_agent(name=...)``,
-  ``compile(name=...)``), and top-level runs named with ``run_name``; see :func:`node_agent`;
+  ``compile(name=...)``), top-level runs named with ``run_name``, and runs whose metadata has
+  ``agl_agent``; see :func:`node_agent` and :func:`root_agent`;
 - ``execute_tool`` for tool runs (``@tool``, ``StructuredTool``, tools run by ``ToolNode``), ERROR
-  when the tool raised or LangChain reported a handled tool error (``ToolMessage.status == "error"``).
+  when the tool raised or LangChain reported a handled tool error (``ToolMessage.status == "error"``),
+  plus a synthetic ERROR span for a failed call a node reported without running a tool (ToolNode
+  answering a call to an unknown tool).
 
 Every other run (prompts, parsers, sequences, routing functions) gets no span: its children attach
 to the nearest ancestor that has one. Spans are parented through the run tree, not through whatever
@@ -35,8 +38,8 @@ from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import ToolMessage
+from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
-from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agl import semconv as sc
@@ -192,10 +195,24 @@ def _safe(fn: F) -> F:
 # ------------------------------------------------------------------------------------------ runs
 
 
+class _Pending:
+    """A failed tool span held open until its node ends, to learn its tool call id from the node."""
+
+    __slots__ = ("span", "tool", "error", "end_ns", "call_id")
+
+    def __init__(self, span: trace.Span, tool: str, error: str) -> None:
+        self.span = span
+        self.tool = tool
+        self.error = error
+        self.end_ns = time.time_ns()
+        self.call_id: str | None = None
+
+
 class _Run:
     """What the handler remembers about one live LangChain run."""
 
     __slots__ = (
+        "run_id",
         "parent",
         "name",
         "metadata",
@@ -210,7 +227,8 @@ class _Run:
         "pending",
     )
 
-    def __init__(self, parent: _Run | None, name: str, metadata: dict[str, Any]) -> None:
+    def __init__(self, run_id: UUID, parent: _Run | None, name: str, metadata: dict[str, Any]) -> None:
+        self.run_id = run_id
         self.parent = parent
         self.name = name
         self.metadata = metadata
@@ -222,16 +240,21 @@ class _Run:
         self.is_graph = False
         self.is_node = False
         self.call_id: str | None = None
-        self.pending: list[tuple[trace.Span, str, int]] | None = None  # failed tools without a call id
+        self.pending: list[_Pending] | None = None  # failed tool runs without a call id (see on_tool_error)
 
-    def owner(self) -> trace.Span | None:
-        """The span of this run or of its nearest ancestor that has one."""
+    def owner_run(self) -> _Run | None:
+        """This run or its nearest ancestor that has a span."""
         run: _Run | None = self
         while run is not None:
             if run.span is not None:
-                return run.span
+                return run
             run = run.parent
         return None
+
+    def owner(self) -> trace.Span | None:
+        """The span of this run or of its nearest ancestor that has one."""
+        run = self.owner_run()
+        return run.span if run is not None else None
 
     def inside_agent(self) -> bool:
         return self.owner() is not None
@@ -262,7 +285,8 @@ class AglCallbackHandler(BaseCallbackHandler):
         self._tool_calls: OrderedDict[str, None] = OrderedDict()  # ids of tool calls that have a span
 
     def __repr__(self) -> str:
-        return f"<agl LangChain handler {'enabled' if self.enabled else 'disabled'}, {len(self._runs)} live runs>"
+        state = "enabled" if self.enabled else "disabled"
+        return f"<agl LangChain handler {state}, {len(self._runs)} live runs>"
 
     def __deepcopy__(self, memo: dict[int, Any]) -> AglCallbackHandler:
         return self  # LangChain deep-copies callback managers in places; there is one handler
@@ -272,10 +296,13 @@ class AglCallbackHandler(BaseCallbackHandler):
 
     # -------------------------------------------------------------------------- span plumbing
     def _parent_context(self, run: _Run) -> otel_context.Context:
-        owner = run.parent.owner() if run.parent is not None else None
-        if owner is not None:
-            return trace.set_span_in_context(owner, run.ctx)
-        return run.ctx
+        owner = run.parent.owner_run() if run.parent is not None else None
+        if owner is None or owner.span is None:
+            return run.ctx
+        # a run whose context lost the baggage (a thread started without copying the context) still
+        # belongs to its agent's rollout: take the rest of the context from where the agent started
+        base = run.ctx if baggage.get_all(run.ctx) or not baggage.get_all(owner.ctx) else owner.ctx
+        return trace.set_span_in_context(owner.span, base)
 
     def _open(self, run: _Run, name: str, attributes: dict[str, Any]) -> trace.Span:
         span = self.tracer.start_span(
@@ -288,14 +315,13 @@ class AglCallbackHandler(BaseCallbackHandler):
         run.span = span
         return span
 
-    def _open_agent(self, run: _Run, agent: str, run_id: UUID | None) -> None:
+    def _open_agent(self, run: _Run, agent: str) -> None:
         attributes: dict[str, Any] = {
             sc.GEN_AI_OPERATION_NAME: sc.OP_INVOKE_AGENT,
             sc.GEN_AI_AGENT_NAME: agent,
             sc.AGL_INTEGRATION: INTEGRATION,
+            sc.AGL_LANGCHAIN_RUN_ID: str(run.run_id),
         }
-        if run_id is not None:
-            attributes[sc.AGL_LANGCHAIN_RUN_ID] = str(run_id)
         if run.is_node:
             attributes[sc.AGL_LANGGRAPH_NODE] = run.name
             step = run.metadata.get("langgraph_step")
@@ -304,13 +330,14 @@ class AglCallbackHandler(BaseCallbackHandler):
         self._open(run, sc.SPAN_INVOKE_AGENT, attributes)
 
     @staticmethod
-    def _attach(run: _Run, span: trace.Span) -> None:
-        """Make ``span`` current for the code this run executes (see ``_scope``)."""
+    def _attach(run: _Run, span: trace.Span, base: otel_context.Context | None = None) -> None:
+        """Make ``span`` current for the code this run executes (see ``_scope``); ``base`` supplies the
+        rest of the context (baggage: the rollout) when the current one lost it."""
         if not span.get_span_context().is_valid:
             return
         ctx = otel_context.get_current()
         scope = ScopeSpan(span, trace.get_current_span(ctx))
-        attached = trace.set_span_in_context(scope, ctx)
+        attached = trace.set_span_in_context(scope, base if base is not None else ctx)
         otel_context.attach(attached)
         run.scope = scope
         run.attached = attached
@@ -333,9 +360,9 @@ class AglCallbackHandler(BaseCallbackHandler):
         with self._lock:
             if graph.is_graph:
                 return
-            if graph.span is None and graph.name != DEFAULT_GRAPH_NAME:
-                self._open_agent(graph, graph.name, None)
             graph.is_graph = True
+            if graph.span is None and graph.name != DEFAULT_GRAPH_NAME:
+                self._open_agent(graph, graph.name)
 
     def _seen_tool_call(self, call_id: str) -> bool:
         with self._lock:
@@ -364,7 +391,7 @@ class AglCallbackHandler(BaseCallbackHandler):
         name = kwargs.get("name") or _serialized_name(serialized) or "chain"
         parent = self._runs.get(parent_run_id) if parent_run_id is not None else None
         md = metadata or {}
-        run = _Run(parent, name, md)
+        run = _Run(run_id, parent, name, md)
         self._runs[run_id] = run
 
         agent: str | None = None
@@ -379,7 +406,7 @@ class AglCallbackHandler(BaseCallbackHandler):
             if parent is None or parent.metadata.get(AGENT_METADATA_KEY) != explicit:
                 agent = explicit
         if agent is not None:
-            self._open_agent(run, agent, run_id)
+            self._open_agent(run, agent)
         if run.span is not None or run.is_node:
             owner = run.owner()
             if owner is not None:
@@ -413,19 +440,45 @@ class AglCallbackHandler(BaseCallbackHandler):
             span.end()
 
     def _reported_tool_errors(self, node: _Run, outputs: Any) -> None:
-        """Tool errors a node reported without running a tool (ToolNode answering a call to an unknown
-        tool): an ERROR ``execute_tool`` span each, so AIR sees them like any other failed call."""
-        for message in _tool_messages(outputs):
-            if getattr(message, "status", None) != "error":
-                continue
-            call_id = message.tool_call_id
-            if not call_id or self._seen_tool_call(call_id):
-                continue
-            if self._claim_pending(node, message.name, call_id):
-                continue  # a failed tool run whose id LangChain did not report: now it has one
+        """Tool calls the node's output reports as failed (``ToolMessage(status="error")``) that have no
+        span with their id yet: a failed tool run whose id LangChain did not report takes it; a call no
+        tool ran for (ToolNode answering a call to an unknown tool) gets a synthetic ERROR span, so AIR
+        sees it like any other failed call."""
+        reported = [
+            m
+            for m in _tool_messages(outputs)
+            if getattr(m, "status", None) == "error"
+            and m.tool_call_id
+            and not self._seen_tool_call(m.tool_call_id)
+        ]
+        if not reported:
+            return
+        pending = node.pending or []
+        unmatched = []
+        for exact in (True, False):  # first by tool name and error text, then by tool name alone
+            unmatched = []
+            for message in reported:
+                text = _to_text(message.content)
+                match = next(
+                    (
+                        p
+                        for p in pending
+                        if p.call_id is None
+                        and p.tool == message.name
+                        and (not exact or (p.error and p.error in text))
+                    ),
+                    None,
+                )
+                if match is None:
+                    unmatched.append(message)
+                else:
+                    match.call_id = message.tool_call_id
+                    match.span.set_attribute(sc.GEN_AI_TOOL_CALL_ID, message.tool_call_id)
+            reported = unmatched
+        owner = node.owner()
+        ctx = trace.set_span_in_context(owner, node.ctx) if owner is not None else node.ctx
+        for message in unmatched:
             result = _to_text(message.content)
-            owner = node.owner()
-            ctx = trace.set_span_in_context(owner, node.ctx) if owner is not None else node.ctx
             span = self.tracer.start_span(
                 sc.SPAN_EXECUTE_TOOL,
                 context=ctx,
@@ -433,7 +486,7 @@ class AglCallbackHandler(BaseCallbackHandler):
                 attributes={
                     sc.GEN_AI_OPERATION_NAME: sc.OP_EXECUTE_TOOL,
                     sc.GEN_AI_TOOL_NAME: message.name or "unknown",
-                    sc.GEN_AI_TOOL_CALL_ID: call_id,
+                    sc.GEN_AI_TOOL_CALL_ID: message.tool_call_id,
                     sc.GEN_AI_TOOL_CALL_RESULT: result,
                     sc.AGL_INTEGRATION: INTEGRATION,
                 },
@@ -442,18 +495,9 @@ class AglCallbackHandler(BaseCallbackHandler):
             span.end()
 
     @staticmethod
-    def _claim_pending(node: _Run, tool: str | None, call_id: str) -> bool:
-        for i, (span, name, _) in enumerate(node.pending or ()):
-            if name == tool:
-                span.set_attribute(sc.GEN_AI_TOOL_CALL_ID, call_id)
-                node.pending[i] = (span, "", node.pending[i][2])  # type: ignore[index]
-                return True
-        return False
-
-    @staticmethod
     def _end_pending(run: _Run) -> None:
-        for span, _, end_ns in run.pending or ():
-            span.end(end_ns)
+        for pending in run.pending or ():
+            pending.span.end(pending.end_ns)
         run.pending = None
 
     # ---------------------------------------------------------------------------------- LLMs
@@ -461,16 +505,18 @@ class AglCallbackHandler(BaseCallbackHandler):
         if not self.enabled or parent_run_id is None:
             return
         parent = self._runs.get(parent_run_id)
-        owner = parent.owner() if parent is not None else None
-        if owner is None:
+        owner = parent.owner_run() if parent is not None else None
+        if owner is None or owner.span is None:
             return
-        want = owner.get_span_context()
+        want = owner.span.get_span_context()
         have = current_span().get_span_context()
         if have.is_valid and have.trace_id == want.trace_id:
             return  # the agent's span (or a span below it) is already current here
-        run = _Run(parent, "llm", {})
+        # The context was lost on the way (a thread started without copying it): bring back the
+        # agent's span and the context its run started in, baggage (rollout id) included.
+        run = _Run(run_id, parent, "llm", {})
         self._runs[run_id] = run
-        self._attach(run, owner)
+        self._attach(run, owner.span, base=owner.ctx)
 
     @_safe
     def on_chat_model_start(
@@ -526,7 +572,7 @@ class AglCallbackHandler(BaseCallbackHandler):
             return
         name = _serialized_name(serialized) or kwargs.get("name") or "tool"
         parent = self._runs.get(parent_run_id) if parent_run_id is not None else None
-        run = _Run(parent, name, metadata or {})
+        run = _Run(run_id, parent, name, metadata or {})
         self._runs[run_id] = run
         attributes: dict[str, Any] = {
             sc.GEN_AI_OPERATION_NAME: sc.OP_EXECUTE_TOOL,
@@ -590,6 +636,6 @@ class AglCallbackHandler(BaseCallbackHandler):
             # ToolMessage names it. Keep the span open until the node ends to give it that id.
             if node.pending is None:
                 node.pending = []
-            node.pending.append((span, run.name, time.time_ns()))
+            node.pending.append(_Pending(span, run.name, str(error)))
             return
         span.end()

@@ -238,6 +238,10 @@ def test_api_key_is_enforced(store: Any) -> None:
         ok = openai.OpenAI(base_url=url, api_key="secret").chat.completions.create(
             model="scripted", messages=MSG
         )
+        assert httpx.get(url + "/models", headers={"Authorization": "Bearer secret"}).status_code == 200
+        _error(httpx.get(url + "/models"), 401)
+        _error(httpx.get(url.root + "/agl/v1/status"), 401)
+        _error(httpx.post(url.root + "/agl/v1/weights", json={"path": "x"}), 401)
     assert ok.choices[0].message.content == "ok"
 
 

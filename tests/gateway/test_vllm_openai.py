@@ -144,14 +144,15 @@ def test_vllm_errors_pass_through(
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x " * 3000}])
         assert "maximum context length is 2048" in str(info.value)
+        assert isinstance(info.value.body, dict) and info.value.body["code"] == "context_length_exceeded"
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="other-model", messages=[{"role": "user", "content": "x"}])
         fake.fail_next = 1
         with pytest.raises(openai.InternalServerError) as err:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
         assert err.value.status_code == 502 and "EngineCore" in str(err.value)
-    spans = server_spans(store, rollout[0])
-    assert [s.status.code for s in spans] == ["ERROR", "ERROR"]  # the upstream 400 and the 502
+    (span,) = server_spans(store, rollout[0])  # the refused bad inputs record nothing; the 502 does
+    assert span.status.code == "ERROR" and "EngineCore" in (span.status.message or "")
 
 
 def test_vllm_unreachable_is_502(store: Any, rollout: tuple[str, int]) -> None:
@@ -181,11 +182,10 @@ def test_openai_passthrough_is_marked_inexact(
     assert usage.completion_tokens == len(TOK.encode("Hello from vLLM.")) + 1
     kind, sent = fake.requests[0]
     assert "return_token_ids" not in sent and "logprobs" not in sent and sent["stream"] is False
-    span, failed = server_spans(store, rollout[0])
+    (span,) = server_spans(store, rollout[0])
     a = span.attributes
     assert a[sc.AGL_LLM_EXACT] is False
     assert sc.AGL_LLM_PROMPT_TOKEN_IDS not in a and sc.AGL_LLM_RESPONSE_TOKEN_IDS not in a
     assert json.loads(a[sc.GEN_AI_INPUT_MESSAGES]) == messages
     assert json.loads(a[sc.GEN_AI_OUTPUT_MESSAGES])[0]["content"] == "Hello from vLLM."
     assert a[sc.GEN_AI_USAGE_OUTPUT_TOKENS] == usage.completion_tokens
-    assert failed.status.code == "ERROR"

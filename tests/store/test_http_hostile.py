@@ -217,7 +217,9 @@ def test_random_paths_and_methods(
     method: str,
     body: bytes,
 ) -> None:
-    url = "/" + "".join(ch if (ch.isascii() and ch.isalnum()) or ch in "/-_." else f"%{ord(ch) % 256:02X}" for ch in path)
+    url = "/" + "".join(
+        ch if (ch.isascii() and ch.isalnum()) or ch in "/-_." else f"%{ord(ch) % 256:02X}" for ch in path
+    )
     if method == "GET" and url in ("/health", "/resources/latest"):
         return
     resp = client.request(method, url, content=body if method != "GET" else None)

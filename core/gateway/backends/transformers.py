@@ -69,6 +69,7 @@ class TransformersBackend(Backend):
     id (offline cache), or a loaded ``PreTrainedModel``. ``tokenizer``: None (the model's own, or the
     shipped SmolLM2 one for a model object), a Hugging Face fast tokenizer, or a
     :class:`~agl.gateway.tokenizer.ChatTokenizer`. ``model_name`` is what clients put in ``model``.
+    ``threads`` sets torch's intra-op threads (fewer than the cores helps on a busy CPU).
     """
 
     name = "transformers"
@@ -85,8 +86,10 @@ class TransformersBackend(Backend):
         max_batch_size: int = 8,
         default_max_tokens: int = 512,
         max_context: int | None = None,
+        threads: int | None = None,
     ) -> None:
         super().__init__()
+        self.threads = threads
         self._model_arg = model
         self._tokenizer_arg = tokenizer
         self._chat_template = chat_template
@@ -114,6 +117,8 @@ class TransformersBackend(Backend):
             return
         import torch
 
+        if self.threads:
+            torch.set_num_threads(self.threads)
         model = self._model_arg
         tok = self._tokenizer_arg
         if model is None or isinstance(model, (str, Path)):

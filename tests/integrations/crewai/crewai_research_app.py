@@ -20,6 +20,8 @@ from agl.gateway.testing import reply, tool_call
 FACTS = {"france": "Paris is the capital of France.", "japan": "Tokyo is the capital of Japan."}
 SLOPPY = "[sloppy]"
 WRONG_TOOL = "[wrong-tool]"  # the researcher first asks for a tool it does not have
+LLM_ERROR = "[llm-error]"  # the gateway answers 502
+PARALLEL = "[parallel]"  # the researcher asks for both lookups in one response
 MANAGER = "Crew Manager"  # CrewAI's role for the manager it creates in a hierarchical crew
 DELEGATE = "delegate_work_to_coworker"
 
@@ -132,6 +134,8 @@ def crew_inputs(task: dict[str, Any]) -> dict[str, str]:
     flags = [SLOPPY] if task.get("sloppy") else []
     if task.get("wrong_tool"):
         flags.append(WRONG_TOOL)
+    if task.get("parallel"):
+        flags.append(PARALLEL)
     return {"country": task["country"], "flag": " ".join(flags)}
 
 
@@ -172,6 +176,8 @@ def _react(thought: str, action: str, args: dict[str, Any]) -> str:
 def policy(request: Any) -> Any:
     """The scripted model: what each agent says next, given the conversation so far."""
     messages = request.messages
+    if LLM_ERROR in _text(messages):
+        return reply(error="the scripted model was told to fail")
     agent = agent_of(messages)
     native = bool(request.tools)
     seen = _observations(messages, native)
@@ -181,6 +187,10 @@ def policy(request: Any) -> Any:
         keys = ([country[:-1] + "x"] if sloppy else []) + [country]  # "francx": not a known key
         if WRONG_TOOL in _text(messages):
             keys = [""] + keys  # "" stands for a call of a tool the researcher does not have
+        if native and PARALLEL in _text(messages) and seen == 0:
+            return reply(None, *(tool_call("lookup", {"key": k}) for k in keys))
+        if PARALLEL in _text(messages):
+            seen = len(keys)
         if seen < len(keys):
             args = {"key": keys[seen]}
             name = "encyclopedia" if not keys[seen] else "lookup"

@@ -129,6 +129,7 @@ def test_research_crew_end_to_end(
         for server in servers:
             client = index[server.parent_id]  # the gateway span is the client span's child
             assert client.name == sc.SPAN_CHAT and client.attributes[sc.AGL_SIDE] == sc.SIDE_CLIENT
+            assert client.attributes[sc.AGL_INTEGRATION] == "openai"  # one client span per call
             assert index[client.parent_id].name == sc.SPAN_INVOKE_AGENT  # made by that agent
         assert [agent_above(s, index) for s in servers] == expected
 

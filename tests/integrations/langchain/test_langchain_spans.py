@@ -555,3 +555,37 @@ def test_hand_written_tool_node_reporting_errors(traced: Traced) -> None:
     assert spans["c_2"].attributes[sc.GEN_AI_TOOL_NAME] == "search" and spans["c_2"].status.code == "ERROR"
     assert all(tree.agent_of(s) == "run_tools" for s in spans.values())
     assert spans["c_1"].end_ns <= spans["c_2"].start_ns  # the deferred span keeps its own end time
+
+
+def test_llm_call_from_a_thread_that_lost_the_context(traced: Traced) -> None:
+    """A node hands its config to a plain thread (no context copied): the run tree still knows the
+    node, so the tool's span and the LLM call (whose start puts the node's span and the rollout's
+    baggage back into that thread's context) still nest under it, in the rollout."""
+    import threading
+
+    from langchain_core.runnables import RunnableConfig
+
+    traced.backend.policy = by_role
+    llm = llm_for(traced)
+
+    run_sql = sql_tool()
+
+    def work(box: list[Any], config: RunnableConfig) -> None:
+        box.append(llm.invoke([("system", "writer: go")], config))
+        run_sql.invoke({"query": "SELECT 1"}, config)
+
+    def writer(state: MessagesState, config: RunnableConfig) -> dict[str, Any]:
+        box: list[Any] = []
+        thread = threading.Thread(target=work, args=(box, config))
+        thread.start()
+        thread.join()
+        return {"messages": box}
+
+    g = StateGraph(MessagesState)
+    g.add_node("writer", writer)
+    g.add_edge(START, "writer")
+    with traced.rollout() as out:
+        g.compile().invoke(INPUT)
+    assert_llm_calls_nested(out["tree"], out["record"], Counter({"writer": 1}))
+    (tool_span,) = out["tree"].tools()  # stored with the rollout, under the node
+    assert out["tree"].agent_of(tool_span) == "writer"

@@ -1,0 +1,168 @@
+"""``python -m examples.learn_on_cpu train|seeds|dev`` — see README.md in this directory.
+
+- ``train``: one LightningRL run (held-out reward measured before, every few steps, and after);
+- ``seeds``: the same run for several seeds, then a table of held-out reward before/after and the
+  curves of all seeds in one PNG (what README.md reports);
+- ``dev``: a few rollouts without training, printing the transitions and rewards (``--base-url`` for
+  any OpenAI-compatible endpoint instead of the embedded model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _trainer(args: argparse.Namespace, seed: int, run_dir: Path) -> Any:
+    import agl
+
+    algo = agl.LightningRL(
+        group_size=args.group_size,
+        learning_rate=args.lr,
+        lora_r=args.lora_r,
+        lora_alpha=2 * args.lora_r,
+        clip_eps=0.2,
+        kl_coef=0.0,
+        micro_batch_tokens=args.micro_batch_tokens,
+    )
+    return agl.Trainer(
+        algo,
+        model=args.model,
+        backend="transformers",
+        runners=args.runners,
+        run_dir=run_dir,
+        agents=["calculator_agent"],
+        sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
+        tasks_per_step=args.tasks_per_step,
+        steps=args.steps,
+        val_every=args.val_every,
+        seed=seed,
+        store="memory://",
+    )
+
+
+def _setup(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def _train_one(args: argparse.Namespace, seed: int, run_dir: Path) -> dict[str, Any]:
+    from examples.learn_on_cpu.agent import calc_agent
+    from examples.learn_on_cpu.data import split
+
+    train, val = split(n_val=args.val_size)
+    t0 = time.perf_counter()
+    out = _trainer(args, seed, run_dir).fit(calc_agent, train, val)
+    out["wall_s"] = time.perf_counter() - t0
+    out["seed"] = seed
+    (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in out.items() if k != "history"}, indent=2))
+    return out
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    _setup(args)
+    out = _train_one(args, args.seed, Path(args.run_dir))
+    print(
+        f"held-out reward {out['val_reward_before']:.3f} -> {out['val_reward_after']:.3f} "
+        f"in {out['steps']} steps, {out['wall_s'] / 60:.1f} min; curve: {Path(args.run_dir) / 'reward_curve.png'}"
+    )
+    return 0
+
+
+def cmd_seeds(args: argparse.Namespace) -> int:
+    from agl.plot import plot_runs
+
+    _setup(args)
+    root = Path(args.run_dir)
+    results = [_train_one(args, seed, root / f"seed{seed}") for seed in args.seeds]
+    print("\n| seed | held-out reward before | after | change | minutes |")
+    print("|---:|---:|---:|---:|---:|")
+    for r in results:
+        b, a = r["val_reward_before"], r["val_reward_after"]
+        print(f"| {r['seed']} | {b:.3f} | {a:.3f} | {a - b:+.3f} | {r['wall_s'] / 60:.1f} |")
+    before = [r["val_reward_before"] for r in results]
+    after = [r["val_reward_after"] for r in results]
+    gains = [a - b for a, b in zip(after, before, strict=True)]
+    spread = max(after) - min(after) if len(after) > 1 else 0.0
+    print(
+        f"\nmean before {statistics.mean(before):.3f}, mean after {statistics.mean(after):.3f}, "
+        f"smallest gain {min(gains):+.3f}, seed-to-seed spread of the final reward {spread:.3f}"
+    )
+    png = plot_runs([root / f"seed{s}" for s in args.seeds], root / "reward_curve.png", title="learn_on_cpu: SmolLM2-135M + LoRA")
+    print(f"curves: {png}")
+    (root / "seeds.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "history"} for r in results], indent=2))
+    return 0 if min(gains) > spread else 1
+
+
+def cmd_dev(args: argparse.Namespace) -> int:
+    import agl
+    from examples.learn_on_cpu.agent import calc_agent
+    from examples.learn_on_cpu.data import split
+
+    _setup(args)
+    _, val = split(n_val=args.n)
+    trainer = agl.Trainer(
+        backend="transformers",
+        model=args.model,
+        runners=args.runners,
+        run_dir=args.run_dir,
+        agents=["calculator_agent"],
+        sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
+        store="memory://",
+    )
+    trainer.dev(calc_agent, val[: args.n], base_url=args.base_url, model=args.model_name)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m examples.learn_on_cpu", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--model", default=None, help="local HF model dir (default: embedded SmolLM2-135M-Instruct)")
+        sp.add_argument("--runners", type=int, default=8, help="rollouts run at once (the gateway batches them)")
+        sp.add_argument("--temperature", type=float, default=1.0)
+        sp.add_argument("--max-tokens", type=int, default=16)
+        sp.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+
+    for name in ("train", "seeds"):
+        sp = sub.add_parser(name)
+        common(sp)
+        sp.add_argument("--run-dir", default=f"runs/learn_on_cpu{'_seeds' if name == 'seeds' else ''}")
+        sp.add_argument("--steps", type=int, default=16)
+        sp.add_argument("--tasks-per-step", type=int, default=4)
+        sp.add_argument("--group-size", type=int, default=4)
+        sp.add_argument("--lr", type=float, default=1e-3)
+        sp.add_argument("--lora-r", type=int, default=16)
+        sp.add_argument("--micro-batch-tokens", type=int, default=2048)
+        sp.add_argument("--val-size", type=int, default=24)
+        sp.add_argument("--val-every", type=int, default=4)
+        if name == "train":
+            sp.add_argument("--seed", type=int, default=0)
+        else:
+            sp.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    sp = sub.add_parser("dev")
+    common(sp)
+    sp.add_argument("--run-dir", default="runs/learn_on_cpu_dev")
+    sp.add_argument("-n", type=int, default=4, help="tasks to run")
+    sp.add_argument("--base-url", default=None, help="any OpenAI-compatible endpoint instead of the embedded model")
+    sp.add_argument("--model-name", default=None, help="model name at --base-url")
+    args = p.parse_args(argv)
+    return {"train": cmd_train, "seeds": cmd_seeds, "dev": cmd_dev}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
