@@ -248,9 +248,16 @@ def bench_smollm2(new_tokens: int, threads: int | None) -> list[dict[str, Any]]:
 
     rows = []
     for c in (1, 8):
-        tokens, elapsed = asyncio.run(run(c))
+        tokens, elapsed, cpu = asyncio.run(run(c))
         rows.append(
-            {"concurrency": c, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+            {
+                "concurrency": c,
+                "tokens": tokens,
+                "seconds": elapsed,
+                "tokens_per_s": tokens / elapsed,
+                "cpu_s": cpu,
+                "tokens_per_cpu_s": tokens / cpu,
+            }
         )
     return rows
 

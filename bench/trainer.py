@@ -148,6 +148,7 @@ def bench_trl(args, transitions, adv, tok) -> float:
     inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in transitions)
     trainer._prepare_inputs = lambda x: x  # the batch is already what generation would have produced
+    trainer.current_gradient_accumulation_steps = 1  # set by train()'s loop; one batch per step here
 
     def one() -> float:
         if use_cuda:

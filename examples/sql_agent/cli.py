@@ -55,7 +55,9 @@ def _val_tasks(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**t, "temperature": 0.0} for t in tasks]
 
 
-def dev(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, script: Any = None) -> Any:
+def dev(
+    args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, script: Any = None, **trainer_kw: Any
+) -> Any:
     from agl import Trainer
     from examples.sql_agent import data
     from examples.sql_agent.agent import TRAINED_AGENTS, make_rollout
@@ -75,6 +77,7 @@ def dev(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
         runners=min(len(tasks), 4),
         sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
         progress=False,
+        **trainer_kw,
     )
     return trainer.dev(
         make_rollout(args.data_dir),

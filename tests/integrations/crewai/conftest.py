@@ -6,7 +6,6 @@ themselves through ``pytest.importorskip`` and these fixtures are never used.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,11 +20,6 @@ import agl
 from agl.gateway.testing import GatewayURL, ScriptedBackend, serve_gateway
 from agl.store import open as open_store
 from agl.tracing import reset_tracing
-
-# CrewAI stays offline in these tests (tests/conftest.py sets these too; asserted here so a change
-# there cannot silently let CrewAI's telemetry or trace upload run)
-os.environ.setdefault("CREWAI_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("CREWAI_TRACING_ENABLED", "false")
 
 
 @dataclass

@@ -1,0 +1,144 @@
+"""``python -m examples.calc_agent dev|train|data``: run the agent without training, train it, or
+print the problems. See README.md for what each prints and the figures measured."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["dev", "main", "parser", "train"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m examples.calc_agent", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("dev", help="run a few rollouts and print their transitions and rewards")
+    d.add_argument("--backend", choices=["transformers", "scripted"], default="transformers",
+                   help="the embedded SmolLM2-135M (default) or the scripted model of scripted.py")
+    d.add_argument("--base-url", default=None, help="any OpenAI-compatible endpoint instead")
+    d.add_argument("--model", default=None, help="model name at --base-url, or a local model path")
+    d.add_argument("--api-key", default=None, help="API key for --base-url (default: $OPENAI_API_KEY)")
+    d.add_argument("--split", choices=["train", "test"], default="test")
+    d.add_argument("-n", "--tasks", type=int, default=4, help="how many problems (default 4)")
+    d.add_argument("--max-tokens", type=int, default=128)
+    d.add_argument("--temperature", type=float, default=0.0)
+
+    t = sub.add_parser("train", help="train the solver with LightningRL")
+    t.add_argument("--model", default=None, help="a local model path (default: embedded SmolLM2-135M)")
+    t.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
+    t.add_argument("--vllm-url", default=None, help="the vLLM OpenAI server (with --backend vllm)")
+    t.add_argument("--run-dir", default="runs/calc_agent")
+    t.add_argument("--steps", type=int, default=10)
+    t.add_argument("--tasks-per-step", type=int, default=4)
+    t.add_argument("--group-size", type=int, default=4)
+    t.add_argument("--val-tasks", type=int, default=26, help="held-out problems evaluated (0: none)")
+    t.add_argument("--val-every", type=int, default=5)
+    t.add_argument("--max-tokens", type=int, default=64)
+    t.add_argument("--temperature", type=float, default=1.0)
+    t.add_argument("--learning-rate", type=float, default=1e-4)
+    t.add_argument("--lora-r", type=int, default=16)
+    t.add_argument("--runners", type=int, default=8, help="rollouts run at once")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--resume", action="store_true")
+
+    sub.add_parser("data", help="print a summary and a few problems")
+    return p  # fmt: skip
+
+
+def _val_tasks(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Held-out tasks are decoded greedily, so before/after figures compare policies, not luck."""
+    return [{**t, "temperature": 0.0} for t in tasks]
+
+
+def dev(
+    args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, script: Any = None, **trainer_kw: Any
+) -> Any:
+    from agl import Trainer
+    from examples.calc_agent import data
+    from examples.calc_agent.agent import AGENT, make_rollout
+
+    tasks = data.load_tasks(args.split, limit=args.tasks)
+    if args.backend == "scripted" and script is None:
+        from examples.calc_agent.scripted import ScriptedCalc
+
+        script = ScriptedCalc()
+    is_path = args.model is not None and os.path.isdir(args.model)
+    trainer = Trainer(
+        model=model if model is not None else (args.model if is_path else None),
+        tokenizer=tokenizer,
+        backend=args.backend,
+        script=script,
+        agents=[AGENT],
+        runners=min(len(tasks), 4),
+        sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
+        progress=False,
+        **trainer_kw,
+    )
+    return trainer.dev(
+        make_rollout(),
+        tasks,
+        base_url=args.base_url,
+        model=None if is_path else args.model,
+        api_key=args.api_key or (os.environ.get("OPENAI_API_KEY") if args.base_url else None),
+    )
+
+
+def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, **trainer_kw: Any) -> Any:
+    from agl import LightningRL, Trainer
+    from examples.calc_agent import data
+    from examples.calc_agent.agent import AGENT, make_rollout
+
+    algorithm = LightningRL(
+        group_size=args.group_size, learning_rate=args.learning_rate, lora_r=args.lora_r, lora_alpha=2 * args.lora_r
+    )
+    kw: dict[str, Any] = {
+        "agents": [AGENT],
+        "runners": args.runners,
+        "run_dir": args.run_dir,
+        "sampling": {"max_tokens": args.max_tokens, "temperature": args.temperature},
+        "tasks_per_step": args.tasks_per_step,
+        "steps": args.steps,
+        "val_every": args.val_every,
+        "seed": args.seed,
+        "resume": args.resume,
+        **trainer_kw,
+    }
+    trainer = Trainer(
+        algorithm,
+        model=model if model is not None else args.model,
+        tokenizer=tokenizer,
+        backend=args.backend,
+        vllm_url=args.vllm_url,
+        **kw,
+    )
+    val = _val_tasks(data.load_tasks("test", limit=args.val_tasks)) if args.val_tasks else None
+    summary = trainer.fit(make_rollout(), data.load_tasks("train"), val)
+    print(
+        json.dumps(
+            {k: summary[k] for k in ("run_dir", "steps", "val_reward_before", "val_reward_after")}, indent=2
+        )
+    )
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = parser().parse_args(argv)
+    if args.command == "data":
+        from examples.calc_agent import data
+
+        for split in ("train", "test"):
+            tasks = data.load_tasks(split)
+            print(f"{split}: {len(tasks)} problems")
+        for task in data.load_tasks("test", limit=5):
+            print(json.dumps(task))
+    elif args.command == "dev":
+        dev(args)
+    else:
+        train(args)
+    return 0
