@@ -102,6 +102,7 @@ _ERRORS: dict[str, type[StoreError]] = {
     "invalid_input": InvalidInputError,
     "invalid_json": InvalidInputError,
     "body_too_large": InvalidInputError,
+    "idempotency_key_reused": InvalidInputError,
     "not_found": NotFoundError,
     "conflict": ConflictError,
     "unauthorized": StoreAuthError,

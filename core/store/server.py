@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import math
@@ -162,6 +163,7 @@ _HTTP_CODES = {
     404: "no_route",
     405: "method_not_allowed",
     413: "body_too_large",
+    422: "idempotency_key_reused",
     415: "unsupported_media_type",
 }
 
@@ -253,8 +255,9 @@ class StoreServer:
         self._namespace_factory = namespace_factory
         self._namespaces: dict[str, Store] = {}
         self._ns_counter = 0
-        self._idem: OrderedDict[str, tuple[int, bytes]] = OrderedDict()
-        self._inflight: dict[str, asyncio.Future[tuple[int, bytes]]] = {}
+        #: Idempotency-Key -> (request fingerprint, status, body) of its first answer
+        self._idem: OrderedDict[str, tuple[str, int, bytes]] = OrderedDict()
+        self._inflight: dict[str, tuple[str, asyncio.Future[tuple[int, bytes]]]] = {}
         self._closing = False
         #: requests held right now (claim / wait long-polls), for tests and monitoring
         self.active_polls = 0
@@ -271,6 +274,14 @@ class StoreServer:
         return store
 
     async def _body(self, request: Request) -> bytes:
+        cached = request.scope.get("agl.body")
+        if cached is not None:
+            return cached  # type: ignore[no-any-return]
+        body = await self._read_body(request)
+        request.scope["agl.body"] = body
+        return body
+
+    async def _read_body(self, request: Request) -> bytes:
         limit = self.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None:
@@ -312,21 +323,28 @@ class StoreServer:
     async def _deduplicated(
         self, request: Request, scope: str, run: Callable[[], Awaitable[Response]]
     ) -> Response:
-        """Apply a write once per Idempotency-Key; a retry gets the first answer (or waits for it)."""
+        """Apply a write once per Idempotency-Key; a retry gets the first answer (or waits for it).
+
+        A key reused for a different request (other path or body) is refused with 422, as the IETF
+        Idempotency-Key draft asks, rather than answered with another request's result.
+        """
         key = self._idem_key(request)
         if key is None:
             return await run()
-        ns = request.path_params.get("ns", "")
-        full = f"{ns}\x00{scope}\x00{key}"
+        body = await self._body(request)
+        fingerprint = f"{request.url.path}\x00{hashlib.sha256(body).hexdigest()}"
+        full = f"{request.path_params.get('ns', '')}\x00{scope}\x00{key}"
         cached = self._idem.get(full)
+        if cached is None and full in self._inflight:
+            cached = (self._inflight[full][0], *await asyncio.shield(self._inflight[full][1]))
         if cached is not None:
-            return Response(cached[1], status_code=cached[0], media_type=_JSON)
-        pending = self._inflight.get(full)
-        if pending is not None:
-            status, body = await asyncio.shield(pending)
-            return Response(body, status_code=status, media_type=_JSON)
+            if cached[0] != fingerprint:
+                return _error(
+                    422, "idempotency_key_reused", f"Idempotency-Key {key!r} was used for another request"
+                )
+            return Response(cached[2], status_code=cached[1], media_type=_JSON)
         fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
-        self._inflight[full] = fut
+        self._inflight[full] = (fingerprint, fut)
         try:
             try:
                 response = await run()
@@ -334,7 +352,7 @@ class StoreServer:
                 response = _error(exc.status, exc.code, str(exc))
             result = (response.status_code, bytes(response.body))
             if response.status_code < 500:
-                self._idem[full] = result
+                self._idem[full] = (fingerprint, *result)
                 if len(self._idem) > _IDEM_CACHE:
                     self._idem.popitem(last=False)
             fut.set_result(result)

@@ -218,6 +218,10 @@ def test_idempotency_key_applies_a_write_once(served: tuple[MemoryStore, str]) -
             headers={"idempotency-key": "k2"},
         )
         assert other.status_code == 409
+        reused = c.post(
+            f"/rollouts/{rid}/attempts/1/finish", json={"status": "failed"}, headers={"idempotency-key": "k1"}
+        )
+        assert reused.status_code == 422 and error_of(reused)["code"] == "idempotency_key_reused"
 
         item = {"items": {"main": {"type": "llm", "base_url": "http://x/v1", "model": "m"}}}
         r1 = c.post("/resources", json=item, headers={"idempotency-key": "res-1"})
@@ -289,7 +293,7 @@ def test_waits_longer_than_the_server_cap_are_consecutive_long_polls() -> None:
         assert client.claim("w", timeout_s=1.0) is None
         elapsed = time.monotonic() - t0
         assert 0.9 <= elapsed < 5
-        assert 3 <= len(counting.paths) <= 6  # ~1.0 / 0.3 held requests, not a busy loop
+        assert 2 <= len(counting.paths) <= 8  # ~1.0 / 0.3 held requests, not a busy loop
         rid = store.enqueue([NewRollout()])[0].id
         store.claim("w")
         assert client.wait_for_rollouts([rid], timeout_s=0.7) == []
