@@ -15,6 +15,9 @@ __all__ = ["dev", "main", "parser", "train"]
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m examples.rag_agent", description=__doc__)
     p.add_argument("--data-dir", default=None, help="where the embeddings are cached (default: the agl cache)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (fewer than the cores helps on a busy CPU)"
+    )
     p.add_argument("--scale", type=int, default=None, help="people in the world (default 1100: 2522 passages)")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -153,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The Agents SDK's default trace processor uploads to OpenAI: agl replaces it (agent.py says so too).
     os.environ.setdefault("AGL_OPENAI_AGENTS_REPLACE_EXPORTER", "1")
     args = parser().parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.command == "data":
         from examples.rag_agent import data
 

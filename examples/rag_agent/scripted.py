@@ -38,7 +38,11 @@ def wrong_answer(task: dict[str, Any]) -> str:
     world = data.build_world(task.get("seed", data.SEED), task.get("scale", data.DEFAULT_SCALE))
     pools = (world.countries, list(world.city_country), list(world.person_info))
     pool = next(p for p in pools if gold in p)
-    return pool[(pool.index(gold) + 1) % len(pool)]
+    start = pool.index(gold)
+    # the next one that shares no word with the gold answer (so its F1 is 0)
+    return next(
+        x for x in pool[start + 1 :] + pool[:start] if not set(x.split()) & set(gold.split())
+    )
 
 
 def _text(content: Any) -> str:
