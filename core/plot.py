@@ -106,7 +106,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, **kw: Any) -> P
 
 
 def register_cli(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="Trainer run directories (metrics.jsonl)")
+    parser.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="Trainer run directories (metrics.jsonl)"
+    )
     parser.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/reward_curve.png)")
     parser.add_argument("--title", default=None)
     parser.add_argument("--smooth", type=int, default=3, help="moving-mean window for the train curve")

@@ -94,7 +94,8 @@ class Script:
 
 def _agent_span(name: str) -> Any:
     return tracing.get_tracer("tests.agent").start_as_current_span(
-        sc.SPAN_INVOKE_AGENT, attributes={sc.GEN_AI_OPERATION_NAME: sc.OP_INVOKE_AGENT, sc.GEN_AI_AGENT_NAME: name}
+        sc.SPAN_INVOKE_AGENT,
+        attributes={sc.GEN_AI_OPERATION_NAME: sc.OP_INVOKE_AGENT, sc.GEN_AI_AGENT_NAME: name},
     )
 
 
@@ -138,7 +139,13 @@ class Spy:
                 prompt = transitions[0].prompt_ids
                 eos = (spy.tok.eos_token_id,)
                 spy.probe = [
-                    Transition(rollout_id="probe", attempt=1, index=0, prompt_ids=prompt, response_ids=tuple(spy.tok(text, add_special_tokens=False)["input_ids"]) + eos)
+                    Transition(
+                        rollout_id="probe",
+                        attempt=1,
+                        index=0,
+                        prompt_ids=prompt,
+                        response_ids=tuple(spy.tok(text, add_special_tokens=False)["input_ids"]) + eos,
+                    )
                     for text in (GOOD, BAD)
                 ]
                 spy.before = [sum(x) for x in self_.response_logprobs(spy.probe)]
@@ -147,7 +154,9 @@ class Spy:
         monkeypatch.setattr(PolicyUpdate, "step", step)
 
 
-def test_fit_trains_the_selected_agent_and_skips_stale_spans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fit_trains_the_selected_agent_and_skips_stale_spans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tok = load_tokenizer()
     spy = Spy(tok)
     spy.install(monkeypatch)
@@ -178,7 +187,9 @@ def test_fit_trains_the_selected_agent_and_skips_stale_spans(tmp_path: Path, mon
         time.sleep(2.5)  # no heartbeats (heartbeat_s=100): the lease expires, as when a host dies
         return reward
 
-    dead = Runner(dying_agent, store, heartbeat_s=100, claim_timeout_s=0.5, modes=["train"], worker_id="dying")
+    dead = Runner(
+        dying_agent, store, heartbeat_s=100, claim_timeout_s=0.5, modes=["train"], worker_id="dying"
+    )
     healthy = Runner(two_agent_app, store, concurrency=4, claim_timeout_s=0.2, worker_id="healthy")
     fit_result: dict[str, Any] = {}
     fit_thread = threading.Thread(target=lambda: fit_result.update(trainer.fit(two_agent_app, train, val)))
@@ -228,7 +239,11 @@ def test_fit_trains_the_selected_agent_and_skips_stale_spans(tmp_path: Path, mon
     assert [r["step"] for r in train_records] == [0, 1, 2, 3]
     assert [r["step"] for r in records if r.get("val_reward") is not None] == [0, 2, 4]
     for r in train_records:
-        assert r["exact_token_ratio"] == 1.0 and r["transitions"] == 8 and r["train_reward"] == pytest.approx(0.5, abs=0.26)
+        assert (
+            r["exact_token_ratio"] == 1.0
+            and r["transitions"] == 8
+            and r["train_reward"] == pytest.approx(0.5, abs=0.26)
+        )
         assert {"loss", "kl", "clip_fraction", "tokens_per_s", "zero_variance_groups", "grad_norm"} <= set(r)
     versions = [r["resources_version"] for r in records]
     assert versions == sorted(set(versions))  # bumps every step
@@ -275,7 +290,14 @@ def test_resume_continues_from_the_checkpoint(tmp_path: Path) -> None:
 
 
 def test_dev_prints_transitions_and_rewards(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    trainer = Trainer(backend="scripted", script=Script(), runners=2, run_dir=tmp_path / "dev", agents=["writer"], progress=False)
+    trainer = Trainer(
+        backend="scripted",
+        script=Script(),
+        runners=2,
+        run_dir=tmp_path / "dev",
+        agents=["writer"],
+        progress=False,
+    )
     out = trainer.dev(two_agent_app, [{"q": "What is 6 * 7?"}, {"q": "What is 1 + 1?"}])
     text = capsys.readouterr().out
     assert len(out) == 2 and {t.agent for t in out} == {"writer"}
@@ -289,7 +311,9 @@ def test_plot_cli_and_bad_input(tmp_path: Path) -> None:
 
     run = tmp_path / "r"
     run.mkdir()
-    rows = [{"step": i, "train_reward": i / 10, **({"val_reward": i / 8} if i % 2 == 0 else {})} for i in range(5)]
+    rows = [
+        {"step": i, "train_reward": i / 10, **({"val_reward": i / 8} if i % 2 == 0 else {})} for i in range(5)
+    ]
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     assert main(["plot", str(run), "--out", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"

@@ -55,9 +55,18 @@ def make(tok, tmp_path, *, seed: int = 0, **cfg) -> PolicyUpdate:
 
 
 def tr(tok, prompt: str, response: str, rid: str = "r", logprobs=None) -> Transition:
-    p = tuple(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False))
+    p = tuple(
+        tok.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
     r = tuple(tok(response, add_special_tokens=False)["input_ids"]) + (tok.eos_token_id,)
-    return Transition(rollout_id=rid, attempt=1, index=0, prompt_ids=p, response_ids=r, response_logprobs=logprobs)
+    return Transition(
+        rollout_id=rid, attempt=1, index=0, prompt_ids=p, response_ids=r, response_logprobs=logprobs
+    )
 
 
 def seq_logprob(up: PolicyUpdate, ts: list[Transition]) -> list[float]:
@@ -70,7 +79,11 @@ def test_packing_respects_the_token_budget_and_never_mixes_behaviour_sources(tok
         tr(tok, "a somewhat longer prompt for the model to read", "longer answer here", "r2", logprobs=None),
         tr(tok, "x" * 400, "y", "r3"),
     ]
-    ts.append(ts[0].model_copy(update={"rollout_id": "r4", "response_logprobs": tuple([-1.0] * len(ts[0].response_ids))}))
+    ts.append(
+        ts[0].model_copy(
+            update={"rollout_id": "r4", "response_logprobs": tuple([-1.0] * len(ts[0].response_ids))}
+        )
+    )
     longest = max(len(t.prompt_ids) + len(t.response_ids) for t in ts[:2])
     mbs = pack_micro_batches(ts, longest * 2)
     assert sorted(i for mb in mbs for i in mb.rows) == [0, 1, 2, 3]
@@ -93,7 +106,10 @@ def test_rewarded_response_becomes_likelier_and_penalised_one_less(tok, tmp_path
     for _ in range(4):
         # behaviour log-probs recorded by "the engine" (here: the current policy), as the gateway does
         lps = up.response_logprobs([good, bad])
-        batch = [t.model_copy(update={"response_logprobs": tuple(lp)}) for t, lp in zip([good, bad], lps, strict=True)]
+        batch = [
+            t.model_copy(update={"response_logprobs": tuple(lp)})
+            for t, lp in zip([good, bad], lps, strict=True)
+        ]
         metrics = up.step(batch, [1.0, -1.0])
     after = seq_logprob(up, [good, bad])
     assert after[0] > before[0] + 0.5

@@ -126,6 +126,52 @@ def pack_micro_batches(
 class _TransitionGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` fed with precomputed transitions: generation and rewards are never used."""
 
+    def _get_per_token_logps_and_entropies(  # type: ignore[override]
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """TRL's fused LM head scores only response positions where Triton runs (CUDA/XPU); elsewhere
+        it scores every position, prompt included — several times the work for agent transitions,
+        whose prompts are long and responses short. There, project only the response positions through
+        the LM head (``logits_to_keep``) and use TRL's ``selective_log_softmax_and_entropy``."""
+        from trl.kernels.chunked_logprob import _use_triton
+
+        if _use_triton(input_ids.device) or compute_aux_loss or any(v is not None for v in kwargs.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size=batch_size,
+                compute_entropy=compute_entropy,
+                compute_aux_loss=compute_aux_loss,
+                **kwargs,
+            )
+        from trl.trainer.utils import selective_log_softmax_and_entropy
+
+        with self.accelerator.autocast():
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                logits_to_keep=logits_to_keep + 1,
+                use_cache=False,
+            )
+        logits = out.logits[:, :-1, :]
+        logps, entropies = selective_log_softmax_and_entropy(
+            logits.float(),
+            input_ids[:, -logits_to_keep:],
+            entropy_requires_grad=False,
+            temperature=self.temperature,
+        )
+        return logps, (entropies if compute_entropy else None), None
+
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:  # pragma: no cover - guard
         raise RuntimeError("agl's policy update gets transitions from the store; it never generates")
 

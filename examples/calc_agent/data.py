@@ -116,7 +116,11 @@ def _change(r: random.Random) -> tuple[str, str]:
 
 
 def _discount(r: random.Random) -> tuple[str, str]:
-    it, price, pct = r.choice(("jacket", "lamp", "bicycle", "game")), r.randint(12, 240), r.choice((10, 20, 25, 30, 50))
+    it, price, pct = (
+        r.choice(("jacket", "lamp", "bicycle", "game")),
+        r.randint(12, 240),
+        r.choice((10, 20, 25, 30, 50)),
+    )
     return (
         f"A {it} costs ${price}. It is on sale for {pct}% off. What is the sale price in dollars?",
         f"{price} * (100 - {pct}) / 100",
@@ -134,7 +138,10 @@ def _average(r: random.Random) -> tuple[str, str]:
 
 def _distance(r: random.Random) -> tuple[str, str]:
     v, t = r.randint(30, 110), r.randint(2, 8)
-    return f"A train travels at {v} km per hour for {t} hours. How many kilometres does it travel?", f"{v} * {t}"
+    return (
+        f"A train travels at {v} km per hour for {t} hours. How many kilometres does it travel?",
+        f"{v} * {t}",
+    )
 
 
 def _chairs(r: random.Random) -> tuple[str, str]:
@@ -183,7 +190,12 @@ def _generate(n: int, rng: random.Random, seen: set[str]) -> list[dict[str, Any]
             continue  # every story asks for an amount that exists
         seen.add(question)
         out.append(
-            {"question": question, "expression": expression, "answer": answer_text(value), "kind": template.__name__[1:]}
+            {
+                "question": question,
+                "expression": expression,
+                "answer": answer_text(value),
+                "kind": template.__name__[1:],
+            }
         )
     return out
 

@@ -1,6 +1,6 @@
 """A scripted model for ``dev --backend scripted`` and the tests: known-good and known-bad answers.
 
-It plays the solver and answers each problem in one of four ways, fixed per question by a hash:
+It plays the solver and answers each problem in one of four ways, fixed per task by its number:
 
 - ``good``: calls ``calculator`` with the right expression, then answers the result (reward 1);
 - ``sloppy``: first sends a malformed expression (an unbalanced parenthesis), which the calculator
@@ -12,7 +12,6 @@ It plays the solver and answers each problem in one of four ways, fixed per ques
 from __future__ import annotations
 
 import re
-import zlib
 from fractions import Fraction
 from typing import Any
 
@@ -25,13 +24,14 @@ __all__ = ["BEHAVIOURS", "ScriptedCalc", "behaviour", "expected_calls"]
 BEHAVIOURS = ("good", "sloppy", "wrong", "direct")
 
 
-def behaviour(question: str) -> str:
-    return BEHAVIOURS[zlib.crc32(question.encode()) % len(BEHAVIOURS)]
+def behaviour(task: dict[str, Any]) -> str:
+    """The behaviour for a task, by its number: any four consecutive tasks show all four."""
+    return BEHAVIOURS[int(task["id"].rsplit("-", 1)[1]) % len(BEHAVIOURS)]
 
 
-def expected_calls(question: str) -> int:
-    """How many LLM calls the agent makes on ``question`` under this script."""
-    return {"good": 2, "sloppy": 3, "wrong": 1, "direct": 1}[behaviour(question)]
+def expected_calls(task: dict[str, Any]) -> int:
+    """How many LLM calls the agent makes on ``task`` under this script."""
+    return {"good": 2, "sloppy": 3, "wrong": 1, "direct": 1}[behaviour(task)]
 
 
 def _text(content: Any) -> str:
@@ -53,7 +53,7 @@ class ScriptedCalc:
         task = self.tasks.get(question.strip())
         if task is None or SYSTEM not in system:
             return reply("I cannot help with that.")
-        kind, expression = behaviour(task["question"]), task["expression"]
+        kind, expression = behaviour(task), task["expression"]
         results = [_text(m.get("content")) for m in messages if m.get("role") == "tool"]
         if kind == "direct":
             return reply(f"ANSWER: {task['answer']}")

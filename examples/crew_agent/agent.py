@@ -52,13 +52,14 @@ def make_lookup(directory: dict[str, dict[str, str]]) -> Any:
     return lookup
 
 
-def build_crew(llm: Any, directory: dict[str, dict[str, str]]) -> Crew:
+def build_crew(llm: Any, directory: dict[str, dict[str, str]], *, researcher_llm: Any = None) -> Crew:
+    """The crew; ``researcher_llm`` runs the researcher on another model (default: ``llm``)."""
     researcher = Agent(
         role="researcher",
         goal="Find the facts a writing task needs, using the lookup tool",
         backstory="You check every fact in the company fact base and never guess.",
         tools=[make_lookup(directory)],
-        llm=llm,
+        llm=researcher_llm or llm,
         allow_delegation=False,
         max_iter=3,
     )
@@ -81,8 +82,13 @@ def crew_inputs(task: dict[str, Any]) -> dict[str, str]:
     return {"company": task["company"], "asked": asked}
 
 
-def make_rollout() -> Any:
-    """The rollout function the trainer runs: ``(task, resources) -> reward``."""
+def make_rollout(researcher: dict[str, str] | None = None) -> Any:
+    """The rollout function the trainer runs: ``(task, resources) -> reward``.
+
+    ``researcher`` (``{"base_url", "model", "api_key"}``) puts the researcher on a fixed endpoint —
+    e.g. a strong hosted model — while the writer runs on (and is trained through) the trainer's
+    endpoint; by default both run on the trainer's endpoint.
+    """
     import agl
 
     agl.instrument("openai", "crewai")
@@ -100,7 +106,17 @@ def make_rollout() -> Any:
             max_retries=0,
         )
         directory = data.build_directory(task.get("seed", data.SEED), task.get("size", data.DEFAULT_SIZE))
-        result = build_crew(model, directory).kickoff(inputs=crew_inputs(task))
+        fixed = None
+        if researcher is not None:
+            fixed = LLM(
+                model=f"openai/{researcher['model']}",
+                base_url=researcher["base_url"],
+                api_key=researcher.get("api_key") or "agl",
+                temperature=0.0,
+                max_tokens=llm.sampling.get("max_tokens", 128),
+                max_retries=0,
+            )
+        result = build_crew(model, directory, researcher_llm=fixed).kickoff(inputs=crew_inputs(task))
         return coverage(result.raw, task["gold"])
 
     return crew_agent

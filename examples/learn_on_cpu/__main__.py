@@ -68,7 +68,9 @@ def _train_one(args: argparse.Namespace, seed: int, run_dir: Path) -> dict[str, 
     out = _trainer(args, seed, run_dir).fit(calc_agent, train, val)
     out["wall_s"] = time.perf_counter() - t0
     out["seed"] = seed
-    (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in out.items() if k != "history"}, indent=2))
+    (run_dir / "summary.json").write_text(
+        json.dumps({k: v for k, v in out.items() if k != "history"}, indent=2)
+    )
     return out
 
 
@@ -101,9 +103,15 @@ def cmd_seeds(args: argparse.Namespace) -> int:
         f"\nmean before {statistics.mean(before):.3f}, mean after {statistics.mean(after):.3f}, "
         f"smallest gain {min(gains):+.3f}, seed-to-seed spread of the final reward {spread:.3f}"
     )
-    png = plot_runs([root / f"seed{s}" for s in args.seeds], root / "reward_curve.png", title="learn_on_cpu: SmolLM2-135M + LoRA")
+    png = plot_runs(
+        [root / f"seed{s}" for s in args.seeds],
+        root / "reward_curve.png",
+        title="learn_on_cpu: SmolLM2-135M + LoRA",
+    )
     print(f"curves: {png}")
-    (root / "seeds.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "history"} for r in results], indent=2))
+    (root / "seeds.json").write_text(
+        json.dumps([{k: v for k, v in r.items() if k != "history"} for r in results], indent=2)
+    )
     return 0 if min(gains) > spread else 1
 
 
@@ -132,8 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--model", default=None, help="local HF model dir (default: embedded SmolLM2-135M-Instruct)")
-        sp.add_argument("--runners", type=int, default=8, help="rollouts run at once (the gateway batches them)")
+        sp.add_argument(
+            "--model", default=None, help="local HF model dir (default: embedded SmolLM2-135M-Instruct)"
+        )
+        sp.add_argument(
+            "--runners", type=int, default=8, help="rollouts run at once (the gateway batches them)"
+        )
         sp.add_argument("--temperature", type=float, default=1.0)
         sp.add_argument("--max-tokens", type=int, default=16)
         sp.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
@@ -142,14 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         sp = sub.add_parser(name)
         common(sp)
         sp.add_argument("--run-dir", default=f"runs/learn_on_cpu{'_seeds' if name == 'seeds' else ''}")
-        sp.add_argument("--steps", type=int, default=16)
+        sp.add_argument("--steps", type=int, default=8)
         sp.add_argument("--tasks-per-step", type=int, default=4)
         sp.add_argument("--group-size", type=int, default=4)
         sp.add_argument("--lr", type=float, default=1e-3)
         sp.add_argument("--lora-r", type=int, default=16)
         sp.add_argument("--micro-batch-tokens", type=int, default=2048)
         sp.add_argument("--val-size", type=int, default=24)
-        sp.add_argument("--val-every", type=int, default=4)
+        sp.add_argument("--val-every", type=int, default=2)
         if name == "train":
             sp.add_argument("--seed", type=int, default=0)
         else:
@@ -158,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     common(sp)
     sp.add_argument("--run-dir", default="runs/learn_on_cpu_dev")
     sp.add_argument("-n", type=int, default=4, help="tasks to run")
-    sp.add_argument("--base-url", default=None, help="any OpenAI-compatible endpoint instead of the embedded model")
+    sp.add_argument(
+        "--base-url", default=None, help="any OpenAI-compatible endpoint instead of the embedded model"
+    )
     sp.add_argument("--model-name", default=None, help="model name at --base-url")
     args = p.parse_args(argv)
     return {"train": cmd_train, "seeds": cmd_seeds, "dev": cmd_dev}[args.cmd](args)

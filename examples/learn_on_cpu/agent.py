@@ -39,7 +39,11 @@ def calculate(expression: str, log: list[str] | None = None) -> float:
     def ev(node: ast.AST) -> float:
         if isinstance(node, ast.Expression):
             return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, (int, float))
+            and not isinstance(node.value, bool)
+        ):
             return node.value
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             return -ev(node.operand)
@@ -84,7 +88,11 @@ EXAMPLE = [
 
 def build_messages(question: str, steps: list[str]) -> list[dict[str, str]]:
     tool_log = "\n".join(f"Calculator: {s}" for s in steps)
-    return [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": f"{question}\n{tool_log}"}]
+    return [
+        {"role": "system", "content": SYSTEM},
+        *EXAMPLE,
+        {"role": "user", "content": f"{question}\n{tool_log}"},
+    ]
 
 
 def reward(reply: str | None, answer: int) -> float:

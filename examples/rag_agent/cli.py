@@ -76,7 +76,14 @@ def _prepare_index(args: argparse.Namespace) -> None:
     get_index(_scale(args), data_dir=args.data_dir)
 
 
-def dev(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, script: Any = None) -> Any:
+def dev(
+    args: argparse.Namespace,
+    *,
+    model: Any = None,
+    tokenizer: Any = None,
+    script: Any = None,
+    **trainer_kw: Any,
+) -> Any:
     from agl import Trainer
     from examples.rag_agent import data
     from examples.rag_agent.agent import TRAINED_AGENTS, make_rollout
@@ -97,6 +104,7 @@ def dev(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, s
         runners=min(len(tasks), 4) or 1,
         sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
         progress=False,
+        **trainer_kw,
     )
     return trainer.dev(
         make_rollout(args.data_dir),

@@ -11,7 +11,8 @@ career note, so no single passage answers a question). Each question chains two 
 and its gold answer is read off the world model, never written by hand, so it is certainly correct:
 names are unique, every relation used is a function (one birthplace, one employer, one founder), and
 a question whose two hops would collapse into one (asking who founded a person's own company) is
-never generated. ``hops`` records the entity each hop has to be looked up by; the scripted model
+never generated, nor is one whose answer the subject's own passages already state (a shortcut).
+``hops`` records the entity each hop has to be looked up by; the scripted model
 uses it, the trained model never sees it.
 
 The held-out split is by subject entity (crc32 of its name), so no test question is about a person
@@ -205,19 +206,34 @@ def _person_questions(world: World, person: str) -> list[dict[str, Any]]:
     p = world.person_info[person]
     city, company = p["born_in"], p["employer"]
     c = world.company_info[company]
-    qs = [
-        ("born_country", f"In which country was {person} born?", [person, city], world.city_country[city]),
-        (
-            "employer_hq",
-            f"In which city is the company that {person} works for headquartered?",
-            [person, company],
-            c["hq"],
-        ),
-        ("employer_year", f"In which year was the company {person} works for founded?", [person, company], str(c["year"])),
-    ]
-    if c["founder"] != person:  # for a founder this is a one-hop self-reference: never asked
+    qs = [("born_country", f"In which country was {person} born?", [person, city], world.city_country[city])]
+    # never asked: questions whose answer the subject's own passages already state (a shortcut)
+    if c["hq"] != city:
         qs.append(
-            ("employer_founder", f"Who founded the company that {person} works for?", [person, company], c["founder"])
+            (
+                "employer_hq",
+                f"In which city is the company that {person} works for headquartered?",
+                [person, company],
+                c["hq"],
+            )
+        )
+    if c["year"] != p["year"]:
+        qs.append(
+            (
+                "employer_year",
+                f"In which year was the company {person} works for founded?",
+                [person, company],
+                str(c["year"]),
+            )
+        )
+    if c["founder"] != person:  # for a founder this is a one-hop self-reference
+        qs.append(
+            (
+                "employer_founder",
+                f"Who founded the company that {person} works for?",
+                [person, company],
+                c["founder"],
+            )
         )
     return [{"kind": k, "question": q, "hops": h, "answer": a, "subject": person} for k, q, h, a in qs]
 
@@ -225,22 +241,26 @@ def _person_questions(world: World, person: str) -> list[dict[str, Any]]:
 def _company_questions(world: World, company: str) -> list[dict[str, Any]]:
     c = world.company_info[company]
     founder, hq = c["founder"], c["hq"]
-    return [
-        {
-            "kind": "founder_birthplace",
-            "question": f"In which city was the founder of {company} born?",
-            "hops": [company, founder],
-            "answer": world.person_info[founder]["born_in"],
-            "subject": company,
-        },
+    qs = [
         {
             "kind": "hq_country",
             "question": f"In which country is {company} headquartered?",
             "hops": [company, hq],
             "answer": world.city_country[hq],
             "subject": company,
-        },
+        }
     ]
+    if world.person_info[founder]["born_in"] != hq:
+        qs.append(
+            {
+                "kind": "founder_birthplace",
+                "question": f"In which city was the founder of {company} born?",
+                "hops": [company, founder],
+                "answer": world.person_info[founder]["born_in"],
+                "subject": company,
+            }
+        )
+    return qs
 
 
 def is_test(subject: str) -> bool:

@@ -58,6 +58,10 @@ class ScriptedRAG:
         tasks = data.load_tasks("train", scale=scale, seed=seed) + data.load_tasks("test", scale=scale, seed=seed)
         self.tasks = {t["question"]: t for t in tasks}
 
+    def kind(self, task: dict[str, Any], request: Any) -> str:
+        """How this call's rollout behaves (the same for every call of a rollout)."""
+        return behaviour(task["question"])
+
     def __call__(self, request: Any) -> Any:
         messages = request.messages or []
         system = " ".join(_text(m.get("content")) for m in messages if m.get("role") in ("system", "developer"))
@@ -65,7 +69,7 @@ class ScriptedRAG:
         task = self.tasks.get(question.strip())
         if task is None or INSTRUCTIONS not in system:
             return reply("I cannot help with that.")
-        kind = behaviour(task["question"])
+        kind = self.kind(task, request)
         searches = sum(1 for m in messages if m.get("role") == "tool")
         plan = ([""] if kind == "sloppy" else []) + list(task["hops"])
         if searches < len(plan):

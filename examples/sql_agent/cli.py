@@ -18,8 +18,12 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("dev", help="run a few rollouts and print their transitions and rewards")
-    d.add_argument("--backend", choices=["transformers", "scripted"], default="transformers",
-                   help="the embedded SmolLM2-135M (default) or the scripted model of scripted.py")
+    d.add_argument(
+        "--backend",
+        choices=["transformers", "scripted"],
+        default="transformers",
+        help="the embedded SmolLM2-135M (default) or the scripted model of scripted.py",
+    )
     d.add_argument("--base-url", default=None, help="any OpenAI-compatible endpoint instead")
     d.add_argument("--model", default=None, help="model name at --base-url, or a local model path")
     d.add_argument("--api-key", default=None, help="API key for --base-url (default: $OPENAI_API_KEY)")
@@ -42,6 +46,13 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--temperature", type=float, default=1.0)
     t.add_argument("--learning-rate", type=float, default=1e-4)
     t.add_argument("--lora-r", type=int, default=16)
+    t.add_argument(
+        "--credit",
+        choices=["identical", "discounted"],
+        default="identical",
+        help="LightningRL credit assignment (discounted: AIR penalties count per call)",
+    )
+    t.add_argument("--advantage-level", choices=["rollout", "transition"], default="rollout")
     t.add_argument("--runners", type=int, default=8, help="rollouts run at once")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true")
@@ -56,7 +67,12 @@ def _val_tasks(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def dev(
-    args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, script: Any = None, **trainer_kw: Any
+    args: argparse.Namespace,
+    *,
+    model: Any = None,
+    tokenizer: Any = None,
+    script: Any = None,
+    **trainer_kw: Any,
 ) -> Any:
     from agl import Trainer
     from examples.sql_agent import data
@@ -94,7 +110,12 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
     from examples.sql_agent.agent import TRAINED_AGENTS, make_rollout
 
     algorithm = LightningRL(
-        group_size=args.group_size, learning_rate=args.learning_rate, lora_r=args.lora_r, lora_alpha=2 * args.lora_r
+        credit=args.credit,
+        advantage_level=args.advantage_level,
+        group_size=args.group_size,
+        learning_rate=args.learning_rate,
+        lora_r=args.lora_r,
+        lora_alpha=2 * args.lora_r,
     )
     kw: dict[str, Any] = {
         "agents": TRAINED_AGENTS,

@@ -266,12 +266,20 @@ def _candidates(db_id: str, conn: sqlite3.Connection, rng: random.Random) -> lis
         for c, values in t.cats.items():
             pc = _phrase(c)
             out.append(
-                (f"For each {pc}, how many {plural} are there?", f"SELECT {c}, COUNT(*) FROM {plural} GROUP BY {c}")
+                (
+                    f"For each {pc}, how many {plural} are there?",
+                    f"SELECT {c}, COUNT(*) FROM {plural} GROUP BY {c}",
+                )
             )
-            out.append((f"List the distinct {pc} values of the {plural}.", f"SELECT DISTINCT {c} FROM {plural}"))
+            out.append(
+                (f"List the distinct {pc} values of the {plural}.", f"SELECT DISTINCT {c} FROM {plural}")
+            )
             for v in rng.sample(values, min(3, len(values))):
                 out.append(
-                    (f"How many {plural} have {pc} '{v}'?", f"SELECT COUNT(*) FROM {plural} WHERE {c} = '{v}'")
+                    (
+                        f"How many {plural} have {pc} '{v}'?",
+                        f"SELECT COUNT(*) FROM {plural} WHERE {c} = '{v}'",
+                    )
                 )
                 out.append(
                     (f"List the {_phrase(label)} of every {one} with {pc} '{v}'.",

@@ -1,7 +1,7 @@
 """A scripted model for ``dev --backend scripted`` and the tests: known-good and known-bad answers.
 
 It plays the writer and the rewriter (recognised by their system prompts) and answers each question
-in one of four ways, fixed per question by a hash so a run is reproducible:
+in one of four ways, fixed per task by its number so a run is reproducible:
 
 - ``good``: the writer writes the gold query (reward 1, no AIR penalty);
 - ``fixed``: the writer's query names a table that does not exist, so it fails; the rewriter writes
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import zlib
 from typing import Any
 
 from examples.sql_agent import data
@@ -25,8 +24,9 @@ __all__ = ["BEHAVIOURS", "ScriptedSQL", "behaviour"]
 BEHAVIOURS = ("good", "fixed", "wrong", "broken")
 
 
-def behaviour(question: str) -> str:
-    return BEHAVIOURS[zlib.crc32(question.encode()) % len(BEHAVIOURS)]
+def behaviour(task: dict[str, Any]) -> str:
+    """The behaviour for a task, by its number: any four consecutive tasks show all four."""
+    return BEHAVIOURS[int(task["id"].rsplit("-", 1)[1]) % len(BEHAVIOURS)]
 
 
 def _broken(sql: str) -> str:
@@ -57,7 +57,7 @@ class ScriptedSQL:
         task = self.tasks.get(found.group(1).strip()) if found else None
         if task is None or system not in (WRITER, REWRITER):
             return "I cannot help with that."
-        kind, gold = behaviour(task["question"]), task["gold_sql"]
+        kind, gold = behaviour(task), task["gold_sql"]
         if kind == "good" or (kind == "fixed" and system == REWRITER):
             sql = gold
         elif kind == "wrong":

@@ -1,0 +1,200 @@
+"""examples/calc_agent: the problems (deterministic, gold answers computed exactly), the calculator tool,
+the exact-answer reward, ``dev`` with the scripted model (right, wrong and tool-free answers, a
+malformed calculator call penalised by AIR on the call that made it), and ``train`` for a few steps
+with a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter, defaultdict
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from examples.calc_agent import data
+from examples.calc_agent.reward import exact_match, parse_answer
+
+# ------------------------------------------------------------------------------------------ data
+
+
+def test_problems_are_deterministic_disjoint_and_correct() -> None:
+    train, test = data.load_tasks("train"), data.load_tasks("test")
+    assert train == data.load_tasks("train") and test == data.load_tasks("test")
+    assert len(train) == data.TRAIN_SIZE and len(test) == data.TEST_SIZE
+    assert not {t["question"] for t in train} & {t["question"] for t in test}
+    assert {t["kind"] for t in test} == {f.__name__[1:] for f in data.TEMPLATES}
+    for task in train + test:
+        value = data.evaluate(task["expression"])
+        assert Fraction(task["answer"]) == value >= 0, task
+    with pytest.raises(ValueError, match="split"):
+        data.load_tasks("dev")
+
+
+def test_calculator() -> None:
+    pytest.importorskip("autogen_agentchat")
+    from examples.calc_agent.agent import calculator
+
+    assert calculator("12 * 7 - 5") == "79"
+    assert calculator("(93 + 79 + 77) / 3") == "83"
+    assert calculator("40 - 4 * 8.60") == "5.6"
+    assert calculator("16 * (100 - 10) / 100") == "14.4"
+    assert calculator("1,200 + $5") == "1205"
+    assert calculator("2 ** 10 % 1000") == "24"
+    assert calculator("10 / 4") == "2.5"
+    for bad in ("(2 + 3", "2 +", "", "x + 1", "__import__('os')", "[1, 2]", "2 ** 1000", "1 / 0", "abs(-1)"):
+        with pytest.raises(ValueError):
+            calculator(bad)
+    for task in data.load_tasks("test"):  # the tool agrees with the exact gold answer
+        assert exact_match(calculator(task["expression"]), task["answer"]) == 1.0, task
+
+
+# ---------------------------------------------------------------------------------------- reward
+
+
+@pytest.mark.parametrize(
+    ("text", "gold", "reward"),
+    [
+        ("ANSWER: 70", "70", 1.0),
+        ("The result is 70.", "70", 1.0),
+        ("ANSWER: 14.40", "14.4", 1.0),
+        ("ANSWER: $14.40", "14.4", 1.0),
+        ("ANSWER: 1,200", "1200", 1.0),
+        ("I used 36 / 6. ANSWER: 6", "6", 1.0),
+        ("ANSWER: 6 (from 36 / 6)", "6", 1.0),  # the number after ANSWER, not the last one
+        ("ANSWER: 14.39", "14.4", 0.0),
+        ("ANSWER: 14", "14.4", 0.0),
+        ("ANSWER: 71", "70", 0.0),
+        ("I do not know", "70", 0.0),
+        ("", "70", 0.0),
+        ("ANSWER: -.5", "-0.5", 1.0),
+    ],
+)
+def test_exact_match(text: str, gold: str, reward: float) -> None:
+    assert exact_match(text, gold) == reward
+
+
+def test_parse_answer() -> None:
+    assert parse_answer("ANSWER: 83") == 83
+    assert parse_answer("answer = 2.5") == Fraction(5, 2)
+    assert parse_answer("nothing") is None
+
+
+# --------------------------------------------------------------------------- dev, scripted model
+
+
+def test_dev_with_the_scripted_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("autogen_agentchat")
+    pytest.importorskip("autogen_ext.models.openai")
+    import agl.store
+    from agl import semconv as sc
+    from agl.adapter import Adapter
+    from examples.calc_agent import cli
+    from examples.calc_agent.scripted import behaviour, expected_calls
+
+    store = agl.store.open(f"sqlite:///{tmp_path / 'dev.db'}")
+    args = cli.parser().parse_args(["dev", "--backend", "scripted", "-n", "12"])
+    transitions = cli.dev(args, store=store)
+    out = capsys.readouterr().out
+    assert "12 rollouts" in out and "agent=solver" in out
+
+    rollouts = {r.id: r for r in store.query_rollouts()}
+    assert len(rollouts) == 12 and all(r.status == "succeeded" for r in rollouts.values())
+    by_rollout: dict[str, list[Any]] = defaultdict(list)
+    for t in transitions:
+        by_rollout[t.rollout_id].append(t)
+    kinds: Counter[str] = Counter()
+    for rid, rollout in rollouts.items():
+        task = rollout.input
+        kind = behaviour(task)
+        kinds[kind] += 1
+        ts = sorted(by_rollout[rid], key=lambda t: t.index)
+        assert [t.agent for t in ts] == ["solver"] * expected_calls(task), (kind, task)
+        final = 0.0 if kind == "wrong" else 1.0
+        assert all(t.final_reward == final and t.exact for t in ts), (kind, task)
+        assert exact_match(ts[-1].response_text or "", task["answer"]) == final
+
+        spans = store.query_spans(rollout_id=rid)
+        tools = [s for s in spans if s.name == sc.SPAN_EXECUTE_TOOL]
+        failed = [s for s in tools if s.status.code == "ERROR"]
+        assert len(tools) == {"good": 1, "sloppy": 2}.get(kind, 0), (kind, tools)
+        assert len(failed) == (1 if kind == "sloppy" else 0)
+        if kind == "sloppy":
+            # AIR: exactly the call that wrote the malformed expression is penalised (by tool-call id)
+            assert [t.intermediate_reward for t in ts] == pytest.approx([-0.1, 0.0, 0.0])
+            (message,) = json.loads(ts[0].response_text) if ts[0].response_text.startswith("[") else [None]
+            call_id = failed[0].attributes[sc.GEN_AI_TOOL_CALL_ID]
+            assert message is not None and message["id"] == call_id
+            result = str(failed[0].attributes.get(sc.GEN_AI_TOOL_CALL_RESULT, ""))
+            assert "malformed expression" in result + str(failed[0].status.message)
+        else:
+            assert all(t.intermediate_reward == 0.0 for t in ts)
+    assert all(kinds[k] for k in ("good", "sloppy", "wrong", "direct")), kinds
+
+    # selecting another agent name yields nothing; the solver's selection yields everything
+    assert Adapter(agents=["verifier"]).from_store(store, list(rollouts)) == []
+    assert len(Adapter(agents=["solver"]).from_store(store, list(rollouts))) == len(transitions)
+
+
+# --------------------------------------------------------------------------- train, tiny model
+
+
+def _tiny_model() -> Any:
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def test_train_a_few_steps_with_a_tiny_model(tmp_path: Path) -> None:
+    pytest.importorskip("autogen_agentchat")
+    pytest.importorskip("autogen_ext.models.openai")
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    import torch
+
+    import agl.store
+    from agl.adapter import Adapter
+    from agl.trainer import load_tokenizer
+    from examples.calc_agent import cli
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    run_dir = tmp_path / "run"
+    args = cli.parser().parse_args(
+        ["train", "--run-dir", str(run_dir), "--steps", "2", "--tasks-per-step", "2", "--group-size", "2",
+         "--val-tasks", "2", "--val-every", "2", "--max-tokens", "6", "--runners", "4", "--learning-rate", "1e-3",
+         "--lora-r", "4"]
+    )  # fmt: skip
+    try:
+        summary = cli.train(args, model=_tiny_model(), tokenizer=load_tokenizer(), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+
+    steps = [h for h in summary["history"] if "train_reward" in h]
+    assert [h["step"] for h in steps] == [0, 1]
+    assert summary["val_reward_before"] is not None and summary["val_reward_after"] is not None
+    store = agl.store.open(f"sqlite:///{run_dir / 'store.db'}")
+    train_ids = [r.id for r in store.query_rollouts(mode="train")]
+    assert len(train_ids) == 2 * 2 * 2
+    every = Adapter().from_store(store, train_ids)
+    # random tokens are no tool call: one LLM call per rollout, the solver's, and a wrong answer
+    assert [t.agent for t in every] == ["solver"] * len(train_ids)
+    assert all(t.final_reward == 0.0 and t.exact for t in every)
+    for h in steps:
+        assert h["transitions"] == 4 and h["train_reward"] == 0.0
+        assert h["zero_variance_groups"] == h["groups"] == 2
+        assert math.isfinite(h["loss"]) or h["trained_transitions"] == 0
