@@ -38,6 +38,7 @@ import math
 import os
 import random
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -225,6 +226,11 @@ class PolicyUpdate:
         self.kl_coef = float(_cfg(cfg, "kl_coef"))
         eps = float(_cfg(cfg, "clip_eps"))
         eps_high = _cfg(cfg, "clip_eps_high")
+        # TRL 1.16 still spells transformers 5's `activation_checkpointing` the deprecated way (a warning
+        # on every config and forward); not actionable for agl's users.
+        warnings.filterwarnings(
+            "ignore", message=r".*(is_)?gradient_checkpointing.* is deprecated", category=FutureWarning
+        )
         args = GRPOConfig(
             output_dir=str(output_dir),
             report_to=[],

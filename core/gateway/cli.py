@@ -100,8 +100,11 @@ def _serve(args: Any) -> int:
         print("agl gateway: no --store given: calls are served but no spans are recorded")
     backend = build_backend(args)
     app = create_app(backend, store, api_key=args.api_key)
-    print(f"agl gateway: {args.backend} backend on http://{args.host}:{args.port}/v1")
-    print(f"  per-rollout base URL: http://{args.host}:{args.port}/rollouts/{{rollout_id}}/attempts/{{n}}/v1")
+    print(f"agl gateway: {args.backend} backend on http://{args.host}:{args.port}/v1", flush=True)
+    print(
+        f"  per-rollout base URL: http://{args.host}:{args.port}/rollouts/{{rollout_id}}/attempts/{{n}}/v1",
+        flush=True,
+    )
     uvicorn.run(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.log_level == "debug"
     )

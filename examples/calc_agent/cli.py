@@ -14,6 +14,9 @@ __all__ = ["dev", "main", "parser", "train"]
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m examples.calc_agent", description=__doc__)
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch threads (0: torch's default; 1 is best on a busy CPU)"
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("dev", help="run a few rollouts and print their transitions and rewards")
@@ -150,6 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = parser().parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.command == "data":
         from examples.calc_agent import data
 

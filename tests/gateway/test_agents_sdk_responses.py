@@ -16,9 +16,24 @@ openai = pytest.importorskip("openai")
 agents = pytest.importorskip("agents")
 
 
-@pytest.mark.parametrize("streamed", [False, True])
-async def test_agent_tool_loop_over_responses(store: Any, rollout: tuple[str, int], streamed: bool) -> None:
+@pytest.fixture
+def sdk_tracing_off() -> Any:
+    """The SDK's default processor uploads to OpenAI: off for this test, restored after (global state)."""
+    provider = agents.tracing.get_trace_provider()
+    before = getattr(provider, "_manual_disabled", None)
     agents.set_tracing_disabled(True)
+    yield
+    if before is None and hasattr(provider, "_manual_disabled"):
+        provider._manual_disabled = None
+        provider._refresh_disabled_flag()
+    else:
+        agents.set_tracing_disabled(bool(before))
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_agent_tool_loop_over_responses(
+    store: Any, rollout: tuple[str, int], streamed: bool, sdk_tracing_off: None
+) -> None:
     calls: list[tuple[int, int]] = []
 
     @agents.function_tool
