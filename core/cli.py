@@ -13,6 +13,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from agl.store.base import StoreError
+
 #: command -> (module that owns it, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "store": ("agl.store.cli", "serve a store over HTTP (agl store serve)"),
@@ -53,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc = func(args)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, KeyError, FileNotFoundError) as exc:
+    except (ValueError, KeyError, FileNotFoundError, StoreError) as exc:
         print(f"agl {command}: error: {exc}", file=sys.stderr)
         return 2
     return int(rc or 0)

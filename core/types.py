@@ -86,12 +86,28 @@ def _check_json_finite(value: Any, what: str) -> Any:
     return value
 
 
+_INT_ONLY = {int}
+_FLOAT_ONLY = {float}
+_STR_BOOL = frozenset({str, bool})
+_MIN_I64, _MAX_I64 = -(2**63), 2**63 - 1
+
+
 def _check_attributes(v: dict[str, Any]) -> dict[str, Any]:
     """OTel attribute rules: non-empty string keys; str/bool/int/float values or lists of them; finite."""
     for key, value in v.items():
         if not isinstance(key, str) or not key:
             raise ValueError(f"attribute keys must be non-empty strings, got {key!r}")
         items = value if isinstance(value, (list, tuple)) else [value]
+        # Fast path for long homogeneous lists (token ids, logprobs): type checks run in C.
+        kinds = set(map(type, items))
+        if kinds == _INT_ONLY:
+            if _MIN_I64 <= min(items) and max(items) <= _MAX_I64:
+                continue
+        elif kinds == _FLOAT_ONLY:
+            if all(map(math.isfinite, items)):
+                continue
+        elif kinds and kinds <= _STR_BOOL:
+            continue
         for item in items:
             if item is None or not isinstance(item, (str, bool, int, float)):
                 raise ValueError(
@@ -100,6 +116,8 @@ def _check_attributes(v: dict[str, Any]) -> dict[str, Any]:
                 )
             if isinstance(item, float) and not math.isfinite(item):
                 raise ValueError(f"attribute {key!r} is not finite ({item!r})")
+            if isinstance(item, int) and not isinstance(item, bool) and not _MIN_I64 <= item <= _MAX_I64:
+                raise ValueError(f"attribute {key!r} holds an integer outside 64 bits ({item!r})")
     return v
 
 
@@ -170,7 +188,7 @@ class NewRollout(_Model):
     input: Any = None
     mode: Mode = "train"
     group_id: str | None = None
-    resources_version: int | None = Field(default=None, ge=0)
+    resources_version: int | None = Field(default=None, ge=0, le=2**62)
     config: RolloutConfig = Field(default_factory=RolloutConfig)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
@@ -237,7 +255,7 @@ class SpanStatus(_Model):
 
 class SpanEvent(_Model):
     name: str
-    time_ns: int = Field(ge=0)
+    time_ns: int = Field(ge=0, le=2**63 - 1)
     attributes: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("attributes")
@@ -254,14 +272,14 @@ class Span(_Model):
     parent_id: str | None = None
     name: str = Field(min_length=1, max_length=1024)
     kind: Literal["INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER"] = "INTERNAL"
-    start_ns: int = Field(ge=0)
-    end_ns: int = Field(ge=0)
+    start_ns: int = Field(ge=0, le=2**63 - 1)
+    end_ns: int = Field(ge=0, le=2**63 - 1)
     status: SpanStatus = Field(default_factory=SpanStatus)
     attributes: dict[str, Any] = Field(default_factory=dict)
     events: tuple[SpanEvent, ...] = ()
     resource: dict[str, Any] = Field(default_factory=dict)
     rollout_id: str
-    attempt: int = Field(ge=1)
+    attempt: int = Field(ge=1, le=2**31)
     seq: int | None = None
     stale: bool = False
 

@@ -92,8 +92,8 @@ def check_timeout(timeout_s: Any) -> float:
 def check_limit(limit: Any) -> int | None:
     if limit is None:
         return None
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-        raise InvalidInputError(f"limit must be an integer >= 0, got {limit!r}")
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0 or limit > 2**62:
+        raise InvalidInputError(f"limit must be an integer between 0 and 2**62, got {limit!r}")
     return limit
 
 

