@@ -170,8 +170,11 @@ class Trainer:
     (``vllm_url``; LoRA adapters loaded at run time), ``"scripted"`` (``script``; tests), ``"openai"``
     (``base_url``; ``dev`` only), or a ``agl.gateway`` ``Backend`` instance. ``store``: a Store or URL
     (default: SQLite in ``run_dir``). ``runners``: in-process concurrency (0: rollouts are run by
-    ``agl runner`` processes against ``store``; then ``gateway_url`` names a gateway they reach, and
-    weights go to it through its ``/agl/v1`` endpoints).
+    ``agl runner`` processes against ``store``). The in-process gateway binds ``gateway_bind``
+    (``"127.0.0.1:0"``: a free local port; ``"0.0.0.0:8765"`` for runners on other hosts, published as
+    ``gateway_advertise`` or this host's name). With ``gateway_url`` the trainer uses a gateway started
+    elsewhere (``agl gateway serve``) and sends it new weights through its ``/agl/v1`` endpoints (the
+    saved files must be readable there).
     """
 
     def __init__(
@@ -199,6 +202,8 @@ class Trainer:
         max_attempts: int = 2,
         step_timeout_s: float | None = None,
         gateway_url: str | None = None,
+        gateway_bind: str = "127.0.0.1:0",
+        gateway_advertise: str | None = None,
         vllm_url: str | None = None,
         base_url: str | None = None,
         api_key: str | None = None,
@@ -252,6 +257,11 @@ class Trainer:
         )
         self.step_timeout_s = step_timeout_s
         self.gateway_url = gateway_url
+        host, _, port = gateway_bind.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"gateway_bind must be HOST:PORT (port 0 for a free one), got {gateway_bind!r}")
+        self.gateway_bind = (host, int(port))
+        self.gateway_advertise = gateway_advertise
         self.vllm_url = vllm_url
         self.base_url = base_url
         self.api_key = api_key
@@ -332,8 +342,14 @@ class Trainer:
         self._tokenizer = self._make_tokenizer(source if source is not None else self.model_arg)
         if self.gateway_url is None or base_url is not None:
             backend = self._make_backend(source, for_training=training, base_url=base_url)
-            self._gateway = _ServedGateway(backend, self.store)
+            host, port = self.gateway_bind
+            self._gateway = _ServedGateway(backend, self.store, host=host, port=port)
             gw_url = self._gateway.url
+            if self.gateway_advertise:
+                gw_url = self.gateway_advertise.rstrip("/")
+                gw_url = gw_url if gw_url.endswith("/v1") else gw_url + "/v1"
+            elif host in ("0.0.0.0", "::"):
+                gw_url = gw_url.replace(f"//{host}:", f"//{socket.getfqdn()}:", 1)
             models = backend.models()
         else:
             self._gateway = None
@@ -434,6 +450,9 @@ class Trainer:
                 )
             if resp.status_code >= 400:
                 raise RuntimeError(f"the gateway refused the new weights: {resp.text[:300]}")
+        # Old weight files are dead weight (a full model each); vLLM keeps the last adapters loaded.
+        _prune(self.run_dir / "weights", keep=1)
+        _prune(self.run_dir / "adapters", keep=3)
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------ rollouts
@@ -758,6 +777,17 @@ class Trainer:
             if prompt_tail:
                 print("      prompt …" + prompt_tail.replace("\n", "\\n")[-160:])
             print("      response: " + (t.response_text or "").replace("\n", "\\n")[:200])
+
+
+def _prune(folder: Path, keep: int) -> None:
+    """Remove all but the ``keep`` newest ``v<N>`` directories in ``folder``."""
+    import shutil
+
+    if not folder.is_dir():
+        return
+    versions = sorted((int(p.name[1:]), p) for p in folder.iterdir() if p.is_dir() and p.name[1:].isdigit())
+    for _, path in versions[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _rng_json(state: Any) -> Any:

@@ -326,3 +326,144 @@ def test_plot_cli_and_bad_input(tmp_path: Path) -> None:
         Trainer(backend="scripted")
     with pytest.raises(ValueError, match="dev"):
         Trainer(backend="openai", base_url="http://127.0.0.1:9/v1").fit(two_agent_app, [{"q": "x"}])
+
+
+def test_learn_on_cpu_agent_rewards_only_the_strict_format(tmp_path: Path) -> None:
+    """The CPU demo's agent, end to end through the gateway: tool spans, the strict reward."""
+    import re
+    import sys
+
+    root = str(Path(__file__).resolve().parents[1])  # the examples package lives at the repo root
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+    from examples.learn_on_cpu.agent import calc_agent, calculate, reward
+    from examples.learn_on_cpu.data import split
+
+    train, val = split(n_train=20, n_val=4)
+    assert not {t["expression"] for t in train} & {t["expression"] for t in val}
+    assert all(calculate(t["expression"]) == t["answer"] for t in train + val)
+    assert reward("Answer: 37", 37) == 1.0 and reward(" Answer: 37\n", 37) == 1.0
+    assert (
+        reward("Answer: 36", 37) == 0.0 and reward("The answer is 37.", 37) == 0.0 and reward(None, 37) == 0.0
+    )
+
+    def script(request: Any) -> str:  # the final calculator line's result, right for even questions only
+        last = re.findall(r"= (-?\d+)", request.messages[-1]["content"])[-1]
+        return f"Answer: {last}" if int(last) % 2 == 0 else f"I think it is {last}."
+
+    trainer = Trainer(backend="scripted", script=script, runners=2, run_dir=tmp_path, progress=False)
+    out = trainer.dev(calc_agent, val, show=False)
+    assert len(out) == 4 and {t.agent for t in out} == {"calculator_agent"}
+    by_rollout = {t.rollout_id: t for t in out}
+    for t in by_rollout.values():
+        assert t.final_reward == (1.0 if t.response_text and t.response_text.startswith("Answer:") else 0.0)
+    tools = [s for s in trainer.store.query_spans(name=sc.SPAN_EXECUTE_TOOL)]
+    assert len(tools) == 4 and all(s.attributes[sc.GEN_AI_TOOL_NAME] == "calculator" for s in tools)
+
+
+def test_vllm_backend_gets_each_steps_lora_adapter(tmp_path: Path) -> None:
+    """Weight sync to vLLM: the adapter is saved per step and loaded through the gateway's vllm
+    backend (vLLM's runtime LoRA loading), and the policy's requests go to the newest adapter."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "gateway"))
+    from fake_vllm import FakeVLLM
+
+    from agl.gateway.testing import serve_asgi
+
+    fake = FakeVLLM(["Answer: 42", "no idea"], model="policy")
+
+    def agent(task: dict, resources: agl.Resources) -> float:
+        llm = resources.llm
+        client = openai.OpenAI(base_url=llm.base_url, api_key="x")
+        with _agent_span("writer"):
+            reply = _ask(client, llm.model, "You are the writer.", task["q"])
+        return 1.0 if reply == GOOD else 0.0
+
+    with serve_asgi(fake.app) as root:
+        trainer = Trainer(
+            agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
+            model=tiny_model(),
+            backend="vllm",
+            vllm_url=root + "/v1",
+            model_name="policy",
+            tokenizer=load_tokenizer(),
+            store="memory://",
+            runners=2,
+            run_dir=tmp_path,
+            tasks_per_step=1,
+            steps=2,
+            val_every=0,
+            progress=False,
+        )
+        trainer.fit(agent, [{"q": "What is 6 * 7?"}])
+    loads = [body for kind, body in fake.requests if kind == "load_lora_adapter"]
+    versions = [r["resources_version"] for r in trainer.history]
+    assert [Path(b["lora_path"]).name for b in loads] == [f"v{v}" for v in versions]
+    assert (Path(loads[-1]["lora_path"]) / "adapter_config.json").exists()
+    # after the last load the policy's requests are routed to that adapter
+    chats = [body for kind, body in fake.requests if kind == "chat"]
+    assert chats[-1]["model"] == loads[-1]["lora_name"]
+    assert all(r["transitions"] == 2 and r["exact_token_ratio"] == 1.0 for r in trainer.history)
+
+
+def test_external_gateway_gets_weights_over_http(tmp_path: Path) -> None:
+    """Trainer(gateway_url=...): the policy's merged weights reach a separately served transformers
+    gateway through POST /agl/v1/weights, as the resources version of each step."""
+    import copy
+
+    from agl.gateway import TransformersBackend
+    from agl.gateway.testing import serve_gateway
+
+    tok = load_tokenizer()
+    model = tiny_model()
+    store = MemoryStore()
+    backend = TransformersBackend(copy.deepcopy(model), tokenizer=tok, model_name="tiny")
+
+    def agent(task: dict, resources: agl.Resources) -> float:
+        llm = resources.llm
+        client = openai.OpenAI(base_url=llm.base_url, api_key="x")
+        with _agent_span("writer"):
+            reply = _ask(client, llm.model, "You are the writer.", task["q"])
+        return float(len(reply) % 2)
+
+    with serve_gateway(backend, store) as url:
+        trainer = Trainer(
+            agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
+            model=model,
+            gateway_url=url.root,
+            model_name="tiny",
+            tokenizer=tok,
+            store=store,
+            runners=2,
+            run_dir=tmp_path,
+            tasks_per_step=1,
+            steps=2,
+            val_every=0,
+            sampling={"max_tokens": 4},
+            progress=False,
+        )
+        trainer.fit(agent, [{"q": "hi"}])
+        assert backend.weight_version == trainer.history[-1]["resources_version"]
+        served = backend.model.state_dict()
+        want = trainer.policy.merged_state_dict()
+    # only the last synced weights are kept on disk
+    assert [p.name for p in (tmp_path / "weights").iterdir()] == [
+        f"v{trainer.history[-1]['resources_version']}"
+    ]
+    # the gateway serves the weights of the last sync (taken before the final update)
+    from safetensors.torch import load_file
+
+    synced = load_file(
+        str(tmp_path / "weights" / f"v{trainer.history[-1]['resources_version']}" / "model.safetensors")
+    )
+    assert max((served[k] - synced[k]).abs().max().item() for k in synced) < 1e-6
+    assert set(synced) == set(want)
+    spans = store.query_spans(name=sc.SPAN_CHAT)
+    versions = {
+        s.attributes.get(sc.AGL_LLM_WEIGHT_VERSION)
+        for s in spans
+        if s.attributes.get(sc.AGL_SIDE) == sc.SIDE_SERVER
+    }
+    assert versions == {r["resources_version"] for r in trainer.history}

@@ -142,7 +142,12 @@ class _TransitionGRPOTrainer(GRPOTrainer):
         it scores every position, prompt included — several times the work for agent transitions,
         whose prompts are long and responses short. There, project only the response positions through
         the LM head (``logits_to_keep``) and use TRL's ``selective_log_softmax_and_entropy``."""
-        from trl.kernels.chunked_logprob import _use_triton
+        try:
+            from trl.kernels.chunked_logprob import _use_triton
+        except ImportError:  # pragma: no cover - a TRL that moved it: assume Triton wherever CUDA is
+
+            def _use_triton(device: torch.device) -> bool:
+                return device.type in ("cuda", "xpu")
 
         if _use_triton(input_ids.device) or compute_aux_loss or any(v is not None for v in kwargs.values()):
             return super()._get_per_token_logps_and_entropies(
@@ -255,6 +260,7 @@ class PolicyUpdate:
             per_device_train_batch_size=2,
             steps_per_generation=1,
             save_strategy="no",
+            save_total_limit=3,  # save_checkpoint() keeps the newest three
             logging_strategy="no",
             disable_tqdm=True,
         )

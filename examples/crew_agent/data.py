@@ -42,13 +42,17 @@ FACTS: dict[str, str] = {
     "ticker": "stock ticker",
 }
 
-_SYLLABLES = "ka lo ven dra mir tal bor sen ri an tes vor hal quin zar mo pra dun fel gar ol ur bel cor".split()
+_SYLLABLES = (
+    "ka lo ven dra mir tal bor sen ri an tes vor hal quin zar mo pra dun fel gar ol ur bel cor".split()
+)
 _SUFFIXES = ("Corp", "Works", "Industries", "Group", "Partners", "Holdings", "Dynamics", "Collective")
 _CITIES = (
     "Arden Belmora Calder Dunmore Elsworth Fennick Galway Harrow Ilford Jarrow Kelso Lanark Morvane "
     "Norwick Oban Penrith Quarry Rothwell Selby Tavish Ulverston Varne Wexford Yarrow"
 ).split()
-_FIRST = "Alma Boris Clara Dmitri Elena Farid Greta Hugo Ines Jonas Kira Luca Mara Nils Olga Pavel Rosa".split()
+_FIRST = (
+    "Alma Boris Clara Dmitri Elena Farid Greta Hugo Ines Jonas Kira Luca Mara Nils Olga Pavel Rosa".split()
+)
 _LAST = "Abbot Brandt Castell Devlin Engel Falk Gorski Holm Ivers Janssen Kovac Lund Moreau Novak Oyelaran".split()
 _PRODUCTS = (
     "solar panels|water filters|bicycle frames|drone motors|glass bottles|wool blankets|microscopes|"
@@ -107,7 +111,7 @@ def is_test(name: str) -> bool:
 def _tasks(seed: int, size: int) -> list[dict[str, Any]]:
     rng = random.Random(seed + 1)
     tasks = []
-    for key, entry in build_directory(seed, size).items():
+    for entry in build_directory(seed, size).values():
         asked = sorted(rng.sample(list(FACTS), rng.choice((2, 3))), key=list(FACTS).index)
         tasks.append(
             {

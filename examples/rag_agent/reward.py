@@ -56,4 +56,6 @@ def reward(output: str | None, gold: str) -> float:
     """The rollout's reward for the agent's final ``output`` (None: the run produced none)."""
     if output is None:
         return 0.0
-    return FORMAT_WEIGHT * format_score(output) + (1 - FORMAT_WEIGHT) * answer_f1(extract_answer(output), gold)
+    return FORMAT_WEIGHT * format_score(output) + (1 - FORMAT_WEIGHT) * answer_f1(
+        extract_answer(output), gold
+    )

@@ -40,9 +40,7 @@ def wrong_answer(task: dict[str, Any]) -> str:
     pool = next(p for p in pools if gold in p)
     start = pool.index(gold)
     # the next one that shares no word with the gold answer (so its F1 is 0)
-    return next(
-        x for x in pool[start + 1 :] + pool[:start] if not set(x.split()) & set(gold.split())
-    )
+    return next(x for x in pool[start + 1 :] + pool[:start] if not set(x.split()) & set(gold.split()))
 
 
 def _text(content: Any) -> str:
@@ -55,7 +53,9 @@ class ScriptedRAG:
     """``script=`` for the gateway's scripted backend: ``(GenerationRequest) -> reply``."""
 
     def __init__(self, scale: int = data.DEFAULT_SCALE, seed: int = data.SEED) -> None:
-        tasks = data.load_tasks("train", scale=scale, seed=seed) + data.load_tasks("test", scale=scale, seed=seed)
+        tasks = data.load_tasks("train", scale=scale, seed=seed) + data.load_tasks(
+            "test", scale=scale, seed=seed
+        )
         self.tasks = {t["question"]: t for t in tasks}
 
     def kind(self, task: dict[str, Any], request: Any) -> str:
@@ -64,7 +64,9 @@ class ScriptedRAG:
 
     def __call__(self, request: Any) -> Any:
         messages = request.messages or []
-        system = " ".join(_text(m.get("content")) for m in messages if m.get("role") in ("system", "developer"))
+        system = " ".join(
+            _text(m.get("content")) for m in messages if m.get("role") in ("system", "developer")
+        )
         question = next((_text(m.get("content")) for m in messages if m.get("role") == "user"), "")
         task = self.tasks.get(question.strip())
         if task is None or INSTRUCTIONS not in system:

@@ -39,6 +39,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--model", default=None, help="a local model path (default: embedded SmolLM2-135M)")
     t.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
     t.add_argument("--vllm-url", default=None, help="the vLLM OpenAI server (with --backend vllm)")
+    t.add_argument("--model-name", default=None, help="the name the vLLM server serves the model under")
     t.add_argument("--run-dir", default="runs/sql_agent")
     t.add_argument("--steps", type=int, default=10)
     t.add_argument("--tasks-per-step", type=int, default=4)
@@ -138,6 +139,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         tokenizer=tokenizer,
         backend=args.backend,
         vllm_url=args.vllm_url,
+        model_name=args.model_name,
         **kw,
     )
     val = _val_tasks(data.load_tasks("test", args.data_dir, limit=args.val_tasks)) if args.val_tasks else None

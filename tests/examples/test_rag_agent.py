@@ -14,7 +14,14 @@ from typing import Any
 import pytest
 
 from examples.rag_agent import data
-from examples.rag_agent.reward import FORMAT_WEIGHT, answer_f1, extract_answer, format_score, normalize, reward
+from examples.rag_agent.reward import (
+    FORMAT_WEIGHT,
+    answer_f1,
+    extract_answer,
+    format_score,
+    normalize,
+    reward,
+)
 
 SCALE = 40  # a small world for the tests: 97 passages, embedded in a few seconds
 
@@ -79,7 +86,9 @@ def test_reward_by_hand() -> None:
     # no tags: F1 over the whole output ("it is tessaly": P=1/3, R=1 → F1=0.5), no format score
     assert reward("It is Tessaly.", "Tessaly") == pytest.approx((1 - FORMAT_WEIGHT) * 0.5)
     # half of a two-word name: P=R=1/2
-    assert reward("<answer>Alma Varek</answer>", "Alma Novak") == pytest.approx(FORMAT_WEIGHT + (1 - FORMAT_WEIGHT) * 0.5)
+    assert reward("<answer>Alma Varek</answer>", "Alma Novak") == pytest.approx(
+        FORMAT_WEIGHT + (1 - FORMAT_WEIGHT) * 0.5
+    )
     # two blocks: not the asked format; the last block is the answer
     two = "<answer>Varnholm</answer> <answer>Tessaly</answer>"
     assert format_score(two) == 0.0 and extract_answer(two) == "Tessaly"
@@ -185,7 +194,17 @@ def test_dev_with_the_scripted_model(
     store = agl.store.open("memory://")
     script = ScriptedRAG(SCALE)
     args = cli.parser().parse_args(
-        ["--scale", str(SCALE), "--data-dir", str(index.cache_file.parent), "dev", "--backend", "scripted", "-n", "10"]
+        [
+            "--scale",
+            str(SCALE),
+            "--data-dir",
+            str(index.cache_file.parent),
+            "dev",
+            "--backend",
+            "scripted",
+            "-n",
+            "10",
+        ]
     )
     transitions = cli.dev(args, script=script, store=store)
     out = capsys.readouterr().out
