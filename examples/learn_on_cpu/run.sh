@@ -8,7 +8,8 @@
 # Extra arguments go to `python -m examples.learn_on_cpu`. AGL_VENV picks the venv directory.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-venv="${AGL_VENV:-.venv-learn-on-cpu}"
+venv="${AGL_VENV:-runs/venv-learn-on-cpu}"  # runs/ is git-ignored
+mkdir -p "$(dirname "$venv")"
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
