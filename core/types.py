@@ -95,10 +95,19 @@ _MIN_I64, _MAX_I64 = -(2**63), 2**63 - 1
 def _check_attributes(v: dict[str, Any]) -> dict[str, Any]:
     """OTel attribute rules: non-empty string keys; str/bool/int/float values or lists of them; finite."""
     for key, value in v.items():
-        if not isinstance(key, str) or not key:
+        if type(key) is not str or not key:
             raise ValueError(f"attribute keys must be non-empty strings, got {key!r}")
+        kind = type(value)
+        # Fast paths: exact scalar types, and long homogeneous lists (token ids, logprobs) checked in C.
+        if kind is str or kind is bool:
+            continue
+        if kind is int:
+            if _MIN_I64 <= value <= _MAX_I64:
+                continue
+        elif kind is float:
+            if math.isfinite(value):
+                continue
         items = value if isinstance(value, (list, tuple)) else [value]
-        # Fast path for long homogeneous lists (token ids, logprobs): type checks run in C.
         kinds = set(map(type, items))
         if kinds == _INT_ONLY:
             if _MIN_I64 <= min(items) and max(items) <= _MAX_I64:

@@ -41,7 +41,9 @@ TRAINED_AGENTS = ["writer", "rewriter"]
 
 WRITER = (
     "You are an expert SQLite developer. Given a database schema and a question, write one SQLite "
-    "query that answers the question. Reply with the query only, in a ```sql code block."
+    "query that answers the question. Reply with the query only, in a ```sql code block. Example:\n"
+    "Question: How many employees work in 'Sales'?\n"
+    "```sql\nSELECT COUNT(*) FROM employees WHERE department = 'Sales'\n```"
 )
 REWRITER = (
     "You are an expert SQLite developer. A query written for the question below has a problem. "
