@@ -251,7 +251,7 @@ class Adapter:
     ) -> None:
         self._match = _agent_matcher(agents)
         self.agents = agents
-        self.tokenizer = tokenizer
+        self.tokenizer = _as_chat_tokenizer(tokenizer)
         if air is not None and not isinstance(air, AIR):
             raise ValueError(
                 f"air must be an agl.rewards.AIR (or None for no automatic rewards), got {air!r}"
@@ -953,6 +953,25 @@ def _ids(result: Any) -> list[int]:
     if result and isinstance(result[0], (list, tuple)):
         result = list(result[0])
     return [int(x) for x in result]
+
+
+def _as_chat_tokenizer(tok: Any) -> Any:
+    """Render through agl's chat renderer when we can, as the gateway does.
+
+    Hugging Face chat templates often cannot render assistant tool-call messages (SmolLM2's fails on
+    them); the gateway's renderer lowers tool calls and tool results into the text the model was
+    actually shown, so re-tokenised transitions match what the engine would have produced.
+    """
+    if tok is None or (hasattr(tok, "render") and hasattr(tok, "encode_chat")):
+        return tok
+    if getattr(tok, "backend_tokenizer", None) is None or not getattr(tok, "chat_template", None):
+        return tok
+    try:
+        from agl.gateway.tokenizer import ChatTokenizer
+
+        return ChatTokenizer.from_hf(tok)
+    except Exception:  # noqa: BLE001 - fall back to the tokenizer's own template
+        return tok
 
 
 def _retokenise(

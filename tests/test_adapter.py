@@ -324,6 +324,21 @@ def _client_only(output: dict | None = None) -> tuple[Attempt1, Span]:
     return a, c
 
 
+def test_hf_tokenizer_retokenises_tool_call_conversations(chat_tokenizer, hf_tokenizer) -> None:
+    """SmolLM2's own HF template cannot render assistant tool calls; the adapter renders as the gateway does."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    history = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    history.append({"role": "tool", "tool_call_id": "call_1", "content": "2"})
+    a = Attempt1()
+    ag = a.agent("solver", 0, 1000)
+    a.client(10, 90, ag, history, {"role": "assistant", "content": "4"})
+    a.reward(1.0, 999)
+    (t,) = Adapter(tokenizer=hf_tokenizer).transitions(a.spans)
+    (t_agl,) = Adapter(tokenizer=chat_tokenizer).transitions(a.spans)
+    assert t.exact is False and t.prompt_ids == t_agl.prompt_ids and t.response_ids == t_agl.response_ids
+    assert "add" in chat_tokenizer.decode(t.prompt_ids)
+
+
 def test_client_span_without_gateway_child_is_retokenised(chat_tokenizer) -> None:
     a, c = _client_only()
     (t,) = Adapter(tokenizer=chat_tokenizer).transitions(a.spans)
