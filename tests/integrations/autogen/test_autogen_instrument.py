@@ -88,6 +88,7 @@ def test_instrument_twice_is_once_and_uninstrument_leaves_nothing(
     memory_spans: Any, gateway_url: str
 ) -> None:
     provider, exporter = memory_spans
+    agl.uninstrument("autogen")  # start clean even if an earlier test (an example app) left it on
     before = _snapshot()
     assert agl.instrument("autogen", tracer_provider=provider) == ["autogen"]
     inst = AutoGenInstrumentor()
