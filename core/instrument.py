@@ -11,7 +11,7 @@ import logging
 import sys
 import threading
 import types
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any, ClassVar
 
 import pluggy
@@ -153,19 +153,29 @@ def _missing_message(cls: type[Instrumentor]) -> str:
     )
 
 
-def instrument(*names: str, tracer_provider: TracerProvider | None = None) -> list[str]:
+def instrument(
+    *names: str,
+    tracer_provider: TracerProvider | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[str]:
     """Instrument every integration whose framework is installed, or exactly the named ones.
 
     Returns the names now instrumented by this call (already-instrumented ones included). Naming an
     unknown integration raises ``IntegrationNotFoundError`` listing the known ones; naming one whose
     framework is missing raises ``MissingFrameworkError`` saying ``pip install 'agl[extra]'``. Both
     are raised before anything is instrumented. Idempotent: instrumenting twice patches once; giving
-    another ``tracer_provider`` re-instruments with it.
+    another ``tracer_provider`` re-instruments with it. ``options`` passes keyword arguments to one
+    integration's instrumentor, e.g. ``options={"openai_agents": {"replace_exporter": True}}``.
     """
     from agl.tracing import setup_tracing
 
+    options = dict(options or {})
     with _lock:
-        _, chosen = _select(names)
+        registry, chosen = _select(names)
+        unknown = [name for name in options if name not in registry]
+        if unknown:
+            known = ", ".join(sorted(registry)) or "none"
+            raise IntegrationNotFoundError(f"options for unknown integration {unknown[0]!r}; known: {known}")
         if names:
             missing = [cls for cls in chosen if not is_installed(cls)]
             if missing:
@@ -177,12 +187,14 @@ def instrument(*names: str, tracer_provider: TracerProvider | None = None) -> li
         for cls in chosen:
             instance = cls()
             if instance.is_instrumented_by_opentelemetry:
-                if getattr(instance, "_agl_tracer_provider", None) is provider:
+                if getattr(instance, "_agl_tracer_provider", None) is provider and cls.name not in options:
                     done.append(cls.name)
                     continue
                 instance.uninstrument()
             try:
-                instance.instrument(tracer_provider=provider, skip_dep_check=True)
+                instance.instrument(
+                    tracer_provider=provider, skip_dep_check=True, **options.get(cls.name, {})
+                )
             except Exception:
                 if names:
                     raise
@@ -224,8 +236,8 @@ class _CallableModule(types.ModuleType):
     Python bind the module to ``agl.instrument``, so the module itself must behave as the function.
     """
 
-    def __call__(self, *names: str, tracer_provider: TracerProvider | None = None) -> list[str]:
-        return instrument(*names, tracer_provider=tracer_provider)
+    def __call__(self, *names: str, **kwargs: Any) -> list[str]:
+        return instrument(*names, **kwargs)
 
 
 sys.modules[__name__].__class__ = _CallableModule

@@ -118,6 +118,22 @@ def test_replace_exporter_as_an_instrument_argument(clean_agl: None, monkeypatch
     assert processors() == before
 
 
+def test_replace_exporter_through_agl_instrument_options(
+    clean_agl: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("AGL_OPENAI_AGENTS_REPLACE_EXPORTER")
+    before = processors()
+    with pytest.raises(agl.instrument.IntegrationNotFoundError, match="nope"):
+        agl.instrument("openai_agents", options={"nope": {}})
+    assert processors() == before  # a refused call changes nothing
+    agl.instrument("openai_agents", options={"openai_agents": {"replace_exporter": True}})
+    try:
+        assert processors() == (OpenAIAgentsInstrumentor().processor,)
+    finally:
+        agl.uninstrument("openai_agents")
+    assert processors() == before
+
+
 def _run(api: str, url: str, question: str = QUESTION) -> Any:
     return Runner.run_sync(build_app(make_model(api, url)), question)
 
