@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
         help="LightningRL credit assignment (discounted: AIR penalties count per call)",
     )
     t.add_argument("--advantage-level", choices=["rollout", "transition"], default="rollout")
+    t.add_argument(
+        "--micro-batch-tokens", type=int, default=2048, help="tokens per forward/backward (memory bound)"
+    )
     t.add_argument("--runners", type=int, default=8, help="rollouts run at once")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true")
@@ -119,6 +122,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         learning_rate=args.learning_rate,
         lora_r=args.lora_r,
         lora_alpha=2 * args.lora_r,
+        micro_batch_tokens=args.micro_batch_tokens,
     )
     kw: dict[str, Any] = {
         "agents": [AGENT],
