@@ -31,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--api-key", default=None, help="API key for --base-url (default: $OPENAI_API_KEY)")
     d.add_argument("--split", choices=["train", "test"], default="test")
     d.add_argument("-n", "--tasks", type=int, default=4, help="how many problems (default 4)")
-    d.add_argument("--max-tokens", type=int, default=128)
+    d.add_argument("--max-tokens", type=int, default=64)
     d.add_argument("--temperature", type=float, default=0.0)
 
     t = sub.add_parser("train", help="train the solver with LightningRL")
@@ -40,14 +40,14 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--vllm-url", default=None, help="the vLLM OpenAI server (with --backend vllm)")
     t.add_argument("--model-name", default=None, help="the name the vLLM server serves the model under")
     t.add_argument("--run-dir", default="runs/calc_agent")
-    t.add_argument("--steps", type=int, default=10)
-    t.add_argument("--tasks-per-step", type=int, default=4)
-    t.add_argument("--group-size", type=int, default=4)
-    t.add_argument("--val-tasks", type=int, default=26, help="held-out problems evaluated (0: none)")
-    t.add_argument("--val-every", type=int, default=5)
+    t.add_argument("--steps", type=int, default=8)
+    t.add_argument("--tasks-per-step", type=int, default=2)
+    t.add_argument("--group-size", type=int, default=8)
+    t.add_argument("--val-tasks", type=int, default=48, help="held-out problems evaluated (0: none)")
+    t.add_argument("--val-every", type=int, default=4)
     t.add_argument("--max-tokens", type=int, default=64)
-    t.add_argument("--temperature", type=float, default=1.0)
-    t.add_argument("--learning-rate", type=float, default=1e-4)
+    t.add_argument("--temperature", type=float, default=0.7)
+    t.add_argument("--learning-rate", type=float, default=5e-4)
     t.add_argument("--lora-r", type=int, default=16)
     t.add_argument(
         "--credit",
@@ -59,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--micro-batch-tokens", type=int, default=2048, help="tokens per forward/backward (memory bound)"
     )
-    t.add_argument("--runners", type=int, default=8, help="rollouts run at once")
+    t.add_argument("--runners", type=int, default=16, help="rollouts run at once")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true")
 

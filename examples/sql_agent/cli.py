@@ -32,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--api-key", default=None, help="API key for --base-url (default: $OPENAI_API_KEY)")
     d.add_argument("--split", choices=["train", "test"], default="test")
     d.add_argument("-n", "--tasks", type=int, default=4, help="how many tasks (default 4)")
-    d.add_argument("--max-tokens", type=int, default=128)
+    d.add_argument("--max-tokens", type=int, default=64)
     d.add_argument("--temperature", type=float, default=0.0)
 
     t = sub.add_parser("train", help="train writer and rewriter with LightningRL")
@@ -41,14 +41,14 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--vllm-url", default=None, help="the vLLM OpenAI server (with --backend vllm)")
     t.add_argument("--model-name", default=None, help="the name the vLLM server serves the model under")
     t.add_argument("--run-dir", default="runs/sql_agent")
-    t.add_argument("--steps", type=int, default=10)
-    t.add_argument("--tasks-per-step", type=int, default=4)
-    t.add_argument("--group-size", type=int, default=4)
+    t.add_argument("--steps", type=int, default=6)
+    t.add_argument("--tasks-per-step", type=int, default=2)
+    t.add_argument("--group-size", type=int, default=8)
     t.add_argument("--val-tasks", type=int, default=24, help="held-out questions evaluated (0: none)")
-    t.add_argument("--val-every", type=int, default=5)
-    t.add_argument("--max-tokens", type=int, default=96)
-    t.add_argument("--temperature", type=float, default=1.0)
-    t.add_argument("--learning-rate", type=float, default=1e-4)
+    t.add_argument("--val-every", type=int, default=3)
+    t.add_argument("--max-tokens", type=int, default=64)
+    t.add_argument("--temperature", type=float, default=0.7)
+    t.add_argument("--learning-rate", type=float, default=2e-4)
     t.add_argument("--lora-r", type=int, default=16)
     t.add_argument(
         "--credit",
@@ -58,9 +58,9 @@ def parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--advantage-level", choices=["rollout", "transition"], default="rollout")
     t.add_argument(
-        "--micro-batch-tokens", type=int, default=2048, help="tokens per forward/backward (memory bound)"
+        "--micro-batch-tokens", type=int, default=1024, help="tokens per forward/backward (memory bound)"
     )
-    t.add_argument("--runners", type=int, default=8, help="rollouts run at once")
+    t.add_argument("--runners", type=int, default=16, help="rollouts run at once")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true")
 

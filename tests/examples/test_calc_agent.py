@@ -88,6 +88,7 @@ def test_parse_answer() -> None:
 def test_dev_with_the_scripted_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("autogen_agentchat")
     pytest.importorskip("autogen_ext.models.openai")
+    pytest.importorskip("transformers")  # Trainer.dev tokenises with it
     import agl.store
     from agl import semconv as sc
     from agl.adapter import Adapter
