@@ -9,62 +9,23 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from examples._cli import example_parser
+
 __all__ = ["dev", "main", "parser", "train"]
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m examples.sql_agent", description=__doc__)
+    p, _ = example_parser(
+        "sql_agent",
+        __doc__,
+        train_help="train writer and rewriter with LightningRL",
+        data_help="build the databases and print a summary",
+        item="questions",
+        train_defaults={
+            "steps": 6, "val_tasks": 24, "val_every": 3, "learning_rate": 2e-4, "micro_batch_tokens": 1024,
+        },
+    )  # fmt: skip
     p.add_argument("--data-dir", default=None, help="where the databases go (default: the agl cache)")
-    p.add_argument(
-        "--threads", type=int, default=0, help="torch threads (0: torch's default; 1 is best on a busy CPU)"
-    )
-    sub = p.add_subparsers(dest="command", required=True)
-
-    d = sub.add_parser("dev", help="run a few rollouts and print their transitions and rewards")
-    d.add_argument(
-        "--backend",
-        choices=["transformers", "scripted"],
-        default="transformers",
-        help="the embedded SmolLM2-135M (default) or the scripted model of scripted.py",
-    )
-    d.add_argument("--base-url", default=None, help="any OpenAI-compatible endpoint instead")
-    d.add_argument("--model", default=None, help="model name at --base-url, or a local model path")
-    d.add_argument("--api-key", default=None, help="API key for --base-url (default: $OPENAI_API_KEY)")
-    d.add_argument("--split", choices=["train", "test"], default="test")
-    d.add_argument("-n", "--tasks", type=int, default=4, help="how many tasks (default 4)")
-    d.add_argument("--max-tokens", type=int, default=64)
-    d.add_argument("--temperature", type=float, default=0.0)
-
-    t = sub.add_parser("train", help="train writer and rewriter with LightningRL")
-    t.add_argument("--model", default=None, help="a local model path (default: embedded SmolLM2-135M)")
-    t.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
-    t.add_argument("--vllm-url", default=None, help="the vLLM OpenAI server (with --backend vllm)")
-    t.add_argument("--model-name", default=None, help="the name the vLLM server serves the model under")
-    t.add_argument("--run-dir", default="runs/sql_agent")
-    t.add_argument("--steps", type=int, default=6)
-    t.add_argument("--tasks-per-step", type=int, default=2)
-    t.add_argument("--group-size", type=int, default=8)
-    t.add_argument("--val-tasks", type=int, default=24, help="held-out questions evaluated (0: none)")
-    t.add_argument("--val-every", type=int, default=3)
-    t.add_argument("--max-tokens", type=int, default=64)
-    t.add_argument("--temperature", type=float, default=0.7)
-    t.add_argument("--learning-rate", type=float, default=2e-4)
-    t.add_argument("--lora-r", type=int, default=16)
-    t.add_argument(
-        "--credit",
-        choices=["identical", "discounted"],
-        default="identical",
-        help="LightningRL credit assignment (discounted: AIR penalties count per call)",
-    )
-    t.add_argument("--advantage-level", choices=["rollout", "transition"], default="rollout")
-    t.add_argument(
-        "--micro-batch-tokens", type=int, default=1024, help="tokens per forward/backward (memory bound)"
-    )
-    t.add_argument("--runners", type=int, default=16, help="rollouts run at once")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--resume", action="store_true")
-
-    sub.add_parser("data", help="build the databases and print a summary")
     return p
 
 
