@@ -269,15 +269,14 @@ def test_train_a_few_steps_with_a_tiny_model(data_dir: Path, tmp_path: Path) -> 
         assert h["transitions"] == h["trained_transitions"] > 0
         assert math.isfinite(h["loss"]) and h["zero_variance_groups"] == 0
     assert sum(h["transitions"] for h in steps) == len(every)
-    # random tokens are never valid SQL: every query failed, and AIR charged each failure (-0.1) to a
-    # writer/rewriter call of the same rollout (which one is decided by timing: not asserted here)
-    assert all(t.final_reward == 0.0 and t.intermediate_reward <= 0.0 for t in every)
+    # random tokens almost never make valid SQL; whatever ran, AIR charged each failed query (-0.1) to a
+    # writer/rewriter call of the same rollout, and a rewriter ran after each failure but the third
     from agl import semconv as sc
 
+    assert all(t.intermediate_reward <= 0.0 for t in every)
     for rid in train_ids:
         tools = [s for s in store.query_spans(rollout_id=rid, name=sc.SPAN_EXECUTE_TOOL) if not s.stale]
         failed = [s for s in tools if s.status.code == "ERROR"]
-        assert failed and len(failed) == len(tools)
-        charged = sum(t.intermediate_reward for t in every if t.rollout_id == rid)
-        assert charged == pytest.approx(-0.1 * len(failed))
-    assert Counter(t.agent for t in every) == {"writer": len(train_ids), "rewriter": 2 * len(train_ids)}
+        mine = [t for t in every if t.rollout_id == rid]
+        assert sum(t.intermediate_reward for t in mine) == pytest.approx(-0.1 * len(failed))
+        assert Counter(t.agent for t in mine) == Counter(writer=1, rewriter=min(len(failed), 2))
