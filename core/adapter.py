@@ -84,21 +84,74 @@ class AdapterStats:
     unselected_rewards: int = 0  #: intermediate/AIR rewards that landed on an unselected agent's call
     plugin_errors: int = 0  #: AIR plugins that raised or returned a non-number
     no_finished_attempt: int = 0  #: rollouts with no succeeded/failed attempt (from_store)
+    #: LLM calls of attempts where no call had an agent span although an agent framework was
+    #: instrumented: its hooks were bypassed or removed (see :data:`AGENT_FRAMEWORKS`)
+    unattributed_calls: int = 0
     air: dict[str, int] = field(default_factory=dict)  #: AIR events per rule
+    #: LLM calls per agent name ("" for calls with no agent span), before selection
+    agents: dict[str, int] = field(default_factory=dict)
 
     def merge(self, other: AdapterStats) -> None:
         mine = self.__dict__
         for name, value in other.__dict__.items():
-            if name == "air":
+            if isinstance(value, dict):
+                counts = mine[name]
                 for k, v in value.items():
-                    self.air[k] = self.air.get(k, 0) + v
+                    counts[k] = counts.get(k, 0) + v
             elif value:
                 mine[name] += value
 
     def as_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["air"] = dict(self.air)
+        out["agents"] = dict(self.agents)
         return out
+
+    def copy(self) -> AdapterStats:
+        out = AdapterStats()
+        out.merge(self)
+        return out
+
+    def since(self, earlier: AdapterStats) -> AdapterStats:
+        """The counts added after ``earlier`` (a :meth:`copy` of these stats taken before)."""
+        out = AdapterStats()
+        for f in fields(self):
+            now, then = getattr(self, f.name), getattr(earlier, f.name)
+            if isinstance(now, dict):
+                setattr(out, f.name, {k: v - then.get(k, 0) for k, v in now.items() if v != then.get(k, 0)})
+            else:
+                setattr(out, f.name, now - then)
+        return out
+
+
+#: integrations whose frameworks make agent spans (``invoke_agent``); the plain ``openai`` client
+#: integration makes none, so calls without an agent are expected under it alone
+AGENT_FRAMEWORKS = frozenset({"openai_agents", "langchain", "crewai", "autogen"})
+
+
+def _agent_framework_instrumented() -> bool:
+    from agl.instrument import instrumented
+
+    return bool(AGENT_FRAMEWORKS.intersection(instrumented()))
+
+
+def final_reward(spans: Iterable[Span]) -> float | None:
+    """The final reward of one attempt: the value of its last-ending primary ``agl.reward`` span with
+    a finite numeric value (None when it has none). The one definition the adapter and the trainer
+    use; other reward spans are intermediate."""
+    best: tuple[tuple[int, int, int, str], float] | None = None
+    for s in spans:
+        if s.name != _OP_REWARD and s.attributes.get(sc.GEN_AI_OPERATION_NAME) != _OP_REWARD:
+            continue
+        value = s.attributes.get(sc.AGL_REWARD_VALUE)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue
+        if not _truthy(s.attributes.get(sc.AGL_REWARD_PRIMARY, True)):
+            continue
+        key = _reward_key(s)
+        if best is None or key > best[0]:
+            best = (key, float(value))
+    return None if best is None else best[1]
 
 
 def finishing_attempt(rollout: Rollout) -> int | None:
@@ -251,7 +304,7 @@ class Adapter:
     ) -> None:
         self._match = _agent_matcher(agents)
         self.agents = agents
-        self.tokenizer = _as_chat_tokenizer(tokenizer)
+        self.tokenizer = _as_chat_tokenizer(_resolve_tokenizer(tokenizer))
         if air is not None and not isinstance(air, AIR):
             raise ValueError(
                 f"air must be an agl.rewards.AIR (or None for no automatic rewards), got {air!r}"
@@ -269,6 +322,19 @@ class Adapter:
 
     def reset_stats(self) -> None:
         self.stats = AdapterStats()
+
+    def rollout_reward(self, store: Store, rollout: Rollout) -> float:
+        """The final reward of ``rollout``'s finishing attempt (:func:`final_reward`), or
+        ``missing_reward`` — what its transitions carry as ``final_reward``, also for a rollout that
+        made no LLM call."""
+        att = finishing_attempt(rollout)
+        if att is None:
+            return self.missing_reward
+        spans = store.query_spans(
+            rollout_id=rollout.id, attempt=att, name=sc.SPAN_REWARD, include_stale=False
+        )
+        value = final_reward(spans)
+        return self.missing_reward if value is None else value
 
     # ------------------------------------------------------------------ public API
 
@@ -456,7 +522,15 @@ class Adapter:
         agent_at: dict[int, str | None] = {}
         for c in calls:
             c.agent = _agent_of(c.idx, S, kind, parent, agent_at)
+            st.agents[c.agent or ""] = st.agents.get(c.agent or "", 0) + 1
             self._parse_output(S, c, st)
+        if (
+            calls
+            and all(c.agent is None for c in calls)
+            and any(c.server for c in calls)
+            and _agent_framework_instrumented()
+        ):
+            st.unattributed_calls += len(calls)
 
         # 5. rewards: the final one, and earlier ones attached to the call before them
         inter = [0.0] * len(calls)
@@ -471,7 +545,7 @@ class Adapter:
                 st.invalid_rewards += 1
                 continue
             if _truthy(s.attributes.get(sc.AGL_REWARD_PRIMARY, True)):
-                primary.append(((s.end_ns, _seq(s), s.start_ns, s.span_id), float(value), i))
+                primary.append((_reward_key(s), float(value), i))
             else:
                 emitted.append((float(value), i))
         final = max(primary, key=lambda p: p[0]) if primary else None
@@ -813,6 +887,11 @@ class _Locator:
         return self._starts[1][pos] if pos >= 0 else -1
 
 
+def _reward_key(s: Span) -> tuple[int, int, int, str]:
+    """Order of reward spans: the last to end is the final reward (ties: emission order)."""
+    return (s.end_ns, _seq(s), s.start_ns, s.span_id)
+
+
 def _seq(s: Span) -> int:
     return s.seq if s.seq is not None else -1
 
@@ -953,6 +1032,25 @@ def _ids(result: Any) -> list[int]:
     if result and isinstance(result[0], (list, tuple)):
         result = list(result[0])
     return [int(x) for x in result]
+
+
+def _resolve_tokenizer(tok: Any) -> Any:
+    """What the CLI's ``--tokenizer`` accepts: None, ``"default"`` (the shipped SmolLM2 tokenizer), a
+    local tokenizer directory, or a tokenizer object; anything else is refused by name."""
+    import os
+
+    if tok is None:
+        return None
+    if isinstance(tok, (str, os.PathLike)):
+        from agl.export import load_tokenizer
+
+        return load_tokenizer(os.fspath(tok))
+    if callable(getattr(tok, "encode", None)) or callable(getattr(tok, "apply_chat_template", None)):
+        return tok
+    raise ValueError(
+        "tokenizer must be 'default', a local tokenizer directory or a tokenizer object (with "
+        f"apply_chat_template/encode), got {type(tok).__name__} {tok!r:.80}"
+    )
 
 
 def _as_chat_tokenizer(tok: Any) -> Any:

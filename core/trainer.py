@@ -27,7 +27,6 @@ import contextlib
 import copy
 import json
 import logging
-import math
 import os
 import random
 import socket
@@ -37,7 +36,6 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from agl import semconv
 from agl.config import RunConfig
 from agl.types import LLM, NewRollout, Rollout, RolloutConfig, Task, Transition
 
@@ -282,6 +280,7 @@ class Trainer:
         self.progress = progress
         self.history: list[dict[str, Any]] = []
         self._warned_off_policy = False
+        self._warned_unattributed = False
         self.policy: Any = None
         self.store: Any = None
         self._gateway: _ServedGateway | None = None
@@ -492,21 +491,10 @@ class Trainer:
         return [r.id for r in self.store.enqueue(rollouts)] if rollouts else []
 
     def _rollout_reward(self, rollout: Rollout, transitions: list[Transition]) -> float:
+        """A rollout's reward: its final reward as the adapter defines it (one definition)."""
         if transitions:
             return transitions[0].final_reward
-        from agl.adapter import finishing_attempt
-
-        att = finishing_attempt(rollout)
-        if att is not None:
-            spans = self.store.query_spans(
-                rollout_id=rollout.id, attempt=att, name=semconv.SPAN_REWARD, include_stale=False
-            )
-            primary = [s for s in spans if s.attributes.get(semconv.AGL_REWARD_PRIMARY, True)]
-            if primary:
-                value = primary[-1].attributes.get(semconv.AGL_REWARD_VALUE)
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    return float(value)
-        return float(getattr(self.adapter, "missing_reward", 0.0))
+        return float(self.adapter.rollout_reward(self.store, rollout))
 
     def _collect(
         self, ids: Sequence[str], bar: Any, label: str
@@ -635,8 +623,10 @@ class Trainer:
                 ids = self._enqueue(batch, version, step, g)
                 val_ids = self._enqueue(val_tasks, version, step, 1) if do_val else []
                 t0 = time.perf_counter()
+                stats_before = self.adapter.stats.copy()
                 transitions, rewards, finished = self._collect(ids + val_ids, bar, f"step {step}")
                 rollout_s = time.perf_counter() - t0
+                self._check_adapted(step, self.adapter.stats.since(stats_before))
                 record: dict[str, Any] = {"step": step, "resources_version": version}
                 train_ts = [t for rid in ids for t in transitions.get(rid, [])]
                 if val_ids:
@@ -713,6 +703,31 @@ class Trainer:
             "val_reward_after": vals[-1][1] if vals else None,
             "history": self.history,
         }
+
+    def _check_adapted(self, step: int, stats: Any) -> None:
+        """Refuse a step whose agent selection matched none of its LLM calls (the update would
+        silently train on nothing), and warn once when calls lost their agent spans."""
+        if stats.unattributed_calls and not self._warned_unattributed:
+            self._warned_unattributed = True
+            from agl.instrument import instrumented
+
+            log.warning(
+                "agl trainer: step %d: %d LLM calls went through the gateway but none is inside an agent "
+                "span, although %s is instrumented. The framework's hooks were bypassed or removed — e.g. "
+                "an Agents SDK app calling set_trace_processors() after agl.instrument(), or an agent run "
+                "outside the rollout's context — so agents= cannot select these calls",
+                step,
+                stats.unattributed_calls,
+                ", ".join(instrumented()),
+            )
+        if stats.llm_calls and stats.unselected == stats.llm_calls and stats.transitions == 0:
+            seen = ", ".join(f"{name or '<no agent span>'} ({n})" for name, n in sorted(stats.agents.items()))
+            raise RuntimeError(
+                f"step {step}: the agent selection agents={self.adapter.agents!r} matched 0 of "
+                f"{stats.llm_calls} LLM calls, so there is nothing to train on. Agents seen: {seen}. "
+                "Check the names given as agents= (they match invoke_agent span names) and that the "
+                "agent framework is instrumented (agl.instrument()) before the agent is built"
+            )
 
     #: a first-micro-batch ratio further than this from 1 means the recorded behaviour policy is not
     #: the policy the update scores (bf16 on a GPU stays well under it)

@@ -359,6 +359,46 @@ def test_hf_tokenizer_duck_type_gives_the_same_ids(chat_tokenizer, hf_tokenizer)
     assert t_hf.response_ids == t_agl.response_ids
 
 
+def test_tokenizer_accepts_what_the_cli_accepts_and_refuses_the_rest(chat_tokenizer, tmp_path) -> None:
+    a, _ = _client_only()
+    (t_default,) = Adapter(tokenizer="default").transitions(a.spans)
+    (t_agl,) = Adapter(tokenizer=chat_tokenizer).transitions(a.spans)
+    assert t_default.prompt_ids == t_agl.prompt_ids and t_default.response_ids == t_agl.response_ids
+    with pytest.raises(FileNotFoundError, match="no-such-dir"):
+        Adapter(tokenizer=str(tmp_path / "no-such-dir"))
+    with pytest.raises(ValueError, match="tokenizer must be 'default', a local tokenizer directory"):
+        Adapter(tokenizer=42)
+
+
+def test_unattributed_calls_counted_only_when_an_agent_framework_is_instrumented() -> None:
+    """Gateway calls with no agent span anywhere, while an agent framework's integration is on: its
+    hooks were bypassed (e.g. processors replaced after instrument) and agent selection will miss."""
+    import agl
+
+    lost = Attempt1()
+    root = lost.root()
+    lost.call(100, 200, root, [1, 2], [3])
+    lost.call(300, 400, root, [1, 2, 3], [4])
+    fine = Attempt1(rollout_id="ro-2")
+    ag = fine.agent("writer", 10, 900, fine.root())
+    fine.call(100, 200, ag, [1, 2], [3])
+    adapter = Adapter()
+    adapter.transitions(lost.spans)
+    assert adapter.last_stats.unattributed_calls == 0  # plain client code: no agent spans expected
+    was_on = "langchain" in agl.instrument.instrumented()
+    agl.instrument("langchain")
+    try:
+        adapter.transitions(lost.spans)
+        assert adapter.last_stats.unattributed_calls == 2
+        assert adapter.last_stats.agents == {"": 2}
+        adapter.transitions(fine.spans)
+        assert adapter.last_stats.unattributed_calls == 0 and adapter.last_stats.agents == {"writer": 1}
+    finally:
+        if not was_on:
+            agl.uninstrument("langchain")
+    assert adapter.stats.unattributed_calls == 2 and adapter.stats.agents == {"": 4, "writer": 1}
+
+
 def test_without_tokenizer_client_only_calls_are_skipped_and_counted() -> None:
     a, _ = _client_only()
     adapter = Adapter()

@@ -528,3 +528,24 @@ def test_fit_in_process_is_on_policy_at_the_run_temperature(
     assert {s.attributes[sc.AGL_LLM_WEIGHT_VERSION] for s in spans} == {
         r["resources_version"] for r in trainer.history
     }
+
+
+def test_a_step_whose_agent_selection_matches_nothing_is_refused(tmp_path: Path) -> None:
+    trainer = Trainer(
+        agl.LightningRL(group_size=2, lora_r=4, lora_alpha=8),
+        model=tiny_model(),
+        backend="scripted",
+        script=Script(),
+        store="memory://",
+        runners=2,
+        run_dir=tmp_path,
+        agents=["wirter"],  # a typo: no span has this name
+        tokenizer=load_tokenizer(),
+        tasks_per_step=1,
+        steps=1,
+        val_every=0,
+        progress=False,
+    )
+    with pytest.raises(RuntimeError, match=r"agents=\['wirter'\] matched 0 of 4 LLM calls") as err:
+        trainer.fit(two_agent_app, [{"q": "What is 6 * 7?"}])
+    assert "checker (2)" in str(err.value) and "writer (2)" in str(err.value)
