@@ -12,7 +12,11 @@ advantage each, engine log-probs as the behaviour policy) for ``--iters`` optimi
   step — the inner loop of ``GRPOTrainer.train()`` without generation.
 
 tokens/s counts prompt + response tokens per second of update. Target (docs/architecture.md §10):
-agl within 10% of TRL.
+agl within 10% of TRL. Each side runs in its own child process, so the peak RSS reported for it
+(``ru_maxrss``: model, optimizer, activations) is its own. Long agent prompts:
+
+    python bench/trainer.py --model smollm2 --transitions 4 --prompt-len 2048 --response-len 32 \
+        --micro-batch-tokens 4096
 """
 
 from __future__ import annotations
@@ -166,8 +170,35 @@ def bench_trl(args, transitions, adv, tok) -> float:
     return statistics.median(one() for _ in range(args.iters))
 
 
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _child(args: argparse.Namespace, side: str) -> dict:
+    """Run one side in a fresh interpreter; returns its tokens/s and peak RSS."""
+    import json
+    import subprocess
+
+    argv = [sys.executable, __file__, "--side", side]
+    for key in (
+        "model",
+        "transitions",
+        "prompt_len",
+        "response_len",
+        "micro_batch_tokens",
+        "iters",
+        "threads",
+    ):
+        argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--side", choices=("agl", "trl"), help=argparse.SUPPRESS)
     p.add_argument("--model", default="tiny", help="tiny | smollm2 | a local HF model directory")
     p.add_argument("--transitions", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=96)
@@ -185,8 +216,15 @@ def main() -> None:
     tok = load_tokenizer(None if args.model in ("tiny", "smollm2") else args.model)
     transitions, adv = _batch(args.transitions, args.prompt_len, args.response_len, seed=0)
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in transitions)
-    ours = bench_agl(args, transitions, adv, tok)
-    trl = bench_trl(args, transitions, adv, tok)
+    if args.side is not None:
+        import json
+
+        run = bench_agl if args.side == "agl" else bench_trl
+        rate = run(args, transitions, adv, tok)
+        print(json.dumps({"tokens_per_s": rate, "peak_rss_mb": _peak_rss_mb()}))
+        return
+    mine, theirs = _child(args, "agl"), _child(args, "trl")
+    ours, trl = mine["tokens_per_s"], theirs["tokens_per_s"]
     device = (
         torch.cuda.get_device_name(0)
         if torch.cuda.is_available()
@@ -194,10 +232,10 @@ def main() -> None:
     )
     print(f"\nLightningRL update vs TRL GRPOTrainer — {args.model}, {device}")
     print(f"{len(transitions)} transitions, {tokens} tokens, median of {args.iters} steps\n")
-    print("| update | tokens/s | vs TRL |")
-    print("|---|---:|---:|")
-    print(f"| TRL GRPOTrainer.training_step | {trl:,.0f} | 1.00 |")
-    print(f"| agl PolicyUpdate.step | {ours:,.0f} | {ours / trl:.2f} |")
+    print("| update | tokens/s | vs TRL | peak RSS (MB) |")
+    print("|---|---:|---:|---:|")
+    print(f"| TRL GRPOTrainer.training_step | {trl:,.0f} | 1.00 | {theirs['peak_rss_mb']:,.0f} |")
+    print(f"| agl PolicyUpdate.step | {ours:,.0f} | {ours / trl:.2f} | {mine['peak_rss_mb']:,.0f} |")
 
 
 if __name__ == "__main__":

@@ -572,28 +572,12 @@ class Trainer:
         if not train_tasks:
             raise ValueError("fit() needs at least one training task")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        start_step = 0
-        state_file = self.run_dir / "trainer_state.json"
         if not self.resume and (self.run_dir / "metrics.jsonl").exists():
             (self.run_dir / "metrics.jsonl").unlink()
         self._start(agent, training=True)
-        rng = random.Random(self.seed)
-        order: list[int] = []
+        order = _TaskOrder(len(train_tasks), self.seed)
         try:
-            if self.resume and state_file.exists():
-                state = json.loads(state_file.read_text())
-                start_step = self.policy.load_checkpoint(state["checkpoint"])
-                order = list(state.get("order", []))
-                rng.setstate(_rng_state(state["rng"]))
-                self.history = [
-                    json.loads(line)
-                    for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()
-                    if line.strip()
-                ]
-                for r in self.store.query_rollouts(status=["queued", "running"]):
-                    with contextlib.suppress(Exception):
-                        self.store.cancel(r.id)
-                log.info("agl trainer: resumed at step %d from %s", start_step, state["checkpoint"])
+            start_step = self._resume(order)
             bar = tqdm(
                 total=self.steps,
                 initial=start_step,
@@ -602,7 +586,6 @@ class Trainer:
                 disable=not self.progress,
                 dynamic_ncols=True,
             )
-            g = self.algorithm.group_size
             for step in range(start_step, self.steps + 1):
                 final = step == self.steps
                 do_val = bool(val_tasks) and (
@@ -610,84 +593,14 @@ class Trainer:
                 )
                 if final and not do_val:
                     break
-                t_step = time.perf_counter()
-                version = self._publish()
-                sync_s = self.sync_weights(version)
-                batch: list[Task] = []
-                if not final:
-                    while len(batch) < self.tasks_per_step:
-                        if not order:
-                            order = list(range(len(train_tasks)))
-                            rng.shuffle(order)
-                        batch.append(train_tasks[order.pop()])
-                ids = self._enqueue(batch, version, step, g)
-                val_ids = self._enqueue(val_tasks, version, step, 1) if do_val else []
-                t0 = time.perf_counter()
-                stats_before = self.adapter.stats.copy()
-                transitions, rewards, finished = self._collect(ids + val_ids, bar, f"step {step}")
-                rollout_s = time.perf_counter() - t0
-                self._check_adapted(step, self.adapter.stats.since(stats_before))
-                record: dict[str, Any] = {"step": step, "resources_version": version}
-                train_ts = [t for rid in ids for t in transitions.get(rid, [])]
-                if val_ids:
-                    vr = [rewards[r] for r in val_ids if r in rewards]
-                    record["val_reward"] = _mean(vr)
-                    record["val_rollouts"] = len(vr)
-                if not final:
-                    tr = [rewards[r] for r in ids if r in rewards]
-                    record["train_reward"] = _mean(tr)
-                    record["rollouts"] = len(ids)
-                    record["rollouts_failed"] = sum(
-                        1 for r in finished if r.id in set(ids) and r.status != "succeeded"
-                    )
-                    record["transitions"] = len(train_ts)
-                    record["exact_token_ratio"] = (
-                        (sum(1 for t in train_ts if t.exact) / len(train_ts)) if train_ts else None
-                    )
-                    if not self.behaviour_logprobs:
-                        train_ts = [t.model_copy(update={"response_logprobs": None}) for t in train_ts]
-                    if train_ts:
-                        advantages, adv_stats = self.algorithm.compute_advantages(train_ts)
-                        record["zero_variance_groups"] = adv_stats["zero_variance_groups"]
-                        record["groups"] = adv_stats["groups"]
-                        update = self.policy.step(train_ts, advantages)
-                        record.update(
-                            {
-                                "loss": update["loss"],
-                                "kl": update["kl"],
-                                "clip_fraction": update["clip_fraction"],
-                                "entropy": update.get("entropy"),
-                                "grad_norm": update["grad_norm"],
-                                "tokens_per_s": update["tokens_per_s"],
-                                "update_s": update.get("update_s"),
-                                "trained_transitions": update["transitions"],
-                                "behaviour_ratio_dev": update.get("behaviour_ratio_dev"),
-                            }
-                        )
-                        self._check_on_policy(update.get("behaviour_ratio_dev"))
-                record["rollout_s"] = rollout_s
-                record["sync_s"] = sync_s
-                record["step_s"] = time.perf_counter() - t_step
+                batch = [] if final else [train_tasks[i] for i in order.take(self.tasks_per_step)]
+                record = self._step(step, batch, val_tasks if do_val else [], bar)
                 self._log(record)
                 if not final:
-                    bar.update(1)
-                    post = {
-                        "reward": f"{record['train_reward']:.3f}"
-                        if record.get("train_reward") is not None
-                        else "-"
-                    }
-                    last_val = next(
-                        (h["val_reward"] for h in reversed(self.history) if h.get("val_reward") is not None),
-                        None,
-                    )
-                    if last_val is not None:
-                        post["val"] = f"{last_val:.3f}"
-                    bar.set_postfix(post)
-                    done_steps = step + 1
-                    if (
-                        self.checkpoint_every and done_steps % self.checkpoint_every == 0
-                    ) or done_steps == self.steps:
-                        self._checkpoint(order, rng)
+                    self._show_progress(bar, record)
+                    done = step + 1
+                    if (self.checkpoint_every and done % self.checkpoint_every == 0) or done == self.steps:
+                        self._checkpoint(order)
             bar.close()
         finally:
             self.close()
@@ -695,6 +608,94 @@ class Trainer:
             from agl.plot import plot_run
 
             plot_run(self.run_dir)
+        return self._summary()
+
+    def _step(self, step: int, batch: list[Task], val_tasks: list[Task], bar: Any) -> dict[str, Any]:
+        """One step of the loop: publish -> push -> enqueue -> collect -> adapt -> update. Returns the
+        step's metrics record (a step with no training batch only measures the held-out reward)."""
+        t_step = time.perf_counter()
+        version = self._publish()
+        sync_s = self.sync_weights(version)
+        ids = self._enqueue(batch, version, step, self.algorithm.group_size)
+        val_ids = self._enqueue(val_tasks, version, step, 1)
+        t0 = time.perf_counter()
+        stats_before = self.adapter.stats.copy()
+        transitions, rewards, finished = self._collect(ids + val_ids, bar, f"step {step}")
+        rollout_s = time.perf_counter() - t0
+        self._check_adapted(step, self.adapter.stats.since(stats_before))
+        record: dict[str, Any] = {"step": step, "resources_version": version}
+        if val_ids:
+            vr = [rewards[r] for r in val_ids if r in rewards]
+            record.update(val_reward=_mean(vr), val_rollouts=len(vr))
+        if batch:
+            train_ids = set(ids)
+            train_ts = [t for rid in ids for t in transitions.get(rid, [])]
+            record.update(
+                train_reward=_mean([rewards[r] for r in ids if r in rewards]),
+                rollouts=len(ids),
+                rollouts_failed=sum(1 for r in finished if r.id in train_ids and r.status != "succeeded"),
+                transitions=len(train_ts),
+                exact_token_ratio=(sum(1 for t in train_ts if t.exact) / len(train_ts)) if train_ts else None,
+            )
+            record.update(self._update(train_ts))
+        record.update(rollout_s=rollout_s, sync_s=sync_s, step_s=time.perf_counter() - t_step)
+        return record
+
+    def _update(self, train_ts: list[Transition]) -> dict[str, Any]:
+        """Advantages and one policy update over a step's transitions; returns their metrics."""
+        if not train_ts:
+            return {}
+        if not self.behaviour_logprobs:
+            train_ts = [t.model_copy(update={"response_logprobs": None}) for t in train_ts]
+        advantages, adv_stats = self.algorithm.compute_advantages(train_ts)
+        update = self.policy.step(train_ts, advantages)
+        self._check_on_policy(update.get("behaviour_ratio_dev"))
+        return {
+            "zero_variance_groups": adv_stats["zero_variance_groups"],
+            "groups": adv_stats["groups"],
+            "loss": update["loss"],
+            "kl": update["kl"],
+            "clip_fraction": update["clip_fraction"],
+            "entropy": update.get("entropy"),
+            "grad_norm": update["grad_norm"],
+            "tokens_per_s": update["tokens_per_s"],
+            "update_s": update.get("update_s"),
+            "trained_transitions": update["transitions"],
+            "behaviour_ratio_dev": update.get("behaviour_ratio_dev"),
+        }
+
+    def _resume(self, order: _TaskOrder) -> int:
+        """With ``resume=True`` and a saved state: restore the policy, task order, RNG and history, and
+        cancel rollouts a crashed run left; returns the step to continue from (0 otherwise)."""
+        state_file = self.run_dir / "trainer_state.json"
+        if not (self.resume and state_file.exists()):
+            return 0
+        state = json.loads(state_file.read_text())
+        start_step = self.policy.load_checkpoint(state["checkpoint"])
+        order.restore(state)
+        self.history = [
+            json.loads(line)
+            for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.strip()
+        ]
+        for r in self.store.query_rollouts(status=["queued", "running"]):
+            with contextlib.suppress(Exception):
+                self.store.cancel(r.id)
+        log.info("agl trainer: resumed at step %d from %s", start_step, state["checkpoint"])
+        return start_step
+
+    def _show_progress(self, bar: Any, record: dict[str, Any]) -> None:
+        bar.update(1)
+        reward = record.get("train_reward")
+        post = {"reward": f"{reward:.3f}" if reward is not None else "-"}
+        last_val = next(
+            (h["val_reward"] for h in reversed(self.history) if h.get("val_reward") is not None), None
+        )
+        if last_val is not None:
+            post["val"] = f"{last_val:.3f}"
+        bar.set_postfix(post)
+
+    def _summary(self) -> dict[str, Any]:
         vals = [(h["step"], h["val_reward"]) for h in self.history if h.get("val_reward") is not None]
         return {
             "run_dir": str(self.run_dir),
@@ -747,14 +748,9 @@ class Trainer:
             self.config.sampling,
         )
 
-    def _checkpoint(self, order: list[int], rng: random.Random) -> None:
+    def _checkpoint(self, order: _TaskOrder) -> None:
         path = self.policy.save_checkpoint()
-        state = {
-            "checkpoint": str(Path(path).resolve()),
-            "step": self.policy.global_step,
-            "order": order,
-            "rng": _rng_json(rng.getstate()),
-        }
+        state = {"checkpoint": str(Path(path).resolve()), "step": self.policy.global_step, **order.state()}
         tmp = self.run_dir / "trainer_state.json.tmp"
         tmp.write_text(json.dumps(state))
         os.replace(tmp, self.run_dir / "trainer_state.json")
@@ -826,6 +822,31 @@ class Trainer:
             if prompt_tail:
                 print("      prompt …" + prompt_tail.replace("\n", "\\n")[-160:])
             print("      response: " + (t.response_text or "").replace("\n", "\\n")[:200])
+
+
+class _TaskOrder:
+    """Which training tasks each step takes: every task once per shuffled pass, seeded, resumable."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n = n
+        self.rng = random.Random(seed)
+        self.order: list[int] = []
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if not self.order:
+                self.order = list(range(self.n))
+                self.rng.shuffle(self.order)
+            out.append(self.order.pop())
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {"order": list(self.order), "rng": _rng_json(self.rng.getstate())}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.order = list(state.get("order", []))
+        self.rng.setstate(_rng_state(state["rng"]))
 
 
 def _prune(folder: Path, keep: int) -> None:

@@ -421,6 +421,9 @@ class TransformersBackend(Backend):
                 eos_token_id=eos_ids,
                 pad_token_id=self._pad_id,
                 return_dict_in_generate=True,
+                # a policy trained with gradient checkpointing has use_cache=False in its config;
+                # generating without the KV cache would recompute the whole prefix every token
+                use_cache=True,
                 do_sample=False,
                 temperature=None,
                 top_p=None,
