@@ -9,12 +9,11 @@ and sets ``func=callable(args) -> int | None`` with ``parser.set_defaults``.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import socket
 import sys
 from collections.abc import Sequence
-
-import errno
-import socket
 
 from agl.store.base import StoreError
 

@@ -199,9 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             help="where metrics, checkpoints and the SQLite store go (default: a new "
             "runs/<name>/<timestamp> directory per run)",
         )
-        sp.add_argument(
-            "--overwrite", action="store_true", help="replace an existing non-empty --run-dir"
-        )
+        sp.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --run-dir")
 
     helps = {
         "train": "one LightningRL run: held-out reward before, during and after",
