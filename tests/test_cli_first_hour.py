@@ -132,7 +132,7 @@ def test_attempt_error_from_exception_keeps_the_traceback() -> None:
     except KeyError as exc:
         err = AttemptError.from_exception(exc)
     assert err.type == "KeyError" and "missing" in err.message
-    assert err.traceback is not None and 'KeyError' in err.traceback
+    assert err.traceback is not None and "KeyError" in err.traceback
 
 
 def test_transitions_and_export_honour_agl_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
