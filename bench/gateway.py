@@ -230,6 +230,17 @@ def serve_real(port: int, backend_name: str, upstream: str, store_url: str) -> N
         backend = OpenAIBackend(upstream + "/v1", api_key="sk-bench", models=[UPSTREAM_MODEL])
     store = None if store_url == "none" else agl.store.open(store_url)
     app = create_app(backend, store)
+    if os.environ.get("AGL_BENCH_PROFILE"):  # cProfile of the gateway process, dumped at shutdown
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop="uvloop")
+        finally:
+            prof.disable()
+            prof.dump_stats(os.environ["AGL_BENCH_PROFILE"])
+        return
     uvicorn.run(
         app,
         host="127.0.0.1",

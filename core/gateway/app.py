@@ -6,10 +6,14 @@ Outside a per-rollout path the rollout comes from the W3C ``baggage`` header (``
 ``agl.attempt``). Admin: ``GET /agl/v1/status``, ``POST /agl/v1/weights`` ``{"path", "version"}``,
 ``POST /agl/v1/adapters`` ``{"path", "name", "version"}`` (weight swaps between requests).
 
-Streaming: backends that generate a whole reply at once (scripted, transformers) are streamed after
-generation finishes — the chunks are real SSE chunks (content deltas, tool-call deltas, usage) but
-the first one arrives when the reply is complete. The span is stored before the first byte of the
-reply is sent, so it is in the store by the time the client has the full response.
+Streaming: backends with ``streams`` (vllm, openai) stream chat completions for real — each upstream
+chunk is forwarded as it arrives (content and tool-call deltas; token ids and logprobs when the client
+asks), while the backend collects ids and logprobs for the span, which is recorded when the stream
+ends. Other backends' replies (and the completions / Responses routes) are streamed after generation
+finishes as real SSE chunks. A client that disconnects cancels the generation and leaves an ERROR
+span. Spans are stored by a writer thread just after the reply (``span_writes="after_reply"``,
+batched; ``POST /agl/v1/flush`` waits for them, shutdown drains them) or before it
+(``span_writes="before_reply"``), see :mod:`agl.gateway.spans`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -106,7 +111,11 @@ class Gateway:
         *,
         api_key: str | None = None,
         max_body_bytes: int = 32 * 1024 * 1024,
+        span_writes: str = "after_reply",
     ) -> None:
+        if span_writes not in ("after_reply", "before_reply"):
+            raise ValueError(f"span_writes must be 'after_reply' or 'before_reply', got {span_writes!r}")
+        self.span_writes = span_writes
         self.backend = backend
         self.store = store
         self.api_key = api_key
@@ -191,7 +200,7 @@ class Gateway:
         if task not in done:
             task.cancel()
             self.stats["cancelled_calls"] += 1
-            raise _ClientGone
+            raise _ClientGone("the client disconnected before the reply; generation cancelled")
         return task.result()
 
     async def _call(
@@ -214,68 +223,78 @@ class Gateway:
         result: GenerationResult | None = None
         try:
             result = await self._run(request, gen)
-        except ContextWindowError as exc:
-            raise ApiError(
-                400,
-                str(exc),
-                param="messages" if gen.messages is not None else "prompt",
-                code="context_length_exceeded",
-            ) from None
-        except UpstreamError as exc:
-            if 400 <= exc.status < 500:  # the upstream refused bad input: passed on, nothing recorded
-                self.stats["upstream_refusals"] += 1
-                too_long = "context length" in str(exc).lower()
-                code = "context_length_exceeded" if too_long else "upstream_error"
-                raise ApiError(exc.status, str(exc), type="invalid_request_error", code=code) from None
+        except _ClientGone as exc:  # cancelled: recorded as an ERROR span
             error = exc
-            self.stats["backend_errors"] += 1
-            raise ApiError(
-                502,
-                f"the {self.backend.name} backend failed: {exc}",
-                type="backend_error",
-                code="backend_error",
-            ) from None
-        except (ApiError, _ClientGone):
             raise
-        except Exception as exc:  # noqa: BLE001 - any backend failure is a 502 with an ERROR span
-            error = exc
-            self.stats["backend_errors"] += 1
-            if not isinstance(exc, BackendError):
-                log.exception("agl gateway: backend %s failed", self.backend.name)
-            raise ApiError(
-                502,
-                f"the {self.backend.name} backend failed: {exc}",
-                type="backend_error",
-                code="backend_error",
-            ) from None
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to an API error; backend failures get an ERROR span
+            api_error, error = self._api_error(exc, gen)
+            raise api_error from None
         finally:
-            if rollout is not None and self.writer is not None and (result is not None or error is not None):
-                prefix = None
-                if result is not None and result.prompt_ids is not None and gen.messages is not None:
-                    choice = result.choices[0]
-                    prefix = self.drift.observe(
-                        rollout,
-                        gen.messages,
-                        gen.tools,
-                        result.prompt_ids,
-                        choice.message(),
-                        choice.response_ids,
-                    )
-                spans = build_chat_spans(
-                    request=gen,
-                    result=result,
-                    rollout=rollout,
-                    trace_id=trace_id,
-                    parent_id=parent_id,
-                    start_ns=start_ns,
-                    backend_name=self.backend.name,
-                    response_id=response_id,
-                    prefix_match=prefix,
-                    error=error,
-                    input_messages=input_messages,
-                )
-                await self.writer.write(spans)
+            if result is not None or error is not None:
+                spans = self._spans(gen, result, error, trace, start_ns, response_id, input_messages)
+                if spans and self.span_writes == "before_reply":
+                    await self.writer.write(spans)  # type: ignore[union-attr]
+                elif spans:
+                    self.writer.submit(spans)  # type: ignore[union-attr]
         return result
+
+    def _api_error(self, exc: Exception, gen: GenerationRequest) -> tuple[ApiError, BaseException | None]:
+        """The API error for a backend failure, and the error to record (None: bad input, no span)."""
+        if isinstance(exc, ContextWindowError):
+            param = "messages" if gen.messages is not None else "prompt"
+            return ApiError(400, str(exc), param=param, code="context_length_exceeded"), None
+        if isinstance(exc, UpstreamError) and 400 <= exc.status < 500:
+            # the upstream refused bad input: passed on, nothing recorded
+            self.stats["upstream_refusals"] += 1
+            code = "context_length_exceeded" if "context length" in str(exc).lower() else "upstream_error"
+            return ApiError(exc.status, str(exc), type="invalid_request_error", code=code), None
+        self.stats["backend_errors"] += 1
+        if not isinstance(exc, BackendError):
+            log.error("agl gateway: backend %s failed", self.backend.name, exc_info=exc)
+        message = f"the {self.backend.name} backend failed: {exc}"
+        return ApiError(502, message, type="backend_error", code="backend_error"), exc
+
+    def _spans(
+        self,
+        gen: GenerationRequest,
+        result: GenerationResult | None,
+        error: BaseException | None,
+        trace: tuple[str | None, str | None],
+        start_ns: int,
+        response_id: str,
+        input_messages: list[dict[str, Any]] | None = None,
+    ) -> list[Any]:
+        """The span(s) of a finished call (drift checked); none when there is no rollout or store."""
+        rollout = gen.rollout
+        if rollout is None or self.writer is None:
+            return []
+        prefix = None
+        if result is not None and result.prompt_ids is not None and gen.messages is not None:
+            choice = result.choices[0]
+            prefix = self.drift.observe(
+                rollout, gen.messages, gen.tools, result.prompt_ids, choice.message(), choice.response_ids
+            )
+        return build_chat_spans(
+            request=gen,
+            result=result,
+            rollout=rollout,
+            trace_id=trace[0],
+            parent_id=trace[1],
+            start_ns=start_ns,
+            backend_name=self.backend.name,
+            response_id=response_id,
+            prefix_match=prefix,
+            error=error,
+            input_messages=input_messages,
+        )
+
+    async def flush(self, timeout_s: float | None = 60.0) -> bool:
+        """Wait until the spans of every call answered so far are stored; False on timeout."""
+        if self.writer is None:
+            return True
+        return await asyncio.to_thread(self.writer.flush, timeout_s)
 
     # --------------------------------------------------------------------------------- routes
     async def chat_completions(self, request: Request) -> Response:
@@ -285,6 +304,8 @@ class Gateway:
             rollout, trace_id, parent_id = self._context(request)
             gen = req.to_generation(rollout, body)
             response_id = new_id("chatcmpl")
+            if req.stream and self.backend.streams:
+                return await self._stream_chat(req, gen, (trace_id, parent_id), response_id)
             result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
         except ApiError as exc:
             return _error(exc)
@@ -307,6 +328,117 @@ class Gateway:
             self._chat_chunks(result, response_id, include_usage, req.return_token_ids),
             media_type="text/event-stream",
         )
+
+    async def _stream_chat(
+        self,
+        req: ChatCompletionRequest,
+        gen: GenerationRequest,
+        trace: tuple[str | None, str | None],
+        response_id: str,
+    ) -> Response:
+        """True streaming: chunks are forwarded as the backend produces them.
+
+        The backend's first event comes before the 200 is committed, so a refusal (bad input, unknown
+        model, upstream down) is still a plain HTTP error. The span is recorded when the stream ends —
+        an ERROR span when the backend fails mid-stream or the client disconnects (which cancels the
+        generation: the backend's stream is closed).
+        """
+        try:
+            self.backend.check_model(gen.model)
+        except UnknownModelError as exc:
+            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+        start_ns = time.time_ns()
+        self.stats["calls"] += 1
+        if gen.rollout is None:
+            self.stats["unattributed_calls"] += 1
+        events = self.backend.stream(gen)
+        try:
+            first = await anext(events)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - mapped like a non-streamed call's failure
+            api_error, error = self._api_error(exc, gen)
+            if error is not None:
+                self._record(self._spans(gen, None, error, trace, start_ns, response_id))
+            raise api_error from None
+        return StreamingResponse(
+            self._chat_stream(req, gen, events, first, trace, start_ns, response_id),
+            media_type="text/event-stream",
+        )
+
+    def _record(self, spans: list[Any]) -> None:
+        if spans:
+            self.writer.submit(spans)  # type: ignore[union-attr]
+
+    async def _chat_stream(
+        self,
+        req: ChatCompletionRequest,
+        gen: GenerationRequest,
+        events: AsyncIterator[dict[str, Any]],
+        first: dict[str, Any],
+        trace: tuple[str | None, str | None],
+        start_ns: int,
+        response_id: str,
+    ) -> AsyncIterator[bytes]:
+        head = {
+            "id": response_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": gen.model,
+        }
+        want_ids, want_lp = req.return_token_ids, bool(req.logprobs)
+        prompt_ids = first.get("prompt_ids") if want_ids else None
+        result: GenerationResult | None = None
+        error: BaseException | None = None
+        try:
+            async for ev in events:
+                kind = ev["type"]
+                if kind == "delta":
+                    lps = ev.get("logprobs")
+                    choice: dict[str, Any] = {
+                        "index": ev["index"],
+                        "delta": ev["delta"],
+                        "logprobs": {"content": lps, "refusal": None}
+                        if want_lp and lps is not None
+                        else None,
+                        "finish_reason": ev.get("finish_reason"),
+                    }
+                    if want_ids:
+                        choice["token_ids"] = ev.get("token_ids")
+                    chunk = {**head, "choices": [choice]}
+                    if prompt_ids is not None:
+                        chunk["prompt_token_ids"], prompt_ids = prompt_ids, None
+                    yield _sse(chunk)
+                elif kind == "end":
+                    result = ev["result"]
+            if result is None:
+                raise BackendError("the backend's stream ended without a result")
+        except (asyncio.CancelledError, GeneratorExit):
+            self.stats["cancelled_calls"] += 1
+            error = _ClientGone("the client disconnected mid-stream; generation cancelled")
+            raise
+        except Exception as exc:  # noqa: BLE001 - the 200 is sent: the error goes into the stream
+            api_error, error = self._api_error(exc, gen)
+            error = error or exc
+            yield _sse(api_error.body())
+            return
+        finally:
+            with anyio.CancelScope(shield=True):
+                await events.aclose()  # type: ignore[attr-defined]
+            if error is not None:
+                self._record(self._spans(gen, None, error, trace, start_ns, response_id))
+        spans = self._spans(gen, result, None, trace, start_ns, response_id)
+        if spans and self.span_writes == "before_reply":
+            await self.writer.write(spans)  # type: ignore[union-attr]
+        else:
+            self._record(spans)
+        if (req.stream_options or {}).get("include_usage"):
+            prompt = result.prompt_tokens or 0
+            usage = {
+                "prompt_tokens": prompt,
+                "completion_tokens": result.completion_tokens,
+                "total_tokens": prompt + result.completion_tokens,
+            }
+            yield _sse({**head, "choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"
 
     def _token_strings(self, ids: list[int] | None) -> list[str] | None:
         tok = getattr(self.backend, "tokenizer", None)
@@ -493,6 +625,17 @@ class Gateway:
             "load adapter",
         )
 
+    async def flush_spans(self, request: Request) -> Response:
+        """``POST /agl/v1/flush``: answers once the spans of every call answered so far are stored."""
+        try:
+            self._auth(request)
+        except ApiError as exc:
+            return _error(exc)
+        ok = await self.flush()
+        if not ok:
+            return _error(ApiError(503, "spans are still being written; try again", type="server_error"))
+        return Response(_dumps({"flushed": True, "stats": dict(self.stats)}), media_type="application/json")
+
     async def not_found(self, request: Request) -> Response:
         return _error(ApiError(404, f"no route {request.method} {request.url.path}", code="unknown_url"))
 
@@ -624,7 +767,11 @@ def create_app(backend: Backend, store: Any = None, **kwargs: Any) -> Starlette:
         try:
             yield
         finally:
-            await backend.close()
+            try:
+                await backend.close()
+            finally:
+                if gw.writer is not None:  # requests are done: store what is queued, lose nothing
+                    await asyncio.to_thread(gw.writer.close)
 
     async def on_404(request: Request, exc: Exception) -> Response:
         return await gw.not_found(request)
@@ -645,6 +792,7 @@ def create_app(backend: Backend, store: Any = None, **kwargs: Any) -> Starlette:
             Mount("/v1", routes=v1),
             Mount("/rollouts/{rollout_id}/attempts/{attempt:int}/v1", routes=v1),
             Route("/agl/v1/status", gw.status, methods=["GET"]),
+            Route("/agl/v1/flush", gw.flush_spans, methods=["POST"]),
             Route("/agl/v1/weights", gw.load_weights, methods=["POST"]),
             Route("/agl/v1/adapters", gw.load_adapter, methods=["POST"]),
         ],
