@@ -236,7 +236,9 @@ def serve_real(port: int, backend_name: str, upstream: str, store_url: str) -> N
         prof = cProfile.Profile()
         prof.enable()
         try:
-            uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop="uvloop")
+            uvicorn.run(
+                app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop="uvloop"
+            )
         finally:
             prof.disable()
             prof.dump_stats(os.environ["AGL_BENCH_PROFILE"])
