@@ -188,20 +188,22 @@ class Gateway:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from None
         if not self.backend.cancellable:
             return await self.backend.generate(gen)
-        task = asyncio.ensure_future(self.backend.generate(gen))
-        watch = asyncio.ensure_future(_wait_disconnect(request))
+        # generate in this task; a watcher cancels it when the client disconnects (one extra task,
+        # not two: this is on every request's path)
+        me = asyncio.current_task()
+        gone: list[bool] = []
+        watch = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request, me, gone))
         try:
-            done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            return await self.backend.generate(gen)
         except asyncio.CancelledError:
-            task.cancel()
-            raise
+            if not gone:
+                raise
+            if hasattr(me, "uncancel"):  # Python >= 3.11: this cancellation is handled here
+                me.uncancel()  # type: ignore[union-attr]
+            self.stats["cancelled_calls"] += 1
+            raise _ClientGone("the client disconnected before the reply; generation cancelled") from None
         finally:
             watch.cancel()
-        if task not in done:
-            task.cancel()
-            self.stats["cancelled_calls"] += 1
-            raise _ClientGone("the client disconnected before the reply; generation cancelled")
-        return task.result()
 
     async def _call(
         self,
@@ -644,10 +646,12 @@ class _ClientGone(Exception):
     """The client disconnected before its reply was ready."""
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def _cancel_on_disconnect(request: Request, task: Any, gone: list[bool]) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
+            gone.append(True)
+            task.cancel()
             return
 
 
