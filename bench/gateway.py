@@ -298,8 +298,15 @@ def _rollouts_in(store_url: str) -> list[tuple[str, int]]:
 class Target:
     """One thing to measure: a URL prefix per rollout, and the process whose CPU is counted."""
 
-    def __init__(self, label: str, paths: list[str], port: int, proc: subprocess.Popen[Any] | None) -> None:
-        self.label, self.paths, self.port, self.proc = label, paths, port, proc
+    def __init__(
+        self,
+        label: str,
+        paths: list[str],
+        port: int,
+        proc: subprocess.Popen[Any] | None,
+        streams: bool = True,
+    ) -> None:
+        self.label, self.paths, self.port, self.proc, self.streams = label, paths, port, proc, streams
 
 
 def _chat_body() -> bytes:
@@ -344,13 +351,50 @@ async def _throughput_paths(port: int, paths: list[str], n: int, concurrency: in
     return per * concurrency / elapsed
 
 
+async def _stream_latency(port: int, paths: list[str], n: int) -> tuple[list[float], list[float]]:
+    """Sequential streamed calls: (time to the first chunk, time to ``[DONE]``) per call."""
+    body = json.dumps(
+        {"model": UPSTREAM_MODEL, "messages": MESSAGES, "max_tokens": 64, "stream": True}
+    ).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    reqs = [
+        (
+            f"POST {p} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        + body
+        for p in paths
+    ]
+    first, total = [], []
+    for i in range(n + 50):
+        t = time.perf_counter()
+        writer.write(reqs[i % len(reqs)])
+        buf = await reader.read(65536)
+        if not buf.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"stream refused: {buf[:200]!r}")
+        t_first = time.perf_counter() - t if b"data: " in buf else None
+        while not (buf.endswith(b"0\r\n\r\n") and b"[DONE]" in buf):
+            buf += await reader.read(65536)
+            if t_first is None and b"data: " in buf:
+                t_first = time.perf_counter() - t
+        if i >= 50:
+            first.append(t_first or 0.0)
+            total.append(time.perf_counter() - t)
+    writer.close()
+    return first, total
+
+
 def _measure(target: Target, n: int, concurrency: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if target.streams:
+        first, total = asyncio.run(_stream_latency(target.port, target.paths, max(200, n // 4)))
+        out = {"ttft_p50": statistics.median(first), "stream_p50": statistics.median(total)}
     lat = asyncio.run(_latency_paths(target.port, target.paths, n))
     total = max(n, concurrency * 200)
     cpu0 = _tree_cpu_s(target.proc.pid) if target.proc else 0.0
     rps = asyncio.run(_throughput_paths(target.port, target.paths, total, concurrency))
     cpu = (_tree_cpu_s(target.proc.pid) - cpu0) / (total // concurrency * concurrency) if target.proc else 0.0
-    return {"p50": statistics.median(lat), "p99": _pct(lat, 0.99), "rps": rps, "cpu": cpu}
+    return {"p50": statistics.median(lat), "p99": _pct(lat, 0.99), "rps": rps, "cpu": cpu, **out}
 
 
 def _start_al(python: str, port: int, upstream: str, tmp: Path) -> subprocess.Popen[Any]:
@@ -447,7 +491,10 @@ def bench_real(
                 f"/proxy/rollout/ro-bench-{i}/attempt/1/mode/train/openai/v1/chat/completions"
                 for i in range(N_ROLLOUTS)
             ]
-            targets.append(Target("agentlightning 1.0.2 proxy (memory events)", paths, port, p))
+            # its proxy refuses stream=true (400 "Streaming responses are not supported")
+            targets.append(
+                Target("agentlightning 1.0.2 proxy (memory events)", paths, port, p, streams=False)
+            )
         results: dict[str, list[dict[str, float]]] = {t.label: [] for t in targets}
         for r in range(rounds):
             order = targets if r % 2 == 0 else targets[::-1]
@@ -499,6 +546,12 @@ def report_real(results: dict[str, list[dict[str, float]]]) -> None:
             f"{statistics.median(a99):7.3f} {rng(a99, '.2f'):>12} "
             f"{statistics.median(rps):6.0f} {rng(rps, '.0f'):>9} {statistics.median(cpu):6.3f} {rng(cpu, '.2f'):>9}"
         )
+    print("\nstreamed (stream: true, 8 token chunks), sequential: p50 of first chunk / [DONE], ms")
+    for label, rows in results.items():
+        if "ttft_p50" in rows[0]:
+            ttft = med(rows, "ttft_p50") * 1e3
+            done = med(rows, "stream_p50") * 1e3
+            print(f"{label:46} first chunk {ttft:7.3f}   [DONE] {done:7.3f}")
 
 
 def bench_smollm2(new_tokens: int, threads: int | None) -> list[dict[str, Any]]:

@@ -307,7 +307,11 @@ class Gateway:
             gen = req.to_generation(rollout, body)
             response_id = new_id("chatcmpl")
             if req.stream and self.backend.streams:
-                return await self._stream_chat(req, gen, (trace_id, parent_id), response_id)
+                events, first, start_ns = await self._open_stream(gen, (trace_id, parent_id), response_id)
+                tracked = self._tracked(gen, events, (trace_id, parent_id), start_ns, response_id)
+                return StreamingResponse(
+                    self._chat_stream(req, gen, tracked, first, response_id), media_type="text/event-stream"
+                )
             result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
         except ApiError as exc:
             return _error(exc)
@@ -331,19 +335,13 @@ class Gateway:
             media_type="text/event-stream",
         )
 
-    async def _stream_chat(
-        self,
-        req: ChatCompletionRequest,
-        gen: GenerationRequest,
-        trace: tuple[str | None, str | None],
-        response_id: str,
-    ) -> Response:
-        """True streaming: chunks are forwarded as the backend produces them.
+    async def _open_stream(
+        self, gen: GenerationRequest, trace: tuple[str | None, str | None], response_id: str
+    ) -> tuple[AsyncIterator[dict[str, Any]], dict[str, Any], int]:
+        """Start a true stream: (events, first event, start time).
 
         The backend's first event comes before the 200 is committed, so a refusal (bad input, unknown
-        model, upstream down) is still a plain HTTP error. The span is recorded when the stream ends —
-        an ERROR span when the backend fails mid-stream or the client disconnects (which cancels the
-        generation: the backend's stream is closed).
+        model, upstream down) is still a plain HTTP error, with an ERROR span where the backend failed.
         """
         try:
             self.backend.check_model(gen.model)
@@ -361,56 +359,37 @@ class Gateway:
             if error is not None:
                 self._record(self._spans(gen, None, error, trace, start_ns, response_id))
             raise api_error from None
-        return StreamingResponse(
-            self._chat_stream(req, gen, events, first, trace, start_ns, response_id),
-            media_type="text/event-stream",
-        )
+        return events, first, start_ns
 
     def _record(self, spans: list[Any]) -> None:
         if spans:
             self.writer.submit(spans)  # type: ignore[union-attr]
 
-    async def _chat_stream(
+    async def _tracked(
         self,
-        req: ChatCompletionRequest,
         gen: GenerationRequest,
         events: AsyncIterator[dict[str, Any]],
-        first: dict[str, Any],
         trace: tuple[str | None, str | None],
         start_ns: int,
         response_id: str,
-    ) -> AsyncIterator[bytes]:
-        head = {
-            "id": response_id,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": gen.model,
-        }
-        want_ids, want_lp = req.return_token_ids, bool(req.logprobs)
-        prompt_ids = first.get("prompt_ids") if want_ids else None
+        input_messages: list[dict[str, Any]] | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The backend's events, with the span recorded when the stream ends.
+
+        The ``end`` event is passed on after the span is recorded (stored first with
+        ``before_reply``). A backend failure mid-stream becomes an ``error`` event carrying the
+        ApiError (the 200 is already sent) and an ERROR span; a client that disconnects cancels the
+        stream (the backend's iterator is closed) and leaves an ERROR span.
+        """
         result: GenerationResult | None = None
         error: BaseException | None = None
+        end: dict[str, Any] | None = None
         try:
             async for ev in events:
-                kind = ev["type"]
-                if kind == "delta":
-                    lps = ev.get("logprobs")
-                    choice: dict[str, Any] = {
-                        "index": ev["index"],
-                        "delta": ev["delta"],
-                        "logprobs": {"content": lps, "refusal": None}
-                        if want_lp and lps is not None
-                        else None,
-                        "finish_reason": ev.get("finish_reason"),
-                    }
-                    if want_ids:
-                        choice["token_ids"] = ev.get("token_ids")
-                    chunk = {**head, "choices": [choice]}
-                    if prompt_ids is not None:
-                        chunk["prompt_token_ids"], prompt_ids = prompt_ids, None
-                    yield _sse(chunk)
-                elif kind == "end":
-                    result = ev["result"]
+                if ev["type"] == "end":
+                    end, result = ev, ev["result"]
+                else:
+                    yield ev
             if result is None:
                 raise BackendError("the backend's stream ended without a result")
         except (asyncio.CancelledError, GeneratorExit):
@@ -420,19 +399,60 @@ class Gateway:
         except Exception as exc:  # noqa: BLE001 - the 200 is sent: the error goes into the stream
             api_error, error = self._api_error(exc, gen)
             error = error or exc
-            yield _sse(api_error.body())
+            yield {"type": "error", "error": api_error}
             return
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()  # type: ignore[attr-defined]
             if error is not None:
-                self._record(self._spans(gen, None, error, trace, start_ns, response_id))
-        spans = self._spans(gen, result, None, trace, start_ns, response_id)
+                self._record(self._spans(gen, None, error, trace, start_ns, response_id, input_messages))
+        spans = self._spans(gen, result, None, trace, start_ns, response_id, input_messages)
         if spans and self.span_writes == "before_reply":
             await self.writer.write(spans)  # type: ignore[union-attr]
         else:
             self._record(spans)
-        if (req.stream_options or {}).get("include_usage"):
+        yield end  # type: ignore[misc]
+
+    async def _chat_stream(
+        self,
+        req: ChatCompletionRequest,
+        gen: GenerationRequest,
+        events: AsyncIterator[dict[str, Any]],
+        first: dict[str, Any],
+        response_id: str,
+    ) -> AsyncIterator[bytes]:
+        """Chat-completion chunks from the tracked events, as they come."""
+        head = {
+            "id": response_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": gen.model,
+        }
+        want_ids, want_lp = req.return_token_ids, bool(req.logprobs)
+        prompt_ids = first.get("prompt_ids") if want_ids else None
+        result: GenerationResult | None = None
+        async for ev in events:
+            kind = ev["type"]
+            if kind == "delta":
+                lps = ev.get("logprobs")
+                choice: dict[str, Any] = {
+                    "index": ev["index"],
+                    "delta": ev["delta"],
+                    "logprobs": {"content": lps, "refusal": None} if want_lp and lps is not None else None,
+                    "finish_reason": ev.get("finish_reason"),
+                }
+                if want_ids:
+                    choice["token_ids"] = ev.get("token_ids")
+                chunk = {**head, "choices": [choice]}
+                if prompt_ids is not None:
+                    chunk["prompt_token_ids"], prompt_ids = prompt_ids, None
+                yield _sse(chunk)
+            elif kind == "error":
+                yield _sse(ev["error"].body())
+                return
+            elif kind == "end":
+                result = ev["result"]
+        if result is not None and (req.stream_options or {}).get("include_usage"):
             prompt = result.prompt_tokens or 0
             usage = {
                 "prompt_tokens": prompt,
@@ -552,6 +572,12 @@ class Gateway:
             gen = responses_to_generation(req, rollout)
             response_id = new_id("resp")
             created = time.time()
+            if req.stream and self.backend.streams:
+                events, _, start_ns = await self._open_stream(gen, (trace_id, parent_id), response_id)
+                tracked = self._tracked(gen, events, (trace_id, parent_id), start_ns, response_id)
+                return StreamingResponse(
+                    _response_stream(req, response_id, created, tracked), media_type="text/event-stream"
+                )
             result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
         except ApiError as exc:
             return _error(exc)
@@ -750,6 +776,154 @@ async def _response_events(
                 }
             )
         yield event({"type": "response.output_item.done", "output_index": idx, "item": item})
+    final = responses_body(req, response_id, created, result=result, output=items)
+    kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+    yield event({"type": kind, "response": final})
+
+
+async def _response_stream(
+    req: ResponsesRequest, response_id: str, created: float, events: AsyncIterator[dict[str, Any]]
+) -> AsyncIterator[bytes]:
+    """Responses-API events from a true stream: text and call arguments go out as they are generated."""
+    seq = 0
+
+    def event(obj: dict[str, Any]) -> bytes:
+        nonlocal seq
+        obj["sequence_number"] = seq
+        seq += 1
+        return _sse_event(obj)
+
+    yield event(
+        {"type": "response.created", "response": responses_body(req, response_id, created, result=None)}
+    )
+    yield event(
+        {"type": "response.in_progress", "response": responses_body(req, response_id, created, result=None)}
+    )
+    items: list[dict[str, Any]] = []
+    msg: dict[str, Any] | None = None  # the open message item
+    calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its function_call item
+    parts: dict[int, list[str]] = {}  # output index -> text / argument pieces
+
+    def close_message() -> list[bytes]:
+        nonlocal msg
+        if msg is None:
+            return []
+        idx, text = msg["idx"], "".join(parts[msg["idx"]])
+        item = {
+            "type": "message",
+            "id": msg["id"],
+            "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+        }
+        items.append(item)
+        ids = {"item_id": msg["id"], "output_index": idx, "content_index": 0}
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        msg = None
+        return [
+            event({"type": "response.output_text.done", **ids, "text": text, "logprobs": []}),
+            event({"type": "response.content_part.done", **ids, "part": part}),
+            event({"type": "response.output_item.done", "output_index": idx, "item": item}),
+        ]
+
+    result: GenerationResult | None = None
+    async for ev in events:
+        if ev["type"] == "error":
+            err = ev["error"]
+            yield event({"type": "error", "code": err.code, "message": err.message, "param": err.param})
+            return
+        if ev["type"] == "end":
+            result = ev["result"]
+            continue
+        if ev["type"] != "delta" or ev["index"] != 0:
+            continue
+        delta = ev["delta"]
+        if delta.get("content") and not calls:
+            if msg is None:
+                msg = {"id": new_id("msg"), "idx": len(items) + len(calls)}
+                parts[msg["idx"]] = []
+                yield event(
+                    {
+                        "type": "response.output_item.added",
+                        "output_index": msg["idx"],
+                        "item": {
+                            "type": "message",
+                            "id": msg["id"],
+                            "status": "in_progress",
+                            "role": "assistant",
+                            "content": [],
+                        },
+                    }
+                )
+                yield event(
+                    {
+                        "type": "response.content_part.added",
+                        "item_id": msg["id"],
+                        "output_index": msg["idx"],
+                        "content_index": 0,
+                        "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                    }
+                )
+            parts[msg["idx"]].append(delta["content"])
+            yield event(
+                {
+                    "type": "response.output_text.delta",
+                    "item_id": msg["id"],
+                    "output_index": msg["idx"],
+                    "content_index": 0,
+                    "delta": delta["content"],
+                    "logprobs": [],
+                }
+            )
+        for tc in delta.get("tool_calls") or ():
+            k = tc.get("index", 0)
+            fn = tc.get("function") or {}
+            call = calls.get(k)
+            if call is None:
+                for chunk in close_message():
+                    yield chunk
+                idx = len(items) + len(calls)
+                call = calls[k] = {
+                    "type": "function_call",
+                    "id": new_id("fc"),
+                    "call_id": tc.get("id") or new_id("call"),
+                    "name": fn.get("name") or "",
+                    "arguments": "",
+                    "status": "in_progress",
+                    "idx": idx,
+                }
+                parts[idx] = []
+                item = {key: v for key, v in call.items() if key != "idx"}
+                yield event({"type": "response.output_item.added", "output_index": idx, "item": item})
+            args = fn.get("arguments")
+            if args:
+                parts[call["idx"]].append(args)
+                yield event(
+                    {
+                        "type": "response.function_call_arguments.delta",
+                        "item_id": call["id"],
+                        "output_index": call["idx"],
+                        "delta": args,
+                    }
+                )
+    for chunk in close_message():
+        yield chunk
+    for call in calls.values():
+        idx = call.pop("idx")
+        call["arguments"], call["status"] = "".join(parts[idx]), "completed"
+        items.append(call)
+        yield event(
+            {
+                "type": "response.function_call_arguments.done",
+                "item_id": call["id"],
+                "output_index": idx,
+                "arguments": call["arguments"],
+                "name": call["name"],
+            }
+        )
+        yield event({"type": "response.output_item.done", "output_index": idx, "item": call})
+    if result is None:  # pragma: no cover - the tracked stream ends with a result or an error
+        return
     final = responses_body(req, response_id, created, result=result, output=items)
     kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
     yield event({"type": kind, "response": final})

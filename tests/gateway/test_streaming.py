@@ -248,3 +248,32 @@ def test_vllm_that_lists_no_models_says_so(store: Any, rollout: tuple[str, int])
         with pytest.raises(openai.APIStatusError) as info:
             client.chat.completions.create(model=MODEL, messages=MSG)
     assert "answers but lists no models" in str(info.value)
+
+
+def test_responses_api_streams_text_and_calls_as_generated(store: Any, rollout: tuple[str, int]) -> None:
+    """The Responses route (the Agents SDK's) streams from the upstream too, text then call deltas."""
+    fake = FakeVLLM([LONG, render_tool_call("add", {"a": 2, "b": 3})], token_delay_s=0.02)
+    tool = {"type": "function", "name": "add", "parameters": ADD_TOOL["function"]["parameters"]}
+    with serve_asgi(fake.app) as root, serve_gateway(VLLMBackend(root), store) as url:
+        client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x", max_retries=0)
+        t0 = time.perf_counter()
+        text_events, times = [], []
+        for ev in client.responses.create(model=MODEL, input="count", stream=True):
+            times.append(time.perf_counter() - t0)
+            text_events.append(ev)
+        call_events = list(client.responses.create(model=MODEL, input="2+3?", tools=[tool], stream=True))  # type: ignore[list-item]
+    deltas = [i for i, e in enumerate(text_events) if e.type == "response.output_text.delta"]
+    assert len(deltas) >= 10 and times[deltas[0]] < times[-1] - 0.15  # streamed, not replayed
+    done = text_events[-1]
+    assert done.type == "response.completed"
+    assert done.response.output[0].content[0].text == LONG == "".join(text_events[i].delta for i in deltas)
+    assert [e.sequence_number for e in text_events] == list(range(len(text_events)))
+    arg_deltas = [e for e in call_events if e.type == "response.function_call_arguments.delta"]
+    assert len(arg_deltas) >= 2
+    final = call_events[-1].response.output
+    assert final[0].type == "function_call" and final[0].name == "add"
+    assert json.loads(final[0].arguments) == {"a": 2, "b": 3}
+    s_text, s_call = server_spans(store, rollout[0])
+    assert s_text.attributes[sc.AGL_LLM_RESPONSE_TOKEN_IDS] == TOK.encode(LONG) + [TOK.eos_token_id]
+    (out,) = json.loads(s_call.attributes[sc.GEN_AI_OUTPUT_MESSAGES])
+    assert out["tool_calls"][0]["id"] == final[0].call_id
