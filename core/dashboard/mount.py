@@ -8,12 +8,19 @@ token (they hold no data) and ask for one when the API answers 401.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from typing import Any
 
-__all__ = ["UI_PREFIX", "LazyUI", "is_public_ui_path"]
+log = logging.getLogger(__name__)
+
+__all__ = ["TOKENIZER_ENV", "UI_PREFIX", "LazyUI", "is_public_ui_path"]
 
 UI_PREFIX = "/ui"
+#: which tokenizer ``/ui`` decodes token ids with: "default" (the shipped SmolLM2), a local HF
+#: directory, or "none" (show ids)
+TOKENIZER_ENV = "AGL_DASHBOARD_TOKENIZER"
 
 
 def is_public_ui_path(path: str) -> bool:
@@ -21,6 +28,19 @@ def is_public_ui_path(path: str) -> bool:
     return (path == UI_PREFIX or path.startswith(UI_PREFIX + "/")) and not path.startswith(
         UI_PREFIX + "/api/"
     )
+
+
+def _tokenizer() -> Any:
+    spec = os.environ.get(TOKENIZER_ENV, "default")
+    if spec in ("", "none"):
+        return None
+    try:
+        from agl.export import load_tokenizer
+
+        return load_tokenizer(spec)
+    except Exception as exc:  # noqa: BLE001 - the page still works, with ids instead of text
+        log.warning("agl dashboard: cannot load tokenizer %r (%s); showing token ids", spec, exc)
+        return None
 
 
 class LazyUI:
@@ -36,7 +56,9 @@ class LazyUI:
             if self._app is None:
                 from agl.dashboard.app import create_dashboard_app
 
-                self._app = create_dashboard_app(self.store, store_label="this store server")
+                self._app = create_dashboard_app(
+                    self.store, store_label="this store server", tokenizer=_tokenizer()
+                )
         return self._app
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:

@@ -12,22 +12,15 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from dash_helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver") or (
     "/usr/bin/chromedriver" if os.path.exists("/usr/bin/chromedriver") else None
 )
-
-
-def artifacts_dir() -> Path:
-    d = Path(os.environ.get("AGL_TEST_ARTIFACTS") or ROOT / "tests" / ".artifacts") / "dashboard"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 @pytest.fixture(scope="session")
