@@ -295,6 +295,9 @@ function SpanPanel({ rollout, attempt, spanId, onClose }) {
 
 function SpanTree({ tree, selected, onSelect }) {
   const total = tree.duration_ms || 1;
+  // render timing for bench/dashboard.py: from this render's start to its effects (DOM committed)
+  const started = performance.now();
+  useEffect(() => { window.__aglTree = { rows: tree.rows.length, render_ms: performance.now() - started }; }, [tree]);
   return html`<div class="tree card" id="span-tree" data-count=${tree.rows.length}>
     <div class="span-row" style="cursor:default;font-weight:600;color:#66707d"><div>span</div><div>timeline (${fmtMs(tree.duration_ms)})</div><div class="dur">duration</div></div>
     ${tree.rows.map((r) => html`<div key=${r.span_id} class=${`span-row${r.status === "ERROR" ? " error" : ""}${r.stale ? " is-stale" : ""}${r.span_id === selected ? " selected" : ""}`}
@@ -317,10 +320,6 @@ function RolloutPage({ id, query }) {
   const [cancelError, setCancelError] = useState(null);
   const attempt = Number(query.get("attempt")) || rollout?.finishing_attempt || rollout?.attempts.at(-1)?.number || null;
   const { data: tree, error: treeError } = useApi(attempt ? `rollouts/${enc(id)}/attempts/${attempt}/spans` : null);
-  useEffect(() => {
-    if (!tree) return;
-    window.__aglTreeRendered = { count: tree.rows.length, t: performance.now() };
-  }, [tree]);
   if (error) return html`<${ErrorBox} error=${error} />`;
   if (!rollout) return html`<p class="loading">Loading…</p>`;
   const cancel = async () => {
