@@ -28,7 +28,15 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from agl.dashboard.index import Filters, RolloutIndex
-from agl.dashboard.views import KEY_METRICS, read_run, rollout_view, span_detail, span_tree, transitions_view
+from agl.dashboard.views import (
+    KEY_METRICS,
+    read_run,
+    rollout_view,
+    span_detail,
+    span_tree,
+    trajectories_view,
+    transitions_view,
+)
 from agl.store.base import StoreError
 from agl.types import ROLLOUT_STATUSES, TERMINAL_ROLLOUT_STATUSES
 
@@ -270,6 +278,8 @@ class Dashboard:
                 (t.rollout_id, t.index): a for t, a in zip(group, values, strict=True) if t.rollout_id == r.id
             }
         data = transitions_view(ts, base, advantages, stats, self.tokenizer)
+        if q.get("view") == "merged":
+            data.update(trajectories_view(ts, advantages, self.tokenizer))
         data["attempt"] = n
         data["finishing_attempt"] = finishing_attempt(r)
         data["group_size"] = len({t.rollout_id for t in group})

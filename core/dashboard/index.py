@@ -56,6 +56,15 @@ def final_reward(spans: list[Any]) -> float | None:
     return None if best is None else best[1]
 
 
+def _differs(old: dict[str, Any] | None, row: dict[str, Any]) -> bool:
+    return (
+        old is None
+        or old["updated_at"] != row["updated_at"]
+        or old["status"] != row["status"]
+        or len(old["attempts"]) != len(row["attempts"])
+    )
+
+
 def summarize(r: Rollout) -> dict[str, Any]:
     """One table row: what the rollouts page shows and filters on."""
     last = r.attempts[-1] if r.attempts else None
@@ -128,28 +137,58 @@ class RolloutIndex:
         self._wake = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
+        #: per index version: facet counts, and the rows matching each recent filter (paging is O(page))
+        self._facets: dict[str, Any] | None = None
+        self._matches: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
 
     # ------------------------------------------------------------------ refresh
     def refresh(self) -> bool:
-        """Rebuild from the store now; True when anything changed (and ``version`` went up)."""
+        """Catch up with the store; True when anything changed (and ``version`` went up).
+
+        Incremental: rollouts are only ever added, in store order, and a terminal rollout never
+        changes again; so one round reads the new rollouts (``offset`` = rows known) and re-reads the
+        ones that were still queued or running. A store without ``offset`` is re-read whole.
+        """
         with self._refresh_lock:
             t0 = time.perf_counter()
-            rollouts = self.store.query_rollouts()
-            rows = [summarize(r) for r in rollouts]
-            old = self._state.by_id
-            changed = len(rows) != len(self._state.rows) or any(
-                (o := old.get(row["id"])) is None
-                or o["updated_at"] != row["updated_at"]
-                or o["status"] != row["status"]
-                or len(o["attempts"]) != len(row["attempts"])
-                for row in rows
-            )
-            self._state = _State(rows, {row["id"]: row for row in rows}, self._clock())
+            state = self._state
+            rows, by_id = list(state.rows), dict(state.by_id)
+            changed = False
+            try:
+                new = self.store.query_rollouts(offset=len(rows)) if state.loaded_at else None
+            except TypeError:  # a Store implementation without offset: rebuild from scratch
+                new = None
+            if new is None:
+                fresh = [summarize(r) for r in self.store.query_rollouts()]
+                changed = [r["id"] for r in fresh] != [r["id"] for r in rows] or any(
+                    _differs(by_id.get(r["id"]), r) for r in fresh
+                )
+                rows, by_id = fresh, {r["id"]: r for r in fresh}
+            else:
+                active = [r["id"] for r in rows if r["status"] not in TERMINAL_ROLLOUT_STATUSES]
+                for k in range(0, len(active), 500):
+                    for r in self.store.query_rollouts(ids=active[k : k + 500]):
+                        row = summarize(r)
+                        old = by_id.get(row["id"])
+                        if _differs(old, row):
+                            changed = True
+                            old.clear()  # type: ignore[union-attr]
+                            old.update(row)  # type: ignore[union-attr]
+                for r in new:
+                    if r.id in by_id:  # a concurrent enqueue moved the offset: already known
+                        continue
+                    row = summarize(r)
+                    rows.append(row)
+                    by_id[row["id"]] = row
+                    changed = True
+            self._state = _State(rows, by_id, self._clock())
             self.last_cost_s = time.perf_counter() - t0
             self.error = None
             if changed:
                 with self._cond:
                     self.version += 1
+                    self._facets = None
+                    self._matches.clear()
                     self._cond.notify_all()
             return changed
 
@@ -245,15 +284,21 @@ class RolloutIndex:
         self._ensure_loaded()
         rows = self._state.rows
         status, mode, version, gid, search = f.status, f.mode, f.resources_version, f.group_id, f.search
-        match = [
-            r
-            for r in rows
-            if (status is None or r["status"] in status)
-            and (mode is None or r["mode"] == mode)
-            and (version is None or r["resources_version"] == version)
-            and (gid is None or r["group_id"] == gid)
-            and (search is None or search in r["id"])
-        ]
+        key = (self.version, status, mode, version, gid, search)
+        match = self._matches.get(key)
+        if match is None:
+            match = [
+                r
+                for r in rows
+                if (status is None or r["status"] in status)
+                and (mode is None or r["mode"] == mode)
+                and (version is None or r["resources_version"] == version)
+                and (gid is None or r["group_id"] == gid)
+                and (search is None or search in r["id"])
+            ]
+            if len(self._matches) >= 16:
+                self._matches.clear()
+            self._matches[key] = match
         pending = 0
         if f.by_reward:
             lo = -math.inf if f.reward_min is None else f.reward_min
@@ -293,6 +338,8 @@ class RolloutIndex:
     def facets(self) -> dict[str, Any]:
         """Counts by status and mode, and the resources versions seen (for the filter controls)."""
         self._ensure_loaded()
+        if self._facets is not None:
+            return self._facets
         status: dict[str, int] = {}
         mode: dict[str, int] = {}
         versions: set[int] = set()
@@ -301,7 +348,8 @@ class RolloutIndex:
             mode[r["mode"]] = mode.get(r["mode"], 0) + 1
             if r["resources_version"] is not None:
                 versions.add(r["resources_version"])
-        return {"status": status, "mode": mode, "resources_versions": sorted(versions)}
+        self._facets = {"status": status, "mode": mode, "resources_versions": sorted(versions)}
+        return self._facets
 
     def reward_curve(self, fetch_budget: int = 2000) -> tuple[list[dict[str, Any]], int]:
         """Mean reward per resources version (a trainer publishes one per step), train vs held-out,

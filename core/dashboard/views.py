@@ -24,6 +24,7 @@ __all__ = [
     "rollout_view",
     "span_detail",
     "span_tree",
+    "trajectories_view",
     "transitions_view",
 ]
 
@@ -266,3 +267,53 @@ def transitions_view(
             }
         )
     return {"transitions": out, "stats": stats, "tokenizer": tokenizer is not None}
+
+
+def trajectories_view(
+    transitions: Sequence[Any],
+    advantages: dict[tuple[str, int], float],
+    tokenizer: Any,
+    *,
+    token_cap: int = 8192,
+) -> dict[str, Any]:
+    """The same calls merged per agent conversation (``agl.trajectories``): one sequence each, its loss
+    mask (1 on the model's own response tokens, 0 on context in between) and its segments."""
+    from agl.trajectories import merge_transitions
+
+    trajs, stats = merge_transitions(list(transitions))
+    out = []
+    for tr in trajs:
+        completion = list(tr.completion_ids[:token_cap])
+        segments = []
+        for seg in tr.segments:
+            t = transitions[seg.transition]
+            segments.append(
+                {
+                    "index": t.index,
+                    "span_id": seg.span_id,
+                    "start": seg.start,
+                    "end": seg.end,
+                    "exact": t.exact,
+                    "final_reward": seg.final_reward,
+                    "intermediate_reward": seg.intermediate_reward,
+                    "return": seg.reward,
+                    "advantage": advantages.get((t.rollout_id, t.index)),
+                }
+            )
+        out.append(
+            {
+                "agent": tr.agent,
+                "exact": tr.exact,
+                "prompt_ids": list(tr.prompt_ids[-token_cap:]),
+                "prompt_truncated": max(0, len(tr.prompt_ids) - token_cap),
+                "prompt_pieces": _pieces(tokenizer, tr.prompt_ids, token_cap),
+                "completion_ids": completion,
+                "completion_pieces": _pieces(tokenizer, completion, token_cap),
+                "completion_truncated": max(0, len(tr.completion_ids) - token_cap),
+                "loss_mask": list(tr.loss_mask[:token_cap]),
+                "tokens": tr.tokens,
+                "trained_tokens": tr.response_tokens,
+                "segments": segments,
+            }
+        )
+    return {"trajectories": out, "merge_stats": stats.as_dict()}

@@ -116,6 +116,7 @@ class _RolloutQuery(_Body):
     group_id: str | None = None
     ids: list[str] | None = None
     limit: int | None = Field(default=None, ge=0, le=_MAX_INT)
+    offset: int | None = Field(default=None, ge=0, le=_MAX_INT)
 
 
 class _WaitIn(_Body):
@@ -506,7 +507,7 @@ class StoreServer:
     async def query_rollouts(self, request: Request) -> Response:
         q = await self._json_body(request, _RolloutQuery)
         rollouts = self._store(request).query_rollouts(
-            status=q.status, mode=q.mode, group_id=q.group_id, ids=q.ids, limit=q.limit
+            status=q.status, mode=q.mode, group_id=q.group_id, ids=q.ids, limit=q.limit, offset=q.offset
         )
         return self._ok(b'{"rollouts":' + _dump(rollouts) + b"}")
 

@@ -148,3 +148,64 @@ def test_ui_mount_of_the_store_server_uses_the_server_token(store: MemoryStore) 
         assert r.status_code == 200 and r.json()["store_total"] == 30
         r = httpx.get(f"{url}/ui/api/rollouts/ro-03/attempts/1/spans", headers={"Authorization": "Bearer s3"})
         assert [row["tag"] for row in r.json()["rows"]] == ["reward", "reward"]
+
+
+class _NoOffset:
+    """A Store implementation from before ``query_rollouts(offset=)``: the index re-reads it whole."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._s = store
+
+    def query_rollouts(self, **kw: Any) -> list[Any]:
+        if "offset" in kw:
+            raise TypeError("query_rollouts() got an unexpected keyword argument 'offset'")
+        return self._s.query_rollouts(**kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._s, name)
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["incremental", "whole"])
+def test_refresh_follows_new_and_changing_rollouts(store: MemoryStore, wrap: bool) -> None:
+    index = RolloutIndex(_NoOffset(store) if wrap else store)
+    try:
+        assert index.page(Filters(status=frozenset({"queued"})))["total"] == 5
+        v = index.version
+        assert index.refresh() is False and index.version == v  # nothing changed, nothing announced
+        c = store.claim("w9")
+        assert c is not None and c.rollout.id == "ro-q0"
+        store.enqueue([NewRollout(id="ro-late", mode="test")])
+        assert index.refresh() is True and index.version == v + 1
+        page = index.page(Filters(status=frozenset({"running"})))
+        assert [(r["id"], r["worker_id"]) for r in page["rollouts"]] == [("ro-q0", "w9")]
+        assert index.page(Filters(mode="test"))["rollouts"][0]["id"] == "ro-late"
+        assert index.facets()["status"] == {"succeeded": 25, "queued": 5, "running": 1}
+        store.finish_attempt("ro-q0", 1, "failed", error={"type": "Boom", "message": "no"})
+        assert index.refresh() is True
+        (row,) = index.page(Filters(search="ro-q0"))["rollouts"]
+        assert row["status"] == "failed" and row["error"] == "Boom: no" and row["reward"] is None
+    finally:
+        index.close()
+
+
+def test_stale_attempts_and_their_spans_are_marked() -> None:
+    """An attempt whose lease expired ends ``lost``: it and its spans show as stale, the retry counts."""
+    s = MemoryStore()
+    s.enqueue([NewRollout(id="ro-lost", config={"lease_s": 0.05, "max_attempts": 2})])
+    s.claim("w-dead")
+    s.add_spans([_reward_span("ro-lost", 1.0, 0)])
+    time.sleep(0.2)
+    c = s.claim("w-alive")
+    assert c is not None and c.attempt.number == 2
+    s.finish_attempt("ro-lost", 2, "succeeded")
+    with TestClient(create_dashboard_app(s)) as client:
+        r = client.get("/api/rollouts/ro-lost").json()
+        assert [(a["status"], a["stale"], a["finishing"]) for a in r["attempts"]] == [
+            ("lost", True, False),
+            ("succeeded", False, True),
+        ]
+        tree = client.get("/api/rollouts/ro-lost/attempts/1/spans").json()
+        assert tree["stale"] == 1 and tree["rows"][0]["stale"] is True
+        # the reward of a rollout is its finishing attempt's: attempt 2 reported none
+        assert client.get("/api/rollouts?q=ro-lost").json()["rollouts"][0]["reward"] is None
+    s.close()

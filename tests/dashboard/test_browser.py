@@ -158,6 +158,7 @@ def test_ui_under_store_serve_token_pages_tree_and_tokens(served: Any, browser: 
     assert colours[0] != colours[1]
     for card in cards[1:]:
         assert card.find_element(By.CSS_SELECTOR, ".air").text == "0"
+    response_tokens = [len(c.find_elements(By.CSS_SELECTOR, ".tok.trained")) for c in cards]
     _shot(browser, "05-transitions")
 
     # AIR off: the penalty disappears
@@ -166,6 +167,18 @@ def test_ui_under_store_serve_token_pages_tree_and_tokens(served: Any, browser: 
     Select(browser.find_element(By.ID, "t-air")).select_by_visible_text("off")
     browser.find_element(By.ID, "t-apply").click()
     _until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".transition .air")[0].text == "0")
+
+    # merged sequences: the agent's three calls extend one another exactly, so they are one sequence
+    # whose loss mask trains the three responses and masks the tool results in between
+    Select(browser.find_element(By.ID, "t-view")).select_by_visible_text("merged sequences")
+    browser.find_element(By.ID, "t-apply").click()
+    (seq,) = _wait(browser, ".trajectory")
+    assert len(seq.find_elements(By.CSS_SELECTOR, ".segments tbody tr")) == 3
+    assert len(seq.find_elements(By.CSS_SELECTOR, ".seg-mark")) == 3
+    assert len(seq.find_elements(By.CSS_SELECTOR, ".tok.trained")) == sum(response_tokens)
+    masked_between = seq.find_elements(By.CSS_SELECTOR, ".seg-mark ~ .tok.masked")
+    assert masked_between and "malformed expression" in "".join(t.text for t in masked_between)
+    _shot(browser, "05b-merged")
 
     # Runs: the held-out curve from the store's rollouts
     browser.get(f"{base}#/runs")

@@ -293,24 +293,50 @@ function SpanPanel({ rollout, attempt, spanId, onClose }) {
   </div>`;
 }
 
+// The tree is windowed: only the rows in view (plus a margin) are in the DOM, so a 5k- or 50k-span
+// attempt draws as fast as a small one. Rows have a fixed height for that.
+const ROW_H = 22, VIEW_H = 620, MARGIN = 40;
+
+function SpanRow({ r, total, selected, onSelect }) {
+  return html`<div class=${`span-row${r.status === "ERROR" ? " error" : ""}${r.stale ? " is-stale" : ""}${r.span_id === selected ? " selected" : ""}`}
+      data-span=${r.span_id} data-tag=${r.tag} data-status=${r.status} onClick=${() => onSelect(r.span_id)}>
+    <div class="name" style=${`padding-left:${r.depth * 16}px`} title=${r.details}>
+      <span class=${`tag tag-${r.tag || "other"}`}>${r.tag || "span"}</span><span class="label">${r.label}</span>
+      ${r.status === "ERROR" ? html` <span class="badge err-badge">ERROR</span>` : null}
+      ${r.stale ? html` <span class="badge stale">stale</span>` : null}
+      <span class="details">${r.details}</span>
+    </div>
+    <div class="timeline"><div class=${`bar bar-${r.status === "ERROR" ? "error" : r.tag || "other"}`} style=${`left:${(100 * r.start_ms) / total}%;width:${Math.max(0.2, (100 * r.duration_ms) / total)}%`}></div></div>
+    <div class="dur">${fmtMs(r.duration_ms)}</div>
+  </div>`;
+}
+
 function SpanTree({ tree, selected, onSelect }) {
   const total = tree.duration_ms || 1;
+  const rows = tree.rows;
+  const [top, setTop] = useState(0);
+  const box = useRef(null);
   // render timing for bench/dashboard.py: from this render's start to its effects (DOM committed)
   const started = performance.now();
-  useEffect(() => { window.__aglTree = { rows: tree.rows.length, render_ms: performance.now() - started }; }, [tree]);
-  return html`<div class="tree card" id="span-tree" data-count=${tree.rows.length}>
-    <div class="span-row" style="cursor:default;font-weight:600;color:#66707d"><div>span</div><div>timeline (${fmtMs(tree.duration_ms)})</div><div class="dur">duration</div></div>
-    ${tree.rows.map((r) => html`<div key=${r.span_id} class=${`span-row${r.status === "ERROR" ? " error" : ""}${r.stale ? " is-stale" : ""}${r.span_id === selected ? " selected" : ""}`}
-        data-span=${r.span_id} data-tag=${r.tag} data-status=${r.status} onClick=${() => onSelect(r.span_id)}>
-      <div class="name" style=${`padding-left:${r.depth * 16}px`} title=${r.details}>
-        <span class=${`tag tag-${r.tag || "other"}`}>${r.tag || "span"}</span><span class="label">${r.label}</span>
-        ${r.status === "ERROR" ? html` <span class="badge err-badge">ERROR</span>` : null}
-        ${r.stale ? html` <span class="badge stale">stale</span>` : null}
-        <span class="details">${r.details}</span>
+  useEffect(() => { window.__aglTree = { rows: rows.length, render_ms: performance.now() - started }; }, [tree]);
+  const first = Math.max(0, Math.floor(top / ROW_H) - MARGIN);
+  const last = Math.min(rows.length, Math.ceil((top + VIEW_H) / ROW_H) + MARGIN);
+  const errors = rows.filter((r) => r.status === "ERROR").slice(0, 20);
+  const jump = (r) => {
+    const i = rows.indexOf(r);
+    if (box.current) box.current.scrollTop = Math.max(0, i * ROW_H - VIEW_H / 3);
+    onSelect(r.span_id);
+  };
+  return html`<div class="tree card" id="span-tree" data-count=${rows.length}>
+    ${errors.length ? html`<div class="errors">ERROR spans: ${errors.map((r) => html`<a class="error-link" href="javascript:void 0" onClick=${() => jump(r)}>${r.label}</a> `)}</div>` : null}
+    <div class="span-row head"><div>span</div><div>timeline (${fmtMs(tree.duration_ms)})</div><div class="dur">duration</div></div>
+    <div class="tree-scroll" ref=${box} style=${`max-height:${VIEW_H}px`} onScroll=${(e) => setTop(e.currentTarget.scrollTop)}>
+      <div style=${`height:${rows.length * ROW_H}px;position:relative`}>
+        <div style=${`position:absolute;left:0;right:0;top:${first * ROW_H}px`}>
+          ${rows.slice(first, last).map((r) => html`<${SpanRow} key=${r.span_id} r=${r} total=${total} selected=${selected} onSelect=${onSelect} />`)}
+        </div>
       </div>
-      <div class="timeline"><div class=${`bar bar-${r.status === "ERROR" ? "error" : r.tag || "other"}`} style=${`left:${(100 * r.start_ms) / total}%;width:${Math.max(0.2, (100 * r.duration_ms) / total)}%`}></div></div>
-      <div class="dur">${fmtMs(r.duration_ms)}</div>
-    </div>`)}
+    </div>
   </div>`;
 }
 
@@ -351,8 +377,30 @@ function Tokens({ ids, pieces, cls, truncated, label }) {
   return html`${truncated ? html`<span class="muted">[${truncated} earlier ${label} tokens not shown] </span>` : null}${ids.map((id, i) => html`<span class=${`tok ${cls}`} title=${`${label} token ${id}`}>${pieces ? pieces[i] : `${id} `}</span>`)}`;
 }
 
+// Merged sequences (agl.trajectories): one sequence per agent conversation; the loss mask colours each
+// completion token (trained: the model's own responses; masked: tool results and turns in between).
+function Merged({ data }) {
+  const ms = data.merge_stats;
+  return html`<div id="merged">
+    <p class="muted">${ms.calls} call(s) → ${ms.sequences} sequence(s); ${ms.merged_calls} merged, ${ms.tokens_saved} token(s) not re-encoded
+      ${["retokenised", "truncated", "diverged"].filter((c) => ms[`breaks_${c}`]).map((c) => html` <span class="badge retok">break: ${c}=${ms[`breaks_${c}`]}</span>`)}</p>
+    ${data.trajectories.map((tr, k) => {
+      const starts = new Map(tr.segments.map((s) => [s.start, s]));
+      return html`<div class="card trajectory" data-k=${k}>
+        <div><b>sequence ${k + 1}</b> agent <b>${tr.agent || "–"}</b> · ${tr.segments.length} segment(s) · ${tr.tokens} tokens, ${tr.trained_tokens} trained
+          ${tr.exact ? html`<span class="badge exact">exact token ids</span>` : html`<span class="badge retok">re-tokenised</span>`}</div>
+        <table class="segments"><thead><tr><th>segment</th><th>call</th><th>tokens</th><th class="num">final</th><th class="num">intermediate</th><th class="num">return</th><th class="num">advantage</th></tr></thead>
+          <tbody>${tr.segments.map((s, j) => html`<tr><td>${j + 1}</td><td>#${s.index} ${s.exact ? "" : html`<span class="badge retok">re-tokenised</span>`}</td><td>${s.start}–${s.end}</td>
+            <td class="num">${fmtNum(s.final_reward)}</td><td class="num">${fmtNum(s.intermediate_reward)}</td><td class="num">${fmtNum(s.return)}</td><td class="num">${fmtNum(s.advantage)}</td></tr>`)}</tbody></table>
+        <div class="tokens"><${Tokens} ids=${tr.prompt_ids} pieces=${tr.prompt_pieces} cls="masked" truncated=${tr.prompt_truncated} label="prompt" />${tr.completion_ids.map((id, i) => html`${starts.has(i) ? html`<span class="seg-mark" title=${`segment: call #${starts.get(i).index}`}>▸</span>` : null}<span class=${`tok ${tr.loss_mask[i] ? "trained" : "masked"}`} title=${`token ${id}`}>${tr.completion_pieces ? tr.completion_pieces[i] : `${id} `}</span>`)}
+          ${tr.completion_truncated ? html`<span class="muted"> [${tr.completion_truncated} more tokens]</span>` : null}</div>
+      </div>`;
+    })}
+  </div>`;
+}
+
 function TransitionsPage({ id, attempt, query }) {
-  const [form, setForm] = useState({ agents: query.get("agents") || "", air: query.get("air") || "on",
+  const [form, setForm] = useState({ view: query.get("view") || "calls", agents: query.get("agents") || "", air: query.get("air") || "on",
     air_tool_error: query.get("air_tool_error") || "", air_exception: query.get("air_exception") || "", air_malformed_tool_call: query.get("air_malformed_tool_call") || "" });
   const [applied, setApplied] = useState(form);
   const qs = new URLSearchParams();
@@ -362,6 +410,7 @@ function TransitionsPage({ id, attempt, query }) {
   return html`<div id="transitions-page">
     <h2>Transitions of <a class="mono" href=${rolloutHref(id, attempt)}>${id}</a> attempt #${attempt}</h2>
     <form class="card filters" onSubmit=${(e) => { e.preventDefault(); setApplied(form); }}>
+      <label>view<select id="t-view" value=${form.view} onChange=${set("view")}><option value="calls">per LLM call</option><option value="merged">merged sequences</option></select></label>
       <label>agents (comma-separated; empty: all)<input id="t-agents" value=${form.agents} onInput=${set("agents")} /></label>
       <label>AIR<select id="t-air" value=${form.air} onChange=${set("air")}><option value="on">on</option><option value="off">off</option></select></label>
       <label>tool_error weight<input type="number" step="any" value=${form.air_tool_error} onInput=${set("air_tool_error")} placeholder="-0.1" /></label>
@@ -377,7 +426,7 @@ function TransitionsPage({ id, attempt, query }) {
       <p class="muted">${data.transitions.length} transition(s); exact ${data.stats.exact}, re-tokenised ${data.stats.retokenised}; advantage over ${data.group_size} rollout(s) of the group.
         ${Object.entries(data.stats).filter(([k, v]) => v && ["no_tokenizer", "unselected", "missing_final_reward", "failed_calls", "retokenise_failed", "duplicates", "orphans", "stale"].includes(k)).map(([k, v]) => html` <span class="badge retok">${k}=${v}</span>`)}</p>
       ${data.transitions.length === 0 ? html`<p class="muted">Nothing here would be trained on.</p>` : null}
-      ${data.transitions.map((t) => html`<div class="card transition" data-index=${t.index} data-exact=${String(t.exact)}>
+      ${data.trajectories ? html`<${Merged} data=${data} />` : data.transitions.map((t) => html`<div class="card transition" data-index=${t.index} data-exact=${String(t.exact)}>
         <div><b>#${t.index}</b> agent <b>${t.agent || "–"}</b> · ${t.model || ""}
           ${t.exact ? html`<span class="badge exact">exact token ids</span>` : html`<span class="badge retok">re-tokenised</span>`}
           · <span class="mono">span ${t.span_id}</span> · ${t.prompt_len} prompt + ${t.response_len} response tokens</div>
