@@ -4,8 +4,9 @@
 
 Served the way users open it (``agl store serve`` over a SQLite file, the UI under ``/ui``). Measured:
 
-- index build: the first ``/ui/api/rollouts`` answer (the dashboard reads every rollout once), and a
-  background rebuild's duration (``refresh_cost_s``: it sets how often the index follows the store);
+- index build: the first ``/ui/api/rollouts`` answer (the dashboard reads every rollout once), and an
+  incremental refresh round (``refresh_cost_s``: new rollouts plus the ``--active`` ones still queued;
+  it sets how often the index follows the store);
 - a rollouts page (50 rows, newest first) with and without a status filter, over HTTP, p50;
 - in Chromium: the rollouts page from navigation to the table drawn, the rollout page of the 5k-span
   attempt from navigation to the tree drawn (page load, fetches, JSON, render), and the tree's render
@@ -38,7 +39,7 @@ TOKEN = "bench"
 
 
 def fill(db: Path, n: int, finished: int, tree_spans: int) -> str:
-    """``n`` rollouts (the last ``finished`` of them claimed, rewarded and finished) and one rollout
+    """``n`` rollouts (the oldest ``finished`` of them claimed, rewarded and finished) and one rollout
     whose attempt has ``tree_spans`` spans: an agent with LLM calls and tools, some failing."""
     store = SQLiteStore(db)
     store.enqueue([NewRollout(id="ro-tree")])
@@ -113,14 +114,16 @@ def p50(xs: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rollouts", type=int, default=100_000)
-    ap.add_argument("--finished", type=int, default=5_000, help="rollouts finished with a reward span")
+    ap.add_argument(
+        "--active", type=int, default=1_000, help="rollouts left queued (the rest finish with a reward)"
+    )
     ap.add_argument("--tree-spans", type=int, default=5_000)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="agl-bench-dash-"))
     db = tmp / "store.db"
     t = time.perf_counter()
-    rid = fill(db, args.rollouts, args.finished, args.tree_spans)
+    rid = fill(db, args.rollouts, max(0, args.rollouts - args.active), args.tree_spans)
     print(
         f"filled {args.rollouts} rollouts + a {args.tree_spans}-span attempt in {time.perf_counter() - t:.0f}s"
     )

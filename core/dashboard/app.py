@@ -171,6 +171,57 @@ class Dashboard:
             }
         )
 
+    def version_metrics(self, request: Request) -> Response:
+        """Training-data metrics of one resources version's train rollouts, from the store: what the
+        adapter makes of them (exact-token ratio, AIR share) and how many groups carry no signal."""
+        from agl.adapter import Adapter, finishing_attempt
+        from agl.rewards import AIR
+
+        version = _int(request.query_params, "version")
+        mode = request.query_params.get("mode") or "train"
+        if mode not in _MODES:
+            raise _BadRequest(f"unknown mode {mode!r}; expected one of {', '.join(_MODES)}")
+        cap = _int(request.query_params, "max_rollouts", 256, lo=1, hi=4096) or 256
+        rows = [
+            r for r in self.index.rows_of_version(version, mode) if r["status"] in TERMINAL_ROLLOUT_STATUSES
+        ]
+        rows = rows[-cap:]
+        rollouts = self.store.query_rollouts(ids=[r["id"] for r in rows]) if rows else []
+        adapter = Adapter(tokenizer=self.tokenizer)
+        plain = Adapter(tokenizer=self.tokenizer, air=AIR.off())
+        n = exact = with_air = 0
+        finals: dict[str, list[float]] = {}
+        for r in rollouts:
+            att = finishing_attempt(r)
+            if att is None:
+                continue
+            spans = self._spans(r.id, att, True)
+            ts = adapter.transitions(spans, rollout=r, attempt=att)
+            base = {
+                (t.span_id, t.index): t.intermediate_reward
+                for t in plain.transitions(spans, rollout=r, attempt=att)
+            }
+            n += len(ts)
+            exact += sum(t.exact for t in ts)
+            with_air += sum(1 for t in ts if t.intermediate_reward != base.get((t.span_id, t.index), 0.0))
+            if ts:
+                finals.setdefault(r.group_id or r.id, []).append(ts[0].final_reward)
+        groups = [v for v in finals.values() if len(v) > 1]
+        return JSONResponse(
+            {
+                "version": version,
+                "mode": mode,
+                "rollouts": len(rollouts),
+                "capped": len(self.index.rows_of_version(version, mode)) > cap,
+                "transitions": n,
+                "exact_token_ratio": exact / n if n else None,
+                "air_share": with_air / n if n else None,
+                "groups": len(groups),
+                "zero_variance_groups": sum(1 for v in groups if max(v) - min(v) < 1e-9),
+                "adapter": adapter.stats.as_dict(),
+            }
+        )
+
     def rollouts(self, request: Request) -> Response:
         q = request.query_params
         statuses = [s for s in q.getlist("status") if s]
@@ -295,6 +346,7 @@ class Dashboard:
         api = [
             ("/api/info", self.info, "GET"),
             ("/api/runs", self.runs, "GET"),
+            ("/api/metrics", self.version_metrics, "GET"),
             ("/api/rollouts", self.rollouts, "GET"),
             ("/api/changes", self.changes, "GET"),
             ("/api/rollouts/{rollout_id}", self.rollout, "GET"),

@@ -209,3 +209,25 @@ def test_stale_attempts_and_their_spans_are_marked() -> None:
         # the reward of a rollout is its finishing attempt's: attempt 2 reported none
         assert client.get("/api/rollouts?q=ro-lost").json()["rollouts"][0]["reward"] is None
     s.close()
+
+
+def test_cli_errors_are_one_line(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from agl.cli import main
+
+    assert main(["dashboard", "--store", f"sqlite:///{tmp_path / 'nope.db'}"]) == 2
+    assert "no store at" in capsys.readouterr().err
+    assert main(["dashboard", "--store", "memory://", "--run-dir", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["dashboard", "--store", "memory://", "--host", "0.0.0.0", "--tokenizer", "none"]) == 2
+    assert "without a token" in capsys.readouterr().err
+    assert main(["dashboard", "--store", "memory://", "--port", "70000"]) == 2
+    assert "--port" in capsys.readouterr().err
+
+
+def test_version_metrics_through_the_adapter(store: MemoryStore) -> None:
+    with TestClient(create_dashboard_app(store)) as client:
+        m = client.get("/api/metrics?version=2").json()
+        # 10 train rollouts at version 2, each its own group, with reward spans but no LLM calls
+        assert (m["rollouts"], m["transitions"], m["groups"]) == (10, 0, 0)
+        assert m["exact_token_ratio"] is None and m["adapter"]["reward_spans"] == 20
+        assert client.get("/api/metrics?version=2&mode=prod").status_code == 400

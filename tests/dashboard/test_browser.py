@@ -43,6 +43,12 @@ def _shot(driver: Any, name: str) -> None:
     driver.save_screenshot(str(artifacts_dir() / f"{name}.png"))
 
 
+def _metric(driver: Any, key: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    return driver.find_element(By.CSS_SELECTOR, f'#version-metrics tr[data-key="{key}"] td.num').text
+
+
 def _truth(store_url: str) -> dict[str, Any]:
     """What the pages must show, read straight from the store."""
     import agl.store
@@ -56,7 +62,17 @@ def _truth(store_url: str) -> dict[str, Any]:
             rewards[r.id] = final_reward(spans)
             if any(s.name == sc.SPAN_EXECUTE_TOOL and s.status.code == "ERROR" for s in spans):
                 sloppy = r.id
-        return {"ids": [r.id for r in rollouts], "rewards": rewards, "sloppy": sloppy}
+        from agl.adapter import Adapter
+
+        ts = Adapter().from_store(store, [r.id for r in rollouts])
+        air = sum(1 for t in ts if t.intermediate_reward != 0)  # calc_agent emits no rewards of its own
+        return {
+            "ids": [r.id for r in rollouts],
+            "rewards": rewards,
+            "sloppy": sloppy,
+            "transitions": len(ts),
+            "air_share": air / len(ts),
+        }
     finally:
         store.close()
 
@@ -185,6 +201,13 @@ def test_ui_under_store_serve_token_pages_tree_and_tokens(served: Any, browser: 
     table = _wait(browser, "#store-curve table tbody tr")[0]
     rewards = [v for v in truth["rewards"].values() if v is not None]
     assert f"{sum(rewards) / len(rewards):.3f}" in table.text
+    # the version's training data through the adapter: all exact, AIR on the malformed calls only
+    box = browser.find_element(By.ID, "version-metrics")
+    Select(box.find_elements(By.TAG_NAME, "select")[1]).select_by_visible_text("test")
+    _until(browser, lambda d: "AIR share" in d.find_element(By.ID, "version-metrics").text)
+    _until(browser, lambda d: _metric(d, "transitions") == str(truth["transitions"]))
+    assert _metric(browser, "exact-token ratio") == "1"
+    assert _metric(browser, "AIR share (transitions with an AIR reward)") == f"{truth['air_share']:.3f}"
     _shot(browser, "06-runs-store")
 
 

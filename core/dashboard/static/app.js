@@ -137,6 +137,25 @@ function KeyMetrics({ records, keys }) {
     <tbody>${present.map(([label, k]) => html`<tr data-key=${k}><td>${label}</td><td class="num">${fmtNum(last(k))}</td><td class="num">${fmtNum(mean(k))}</td></tr>`)}</tbody></table>`;
 }
 
+function VersionMetrics({ versions }) {
+  const [v, setV] = useState(versions.length ? versions[versions.length - 1] : "");
+  const [mode, setMode] = useState("train");
+  const { data, error } = useApi(v !== "" ? `metrics?version=${v}&mode=${mode}` : null, []);
+  if (!versions.length) return null;
+  const rows = data ? [
+    ["rollouts", data.rollouts + (data.capped ? " (newest)" : "")], ["transitions", data.transitions],
+    ["exact-token ratio", fmtNum(data.exact_token_ratio)], ["AIR share (transitions with an AIR reward)", fmtNum(data.air_share)],
+    ["groups (≥ 2 rollouts)", data.groups], ["zero-variance groups", data.zero_variance_groups],
+  ] : [];
+  return html`<div class="card" id="version-metrics">
+    <h3>Training data of one version (from the store, through the adapter)</h3>
+    <div class="filters"><label>resources version<select value=${v} onChange=${(e) => setV(e.target.value)}>${versions.map((x) => html`<option value=${x}>v${x}</option>`)}</select></label>
+      <label>mode<select value=${mode} onChange=${(e) => setMode(e.target.value)}>${["train", "val", "test"].map((m) => html`<option value=${m}>${m}</option>`)}</select></label></div>
+    <${ErrorBox} error=${error} />
+    ${data ? html`<table><tbody>${rows.map(([k, val]) => html`<tr data-key=${k}><td>${k}</td><td class="num">${val}</td></tr>`)}</tbody></table>` : html`<p class="loading">Adapting…</p>`}
+  </div>`;
+}
+
 function RunsPage() {
   const { data, error } = useApi("runs");
   if (error) return html`<${ErrorBox} error=${error} />`;
@@ -161,9 +180,10 @@ function RunsPage() {
         { name: "held-out", cls: "val", color: "#cf222e", points: data.store_curve.filter((r) => r.val_reward !== null).map((r) => [r.step, r.val_reward]) },
       ]} />
       ${data.rewards_pending ? html`<p class="muted">${data.rewards_pending} reward(s) still being read.</p>` : null}
-      <table><thead><tr><th>version</th><th class="num">train reward</th><th class="num">rollouts</th><th class="num">held-out reward</th><th class="num">rollouts</th></tr></thead>
+      <table id="store-curve-table"><thead><tr><th>version</th><th class="num">train reward</th><th class="num">rollouts</th><th class="num">held-out reward</th><th class="num">rollouts</th></tr></thead>
       <tbody>${data.store_curve.map((r) => html`<tr><td><a href=${`#/rollouts?resources_version=${r.step}`}>v${r.step}</a></td><td class="num">${fmtNum(r.train_reward)}</td><td class="num">${r.rollouts}</td><td class="num">${fmtNum(r.val_reward)}</td><td class="num">${r.val_rollouts}</td></tr>`)}</tbody></table>
     </div>
+    <${VersionMetrics} versions=${data.store_curve.map((r) => r.step)} />
   </div>`;
 }
 
