@@ -5,16 +5,22 @@ offset, count or "changed since" query, and rewards live in spans, not on the ro
 dashboard keeps one summary row per rollout in memory (about 200 bytes each: 100k rollouts are
 ~20 MB) and answers every page, filter and count from it, never from the browser:
 
-- The index is rebuilt from ``query_rollouts()`` in a background thread, only while someone looks
-  (a page request or a long-poll waiter in the last ``idle_s`` seconds), and never more often than
-  every ``max(min_interval_s, 2 x the last rebuild's duration)``: at most a third of the store's time,
-  however large the store. Page requests never wait for a rebuild (except the very first).
-- ``version`` goes up whenever a rebuild sees a change; browsers long-poll :meth:`wait_for_change`
+- The first load counts the rollouts (``query_rollouts(offset=k, limit=1)`` probes) and reads the
+  newest ``chunk`` (5000); older ones are added a chunk at a time in the background, so the first page
+  of a 100k-rollout store answers at once (it says how far indexing got).
+- Then the index follows the store incrementally in a background thread: each round reads the
+  rollouts added since (``offset`` = the end of what it knows; rollouts are only ever appended, in
+  store order) and re-reads those that were still queued or running (terminal ones never change). It
+  runs only while someone looks (a page request or a long-poll waiter in the last ``idle_s`` seconds),
+  at most every ``max(min_interval_s, 2 x the last round's duration)``. A store without ``offset`` is
+  read whole each round. Page requests never wait for a round (except the very first).
+- ``version`` goes up whenever a round sees a change; browsers long-poll :meth:`wait_for_change`
   (held up to ~25 s, woken at once on a change), so the page updates live without timers.
 - The reward of a terminal rollout (the final primary ``agl.reward`` of its finishing attempt, the
-  value the adapter uses) is read from that attempt's reward spans once and cached: rows on the page
-  being shown first, then the rest newest first in the background. Until a reward is known a reward
-  filter leaves its rollout out, and the answer says how many rewards are still pending.
+  value the adapter uses) is read from that attempt's reward spans once and cached: the rows on the
+  page shown and up to ``reward_fetch_budget`` per reward-filtered request at once, the rest newest
+  first in the background. A reward filter leaves out rollouts whose reward is not read yet, and the
+  answer says how many are pending.
 """
 
 from __future__ import annotations
@@ -106,6 +112,10 @@ class _State:
     rows: list[dict[str, Any]] = field(default_factory=list)
     by_id: dict[str, dict[str, Any]] = field(default_factory=dict)
     loaded_at: float = 0.0
+    #: store offset of ``rows[0]``: > 0 while older rollouts are still being loaded (newest first)
+    start: int = 0
+    #: store offset just past the last row: where the next round's new rollouts begin
+    end: int = 0
 
 
 class RolloutIndex:
@@ -118,9 +128,15 @@ class RolloutIndex:
         min_interval_s: float = 1.0,
         idle_s: float = 30.0,
         reward_batch: int = 200,
+        chunk: int = 5000,
+        background: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
+        self.chunk = chunk
+        self.reward_fetch_budget = 1000
+        #: False: no refresh thread (callers drive refresh/backfill themselves; for tests)
+        self.background = background
         self.min_interval_s = min_interval_s
         self.idle_s = idle_s
         self.reward_batch = reward_batch
@@ -146,51 +162,104 @@ class RolloutIndex:
         """Catch up with the store; True when anything changed (and ``version`` went up).
 
         Incremental: rollouts are only ever added, in store order, and a terminal rollout never
-        changes again; so one round reads the new rollouts (``offset`` = rows known) and re-reads the
-        ones that were still queued or running. A store without ``offset`` is re-read whole.
+        changes again; so one round reads the new rollouts (``offset`` = the end of what is known) and
+        re-reads the ones that were still queued or running. The first round counts the rollouts and
+        reads only the newest ``chunk``; :meth:`backfill` adds older ones a chunk at a time, so the
+        first page of a 100k-rollout store answers without reading them all. A store without
+        ``offset`` is read whole every round.
         """
         with self._refresh_lock:
             t0 = time.perf_counter()
             state = self._state
-            rows, by_id = list(state.rows), dict(state.by_id)
-            changed = False
             try:
-                new = self.store.query_rollouts(offset=len(rows)) if state.loaded_at else None
-            except TypeError:  # a Store implementation without offset: rebuild from scratch
-                new = None
-            if new is None:
-                fresh = [summarize(r) for r in self.store.query_rollouts()]
-                changed = [r["id"] for r in fresh] != [r["id"] for r in rows] or any(
-                    _differs(by_id.get(r["id"]), r) for r in fresh
-                )
-                rows, by_id = fresh, {r["id"]: r for r in fresh}
-            else:
-                active = [r["id"] for r in rows if r["status"] not in TERMINAL_ROLLOUT_STATUSES]
-                for k in range(0, len(active), 500):
-                    for r in self.store.query_rollouts(ids=active[k : k + 500]):
-                        row = summarize(r)
-                        old = by_id.get(row["id"])
-                        if _differs(old, row):
-                            changed = True
-                            old.clear()  # type: ignore[union-attr]
-                            old.update(row)  # type: ignore[union-attr]
-                for r in new:
-                    if r.id in by_id:  # a concurrent enqueue moved the offset: already known
-                        continue
-                    row = summarize(r)
-                    rows.append(row)
-                    by_id[row["id"]] = row
-                    changed = True
-            self._state = _State(rows, by_id, self._clock())
+                if not state.loaded_at:
+                    changed = self._first_load()
+                else:
+                    changed = self._catch_up(state)
+            except TypeError:  # a Store implementation without offset: read it whole
+                changed = self._full_load()
             self.last_cost_s = time.perf_counter() - t0
             self.error = None
             if changed:
-                with self._cond:
-                    self.version += 1
-                    self._facets = None
-                    self._matches.clear()
-                    self._cond.notify_all()
+                self._announce()
             return changed
+
+    def _announce(self) -> None:
+        with self._cond:
+            self.version += 1
+            self._facets = None
+            self._matches.clear()
+            self._cond.notify_all()
+
+    def _count(self) -> int:
+        """How many rollouts the store holds, by probing ``offset`` (exponential, then binary search)."""
+        q = self.store.query_rollouts
+        if not q(limit=1):
+            return 0
+        lo, hi = 1, 2  # q(offset=lo-1) is non-empty; find the first offset with nothing
+        while q(offset=hi - 1, limit=1):
+            lo, hi = hi, hi * 2
+        while lo < hi:  # invariant: offset lo-1 exists, offset hi-1 may not
+            mid = (lo + hi + 1) // 2
+            if q(offset=mid - 1, limit=1):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _first_load(self) -> bool:
+        total = self._count()
+        start = max(0, total - self.chunk)
+        rows = [summarize(r) for r in self.store.query_rollouts(offset=start)]
+        self._state = _State(rows, {r["id"]: r for r in rows}, self._clock(), start, start + len(rows))
+        return True
+
+    def _full_load(self) -> bool:
+        old = self._state.by_id
+        rows = [summarize(r) for r in self.store.query_rollouts()]
+        changed = len(rows) != len(old) or any(_differs(old.get(r["id"]), r) for r in rows)
+        self._state = _State(rows, {r["id"]: r for r in rows}, self._clock(), 0, len(rows))
+        return changed
+
+    def _catch_up(self, state: _State) -> bool:
+        rows, by_id = list(state.rows), dict(state.by_id)
+        changed = False
+        new = self.store.query_rollouts(offset=state.end)
+        active = [r["id"] for r in rows if r["status"] not in TERMINAL_ROLLOUT_STATUSES]
+        for k in range(0, len(active), 500):
+            for r in self.store.query_rollouts(ids=active[k : k + 500]):
+                row = summarize(r)
+                old = by_id.get(row["id"])
+                if old is not None and _differs(old, row):
+                    changed = True
+                    old.clear()
+                    old.update(row)
+        for r in new:
+            row = summarize(r)
+            rows.append(row)
+            by_id[row["id"]] = row
+            changed = True
+        self._state = _State(rows, by_id, self._clock(), state.start, state.end + len(new))
+        return changed
+
+    def backfill(self) -> bool:
+        """Load the next older chunk while the first load left some out; False when complete."""
+        with self._refresh_lock:
+            state = self._state
+            if not state.loaded_at or state.start <= 0:
+                return False
+            lo = max(0, state.start - self.chunk)
+            older = [summarize(r) for r in self.store.query_rollouts(offset=lo, limit=state.start - lo)]
+            by_id = dict(state.by_id)
+            by_id.update((r["id"], r) for r in older)
+            self._state = _State(older + state.rows, by_id, state.loaded_at, lo, state.end)
+            self._announce()
+            return lo > 0
+
+    @property
+    def complete(self) -> bool:
+        """Every rollout of the store is in the index (the first load's backfill is done)."""
+        return bool(self._state.loaded_at) and self._state.start == 0
 
     def _ensure_loaded(self) -> None:
         if not self._state.loaded_at:
@@ -204,7 +273,7 @@ class RolloutIndex:
         self._wake.set()
 
     def _start(self) -> None:
-        if self._thread is None and not self._closed:
+        if self._thread is None and not self._closed and self.background:
             self._thread = threading.Thread(target=self._loop, name="agl-dashboard-index", daemon=True)
             self._thread.start()
 
@@ -217,6 +286,8 @@ class RolloutIndex:
                 continue
             try:
                 self.refresh()
+                while not self._closed and self.backfill():
+                    pass
                 self._warm_rewards(self.reward_batch)
             except Exception as exc:  # noqa: BLE001 - shown on the page; the next round tries again
                 self.error = f"{type(exc).__name__}: {exc}"
@@ -304,13 +375,19 @@ class RolloutIndex:
             lo = -math.inf if f.reward_min is None else f.reward_min
             hi = math.inf if f.reward_max is None else f.reward_max
             kept = []
+            budget = self.reward_fetch_budget  # read this many missing rewards now; the rest are pending
             for r in match:
-                if r["id"] in self._rewards:
-                    v = self._rewards[r["id"]]
-                    if v is not None and lo <= v <= hi:
-                        kept.append(r)
-                elif r["status"] in TERMINAL_ROLLOUT_STATUSES:
-                    pending += 1
+                if r["id"] not in self._rewards:
+                    if r["status"] not in TERMINAL_ROLLOUT_STATUSES:
+                        continue
+                    if budget <= 0:
+                        pending += 1
+                        continue
+                    budget -= 1
+                    self.reward(r)
+                v = self._rewards[r["id"]]
+                if v is not None and lo <= v <= hi:
+                    kept.append(r)
             match = kept
         total = len(match)
         if newest_first:
@@ -331,6 +408,7 @@ class RolloutIndex:
             "rewards_pending": pending,
             "version": self.version,
             "refreshed_ago_s": max(0.0, self._clock() - self._state.loaded_at),
+            "indexing": None if self.complete else {"loaded": len(rows), "total": self._state.end},
             "refresh_cost_s": self.last_cost_s,
             "error": self.error,
         }

@@ -231,3 +231,34 @@ def test_version_metrics_through_the_adapter(store: MemoryStore) -> None:
         assert (m["rollouts"], m["transitions"], m["groups"]) == (10, 0, 0)
         assert m["exact_token_ratio"] is None and m["adapter"]["reward_spans"] == 20
         assert client.get("/api/metrics?version=2&mode=prod").status_code == 400
+
+
+def test_first_load_is_the_newest_chunk_then_older_ones_fill_in(store: MemoryStore) -> None:
+    index = RolloutIndex(store, chunk=7, background=False)
+    try:
+        first = index.page(Filters(), limit=5)
+        assert [r["id"] for r in first["rollouts"]] == ["ro-q4", "ro-q3", "ro-q2", "ro-q1", "ro-q0"]
+        assert first["total"] == 7 and first["indexing"] == {"loaded": 7, "total": 30}
+        store.enqueue([NewRollout(id="ro-newer")])
+        assert index.refresh() is True  # new rollouts are caught up while older ones still load
+        while index.backfill():
+            pass
+        assert index.complete
+        page = index.page(Filters(), limit=100)
+        assert page["indexing"] is None and page["total"] == 31
+        assert [r["id"] for r in page["rollouts"]][::-1] == [f"ro-{i:02d}" for i in range(25)] + [
+            f"ro-q{i}" for i in range(5)
+        ] + ["ro-newer"]
+        assert index.facets()["status"] == {"succeeded": 25, "queued": 6}
+    finally:
+        index.close()
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 17])
+def test_count_by_offset_probes(n: int) -> None:
+    s = MemoryStore()
+    if n:
+        s.enqueue([NewRollout() for _ in range(n)])
+    index = RolloutIndex(s)
+    assert index._count() == n
+    index.close()

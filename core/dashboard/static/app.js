@@ -253,6 +253,7 @@ function RolloutsPage({ query }) {
         <span id="page-info">${data.total ? `${offset + 1}–${Math.min(offset + limit, data.total)} of ${data.total}` : "no rollouts match"}${data.total !== data.store_total ? ` (store: ${data.store_total})` : ""}</span>
         <button id="next" disabled=${offset + limit >= data.total} onClick=${() => setOffset(offset + limit)}>older →</button>
         ${data.rewards_pending ? html`<span class="muted">${data.rewards_pending} reward(s) still being read</span>` : null}
+        ${data.indexing ? html`<span class="muted" id="indexing">indexing: ${data.indexing.loaded} of ${data.indexing.total} rollouts loaded, newest first</span>` : null}
         ${data.error ? html`<span class="banner warn">refresh failed: ${data.error}</span>` : null}
       </div>
       <table id="rollouts-table" class="card">
