@@ -119,14 +119,17 @@ def main() -> None:
     )
     ap.add_argument("--tree-spans", type=int, default=5_000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--db", type=Path, default=None, help="reuse a database filled by an earlier run")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="agl-bench-dash-"))
-    db = tmp / "store.db"
-    t = time.perf_counter()
-    rid = fill(db, args.rollouts, max(0, args.rollouts - args.active), args.tree_spans)
-    print(
-        f"filled {args.rollouts} rollouts + a {args.tree_spans}-span attempt in {time.perf_counter() - t:.0f}s"
-    )
+    db = args.db or tmp / "store.db"
+    rid = "ro-tree"
+    if args.db is None or not args.db.exists():
+        t = time.perf_counter()
+        fill(db, args.rollouts, max(0, args.rollouts - args.active), args.tree_spans)
+        took = time.perf_counter() - t
+        print(f"filled {args.rollouts} rollouts + a {args.tree_spans}-span attempt in {took:.0f}s")
+    print(f"database: {db}")
     server = ServerProcess(
         db, token=TOKEN, env={"AGL_DASHBOARD_TOKENIZER": "none"}, log_path=tmp / "server.log"
     )
@@ -135,8 +138,11 @@ def main() -> None:
     with httpx.Client(base_url=f"{url}/ui/api", headers=h, timeout=120) as c:
         t = time.perf_counter()
         first = c.get("/rollouts?limit=50").json()
-        build = time.perf_counter() - t
-        print(f"first page (builds the index of {first['store_total']} rollouts): {build:.2f}s")
+        print(f"first page: {time.perf_counter() - t:.2f}s (indexing: {first['indexing']})")
+        while c.get("/rollouts?limit=1").json()["indexing"] is not None:
+            time.sleep(0.2)
+        print(f"all {first['indexing']['total'] if first['indexing'] else first['total']} rollouts indexed "
+              f"{time.perf_counter() - t:.1f}s after the first request")  # fmt: skip
         lat: dict[str, list[float]] = {"page": [], "page, status=succeeded": [], "page, reward 0.5-1": []}
         for _ in range(10):
             for key, q in (
@@ -147,7 +153,9 @@ def main() -> None:
                 t = time.perf_counter()
                 data = c.get(f"/rollouts?limit=50&offset=100{q}").json()
                 lat[key].append(time.perf_counter() - t)
-        print(f"background rebuild of the index: {data['refresh_cost_s']:.2f}s")
+        print(
+            f"incremental refresh round: {data['refresh_cost_s']:.2f}s; rewards pending {data['rewards_pending']}"
+        )
         for key, xs in lat.items():
             print(f"{key}: p50 {p50(xs) * 1000:.0f} ms")
         t = time.perf_counter()

@@ -127,14 +127,14 @@ class RolloutIndex:
         *,
         min_interval_s: float = 1.0,
         idle_s: float = 30.0,
-        reward_batch: int = 200,
+        reward_batch: int = 2000,
         chunk: int = 5000,
         background: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self.chunk = chunk
-        self.reward_fetch_budget = 1000
+        self.reward_fetch_budget = 200
         #: False: no refresh thread (callers drive refresh/backfill themselves; for tests)
         self.background = background
         self.min_interval_s = min_interval_s
