@@ -21,7 +21,7 @@ WARNING = "ran under no agent span"
 
 def _raw_call(task: Any, resources: Resources) -> float:
     """An agent that bypasses LangChain: its calls reach the gateway, but no agent span covers them."""
-    llm = resources["main"]
+    llm = resources.llm
     client = openai.OpenAI(base_url=llm.base_url, api_key="sk-agl-test", max_retries=0)
     client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": "hi"}])
     return 1.0

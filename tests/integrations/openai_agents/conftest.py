@@ -46,22 +46,7 @@ def replace_exporter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGL_OPENAI_AGENTS_REPLACE_EXPORTER", "1")
 
 
-# The suite's names for agl.testing's fixtures.
-@pytest.fixture(scope="module")
-def scripted_model(agl_model: Any) -> Any:
-    return agl_model
-
-
-@pytest.fixture
-def gateway(agl_gateway: Any) -> tuple[Any, Any]:
-    return agl_gateway, agl_gateway.store
-
-
-@pytest.fixture(scope="module")
-def gateway_url(agl_gateway_url: Any) -> Any:
-    return agl_gateway_url
-
-
+# The Agents SDK suite also keeps the SDK's uploader away in clean_agl/memory_spans.
 @pytest.fixture
 def clean_agl(replace_exporter: None, agl_tracer: Any) -> None:
     """Nothing instrumented or set up for tracing is left for the next test (agl_tracer's teardown)."""
