@@ -84,9 +84,16 @@ class Instrumentor(BaseInstrumentor):
         # BaseInstrumentor makes one instance per class; agl's plugin manager owns the instances
         return object.__new__(cls)
 
-    def __init__(self) -> None:
-        self.ledger = PatchLedger(self.name or type(self).__name__)
-        self.tracer_provider: Any = None
+    #: the tracer provider agl.instrument() last instrumented this integration with
+    tracer_provider: Any = None
+
+    @property
+    def ledger(self) -> PatchLedger:
+        """This integration's patches (made on first use, so subclasses need not call ``__init__``)."""
+        ledger = self.__dict__.get("_agl_ledger")
+        if ledger is None:
+            ledger = self.__dict__["_agl_ledger"] = PatchLedger(self.name or type(self).__name__)
+        return ledger
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return self.instruments
