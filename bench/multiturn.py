@@ -105,9 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     tok = load_default_tokenizer()
-    algo = LightningRL(learning_rate=1e-5, lora_r=16, lora_alpha=32, micro_batch_tokens=args.micro_batch_tokens)
+    algo = LightningRL(
+        learning_rate=1e-5, lora_r=16, lora_alpha=32, micro_batch_tokens=args.micro_batch_tokens
+    )
     update = PolicyUpdate(
-        _model(args.model, 0), load_tokenizer(), RunConfig.resolve(algo), output_dir="/tmp/agl-bench-multiturn"
+        _model(args.model, 0),
+        load_tokenizer(),
+        RunConfig.resolve(algo),
+        output_dir="/tmp/agl-bench-multiturn",
     )
     print(
         f"model {args.model}, {args.attempts} attempts per update, first prompt ~{args.prompt_tokens} tokens, "

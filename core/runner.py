@@ -298,6 +298,9 @@ class Runner:
             from agl.tracing import setup_tracing
 
             setup_tracing(store)
+        from agl.instrumentation.attribution import AttributionCheck
+
+        self._attribution = AttributionCheck(store)  # warns once when LLM calls lose their agent
 
     # ------------------------------------------------------------------------------ control
     def stop(self, *, now: bool = False) -> None:
@@ -586,6 +589,8 @@ class Runner:
         # The flush guarantee: the attempt's spans are stored before its status changes.
         if not await self._blocking(flush, 30.0):
             log.warning("agl runner: spans of %s/%d not all stored before finishing", rid, number)
+        if not released:
+            await self._blocking(self._attribution.after_attempt, rid, number)
         try:
             await self._blocking(self.store.finish_attempt, rid, number, status, error=error)
         except (ConflictError, NotFoundError) as exc:
@@ -624,7 +629,7 @@ def _warn_if_untraced() -> None:
     global _untraced_warned
     if _untraced_warned:
         return
-    from agl.instrument import instrumented
+    from agl.instrumentation import instrumented
 
     if instrumented():
         return

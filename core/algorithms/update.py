@@ -48,7 +48,6 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import pad, use_adapter
 
 from agl.config import RunConfig
-
 from agl.trajectories import Trajectory, merge_transitions, per_call_trajectories, token_advantages
 
 if TYPE_CHECKING:
