@@ -130,7 +130,7 @@ AGENT_FRAMEWORKS = frozenset({"openai_agents", "langchain", "crewai", "autogen"}
 
 
 def _agent_framework_instrumented() -> bool:
-    from agl.instrument import instrumented
+    from agl.instrumentation.registry import instrumented
 
     return bool(AGENT_FRAMEWORKS.intersection(instrumented()))
 

@@ -662,6 +662,12 @@ class Trainer:
             "update_s": update.get("update_s"),
             "trained_transitions": update["transitions"],
             "behaviour_ratio_dev": update.get("behaviour_ratio_dev"),
+            # multi-turn merging (agl.trajectories): sequences trained, tokens encoded, share of
+            # calls that extended a sequence, tokens saved
+            "sequences": update.get("sequences"),
+            "update_tokens": update.get("tokens"),
+            "merge_rate": update.get("merge_rate"),
+            "tokens_saved": update.get("tokens_saved"),
         }
 
     def _resume(self, order: _TaskOrder) -> int:
@@ -710,7 +716,7 @@ class Trainer:
         silently train on nothing), and warn once when calls lost their agent spans."""
         if stats.unattributed_calls and not self._warned_unattributed:
             self._warned_unattributed = True
-            from agl.instrument import instrumented
+            from agl.instrumentation.registry import instrumented
 
             log.warning(
                 "agl trainer: step %d: %d LLM calls went through the gateway but none is inside an agent "

@@ -385,7 +385,7 @@ def test_unattributed_calls_counted_only_when_an_agent_framework_is_instrumented
     adapter = Adapter()
     adapter.transitions(lost.spans)
     assert adapter.last_stats.unattributed_calls == 0  # plain client code: no agent spans expected
-    was_on = "langchain" in agl.instrument.instrumented()
+    was_on = "langchain" in agl.instrumentation.registry.instrumented()
     agl.instrument("langchain")
     try:
         adapter.transitions(lost.spans)

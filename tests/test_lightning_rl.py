@@ -70,6 +70,7 @@ def test_fields_are_exactly_the_contract() -> None:
         "max_grad_norm": 1.0,
         "gradient_checkpointing": None,
         "mixed_precision": None,
+        "merge_turns": True,
     }
 
 
