@@ -626,10 +626,12 @@ def bench_smollm2(new_tokens: int, threads: int | None) -> list[dict[str, Any]]:
 
         one(0)  # warm-up
         for c in (1, 8):
+            backend.batch_sizes.clear()
             t, cpu = time.perf_counter(), time.process_time()
             with ThreadPoolExecutor(c) as pool:
                 tokens = sum(pool.map(one, range(c)))
             elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
+            print(f"  {c} concurrent: batch sizes {list(backend.batch_sizes)}", flush=True)
             rows.append(
                 {
                     "what": f"gateway, {c} concurrent",
