@@ -554,54 +554,114 @@ def report_real(results: dict[str, list[dict[str, float]]]) -> None:
             print(f"{label:46} first chunk {ttft:7.3f}   [DONE] {done:7.3f}")
 
 
+PROMPTS = [
+    "Write a short story about a robot learning to paint.",
+    "Explain how photosynthesis works.",
+    "List some tips for learning a new language.",
+    "Describe the city of Paris to a tourist.",
+    "What are the benefits of regular exercise?",
+    "Explain what a neural network is.",
+    "Write a poem about the sea.",
+    "How do airplanes stay in the air?",
+]
+
+
 def bench_smollm2(new_tokens: int, threads: int | None) -> list[dict[str, Any]]:
-    from agl.gateway.backends.base import GenerationRequest
+    """SmolLM2 through the gateway over HTTP (1 and 8 concurrent clients, streamed TTFT) and Hugging
+    Face ``generate`` at batch 8 on the same prompts, model object and threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    import torch
+
     from agl.gateway.backends.transformers import TransformersBackend
+    from agl.gateway.testing import serve_gateway
 
     backend = TransformersBackend(max_batch_size=8, threads=threads)
-    prompts = [
-        "Write a short story about a robot learning to paint.",
-        "Explain how photosynthesis works.",
-        "List some tips for learning a new language.",
-        "Describe the city of Paris to a tourist.",
-        "What are the benefits of regular exercise?",
-        "Explain what a neural network is.",
-        "Write a poem about the sea.",
-        "How do airplanes stay in the air?",
-    ]
+    backend._load_sync()
+    name = backend.model_name or ""
+    rows: list[dict[str, Any]] = []
 
-    async def run(concurrency: int) -> tuple[int, float, float]:
-        await backend.start()
-        reqs = [
-            GenerationRequest(
-                model=backend.model_name or "",
-                messages=[{"role": "user", "content": prompts[i % len(prompts)]}],
+    # Hugging Face generate, batch 8, greedy, left-padded: the reference
+    tok = backend.tokenizer
+    assert tok is not None
+    encoded = [tok.encode_chat([{"role": "user", "content": p}], None)[1] for p in PROMPTS]
+    width = max(map(len, encoded))
+    ids = torch.full((8, width), backend._pad_id, dtype=torch.long)
+    mask = torch.zeros((8, width), dtype=torch.long)
+    for r, e in enumerate(encoded):
+        ids[r, width - len(e) :] = torch.tensor(e)
+        mask[r, width - len(e) :] = 1
+    with torch.inference_mode():
+        backend.model.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=2, do_sample=False)
+        t, cpu = time.perf_counter(), time.process_time()
+        out = backend.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=backend._pad_id,
+            eos_token_id=backend._eos_ids,
+        )
+        elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
+    n = 0  # generated tokens up to each row's EOS (included), as the gateway counts them
+    for row in out[:, width:].tolist():
+        ends = [k for k, t_id in enumerate(row) if t_id in backend._eos_ids]
+        n += ends[0] + 1 if ends else len(row)
+    rows.append(
+        {"what": "HF generate, batch 8", "tokens": n, "seconds": elapsed, "cpu_s": cpu, "ttft_s": None}
+    )
+
+    with serve_gateway(backend) as url:
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=600)
+
+        def one(i: int) -> int:
+            r = client.chat.completions.create(
+                model=name,
+                messages=[{"role": "user", "content": PROMPTS[i % 8]}],
                 max_tokens=new_tokens,
                 temperature=0,
             )
-            for i in range(concurrency)
-        ]
-        await backend.generate(
-            GenerationRequest(
-                model=backend.model_name or "", messages=[{"role": "user", "content": "hi"}], max_tokens=2
-            )
-        )
-        t, cpu = time.perf_counter(), time.process_time()
-        results = await asyncio.gather(*(backend.generate(r) for r in reqs))
-        elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
-        return sum(len(r.choices[0].response_ids or ()) for r in results), elapsed, cpu
+            return r.usage.completion_tokens if r.usage else 0
 
-    rows = []
-    for c in (1, 8):
-        tokens, elapsed, cpu = asyncio.run(run(c))
+        one(0)  # warm-up
+        for c in (1, 8):
+            backend.batch_sizes.clear()
+            t, cpu = time.perf_counter(), time.process_time()
+            with ThreadPoolExecutor(c) as pool:
+                tokens = sum(pool.map(one, range(c)))
+            elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
+            print(f"  {c} concurrent: batch sizes {list(backend.batch_sizes)}", flush=True)
+            rows.append(
+                {
+                    "what": f"gateway, {c} concurrent",
+                    "tokens": tokens,
+                    "seconds": elapsed,
+                    "cpu_s": cpu,
+                    "ttft_s": None,
+                }
+            )
+        t = time.perf_counter()
+        ttft = None
+        count = 0
+        for chunk in client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_tokens=new_tokens,
+            temperature=0,
+            stream=True,
+        ):
+            if chunk.choices and chunk.choices[0].delta.content:
+                count += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - t
         rows.append(
             {
-                "concurrency": c,
-                "tokens": tokens,
-                "seconds": elapsed,
-                "tokens_per_s": tokens / elapsed,
-                "cpu_s": cpu,
-                "tokens_per_cpu_s": tokens / cpu,
+                "what": "gateway, 1 streamed",
+                "tokens": count,
+                "seconds": time.perf_counter() - t,
+                "cpu_s": None,
+                "ttft_s": ttft,
             }
         )
     return rows
@@ -668,16 +728,13 @@ def main() -> None:
     if not args.skip_scripted:
         report_scripted(bench_scripted(args.requests, args.concurrency))
     if not args.skip_smollm2:
-        print(
-            f"\nSmolLM2-135M-Instruct, transformers backend, greedy, {args.new_tokens} new tokens per request"
-        )
-        print(
-            f"{'concurrency':>11} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'CPU s':>7} {'tokens/CPU s':>12}"
-        )
+        print(f"\nSmolLM2-135M-Instruct, greedy, up to {args.new_tokens} new tokens per request")
+        print(f"{'what':26} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'CPU s':>7} {'first token s':>13}")
         for r in bench_smollm2(args.new_tokens, args.threads):
+            cpu = f"{r['cpu_s']:7.1f}" if r["cpu_s"] is not None else f"{'-':>7}"
+            ttft = f"{r['ttft_s']:13.2f}" if r["ttft_s"] is not None else f"{'-':>13}"
             print(
-                f"{r['concurrency']:11d} {r['tokens']:7d} {r['seconds']:8.2f} {r['tokens_per_s']:9.1f} "
-                f"{r['cpu_s']:7.1f} {r['tokens_per_cpu_s']:12.1f}"
+                f"{r['what']:26} {r['tokens']:7d} {r['seconds']:8.2f} {r['tokens'] / r['seconds']:9.1f} {cpu} {ttft}"
             )
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -202,6 +203,8 @@ class TransformersBackend(Backend):
     ) -> None:
         super().__init__()
         self.batch_window_s = batch_window_s
+        #: sizes of the most recent batches (what concurrency actually bought)
+        self.batch_sizes: deque[int] = deque(maxlen=256)
         if not (default_temperature >= 0 and default_temperature < float("inf")):
             raise ValueError(f"default_temperature must be a finite number >= 0, got {default_temperature!r}")
         if not (0 < default_top_p <= 1):
@@ -490,9 +493,15 @@ class TransformersBackend(Backend):
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            if self.batch_window_s > 0 and 0 < len(self._queue) < self.max_batch_size:
-                # requests of concurrent clients arrive a few ms apart: let them join this batch
+            waited = 0.0
+            while self.batch_window_s > 0 and 0 < len(self._queue) < self.max_batch_size and waited < 0.05:
+                # requests of concurrent clients arrive a few ms apart: let them join this batch, for
+                # as long as more keep arriving (at most 50 ms)
+                seen = len(self._queue)
                 await asyncio.sleep(self.batch_window_s)
+                waited += self.batch_window_s
+                if len(self._queue) == seen:
+                    break
             while self._queue:
                 async with self._lock:
                     head = self._queue[0]
@@ -505,6 +514,7 @@ class TransformersBackend(Backend):
                     self._queue = [j for j in self._queue if not j.future.done()]
                     if not batch:
                         continue
+                    self.batch_sizes.append(len(batch))
                     try:
                         results = await loop.run_in_executor(self._executor, self._generate_batch, batch)
                     except Exception as exc:  # noqa: BLE001 - every waiting request learns of it
