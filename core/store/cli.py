@@ -25,9 +25,18 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         "Binds 127.0.0.1 unless told otherwise; any other address needs a token.",
     )
     where = serve.add_mutually_exclusive_group()
-    where.add_argument("--db", metavar="PATH", default=None, help="SQLite database file (default: agl.db)")
     where.add_argument(
-        "--store", metavar="URL", default=None, help="store URL instead: memory:// or sqlite:///path.db"
+        "--db",
+        metavar="PATH|URL",
+        default=None,
+        help="SQLite database file (default: agl.db), or postgresql://user@host/db: any number of servers "
+        "may serve one PostgreSQL database",
+    )
+    where.add_argument(
+        "--store",
+        metavar="URL",
+        default=None,
+        help="store URL instead: memory://, sqlite:///path.db or postgresql://...",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=4747, help="port (default: 4747; 0 picks a free one)")
@@ -55,7 +64,8 @@ def _open(args: argparse.Namespace) -> tuple[Any, Any]:
     from agl.store import open as open_store
     from agl.store.server import TEST_NAMESPACES_ENV
 
-    url = args.store or f"sqlite:///{Path(args.db or 'agl.db')}"
+    db = args.db or "agl.db"
+    url = args.store or (db if db.startswith(("postgresql://", "postgres://")) else f"sqlite:///{Path(db)}")
     store = open_store(url)
     factory = None
     if os.environ.get(TEST_NAMESPACES_ENV) == "1":
@@ -66,6 +76,18 @@ def _open(args: argparse.Namespace) -> tuple[Any, Any]:
 
             def factory(ns: str) -> Any:
                 return open_store(f"sqlite:///{base.with_name(base.stem + '.' + ns + suffix)}")
+
+        elif url.startswith(("postgresql:", "postgres:")):
+
+            def factory(ns: str) -> Any:  # a fresh database per namespace, on the same server
+                import psycopg
+
+                base_url, dbname = url.rsplit("/", 1)
+                name = f"{dbname.split('?')[0]}_{ns}_{os.getpid()}"
+                with psycopg.connect(url, autocommit=True) as conn:
+                    conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+                    conn.execute(f'CREATE DATABASE "{name}"')
+                return open_store(f"{base_url}/{name}")
 
         else:
 
