@@ -814,7 +814,11 @@ class _Requests:
         return _Req("POST", self._u("/spans/query"), body, _P_SPANS)
 
     # ------------------------------------------------------------ resources
-    def _add_resources(self, items: dict[str, Resource | dict[str, Any]]) -> _Req:
+    def _add_resources(
+        self, items: dict[str, Resource | dict[str, Any]], idempotency_key: str | None
+    ) -> _Req:
+        if idempotency_key is not None and not isinstance(idempotency_key, str):
+            raise InvalidInputError(f"idempotency_key must be a string, got {idempotency_key!r}")
         if not isinstance(items, dict):
             raise InvalidInputError(
                 f"resources must be a dict of name -> resource, got {type(items).__name__}"
@@ -824,7 +828,7 @@ class _Requests:
             self._u("/resources"),
             _to_json({"items": items}),
             _P_RESOURCE_SNAPSHOT,
-            uuid.uuid4().hex,
+            idempotency_key or uuid.uuid4().hex,
         )
 
     def _get_resources(self, version: int | None) -> _Req:
@@ -989,8 +993,10 @@ class HttpStore(_Requests):
         return self._send(self._query_spans(rollout_id, attempt, name, trace_id, include_stale, limit))
 
     # ------------------------------------------------------------ resources
-    def add_resources(self, items: dict[str, Resource | dict[str, Any]]) -> Resources:
-        return self._send(self._add_resources(items))
+    def add_resources(
+        self, items: dict[str, Resource | dict[str, Any]], *, idempotency_key: str | None = None
+    ) -> Resources:
+        return self._send(self._add_resources(items, idempotency_key))
 
     def get_resources(self, version: int | None = None) -> Resources | None:
         return self._send(self._get_resources(version))
@@ -1177,8 +1183,10 @@ class AsyncHttpStore(_Requests):
         return await self._send(self._query_spans(rollout_id, attempt, name, trace_id, include_stale, limit))
 
     # ------------------------------------------------------------ resources
-    async def add_resources(self, items: dict[str, Resource | dict[str, Any]]) -> Resources:
-        return await self._send(self._add_resources(items))
+    async def add_resources(
+        self, items: dict[str, Resource | dict[str, Any]], *, idempotency_key: str | None = None
+    ) -> Resources:
+        return await self._send(self._add_resources(items, idempotency_key))
 
     async def get_resources(self, version: int | None = None) -> Resources | None:
         return await self._send(self._get_resources(version))

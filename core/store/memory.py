@@ -525,12 +525,20 @@ class MemoryStore:
             return out
 
     # ------------------------------------------------------------ resources
-    def add_resources(self, items: dict[str, Resource | dict[str, Any]]) -> Resources:
+    def add_resources(
+        self, items: dict[str, Resource | dict[str, Any]], *, idempotency_key: str | None = None
+    ) -> Resources:
         with self._lock:
             self._check_open()
+            if idempotency_key is not None:
+                prev = self._idem.get(("resources", idempotency_key))
+                if prev is not None:
+                    return self._resources[prev - 1]
             version = self._resources[-1].version + 1 if self._resources else 1
             res = make_resources(version, items)
             self._resources.append(res)
+            if idempotency_key is not None:
+                self._idem[("resources", idempotency_key)] = version
             return res
 
     def get_resources(self, version: int | None = None) -> Resources | None:

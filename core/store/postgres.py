@@ -971,6 +971,8 @@ class LocalPostgres:
 
             self._preexec = demote
         env = {**os.environ, "LC_ALL": "C", "TZ": "UTC"}
+        if ids is not None and not self._usable_by_user():
+            self.bin_dir = self._copy_install()
         subprocess.run(
             [
                 str(self.bin_dir / "initdb"),
@@ -1022,6 +1024,34 @@ class LocalPostgres:
                     raise StoreError(f"PostgreSQL did not start: {tail}") from None
                 time.sleep(0.1)
         return self.url("postgres")
+
+    def _usable_by_user(self) -> bool:
+        """Whether the demoted user can run the binaries (a venv under /root is not reachable)."""
+        try:
+            subprocess.run(
+                [str(self.bin_dir / "postgres"), "--version"],
+                check=True,
+                capture_output=True,
+                preexec_fn=self._preexec,  # noqa: PLW1509
+            )
+            return True
+        except (OSError, subprocess.CalledProcessError):
+            return False
+
+    def _copy_install(self) -> Path:
+        """Copy the installation (bin, lib, share) where every user can read it; once per machine."""
+        target = Path(tempfile.gettempdir()) / f"agl-pginstall-{os.getpid()}"
+        if not target.exists():
+            shutil.copytree(self.bin_dir.parent, target, symlinks=True)
+            for root, dirs, files in os.walk(target):
+                for name in dirs + files:
+                    p = os.path.join(root, name)
+                    if not os.path.islink(p):
+                        os.chmod(
+                            p, os.stat(p).st_mode | 0o555 if name in dirs else os.stat(p).st_mode | 0o444
+                        )
+            os.chmod(target, 0o755)
+        return target / self.bin_dir.name
 
     def url(self, db: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{db}"

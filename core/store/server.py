@@ -13,9 +13,9 @@ the trainer here. Design choices, and why:
   client is still there.
 - Every bad request is answered 4xx with ``{"error": {"code", "message"}}`` naming the problem, before
   the store is touched (or the store refuses it without changing state); never a 500 for bad input.
-- Writes carry an ``Idempotency-Key``. Enqueue and span batches pass it to the store (durable with
-  SQLite); other writes are de-duplicated here, in memory, so a client retry after a lost answer is
-  applied once.
+- Writes carry an ``Idempotency-Key``. Enqueue, span batches and resources pass it to the store
+  (durable with SQLite and PostgreSQL); other writes are de-duplicated here, in memory, so a client
+  retry after a lost answer is applied once.
 """
 
 from __future__ import annotations
@@ -351,7 +351,7 @@ class StoreServer:
             except StoreError as exc:
                 response = _error(exc.status, exc.code, str(exc))
             result = (response.status_code, bytes(response.body))
-            if response.status_code < 500:
+            if response.status_code < 400:  # a refused request does not consume its key
                 self._idem[full] = (fingerprint, *result)
                 if len(self._idem) > _IDEM_CACHE:
                     self._idem.popitem(last=False)
@@ -538,7 +538,10 @@ class StoreServer:
     async def add_resources(self, request: Request) -> Response:
         async def run() -> Response:
             req = await self._json_body(request, _ResourcesIn)
-            res = self._store(request).add_resources(req.items)
+            # the key goes to the store too: it keeps it with the version, so a retry after a restart of
+            # this server (which forgets its in-memory answers) still publishes one version
+            key = self._idem_key(request)
+            res = self._store(request).add_resources(req.items, idempotency_key=key)
             return self._ok(res.model_dump_json().encode())
 
         return await self._deduplicated(request, "resources", run)

@@ -947,17 +947,27 @@ class SQLiteStore:
         return out
 
     # ------------------------------------------------------------ resources
-    def add_resources(self, items: dict[str, Resource | dict[str, Any]]) -> Resources:
+    def add_resources(
+        self, items: dict[str, Resource | dict[str, Any]], *, idempotency_key: str | None = None
+    ) -> Resources:
         make_resources(1, items)  # validate before taking the write lock
+        key = None if idempotency_key is None else f"resources:{idempotency_key}"
         with self._lock:
             self._check_open()
             with self._write() as c:
+                if key is not None:
+                    prev = self._idempotent(key)
+                    if prev is not None:
+                        row = c.execute("SELECT body FROM resources WHERE version = ?", (prev,)).fetchone()
+                        return Resources.model_validate_json(row[0])
                 latest = c.execute("SELECT MAX(version) FROM resources").fetchone()[0]
                 res = make_resources((latest or 0) + 1, items)
                 c.execute(
                     "INSERT INTO resources (version, body) VALUES (?, ?)",
                     (res.version, res.model_dump_json()),
                 )
+                if key is not None:
+                    c.execute("INSERT INTO idempotency (key, result) VALUES (?, ?)", (key, str(res.version)))
             self._latest_version = res.version
         return res
 

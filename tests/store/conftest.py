@@ -165,3 +165,9 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ca
 @pytest.fixture
 def store(store_factory: Callable[[], Store]) -> Store:
     return store_factory()
+
+
+@pytest.fixture
+def pg_database_url() -> Callable[[], str]:
+    """Opens fresh, empty databases on the session's PostgreSQL server (skips without one)."""
+    return lambda: new_pg_database()[2]
