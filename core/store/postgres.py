@@ -190,6 +190,10 @@ class PostgresStore:
         self._generation = 0  # bumped on every notification (local waiters compare it)
         self.changes = ChangeFeed()
         self._closed = False
+        #: a lower bound of the earliest running deadline (any server's: claims announce theirs), so
+        #: calls skip the expiry query until something may be due
+        self._min_deadline = -_INF
+        self._lease_gen = 0
         try:
             self._listen_conn = psycopg.connect(url, autocommit=True, connect_timeout=int(connect_timeout_s))
         except psycopg.OperationalError as exc:
@@ -243,6 +247,7 @@ class PostgresStore:
                 conn = psycopg.connect(self.url, autocommit=True)
                 conn.execute(f"LISTEN {CHANNEL}")
                 self._listen_conn = conn
+                self._min_deadline = -_INF
                 self._wake("queue")  # we may have missed anything meanwhile
                 self._wake("done")
                 return
@@ -250,6 +255,9 @@ class PostgresStore:
                 time.sleep(0.5)
 
     def _wake(self, topic: str) -> None:
+        if topic.startswith("lease:"):
+            self._lower_deadline(float(topic[6:]))
+            topic = "lease"
         with self._cond:
             self._generation += 1
             self._cond.notify_all()
@@ -263,7 +271,8 @@ class PostgresStore:
     def _txn(self) -> Iterator[Any]:
         """One transaction on a pooled connection; rolled back on any exception."""
         self._check_open()
-        with self._pool.connection() as conn, conn.transaction():
+        # pipeline mode: BEGIN travels with the first statement, COMMIT with nothing to wait for
+        with self._pool.connection() as conn, conn.pipeline(), conn.transaction():
             yield conn
 
     @contextmanager
@@ -272,8 +281,16 @@ class PostgresStore:
         with self._pool.connection() as conn:
             yield conn
 
+    def _lower_deadline(self, deadline: float) -> None:
+        self._lease_gen += 1
+        if deadline < self._min_deadline:
+            self._min_deadline = deadline
+
     def _reap(self, c: Any, now: float) -> bool:
         """End attempts whose lease or timeout passed (inside the caller's transaction)."""
+        if now < self._min_deadline:
+            return False
+        gen = self._lease_gen
         rows = c.execute(
             f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE status = 'running' AND deadline <= %s "
             "ORDER BY n FOR UPDATE SKIP LOCKED",
@@ -286,6 +303,9 @@ class PostgresStore:
             else:
                 err = AttemptError(type="lease_expired", message="no heartbeat before the lease expired")
                 self._end_attempt(c, row, "lost", now, err)
+        nd = c.execute("SELECT MIN(deadline) FROM rollouts WHERE status = 'running'").fetchone()[0]
+        # a deadline announced meanwhile may be missing from that snapshot: then check again next call
+        self._min_deadline = -_INF if gen != self._lease_gen else (_INF if nd is None else nd)
         return bool(rows)
 
     def _end_attempt(
@@ -307,16 +327,23 @@ class PostgresStore:
                 rollout_status = "queued" if row[_N_ATT] < row[_MAX] else "failed"
         ended = None if rollout_status == "queued" else now
         c.execute(
-            "UPDATE rollouts SET status = %s, attempts = %s, updated_at = %s, ended_at = %s, deadline = NULL, "
-            "timeout_at = NULL WHERE n = %s",
-            (rollout_status, _dumps(attempts), now, ended, row[_N]),
+            "WITH u AS (UPDATE rollouts SET status = %s, attempts = %s, updated_at = %s, ended_at = %s, "
+            "deadline = NULL, timeout_at = NULL WHERE n = %s RETURNING 1) SELECT pg_notify(%s, %s) FROM u",
+            (
+                rollout_status,
+                _dumps(attempts),
+                now,
+                ended,
+                row[_N],
+                CHANNEL,
+                "queue" if ended is None else "done",
+            ),
         )
         if status in _STALE_ENDINGS:
             c.execute(
                 "UPDATE span_chunks SET stale = TRUE WHERE rollout_id = %s AND attempt = %s",
                 (row[_ID], cur["number"]),
             )
-        c.execute("SELECT pg_notify(%s, %s)", (CHANNEL, "queue" if rollout_status == "queued" else "done"))
         new = list(row)
         new[_STATUS], new[_UPDATED], new[_ENDED], new[_TIMEOUT_AT] = rollout_status, now, ended, None
         return new, attempts
@@ -343,20 +370,14 @@ class PostgresStore:
             [list(ids), *args],
         ).fetchall()
 
-    def next_deadline(self) -> float:
-        """The earliest lease/timeout deadline of a running attempt (inf when none)."""
-        with self._conn() as c:
-            row = c.execute("SELECT MIN(deadline) FROM rollouts WHERE status = 'running'").fetchone()
-        return _INF if row[0] is None else row[0]
-
     def poke(self) -> float:
         """End expired attempts (waking waiters); returns seconds until the next deadline (for the server)."""
         self._reap_now()
-        return max(0.0, self.next_deadline() - time.time())
+        return max(0.0, self._min_deadline - time.time())
 
     def _wait(self, generation: int, until: float) -> None:
         """Sleep until a notification newer than ``generation``, ``until`` or the next lease deadline."""
-        wake = min(until, self.next_deadline())
+        wake = min(until, max(self._min_deadline, time.time() + 0.001))
         with self._cond:
             if self._generation == generation and not self._closed:
                 self._cond.wait(max(0.0, wake - time.time()) + 0.001)
@@ -509,15 +530,15 @@ class PostgresStore:
         now = time.time()
         with self._txn() as c:
             self._reap(c, now)
-            row = c.execute(
-                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE {where} ORDER BY n LIMIT 1 FOR UPDATE SKIP LOCKED",
+            got = c.execute(
+                f"SELECT {_ROLLOUT_COLS}, (SELECT MAX(version) FROM resources) FROM rollouts WHERE {where} "
+                "ORDER BY n LIMIT 1 FOR UPDATE SKIP LOCKED",
                 args,
             ).fetchone()
-            if row is None:
+            if got is None:
                 return None
-            version = row[_PINNED]
-            if version is None:
-                version = c.execute("SELECT MAX(version) FROM resources").fetchone()[0]
+            row, latest = got[:-1], got[-1]
+            version = row[_PINNED] if row[_PINNED] is not None else latest
             number = row[_N_ATT] + 1
             lease = now + row[_LEASE_S]
             timeout_at = None if row[_TIMEOUT_S] is None else now + row[_TIMEOUT_S]
@@ -537,11 +558,22 @@ class PostgresStore:
                 }
             )
             c.execute(
-                "UPDATE rollouts SET status = 'running', updated_at = %s, resources_version = %s, "
-                "n_attempts = %s, attempts = %s, timeout_at = %s, deadline = %s WHERE n = %s",
-                (now, version, number, _dumps(attempts), timeout_at, deadline, row[_N]),
+                "WITH u AS (UPDATE rollouts SET status = 'running', updated_at = %s, resources_version = %s, "
+                "n_attempts = %s, attempts = %s, timeout_at = %s, deadline = %s WHERE n = %s RETURNING 1) "
+                "SELECT pg_notify(%s, %s) FROM u",
+                (
+                    now,
+                    version,
+                    number,
+                    _dumps(attempts),
+                    timeout_at,
+                    deadline,
+                    row[_N],
+                    CHANNEL,
+                    f"lease:{deadline!r}",
+                ),
             )
-            c.execute("SELECT pg_notify(%s, 'lease')", (CHANNEL,))
+        self._lower_deadline(deadline)
         r = list(row)
         r[_VERSION], r[_STATUS], r[_UPDATED] = version, "running", now
         rollout = _rollout(r, attempts)
@@ -731,7 +763,6 @@ class PostgresStore:
             rows_by_key = dict(zip(sorted(groups), plan, strict=True))
             chunk_ns: list[int] = []
             placed: list[tuple[int, bool]] = []
-            trace_rows: list[tuple[str, int]] = []
             for ((rid, number), idx), body, tr in zip(groups.items(), bodies, traces, strict=True):
                 n, _, lease_s, timeout_at, attempts_json = rows_by_key[(rid, number)]
                 last = c.execute(
@@ -743,12 +774,13 @@ class PostgresStore:
                 cur = attempts[number - 1]
                 stale = cur["status"] in _STALE_ENDINGS
                 chunk = c.execute(
-                    "INSERT INTO span_chunks (rollout_id, attempt, first_seq, last_seq, stale, body) "
-                    "VALUES (%s, %s, %s, %s, %s, %s) RETURNING n",
-                    (rid, number, first, first + len(idx) - 1, stale, body),
+                    "WITH c AS (INSERT INTO span_chunks (rollout_id, attempt, first_seq, last_seq, stale, body) "
+                    "VALUES (%s, %s, %s, %s, %s, %s) RETURNING n), "
+                    "t AS (INSERT INTO span_traces (trace_id, chunk) SELECT x, c.n FROM c, unnest(%s::text[]) AS x "
+                    "ON CONFLICT DO NOTHING) SELECT n FROM c",
+                    (rid, number, first, first + len(idx) - 1, stale, body, sorted(tr)),
                 ).fetchone()[0]
                 chunk_ns.append(chunk)
-                trace_rows.extend((t, chunk) for t in tr)
                 if (
                     cur["status"] == "running"
                     and now - (cur["lease_expires_at"] - lease_s) > lease_s * _LEASE_COALESCE
@@ -760,11 +792,6 @@ class PostgresStore:
                         (_dumps(attempts), deadline, n),
                     )
                 placed.append((first, stale))
-            with c.cursor() as cur_:
-                cur_.executemany(
-                    "INSERT INTO span_traces (trace_id, chunk) VALUES (%s, %s) ON CONFLICT DO NOTHING",
-                    trace_rows,
-                )
             if key is not None:
                 self._store_key(c, key, chunk_ns)
         stored: list[Any] = [None] * len(items)

@@ -252,6 +252,10 @@ class _Waker:
         self.store = store
         self.loop = loop
         self.changed: asyncio.Future[None] = loop.create_future()
+        #: bumped on every change; ``empty[key]`` is the generation at which a claim with that mode filter
+        #: found nothing, so the other waiting claimers skip their (equally futile) try
+        self.generation = 0
+        self.empty: dict[Any, int] = {}
         self._lease = asyncio.Event()
         self._waiting = 0
         self._pump: asyncio.Task[None] | None = None
@@ -268,6 +272,7 @@ class _Waker:
         if not self.changed.done():
             self.changed.set_result(None)
         self.changed = self.loop.create_future()
+        self.generation += 1
 
     def enter(self) -> None:
         self._waiting += 1
@@ -436,6 +441,7 @@ class StoreServer:
         timeout_s: float,
         done: Callable[[Any], bool],
         orphaned: Callable[[Any], None] | None = None,
+        empty_key: Any = None,
     ) -> Any:
         """Run ``call(0)`` inline; if not ``done``, hold the request until done or timeout.
 
@@ -449,7 +455,7 @@ class StoreServer:
         deadline = time.monotonic() + min(timeout_s, self.long_poll_cap_s)
         store = self._store(request)
         if getattr(store, "changes", None) is not None and hasattr(store, "poke"):
-            return await self._wait_async(request, store, call, deadline, done, orphaned, result)
+            return await self._wait_async(request, store, call, deadline, done, orphaned, result, empty_key)
         if self._poll_limiter is None:
             self._poll_limiter = anyio.CapacityLimiter(1024)
         gone = asyncio.Event()
@@ -495,6 +501,7 @@ class StoreServer:
         done: Callable[[Any], bool],
         orphaned: Callable[[Any], None] | None,
         result: Any,
+        empty_key: Any,
     ) -> Any:
         """Hold the request on the event loop, no thread: re-try ``call(0)`` after each change the
         store announces (``store.changes``) until done, the deadline, or the client leaves."""
@@ -510,9 +517,13 @@ class StoreServer:
         try:
             while not self._closing and not watcher.done():
                 changed = waker.changed  # taken before the re-check: no change slips between them
-                result = call(0.0)
-                if done(result):
-                    break
+                generation = waker.generation
+                if empty_key is None or waker.empty.get(empty_key) != generation:
+                    result = call(0.0)
+                    if done(result):
+                        break
+                    if empty_key is not None:
+                        waker.empty[empty_key] = generation
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -578,7 +589,9 @@ class StoreServer:
                     ),
                 )
 
-        claim = await self._long_poll(request, call, req.timeout_s, lambda c: c is not None, give_back)
+        claim = await self._long_poll(
+            request, call, req.timeout_s, lambda c: c is not None, give_back, ("claim", tuple(modes or ()))
+        )
         return self._ok(b'{"claim":' + _dump(claim) + b"}")
 
     async def heartbeat(self, request: Request) -> Response:
