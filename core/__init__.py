@@ -19,9 +19,9 @@ __version__ = "0.1.0"
 #: public name -> module that defines it
 _LAZY: dict[str, str] = {
     # plugins and tracing
-    "instrument": "agl.instrument",
-    "uninstrument": "agl.instrument",
-    "Instrumentor": "agl.instrument",
+    "instrument": "agl.instrumentation",
+    "uninstrument": "agl.instrumentation",
+    "Instrumentor": "agl.instrumentation",
     "rollout_context": "agl.tracing",
     "current_rollout": "agl.tracing",
     "setup_tracing": "agl.tracing",
@@ -34,6 +34,7 @@ _LAZY: dict[str, str] = {
     "Adapter": "agl.adapter",
     "AIR": "agl.rewards",
     "LightningRL": "agl.algorithms.lightning_rl",
+    "RunConfig": "agl.config",
     # runner / trainer
     "Runner": "agl.runner",
     "rollout": "agl.runner",

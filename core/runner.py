@@ -298,6 +298,9 @@ class Runner:
             from agl.tracing import setup_tracing
 
             setup_tracing(store)
+        from agl.instrumentation.attribution import AttributionCheck
+
+        self._attribution = AttributionCheck(store)  # warns once when LLM calls lose their agent
 
     # ------------------------------------------------------------------------------ control
     def stop(self, *, now: bool = False) -> None:
@@ -336,6 +339,7 @@ class Runner:
         self._stop_evt, self._hard_evt = asyncio.Event(), asyncio.Event()
         self._remaining = max_rollouts
         self._idle_exit = until_idle
+        _warn_if_untraced()
         loop = asyncio.get_running_loop()
         installed: list[int] = []
         if signals and threading.current_thread() is threading.main_thread():
@@ -585,6 +589,8 @@ class Runner:
         # The flush guarantee: the attempt's spans are stored before its status changes.
         if not await self._blocking(flush, 30.0):
             log.warning("agl runner: spans of %s/%d not all stored before finishing", rid, number)
+        if not released:
+            await self._blocking(self._attribution.after_attempt, rid, number)
         try:
             await self._blocking(self.store.finish_attempt, rid, number, status, error=error)
         except (ConflictError, NotFoundError) as exc:
@@ -610,6 +616,53 @@ class Runner:
 
 class _ShutdownError(RuntimeError):
     pass
+
+
+_untraced_warned = False
+
+
+def _warn_if_untraced() -> None:
+    """Warn once when no integration is instrumented: the agent's LLM calls would then make no spans,
+    carry no rollout id to the gateway (whose replies and spans then belong to no rollout) and give
+    the trainer nothing to learn from. ``agl runner`` instruments by itself; library users call
+    ``agl.instrument()`` in the agent's module."""
+    global _untraced_warned
+    if _untraced_warned:
+        return
+    from agl.instrumentation import instrumented
+
+    if instrumented():
+        return
+    _untraced_warned = True
+    log.warning(
+        "agl runner: no integration is instrumented, so the agent's LLM calls are not traced and not "
+        "attributed to their rollout; call agl.instrument() in the agent's module (agl runner does it "
+        "for the frameworks the module imports, unless --no-instrument)"
+    )
+
+
+def _instrument_imported_frameworks() -> list[str]:
+    """Instrument the integrations whose framework the (just loaded) agent module imported, and the
+    openai client's: importing every installed framework only to instrument it costs seconds each."""
+    import re
+    from importlib.metadata import packages_distributions
+
+    import agl
+    from agl.instrumentation import available_instrumentors, is_installed
+
+    modules_of: dict[str, set[str]] = {}
+    for module, dists in packages_distributions().items():
+        for dist in dists:
+            modules_of.setdefault(dist.lower().replace("_", "-"), set()).add(module)
+    chosen = []
+    for name, cls in available_instrumentors().items():
+        if not is_installed(cls):
+            continue
+        dists = {re.split(r"[\s<>=!~;\[]", req.strip(), maxsplit=1)[0].lower() for req in cls.instruments}
+        modules = set().union(*(modules_of.get(d.replace("_", "-"), set()) for d in dists))
+        if any(m in sys.modules for m in modules):
+            chosen.append(name)
+    return agl.instrument(*chosen) if chosen else []
 
 
 def _shutdown_error() -> AttemptError:
@@ -645,8 +698,16 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--until-idle", action="store_true", help="exit when no work arrives for a while")
     parser.add_argument("--idle-s", type=float, default=5.0, help="long-poll wait per claim (default 5 s)")
     parser.add_argument(
-        "--token", default=os.environ.get("AGL_STORE_TOKEN"), help="bearer token of the store server"
+        "--token",
+        default=os.environ.get("AGL_STORE_TOKEN"),
+        help="bearer token of the store server (prefer $AGL_STORE_TOKEN: a --token is visible in ps)",
     )
+    parser.add_argument(
+        "--no-instrument",
+        action="store_true",
+        help="do not instrument the integrations of the frameworks the agent's module imports",
+    )
+    parser.add_argument("--verbose", "-v", action="store_true", help="log every store request (INFO)")
     parser.set_defaults(func=_cli)
 
 
@@ -655,12 +716,18 @@ def _cli(args: argparse.Namespace) -> int:
 
     if args.concurrency < 1:
         raise ValueError("--concurrency must be >= 1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not args.verbose:  # one line per HTTP request drowns the runner's own messages
+        for noisy in ("httpx", "httpcore"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     agent = load_agent(args.agent)
+    if not args.no_instrument:
+        names = _instrument_imported_frameworks()
+        log.info("agl runner: instrumented %s", ", ".join(names) or "nothing (no framework imported)")
     kwargs: dict[str, Any] = {}
     if args.token and args.store.startswith(("http://", "https://")):
         kwargs["token"] = args.token
     store = agl.store.open(args.store, **kwargs)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     runner = Runner(
         agent,
         store,

@@ -59,42 +59,14 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
 
-def _open(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The store to serve, and (test-only) a factory of fresh sibling stores."""
+def _open(args: argparse.Namespace) -> Any:
+    """The store to serve."""
     from agl.store import open as open_store
-    from agl.store.server import TEST_NAMESPACES_ENV
 
     db = args.db or "agl.db"
-    url = args.store or (db if db.startswith(("postgresql://", "postgres://")) else f"sqlite:///{Path(db)}")
-    store = open_store(url)
-    factory = None
-    if os.environ.get(TEST_NAMESPACES_ENV) == "1":
-        if url.startswith("sqlite:"):
-            rest = url.split("://", 1)[1]
-            base = Path(rest[1:] if rest.startswith("/") else rest)
-            suffix = base.suffix or ".db"
-
-            def factory(ns: str) -> Any:
-                return open_store(f"sqlite:///{base.with_name(base.stem + '.' + ns + suffix)}")
-
-        elif url.startswith(("postgresql:", "postgres:")):
-
-            def factory(ns: str) -> Any:  # a fresh database per namespace, on the same server
-                import psycopg
-
-                base_url, dbname = url.rsplit("/", 1)
-                name = f"{dbname.split('?')[0]}_{ns}_{os.getpid()}"
-                with psycopg.connect(url, autocommit=True) as conn:
-                    conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-                    conn.execute(f'CREATE DATABASE "{name}"')
-                return open_store(f"{base_url}/{name}")
-
-        else:
-
-            def factory(ns: str) -> Any:
-                return open_store(url)
-
-    return store, factory
+    return open_store(
+        args.store or (db if db.startswith(("postgresql://", "postgres://")) else f"sqlite:///{Path(db)}")
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -111,17 +83,19 @@ def _serve(args: argparse.Namespace) -> int:
         )
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0-65535, got {args.port}")
+    from agl.cli import check_port_free
+
+    check_port_free(args.host, args.port)
     max_body = args.max_body_bytes if args.max_body_bytes is not None else DEFAULT_MAX_BODY_BYTES
     if max_body <= 0:
         raise ValueError(f"--max-body-bytes must be positive, got {max_body}")
-    store, factory = _open(args)
+    store = _open(args)
     serve(
         store,
         host=args.host,
         port=args.port,
         token=token,
         max_body_bytes=max_body,
-        namespace_factory=factory,
         log_level=args.log_level,
     )
     return 0

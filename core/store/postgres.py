@@ -46,6 +46,7 @@ from agl.store._common import (
     check_limit,
     check_mode,
     check_modes,
+    check_offset,
     check_statuses,
     check_timeout,
     coerce_many,
@@ -672,10 +673,12 @@ class PostgresStore:
         group_id: str | None = None,
         ids: Sequence[str] | None = None,
         limit: int | None = None,
+        offset: int | None = None,
     ) -> list[Rollout]:
         statuses = check_statuses(status)
         check_mode(mode)
         limit = check_limit(limit)
+        skip = check_offset(offset)
         id_list = None if ids is None else list(dict.fromkeys(check_ids(ids)))
         where: list[str] = []
         args: list[Any] = []
@@ -695,6 +698,8 @@ class PostgresStore:
         sql += (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY n"
         if limit is not None:
             sql += f" LIMIT {limit}"
+        if skip:
+            sql += f" OFFSET {skip}"
         with self._txn() as c:
             self._reap(c, time.time())
             rows = c.execute(sql, args).fetchall()

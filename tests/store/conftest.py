@@ -50,12 +50,12 @@ def sqlite_store(tmp_path: Path) -> Iterator[Store]:
 
 # ---- http (store-server work): HttpStore -> a real `agl store serve` process over SQLite ---------------
 # One server process per test session (a start per test would cost ~0.5 s each); every store is a
-# fresh SQLite file of its own on that server (test-only namespaces, on only with
-# AGL_STORE_TEST_NAMESPACES=1), so the whole suite runs over HTTP unchanged.
+# fresh SQLite file of its own on that server (test-only routes that only agl.testing.store_server
+# serves, never the production app), so the whole suite runs over HTTP unchanged.
 @contextlib.contextmanager
 def http_store(tmp_path: Path) -> Iterator[Store]:
     from agl.store.http import HttpStore
-    from agl.store.server import shared_test_server
+    from agl.testing.store_server import shared_test_server
 
     server = shared_test_server()
     url = server.new_namespace()
@@ -126,12 +126,12 @@ def postgres_http_store(tmp_path: Path) -> Iterator[Store]:
     """HttpStore -> one `agl store serve --db postgresql://...` process; a fresh database per namespace."""
     global _pg_http
     from agl.store.http import HttpStore
-    from agl.store.server import TEST_NAMESPACES_ENV, ServerProcess
+    from agl.testing.store_server import TestStoreServer
 
     server = local_postgres()
     if _pg_http is None or _pg_http.proc is None or _pg_http.proc.poll() is not None:
         _, _, url = new_pg_database()
-        _pg_http = ServerProcess(store_url=url, env={TEST_NAMESPACES_ENV: "1"})
+        _pg_http = TestStoreServer(url)
         _pg_http.start()
         atexit.register(_pg_http.stop)
     ns_url = _pg_http.new_namespace()
