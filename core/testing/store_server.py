@@ -107,18 +107,17 @@ class NamespacedStores:
 
 
 def _pg_factory(url: str) -> Callable[[str], Any]:
-    """A fresh database per namespace, on the PostgreSQL server of ``url``."""
+    """A fresh schema per namespace in the database of ``url`` (cheaper than a database: no checkpoint)."""
     from agl.store import open as open_store
 
     def factory(ns: str) -> Any:
         import psycopg
 
-        base_url, dbname = url.split("?", 1)[0].rsplit("/", 1)
-        name = f"{dbname}_{ns}_{os.getpid()}"
+        name = f"agl_{ns}_{os.getpid()}"
         with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-            conn.execute(f'CREATE DATABASE "{name}"')
-        return open_store(f"{base_url}/{name}")
+            conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+            conn.execute(f'CREATE SCHEMA "{name}"')
+        return open_store(f"{url.split('?', 1)[0]}?options=-csearch_path%3D{name}")
 
     return factory
 
