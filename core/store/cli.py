@@ -25,9 +25,18 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         "Binds 127.0.0.1 unless told otherwise; any other address needs a token.",
     )
     where = serve.add_mutually_exclusive_group()
-    where.add_argument("--db", metavar="PATH", default=None, help="SQLite database file (default: agl.db)")
     where.add_argument(
-        "--store", metavar="URL", default=None, help="store URL instead: memory:// or sqlite:///path.db"
+        "--db",
+        metavar="PATH|URL",
+        default=None,
+        help="SQLite database file (default: agl.db), or postgresql://user@host/db: any number of servers "
+        "may serve one PostgreSQL database",
+    )
+    where.add_argument(
+        "--store",
+        metavar="URL",
+        default=None,
+        help="store URL instead: memory://, sqlite:///path.db or postgresql://...",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=4747, help="port (default: 4747; 0 picks a free one)")
@@ -54,7 +63,10 @@ def _open(args: argparse.Namespace) -> Any:
     """The store to serve."""
     from agl.store import open as open_store
 
-    return open_store(args.store or f"sqlite:///{Path(args.db or 'agl.db')}")
+    db = args.db or "agl.db"
+    return open_store(
+        args.store or (db if db.startswith(("postgresql://", "postgres://")) else f"sqlite:///{Path(db)}")
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:

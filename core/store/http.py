@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
@@ -653,6 +653,46 @@ class _Requests:
     def _backoff(attempt: int) -> float:
         return min(_BACKOFF_MAX_S, _BACKOFF_MIN_S * 2**attempt) * (0.5 + random.random() / 2)
 
+    def _exchange(self, req: _Req) -> Generator[tuple[str, Any], Any, Any]:
+        """One call's retry policy, written once for the sync and the async client.
+
+        Yields what to do and is sent its outcome: ``("send", request)`` → ``(status, body)``, or a
+        string naming the transport failure; ``("sleep", seconds)`` → None; ``("call", lookup_req)``
+        → that request's result (a reconciling lookup). Returns the call's result or raises its error.
+        """
+        attempt = 0
+        give_up_at: float | None = None
+        while True:
+            outcome = yield ("send", self._build(req))
+            if isinstance(outcome, tuple):
+                status, body = outcome
+                if status < 400:
+                    return self._parse(req, body)
+                if status not in _RETRY_STATUSES:
+                    error = _error_from(status, body)
+                    if attempt and req.reconcile is not None and isinstance(error, ConflictError):
+                        lookup, check = req.reconcile
+                        result = check((yield ("call", lookup)))
+                        if result is not None:
+                            return result
+                    raise error
+                failure = f"server answered {status}"
+            else:
+                failure = outcome
+            if self._closed:
+                raise ConflictError("the store is closed")
+            now = time.monotonic()
+            if give_up_at is None:
+                give_up_at = now + self.retry_timeout_s
+            if now >= give_up_at:
+                raise StoreUnavailableError(
+                    f"store server {self.url} unreachable for {self.retry_timeout_s:.0f}s "
+                    f"({attempt + 1} tries); last error: {failure}"
+                )
+            yield ("sleep", min(self._backoff(attempt), max(0.0, give_up_at - now)))
+            attempt += 1
+            self.retries += 1
+
     # ---------------------------------------------------------------- tasks
     def _add_tasks(self, tasks: Sequence[Task]) -> _Req:
         items = coerce_many(Task, tasks, "task")
@@ -817,7 +857,11 @@ class _Requests:
         return _Req("POST", self._u("/spans/query"), body, _P_SPANS)
 
     # ------------------------------------------------------------ resources
-    def _add_resources(self, items: dict[str, Resource | dict[str, Any]]) -> _Req:
+    def _add_resources(
+        self, items: dict[str, Resource | dict[str, Any]], idempotency_key: str | None
+    ) -> _Req:
+        if idempotency_key is not None and not isinstance(idempotency_key, str):
+            raise InvalidInputError(f"idempotency_key must be a string, got {idempotency_key!r}")
         if not isinstance(items, dict):
             raise InvalidInputError(
                 f"resources must be a dict of name -> resource, got {type(items).__name__}"
@@ -827,7 +871,7 @@ class _Requests:
             self._u("/resources"),
             _to_json({"items": items}),
             _P_RESOURCE_SNAPSHOT,
-            uuid.uuid4().hex,
+            idempotency_key or uuid.uuid4().hex,
         )
 
     def _get_resources(self, version: int | None) -> _Req:
@@ -876,46 +920,28 @@ class HttpStore(_Requests):
 
     def _send(self, req: _Req) -> Any:
         self._check_open()
-        attempt = 0
-        give_up_at: float | None = None
-        request = self._build(req)
+        policy = self._exchange(req)
+        step = next(policy)
         while True:
-            failure: str
-            try:
-                response = self._transport.handle_request(request)
+            kind, arg = step
+            value: Any = None
+            if kind == "send":
                 try:
-                    body = response.read()
-                finally:
-                    response.close()
-            except httpx.TransportError as exc:
-                failure = f"{type(exc).__name__}: {exc}"
+                    response = self._transport.handle_request(arg)
+                    try:
+                        value = (response.status_code, response.read())
+                    finally:
+                        response.close()
+                except httpx.TransportError as exc:
+                    value = f"{type(exc).__name__}: {exc}"
+            elif kind == "sleep":
+                time.sleep(arg)
             else:
-                status = response.status_code
-                if status < 400:
-                    return self._parse(req, body)
-                if status not in _RETRY_STATUSES:
-                    error = _error_from(status, body)
-                    if attempt and req.reconcile is not None and isinstance(error, ConflictError):
-                        lookup, check = req.reconcile
-                        result = check(self._send(lookup))
-                        if result is not None:
-                            return result
-                    raise error
-                failure = f"server answered {status}"
-            if self._closed:
-                raise ConflictError("the store is closed")
-            now = time.monotonic()
-            if give_up_at is None:
-                give_up_at = now + self.retry_timeout_s
-            if now >= give_up_at:
-                raise StoreUnavailableError(
-                    f"store server {self.url} unreachable for {self.retry_timeout_s:.0f}s "
-                    f"({attempt + 1} tries); last error: {failure}"
-                )
-            time.sleep(min(self._backoff(attempt), max(0.0, give_up_at - now)))
-            attempt += 1
-            self.retries += 1
-            request = self._build(req)
+                value = self._send(arg)
+            try:
+                step = policy.send(value)
+            except StopIteration as done:
+                return done.value
 
     # ---------------------------------------------------------------- tasks
     def add_tasks(self, tasks: Sequence[Task]) -> list[Task]:
@@ -993,8 +1019,10 @@ class HttpStore(_Requests):
         return self._send(self._query_spans(rollout_id, attempt, name, trace_id, include_stale, limit))
 
     # ------------------------------------------------------------ resources
-    def add_resources(self, items: dict[str, Resource | dict[str, Any]]) -> Resources:
-        return self._send(self._add_resources(items))
+    def add_resources(
+        self, items: dict[str, Resource | dict[str, Any]], *, idempotency_key: str | None = None
+    ) -> Resources:
+        return self._send(self._add_resources(items, idempotency_key))
 
     def get_resources(self, version: int | None = None) -> Resources | None:
         return self._send(self._get_resources(version))
@@ -1061,46 +1089,28 @@ class AsyncHttpStore(_Requests):
 
     async def _send(self, req: _Req) -> Any:
         self._check_open()
-        attempt = 0
-        give_up_at: float | None = None
-        request = self._build(req)
+        policy = self._exchange(req)
+        step = next(policy)
         while True:
-            failure: str
-            try:
-                response = await self._transport.handle_async_request(request)
+            kind, arg = step
+            value: Any = None
+            if kind == "send":
                 try:
-                    body = await response.aread()
-                finally:
-                    await response.aclose()
-            except httpx.TransportError as exc:
-                failure = f"{type(exc).__name__}: {exc}"
+                    response = await self._transport.handle_async_request(arg)
+                    try:
+                        value = (response.status_code, await response.aread())
+                    finally:
+                        await response.aclose()
+                except httpx.TransportError as exc:
+                    value = f"{type(exc).__name__}: {exc}"
+            elif kind == "sleep":
+                await asyncio.sleep(arg)
             else:
-                status = response.status_code
-                if status < 400:
-                    return self._parse(req, body)
-                if status not in _RETRY_STATUSES:
-                    error = _error_from(status, body)
-                    if attempt and req.reconcile is not None and isinstance(error, ConflictError):
-                        lookup, check = req.reconcile
-                        result = check(await self._send(lookup))
-                        if result is not None:
-                            return result
-                    raise error
-                failure = f"server answered {status}"
-            if self._closed:
-                raise ConflictError("the store is closed")
-            now = time.monotonic()
-            if give_up_at is None:
-                give_up_at = now + self.retry_timeout_s
-            if now >= give_up_at:
-                raise StoreUnavailableError(
-                    f"store server {self.url} unreachable for {self.retry_timeout_s:.0f}s "
-                    f"({attempt + 1} tries); last error: {failure}"
-                )
-            await asyncio.sleep(min(self._backoff(attempt), max(0.0, give_up_at - now)))
-            attempt += 1
-            self.retries += 1
-            request = self._build(req)
+                value = await self._send(arg)
+            try:
+                step = policy.send(value)
+            except StopIteration as done:
+                return done.value
 
     # ---------------------------------------------------------------- tasks
     async def add_tasks(self, tasks: Sequence[Task]) -> list[Task]:
@@ -1182,8 +1192,10 @@ class AsyncHttpStore(_Requests):
         return await self._send(self._query_spans(rollout_id, attempt, name, trace_id, include_stale, limit))
 
     # ------------------------------------------------------------ resources
-    async def add_resources(self, items: dict[str, Resource | dict[str, Any]]) -> Resources:
-        return await self._send(self._add_resources(items))
+    async def add_resources(
+        self, items: dict[str, Resource | dict[str, Any]], *, idempotency_key: str | None = None
+    ) -> Resources:
+        return await self._send(self._add_resources(items, idempotency_key))
 
     async def get_resources(self, version: int | None = None) -> Resources | None:
         return await self._send(self._get_resources(version))

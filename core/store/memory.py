@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agl.store._common import (
+    ChangeFeed,
     check_attempt_number,
     check_error,
     check_finish_status,
@@ -70,6 +71,7 @@ class MemoryStore:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
+        self.changes = ChangeFeed()
         self._tasks: dict[str, Task] = {}
         self._recs: dict[str, _Rec] = {}
         self._order = 0
@@ -84,6 +86,21 @@ class MemoryStore:
         self._closed = False
 
     # ------------------------------------------------------------ internals
+    def _notify(self, topic: str = "change") -> None:
+        """Wake local waiters: threads in ``claim``/``wait_for_rollouts`` and the server's async polls."""
+        self._cond.notify_all()
+        self.changes.notify(topic)
+
+    def poke(self) -> float:
+        """For the store server's pump task: end expired attempts; seconds until the next deadline."""
+        with self._lock:
+            if self._closed:
+                return float("inf")
+            now = time.time()
+            self._reap(now)
+            nd = self._next_deadline()
+            return float("inf") if nd is None else max(0.0, nd - now)
+
     def _check_open(self) -> None:
         if self._closed:
             raise ConflictError("the store is closed")
@@ -146,7 +163,7 @@ class MemoryStore:
             heapq.heappush(self._queues[r.mode], (rec.order, r.id))
         else:
             rec.rollout = r.model_copy(update={"status": "failed", "updated_at": now, "ended_at": now})
-        self._cond.notify_all()
+        self._notify()
 
     def _mark_stale(self, rid: str, n: int) -> None:
         spans = self._spans
@@ -192,6 +209,7 @@ class MemoryStore:
             update={"status": "running", "updated_at": now, "resources_version": version}
         )
         heapq.heappush(self._deadlines, (self._deadline(rec, att), r.id, n))
+        self.changes.notify("lease")
         return Claim.model_construct(rollout=rec.public(), attempt=att)
 
     def _wait(self, until: float) -> None:
@@ -271,7 +289,7 @@ class MemoryStore:
                 out.append(r)
             if idempotency_key is not None:
                 self._idem[("enqueue", idempotency_key)] = ids
-            self._cond.notify_all()
+            self._notify()
             return out
 
     def claim(
@@ -355,7 +373,7 @@ class MemoryStore:
                 )
                 rec.timeout_at.pop(n, None)
             rec.rollout = r.model_copy(update={"status": "cancelled", "updated_at": now, "ended_at": now})
-            self._cond.notify_all()
+            self._notify()
             return rec.public()
 
     def get_rollout(self, rollout_id: str) -> Rollout:
@@ -531,12 +549,20 @@ class MemoryStore:
             return out
 
     # ------------------------------------------------------------ resources
-    def add_resources(self, items: dict[str, Resource | dict[str, Any]]) -> Resources:
+    def add_resources(
+        self, items: dict[str, Resource | dict[str, Any]], *, idempotency_key: str | None = None
+    ) -> Resources:
         with self._lock:
             self._check_open()
+            if idempotency_key is not None:
+                prev = self._idem.get(("resources", idempotency_key))
+                if prev is not None:
+                    return self._resources[prev - 1]
             version = self._resources[-1].version + 1 if self._resources else 1
             res = make_resources(version, items)
             self._resources.append(res)
+            if idempotency_key is not None:
+                self._idem[("resources", idempotency_key)] = version
             return res
 
     def get_resources(self, version: int | None = None) -> Resources | None:
@@ -553,7 +579,7 @@ class MemoryStore:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._cond.notify_all()
+            self._notify()
 
     def __enter__(self) -> MemoryStore:
         return self

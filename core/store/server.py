@@ -13,9 +13,9 @@ the trainer here. Design choices, and why:
   client is still there.
 - Every bad request is answered 4xx with ``{"error": {"code", "message"}}`` naming the problem, before
   the store is touched (or the store refuses it without changing state); never a 500 for bad input.
-- Writes carry an ``Idempotency-Key``. Enqueue and span batches pass it to the store (durable with
-  SQLite); other writes are de-duplicated here, in memory, so a client retry after a lost answer is
-  applied once.
+- Writes carry an ``Idempotency-Key``. Enqueue, span batches and resources pass it to the store
+  (durable with SQLite and PostgreSQL); other writes are de-duplicated here, in memory, so a client
+  retry after a lost answer is applied once.
 """
 
 from __future__ import annotations
@@ -238,6 +238,75 @@ class _Guard:
         await self.app(scope, receive, send)
 
 
+# ------------------------------------------------------------------------------------------- waking
+
+
+class _Waker:
+    """Turns one store's change feed into an awaitable for the server's waiting long-polls.
+
+    ``changed`` is a future shared by every waiter, resolved (and replaced) on each change the store
+    announces from any thread (for PostgreSQL: a NOTIFY from any server). While anyone waits, one pump
+    task calls ``store.poke()`` when a lease may run out (the only change no write announces; for
+    SQLite also to notice other processes' writes) and sleeps otherwise: thousands of waiting requests
+    cost a future each, not a thread each.
+    """
+
+    def __init__(self, store: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.store = store
+        self.loop = loop
+        self.changed: asyncio.Future[None] = loop.create_future()
+        #: bumped on every change; ``empty[key]`` is the generation at which a claim with that mode filter
+        #: found nothing, so the other waiting claimers skip their (equally futile) try
+        self.generation = 0
+        self.empty: dict[Any, int] = {}
+        self._lease = asyncio.Event()
+        self._waiting = 0
+        self._pump: asyncio.Task[None] | None = None
+        self._unsubscribe = store.changes.subscribe(self._on_change)
+
+    def _on_change(self, topic: str) -> None:  # any thread
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            self.loop.call_soon_threadsafe(self._fire, topic)
+
+    def _fire(self, topic: str) -> None:
+        if topic == "lease":
+            self._lease.set()
+            return
+        if not self.changed.done():
+            self.changed.set_result(None)
+        self.changed = self.loop.create_future()
+        self.generation += 1
+
+    def enter(self) -> None:
+        self._waiting += 1
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.ensure_future(self._run_pump())
+
+    def leave(self) -> None:
+        self._waiting -= 1
+        if self._waiting == 0:
+            self._lease.set()  # let the pump see it is no longer needed
+
+    async def _run_pump(self) -> None:
+        while self._waiting > 0:
+            self._lease.clear()
+            try:
+                delay = self.store.poke()
+            except StoreError:
+                return  # closed
+            except Exception:  # noqa: BLE001 - e.g. the database is briefly unreachable: try again soon
+                delay = 1.0
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._lease.wait(), timeout=min(delay, 3600.0) + 0.001)
+
+    def close(self) -> None:
+        self._unsubscribe()
+        if self._pump is not None:
+            self._pump.cancel()
+        if not self.changed.done():
+            self.changed.set_result(None)
+
+
 # ------------------------------------------------------------------------------------------- server
 
 
@@ -261,6 +330,7 @@ class StoreServer:
         #: requests held right now (claim / wait long-polls), for tests and monitoring
         self.active_polls = 0
         self._poll_limiter: anyio.CapacityLimiter | None = None
+        self._wakers: dict[int, _Waker] = {}
         #: the dashboard under /ui (built on its first request)
         self.ui = LazyUI(store)
 
@@ -346,7 +416,7 @@ class StoreServer:
             except StoreError as exc:
                 response = _error(exc.status, exc.code, str(exc))
             result = (response.status_code, bytes(response.body))
-            if response.status_code < 500:
+            if response.status_code < 400:  # a refused request does not consume its key
                 self._idem[full] = (fingerprint, *result)
                 if len(self._idem) > _IDEM_CACHE:
                     self._idem.popitem(last=False)
@@ -366,6 +436,7 @@ class StoreServer:
         timeout_s: float,
         done: Callable[[Any], bool],
         orphaned: Callable[[Any], None] | None = None,
+        empty_key: Any = None,
     ) -> Any:
         """Run ``call(0)`` inline; if not ``done``, hold the request until done or timeout.
 
@@ -377,6 +448,9 @@ class StoreServer:
         if done(result) or timeout_s <= 0:
             return result
         deadline = time.monotonic() + min(timeout_s, self.long_poll_cap_s)
+        store = self._store(request)
+        if getattr(store, "changes", None) is not None and hasattr(store, "poke"):
+            return await self._wait_async(request, store, call, deadline, done, orphaned, result, empty_key)
         if self._poll_limiter is None:
             self._poll_limiter = anyio.CapacityLimiter(1024)
         gone = asyncio.Event()
@@ -402,6 +476,60 @@ class StoreServer:
                 if gone.is_set():
                     orphaned(result)
         finally:
+            self.active_polls -= 1
+            watcher.cancel()
+        return result
+
+    def _waker(self, store: Any) -> _Waker:
+        waker = self._wakers.get(id(store))
+        if waker is None or waker.store is not store:
+            waker = _Waker(store, asyncio.get_running_loop())
+            self._wakers[id(store)] = waker
+        return waker
+
+    async def _wait_async(
+        self,
+        request: Request,
+        store: Any,
+        call: Callable[[float], Any],
+        deadline: float,
+        done: Callable[[Any], bool],
+        orphaned: Callable[[Any], None] | None,
+        result: Any,
+        empty_key: Any,
+    ) -> Any:
+        """Hold the request on the event loop, no thread: re-try ``call(0)`` after each change the
+        store announces (``store.changes``) until done, the deadline, or the client leaves."""
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        waker = self._waker(store)
+        watcher = asyncio.ensure_future(watch())
+        self.active_polls += 1
+        waker.enter()
+        try:
+            while not self._closing and not watcher.done():
+                changed = waker.changed  # taken before the re-check: no change slips between them
+                generation = waker.generation
+                if empty_key is None or waker.empty.get(empty_key) != generation:
+                    result = call(0.0)
+                    if done(result):
+                        break
+                    if empty_key is not None:
+                        waker.empty[empty_key] = generation
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                await asyncio.wait((changed, watcher), timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            if done(result) and orphaned is not None:
+                for _ in range(3):  # let a disconnect the loop already saw reach the watcher
+                    await asyncio.sleep(0)
+                if watcher.done():
+                    orphaned(result)
+        finally:
+            waker.leave()
             self.active_polls -= 1
             watcher.cancel()
         return result
@@ -456,7 +584,9 @@ class StoreServer:
                     ),
                 )
 
-        claim = await self._long_poll(request, call, req.timeout_s, lambda c: c is not None, give_back)
+        claim = await self._long_poll(
+            request, call, req.timeout_s, lambda c: c is not None, give_back, ("claim", tuple(modes or ()))
+        )
         return self._ok(b'{"claim":' + _dump(claim) + b"}")
 
     async def heartbeat(self, request: Request) -> Response:
@@ -533,7 +663,10 @@ class StoreServer:
     async def add_resources(self, request: Request) -> Response:
         async def run() -> Response:
             req = await self._json_body(request, _ResourcesIn)
-            res = self._store(request).add_resources(req.items)
+            # the key goes to the store too: it keeps it with the version, so a retry after a restart of
+            # this server (which forgets its in-memory answers) still publishes one version
+            key = self._idem_key(request)
+            res = self._store(request).add_resources(req.items, idempotency_key=key)
             return self._ok(res.model_dump_json().encode())
 
         return await self._deduplicated(request, "resources", run)
@@ -587,6 +720,9 @@ class StoreServer:
 
     def close(self) -> None:
         self._closing = True
+        for waker in self._wakers.values():
+            waker.close()
+        self._wakers.clear()
         self.ui.close()
 
 

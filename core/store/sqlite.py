@@ -45,7 +45,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from agl.store._common import (
+    BACKOFF_MAX_S,
     Backoff,
+    ChangeFeed,
     check_attempt_number,
     check_error,
     check_finish_status,
@@ -333,6 +335,7 @@ class SQLiteStore:
         )
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
+        self.changes = ChangeFeed()
         self._closed = False
         c = self._conn
         c.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
@@ -356,6 +359,23 @@ class SQLiteStore:
     def _check_open(self) -> None:
         if self._closed:
             raise ConflictError("the store is closed")
+
+    def _notify(self, topic: str = "change") -> None:
+        """Wake local waiters: threads in ``claim``/``wait_for_rollouts`` and the server's async polls."""
+        self._cond.notify_all()
+        self.changes.notify(topic)
+
+    def poke(self) -> float:
+        """For the store server's one pump task: end expired attempts, notice other processes' writes
+        (waking waiters), and say in how many seconds to poke again."""
+        with self._lock:
+            if self._closed:
+                return _INF
+            now = time.time()
+            if self._others_wrote():
+                self._notify()
+            self._reap(now)
+            return max(0.0, min(self._min_deadline - now, BACKOFF_MAX_S))
 
     def _write(self) -> _WriteTxn:
         """A write transaction; the caller holds ``self._lock``."""
@@ -400,7 +420,7 @@ class SQLiteStore:
         row = self._conn.execute("SELECT MIN(deadline) FROM rollouts WHERE status = 'running'").fetchone()
         self._min_deadline = _INF if row[0] is None else row[0]
         if rows:
-            self._cond.notify_all()
+            self._notify()
 
     def _end_attempt(
         self,
@@ -569,7 +589,7 @@ class SQLiteStore:
                         "INSERT INTO idempotency (key, result) VALUES (?, ?)",
                         (f"enqueue:{idempotency_key}", _dumps(ids)),
                     )
-            self._cond.notify_all()
+            self._notify()
         return [
             _construct(
                 Rollout,
@@ -646,6 +666,7 @@ class SQLiteStore:
             )
         if deadline < self._min_deadline:
             self._min_deadline = deadline
+            self.changes.notify("lease")
         r = list(row)
         r[_VERSION], r[_STATUS], r[_UPDATED] = version, "running", now
         rollout = _rollout(r, attempts)
@@ -714,7 +735,7 @@ class SQLiteStore:
                 row = self._row(rollout_id)
                 self._running_attempt(row, attempt, "finish")
                 new, attempts = self._end_attempt(row, status, now, err)
-            self._cond.notify_all()
+            self._notify()
         return _rollout(new, attempts)
 
     def cancel(self, rollout_id: str) -> Rollout:
@@ -736,7 +757,7 @@ class SQLiteStore:
                     new[_STATUS], new[_UPDATED], new[_ENDED] = "cancelled", now, now
                 else:
                     raise ConflictError(f"cannot cancel rollout {rollout_id!r}: it is already {row[_STATUS]}")
-            self._cond.notify_all()
+            self._notify()
         return _rollout(new, attempts)
 
     def get_rollout(self, rollout_id: str) -> Rollout:
@@ -951,17 +972,27 @@ class SQLiteStore:
         return out
 
     # ------------------------------------------------------------ resources
-    def add_resources(self, items: dict[str, Resource | dict[str, Any]]) -> Resources:
+    def add_resources(
+        self, items: dict[str, Resource | dict[str, Any]], *, idempotency_key: str | None = None
+    ) -> Resources:
         make_resources(1, items)  # validate before taking the write lock
+        key = None if idempotency_key is None else f"resources:{idempotency_key}"
         with self._lock:
             self._check_open()
             with self._write() as c:
+                if key is not None:
+                    prev = self._idempotent(key)
+                    if prev is not None:
+                        row = c.execute("SELECT body FROM resources WHERE version = ?", (prev,)).fetchone()
+                        return Resources.model_validate_json(row[0])
                 latest = c.execute("SELECT MAX(version) FROM resources").fetchone()[0]
                 res = make_resources((latest or 0) + 1, items)
                 c.execute(
                     "INSERT INTO resources (version, body) VALUES (?, ?)",
                     (res.version, res.model_dump_json()),
                 )
+                if key is not None:
+                    c.execute("INSERT INTO idempotency (key, result) VALUES (?, ?)", (key, str(res.version)))
             self._latest_version = res.version
         return res
 
@@ -986,7 +1017,7 @@ class SQLiteStore:
             if self._closed:
                 return
             self._closed = True
-            self._cond.notify_all()
+            self._notify()
             self._conn.close()
 
     def __enter__(self) -> SQLiteStore:

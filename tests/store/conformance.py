@@ -641,3 +641,14 @@ def test_idempotent_enqueue_and_spans(store: Store) -> None:
     with pytest.raises(NotFoundError):
         store.add_spans([span("ro-unknown")], idempotency_key="spans-3")
     assert store.add_spans([span(rid)], idempotency_key="spans-3")[0].seq == 4
+
+
+def test_idempotent_resources(store: Store) -> None:
+    first = store.add_resources({"main": LLM}, idempotency_key="res-1")
+    again = store.add_resources({"main": LLM}, idempotency_key="res-1")
+    assert again.version == first.version == 1
+    assert store.get_resources().version == 1  # type: ignore[union-attr]
+    # a refused call does not consume its key
+    with pytest.raises(InvalidInputError):
+        store.add_resources({"x": {"type": "unknown"}}, idempotency_key="res-2")
+    assert store.add_resources({}, idempotency_key="res-2").version == 2

@@ -8,15 +8,53 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from agl.store.http import HttpStore
 from agl.store.server import ServerProcess
 from agl.types import NewRollout, RolloutConfig, Span
 
 
-def test_sigkill_under_write_load_loses_no_acknowledged_write(tmp_path: Path) -> None:
-    server = ServerProcess(tmp_path / "crash.db", log_path=tmp_path / "server.log")
+@pytest.fixture(params=["sqlite", "postgres"])
+def make_server(
+    request: pytest.FixtureRequest, tmp_path: Path, pg_database_url: Callable[[], str]
+) -> Callable[[], ServerProcess]:
+    """A store server process (not started) over a fresh SQLite file or PostgreSQL database."""
+    if request.param == "sqlite":
+        return lambda: ServerProcess(tmp_path / "crash.db", log_path=tmp_path / "server.log")
+    url = pg_database_url()
+    return lambda: ServerProcess(store_url=url, log_path=tmp_path / "server.log")
+
+
+def test_resources_retry_across_sigkill_publishes_one_version(
+    make_server: Callable[[], ServerProcess],
+) -> None:
+    server = make_server()
+    url = server.start()
+    client = HttpStore(url)
+    first = client.add_resources(
+        {"main": {"type": "llm", "base_url": "http://127.0.0.1:1/v1", "model": "m"}}, idempotency_key="k1"
+    )
+    server.kill()  # the server forgets its in-memory answers; only the store's copy of the key is left
+    server.start()
+    again = client.add_resources(
+        {"main": {"type": "llm", "base_url": "http://127.0.0.1:1/v1", "model": "m"}}, idempotency_key="k1"
+    )
+    assert again.version == first.version == 1 and again == first
+    latest = client.get_resources()
+    assert latest is not None and latest.version == 1
+    assert client.add_resources({}, idempotency_key="k2").version == 2
+    client.close()
+    server.stop()
+
+
+def test_sigkill_under_write_load_loses_no_acknowledged_write(
+    make_server: Callable[[], ServerProcess],
+) -> None:
+    server = make_server()
     url = server.start()
     setup = HttpStore(url)
     rid = setup.enqueue([NewRollout(id="ro-target", config=RolloutConfig(lease_s=3600))])[0].id
