@@ -54,14 +54,12 @@ from agl.types import AttemptError, Claim, Mode, NewRollout, Rollout, Span, Task
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "LONG_POLL_CAP_S",
-    "TEST_NAMESPACES_ENV",
     "ServerProcess",
     "StoreServer",
     "create_app",
     "is_loopback",
     "serve",
     "serve_in_thread",
-    "shared_test_server",
 ]
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -70,8 +68,6 @@ LONG_POLL_CAP_S = 30.0
 #: How often a held request checks that its client is still connected.
 _POLL_SLICE_S = 1.0
 _IDEM_CACHE = 10_000
-#: Test-only: serve a fresh, separate store under /_test/stores/{ns}/... (see ``create_app``).
-TEST_NAMESPACES_ENV = "AGL_STORE_TEST_NAMESPACES"
 
 _JSON = "application/json"
 _MAX_INT = 2**63 - 1
@@ -246,7 +242,7 @@ class _Guard:
 
 
 class StoreServer:
-    """The request handlers over one store (plus test namespaces when enabled)."""
+    """The request handlers over one store."""
 
     def __init__(
         self,
@@ -254,14 +250,10 @@ class StoreServer:
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         long_poll_cap_s: float = LONG_POLL_CAP_S,
-        namespace_factory: Callable[[str], Store] | None = None,
     ) -> None:
         self.store = store
         self.max_body_bytes = max_body_bytes
         self.long_poll_cap_s = long_poll_cap_s
-        self._namespace_factory = namespace_factory
-        self._namespaces: dict[str, Store] = {}
-        self._ns_counter = 0
         #: Idempotency-Key -> (request fingerprint, status, body) of its first answer
         self._idem: OrderedDict[str, tuple[str, int, bytes]] = OrderedDict()
         self._inflight: dict[str, tuple[str, asyncio.Future[tuple[int, bytes]]]] = {}
@@ -274,13 +266,7 @@ class StoreServer:
 
     # ------------------------------------------------------------ plumbing
     def _store(self, request: Request) -> Store:
-        ns = request.path_params.get("ns")
-        if ns is None:
-            return self.store
-        store = self._namespaces.get(ns)
-        if store is None:
-            raise HTTPException(404)
-        return store
+        return self.store
 
     async def _body(self, request: Request) -> bytes:
         cached = request.scope.get("agl.body")
@@ -571,21 +557,6 @@ class StoreServer:
         )
         return Response(answer.body, status_code=answer.status, media_type=answer.media_type)
 
-    # ------------------------------------------------------- test namespaces
-    async def ns_create(self, request: Request) -> Response:
-        assert self._namespace_factory is not None
-        self._ns_counter += 1
-        name = f"ns{self._ns_counter}"
-        self._namespaces[name] = self._namespace_factory(name)
-        return self._ok(json.dumps({"namespace": name, "prefix": f"/_test/stores/{name}"}).encode())
-
-    async def ns_delete(self, request: Request) -> Response:
-        store = self._namespaces.pop(request.path_params["ns"], None)
-        if store is None:
-            raise HTTPException(404)
-        store.close()
-        return self._ok(b'{"deleted":true}')
-
     # ------------------------------------------------------------ routing
     def routes(self) -> list[Any]:
         table: list[tuple[str, Callable[[Request], Awaitable[Response]], Sequence[str]]] = [
@@ -612,20 +583,11 @@ class StoreServer:
         routes: list[Any] = [Route("/health", self.health, methods=["GET"])]
         routes += [Route(path, fn, methods=list(methods)) for path, fn, methods in table]
         routes.append(Mount(UI_PREFIX, app=self.ui))
-        if self._namespace_factory is not None:
-            routes.append(Route("/_test/stores", self.ns_create, methods=["POST"]))
-            routes.append(Route("/_test/stores/{ns}", self.ns_delete, methods=["DELETE"]))
-            routes += [
-                Route("/_test/stores/{ns}" + path, fn, methods=list(methods)) for path, fn, methods in table
-            ]
         return routes
 
     def close(self) -> None:
         self._closing = True
         self.ui.close()
-        for store in self._namespaces.values():
-            store.close()
-        self._namespaces.clear()
 
 
 def create_app(
@@ -634,15 +596,9 @@ def create_app(
     token: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     long_poll_cap_s: float = LONG_POLL_CAP_S,
-    namespace_factory: Callable[[str], Store] | None = None,
     close_store: bool = True,
 ) -> Any:
-    """The ASGI app serving ``store``.
-
-    ``namespace_factory`` is for tests only: with it, ``POST /_test/stores`` opens a fresh store and
-    serves it under ``/_test/stores/{ns}/...``, so one server process gives every test its own empty
-    store (the conformance suite runs over HTTP without a server start per test).
-    """
+    """The ASGI app serving ``store`` (test-only routes live in ``agl.testing.store_server``)."""
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     if not math.isfinite(long_poll_cap_s) or long_poll_cap_s <= 0:
@@ -651,7 +607,6 @@ def create_app(
         store,
         max_body_bytes=max_body_bytes,
         long_poll_cap_s=long_poll_cap_s,
-        namespace_factory=namespace_factory,
     )
 
     @contextlib.asynccontextmanager
@@ -825,17 +780,6 @@ class ServerProcess:
         finally:
             conn.close()
 
-    def new_namespace(self) -> str:
-        """URL of a fresh, empty store on this server (needs ``AGL_STORE_TEST_NAMESPACES=1``)."""
-        status, body = self.request("POST", "/_test/stores", b"")
-        if status != 200:
-            raise RuntimeError(f"server refused a test namespace ({status}): {body[:300]!r}")
-        return f"{self.url}{json.loads(body)['prefix']}"
-
-    def drop_namespace(self, url: str) -> None:
-        assert self.url is not None
-        self.request("DELETE", url[len(self.url) :])
-
     def __enter__(self) -> ServerProcess:
         self.start()
         return self
@@ -891,35 +835,6 @@ def serve_in_thread(
         sock.close()
 
 
-_shared: ServerProcess | None = None
-
-
-def shared_test_server() -> ServerProcess:
-    """One server process per test process, over SQLite, with test namespaces on; stopped at exit."""
-    global _shared
-    if _shared is None or _shared.proc is None or _shared.proc.poll() is not None:
-        import atexit
-        import tempfile
-
-        tmp = tempfile.mkdtemp(prefix="agl-store-test-")
-        server = ServerProcess(
-            os.path.join(tmp, "store.db"),
-            env={TEST_NAMESPACES_ENV: "1"},
-            log_path=os.path.join(tmp, "server.log"),
-        )
-        server.start()
-
-        def cleanup() -> None:
-            import shutil
-
-            server.stop()
-            shutil.rmtree(tmp, ignore_errors=True)
-
-        atexit.register(cleanup)
-        _shared = server
-    return _shared
-
-
 def serve(
     store: Store,
     *,
@@ -927,9 +842,9 @@ def serve(
     port: int = 4747,
     token: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    namespace_factory: Callable[[str], Store] | None = None,
     ready_message: str = "agl store: serving",
     log_level: str = "warning",
+    wrap: Callable[[Any], Any] | None = None,
 ) -> None:
     """Serve ``store`` until SIGINT/SIGTERM; prints ``<ready_message> http://host:port`` once listening.
 
@@ -942,7 +857,9 @@ def serve(
         )
     import uvicorn
 
-    app = create_app(store, token=token, max_body_bytes=max_body_bytes, namespace_factory=namespace_factory)
+    app = create_app(store, token=token, max_body_bytes=max_body_bytes)
+    if wrap is not None:  # agl.testing.store_server adds its test-only routes this way
+        app = wrap(app)
     sock = _bind(host, port)
     bound_port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
