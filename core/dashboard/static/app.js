@@ -103,7 +103,7 @@ function AuthBanner({ error }) {
 
 // ------------------------------------------------------------------------------------------- chart
 function LineChart({ series, height = 220, yLabel = "reward" }) {
-  const width = 640, pad = { l: 46, r: 12, t: 10, b: 28 };
+  const width = 640, pad = { l: 46, r: 12, t: 24, b: 28 };
   const pts = series.flatMap((s) => s.points);
   if (!pts.length) return html`<p class="muted">No values yet.</p>`;
   const xs = pts.map((p) => p[0]), ys = pts.map((p) => p[1]);
@@ -117,7 +117,7 @@ function LineChart({ series, height = 220, yLabel = "reward" }) {
     ${ticks.map((t) => html`<g><line x1=${pad.l} x2=${width - pad.r} y1=${sy(t)} y2=${sy(t)} stroke="#eee" />
       <text x=${pad.l - 4} y=${sy(t) + 4} text-anchor="end">${t.toFixed(2)}</text></g>`)}
     <text x=${pad.l} y=${height - 6}>step ${x0}</text><text x=${width - pad.r} y=${height - 6} text-anchor="end">step ${x1}</text>
-    <text x="10" y=${pad.t + 10}>${yLabel}</text>
+    <text x="4" y="12">${yLabel}</text>
     ${series.map((s) => html`<g class=${`series ${s.cls}`}>
       <polyline fill="none" class=${s.cls} stroke-width="2" points=${s.points.map((p) => `${sx(p[0])},${sy(p[1])}`).join(" ")} />
       ${s.points.map((p) => html`<circle cx=${sx(p[0])} cy=${sy(p[1])} r="3" class=${s.cls} fill="currentColor" stroke="none" style=${`color:${s.color}`}><title>${s.name} step ${p[0]}: ${p[1]}</title></circle>`)}
