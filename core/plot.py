@@ -2,7 +2,9 @@
 
 Reads each run's ``metrics.jsonl`` (written by ``Trainer.fit``) and draws, like the LightningRL
 paper's Figure 6, the training reward and the validation reward against the training step; several
-run directories (e.g. seeds) go on one figure. Uses matplotlib's Agg backend: no display needed.
+run directories (e.g. seeds) go on one figure. APO runs (records with ``"algorithm": "apo"``) are
+drawn against the round, with every new candidate's validation reward as a dot. Uses matplotlib's
+Agg backend: no display needed.
 """
 
 from __future__ import annotations
@@ -83,10 +85,20 @@ def plot_runs(
     if not drawn:
         plt.close(fig)
         raise ValueError(f"no train_reward or val_reward values in {', '.join(str(d) for d, _ in runs)}")
-    axes[0].set_title(f"train reward (moving mean of {smooth})" if smooth > 1 else "train reward")
-    axes[1].set_title("held-out reward")
+    apo = all(r.get("algorithm") == "apo" for _, records in runs for r in records)
+    if apo:  # APO: every candidate's validation reward as dots beside the best-in-beam line
+        for _, records in runs:
+            for r in records:
+                ys = [v for v in r.get("candidate_val_rewards") or [] if isinstance(v, (int, float))]
+                axes[1].scatter([r["step"]] * len(ys), ys, s=12, alpha=0.4, color="grey")
+    axes[0].set_title(
+        "beam reward on the training batch"
+        if apo
+        else (f"train reward (moving mean of {smooth})" if smooth > 1 else "train reward")
+    )
+    axes[1].set_title("validation reward (best in beam; dots: candidates)" if apo else "held-out reward")
     for ax in axes:
-        ax.set_xlabel("training step")
+        ax.set_xlabel("APO round" if apo else "training step")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("reward")
     if len(runs) > 1:

@@ -671,12 +671,14 @@ class _Run:
         deadline = (
             None if self.setup.round_timeout_s is None else time.monotonic() + self.setup.round_timeout_s
         )
+        shown = -1
         while pending:
             for r in env.store.wait_for_rollouts(sorted(pending), timeout_s=0.5):
                 if r.id in pending:
                     pending.discard(r.id)
                     done[r.id] = r
-            if self._bar is not None:
+            if self._bar is not None and len(done) != shown:
+                shown = len(done)
                 self._bar.set_postfix_str(f"{label}: {len(done)}/{len(ids)} rollouts", refresh=True)
             if deadline is not None and pending and time.monotonic() > deadline:
                 log.warning(
