@@ -295,7 +295,7 @@ def test_optimiser_failures_cost_a_child_not_the_round(tmp_path: Path) -> None:
     )
     summary = _apo_trainer(tmp_path, apo, MemoryStore()).fit(writer, _tasks(8), _tasks(4, offset=100))
     assert summary["optimizer_failures"] == {
-        "bad_json_repaired": 1,
+        "bad_json_retried": 1,
         "empty_rewrite": 1,
         "http_error": 1,
         "placeholders": 1,

@@ -867,7 +867,7 @@ class _Run:
             except OptimizerError as exc:
                 if exc.reason != "bad_json" or attempt == apo.repair_retries:
                     raise
-                self._note_failure(exc, meta, repaired=True)
+                self._note_failure(exc, meta, retried=True)
                 messages = [
                     *messages,
                     {"role": "assistant", "content": reply},
@@ -885,15 +885,18 @@ class _Run:
             )
         return new
 
-    def _note_failure(self, exc: OptimizerError, meta: dict[str, Any], *, repaired: bool = False) -> None:
-        key = exc.reason + ("_repaired" if repaired else "")
+    def _note_failure(self, exc: OptimizerError, meta: dict[str, Any], *, retried: bool = False) -> None:
+        key = exc.reason + ("_retried" if retried else "")
         self.opt_failures[key] = self.opt_failures.get(key, 0) + 1
         self._append(
             "optimizer_failures.jsonl",
-            {**meta, "reason": exc.reason, "message": str(exc), "retried": repaired},
+            {**meta, "reason": exc.reason, "message": str(exc), "retried": retried},
         )
         log.warning(
-            "agl apo: optimiser %s (%s): %s", "reply repaired" if repaired else "failure", exc.reason, exc
+            "agl apo: optimiser %s (%s): %s",
+            "reply sent back for repair" if retried else "failure",
+            exc.reason,
+            exc,
         )
 
     def _expand(
