@@ -216,8 +216,11 @@ class _Env:
                 )
             return gateway.ScriptedBackend(s.script, accept_any_model=True, on_exhausted="repeat")
         if backend == "openai":
-            if not s.base_url:
-                raise ValueError("the openai backend needs base_url (an OpenAI-compatible endpoint)")
+            if not s.base_url or not s.model_name:
+                raise ValueError(
+                    "the openai backend needs base_url (an OpenAI-compatible endpoint) and the model's "
+                    "name (Trainer model_name=, agl apo --model)"
+                )
             return gateway.OpenAIBackend(
                 s.base_url, api_key=s.api_key, models=[s.model_name] if s.model_name else []
             )
