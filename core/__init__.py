@@ -34,7 +34,11 @@ _LAZY: dict[str, str] = {
     "Adapter": "agl.adapter",
     "AIR": "agl.rewards",
     "LightningRL": "agl.algorithms.lightning_rl",
+    "APO": "agl.algorithms.apo",
     "RunConfig": "agl.config",
+    # prompt templates (resources an agent reads; APO rewrites them)
+    "prompt": "agl.prompts",
+    "prompt_version": "agl.prompts",
     # runner / trainer
     "Runner": "agl.runner",
     "rollout": "agl.runner",

@@ -43,7 +43,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("agl.gateway.cli", "serve the OpenAI-compatible gateway (agl gateway serve)"),
     "models": ("agl.gateway.models", "prepare the embedded default model (agl models prepare)"),
     "runner": ("agl.runner", "run an agent against a store: claim rollouts, run them, report"),
-    "plot": ("agl.plot", "plot the reward curve of a training run"),
+    "apo": ("agl.algorithms.apo", "optimise an agent's prompts with any LLM (automatic prompt optimisation)"),
+    "plot": ("agl.plot", "plot the reward curve of a training or APO run"),
     "dashboard": ("agl.dashboard.cli", "open the dashboard: runs, rollouts, span trees, transitions"),
     "doctor": ("agl.doctor", "installed frameworks, instrumented integrations, their hooks, the tracer"),
 }

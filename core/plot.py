@@ -2,7 +2,9 @@
 
 Reads each run's ``metrics.jsonl`` (written by ``Trainer.fit``) and draws, like the LightningRL
 paper's Figure 6, the training reward and the validation reward against the training step; several
-run directories (e.g. seeds) go on one figure. Uses matplotlib's Agg backend: no display needed.
+run directories (e.g. seeds) go on one figure. APO runs (records with ``"algorithm": "apo"``) are
+drawn against the round, with every new candidate's validation reward as a dot. Uses matplotlib's
+Agg backend: no display needed.
 """
 
 from __future__ import annotations
@@ -63,16 +65,21 @@ def plot_runs(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     if not run_dirs:
         raise ValueError("plot needs at least one run directory")
     runs = [(Path(d), read_metrics(d)) for d in run_dirs]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    apo = all(r.get("algorithm") == "apo" for _, records in runs for r in records)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True, sharex=apo)
     drawn = 0
     for d, records in runs:
         label = d.name if len(runs) > 1 else None
         xs, ys = _series(records, "train_reward")
-        if xs:
+        if xs and apo:  # few rounds: points, no smoothing
+            axes[0].plot(xs, ys, marker="o", label=label)
+            drawn += 1
+        elif xs:
             line = axes[0].plot(xs, ys, alpha=0.25)[0]
             axes[0].plot(xs, _smooth(ys, smooth), color=line.get_color(), label=label)
             drawn += 1
@@ -83,10 +90,21 @@ def plot_runs(
     if not drawn:
         plt.close(fig)
         raise ValueError(f"no train_reward or val_reward values in {', '.join(str(d) for d, _ in runs)}")
-    axes[0].set_title(f"train reward (moving mean of {smooth})" if smooth > 1 else "train reward")
-    axes[1].set_title("held-out reward")
+    if apo:  # APO: every candidate's validation reward as dots beside the best-in-beam line
+        for _, records in runs:
+            for r in records:
+                ys = [v for v in r.get("candidate_val_rewards") or [] if isinstance(v, (int, float))]
+                axes[1].scatter([r["step"]] * len(ys), ys, s=12, alpha=0.4, color="grey")
+    axes[0].set_title(
+        "beam reward on the training batch"
+        if apo
+        else (f"train reward (moving mean of {smooth})" if smooth > 1 else "train reward")
+    )
+    axes[1].set_title("validation reward (best in beam; dots: candidates)" if apo else "held-out reward")
     for ax in axes:
-        ax.set_xlabel("training step")
+        ax.set_xlabel("APO round" if apo else "training step")
+        if apo:
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("reward")
     if len(runs) > 1:

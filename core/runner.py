@@ -536,12 +536,13 @@ class Runner:
         self, task_input: Any, resources: Resources | None, rid: str, number: int
     ) -> float | None:
         from agl.emit import emit_exception
+        from agl.prompts import resources_context
         from agl.tracing import rollout_context
 
         agent = self.agent
 
         def in_context_sync() -> float | None:
-            with rollout_context(rid, number):
+            with rollout_context(rid, number), resources_context(resources):
                 try:
                     value = _reward_value(agent.invoke(task_input, resources))
                 except BaseException as exc:
@@ -555,7 +556,8 @@ class Runner:
             return await self._in_daemon_thread(in_context_sync)
         async with rollout_context(rid, number):
             try:
-                value = _reward_value(await agent.invoke(task_input, resources))
+                with resources_context(resources):  # agl.prompt() reads the rollout's prompts
+                    value = _reward_value(await agent.invoke(task_input, resources))
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:

@@ -19,6 +19,7 @@ SPAN_EXCEPTION = "agl.exception"
 SPAN_HANDOFF = "agl.handoff"
 SPAN_GUARDRAIL = "agl.guardrail"
 SPAN_ROLLOUT = "agl.rollout"
+SPAN_PROMPT = "agl.prompt"  # an agent read a prompt template (agl.prompt): which version it ran with
 
 # ----------------------------------------------------------------------- GenAI semantic conventions
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
@@ -78,6 +79,14 @@ AGL_OBJECT_JSON = "agl.object.json"
 AGL_EXCEPTION_TYPE = "exception.type"  # OTel semconv
 AGL_EXCEPTION_MESSAGE = "exception.message"  # OTel semconv
 AGL_EXCEPTION_STACKTRACE = "exception.stacktrace"  # OTel semconv
+
+# agl.prompt spans (agl.prompts): the prompt an agent used and where it came from
+AGL_PROMPT_NAME = "agl.prompt.name"
+AGL_PROMPT_VERSION = "agl.prompt.version"  # content hash (agl.prompts.prompt_version)
+AGL_PROMPT_SOURCE = "agl.prompt.source"  # "resources" (published snapshot) or "default" (the agent's own)
+AGL_PROMPT_TEMPLATE = "agl.prompt.template"  # the template text
+AGL_PROMPT_ENGINE = "agl.prompt.engine"  # "f-string" | "jinja"
+AGL_RESOURCES_VERSION = "agl.resources.version"  # the resources snapshot the rollout ran with
 
 AGL_HANDOFF_FROM = "agl.handoff.from"
 AGL_HANDOFF_TO = "agl.handoff.to"

@@ -215,8 +215,10 @@ class Trainer:
         from agl.algorithms.lightning_rl import LightningRL
 
         self.algorithm = algorithm if algorithm is not None else LightningRL()
-        if not isinstance(self.algorithm, LightningRL):
-            raise ValueError(f"algorithm must be an agl.LightningRL, got {type(self.algorithm).__name__}")
+        if not isinstance(self.algorithm, LightningRL) and not callable(getattr(self.algorithm, "fit", None)):
+            raise ValueError(
+                f"algorithm must be an agl.LightningRL or agl.APO, got {type(self.algorithm).__name__}"
+            )
         if isinstance(backend, str) and backend not in _BACKENDS:
             raise ValueError(
                 f"backend must be one of {', '.join(_BACKENDS)} or a Backend instance, got {backend!r}"
@@ -562,6 +564,8 @@ class Trainer:
         (``val_reward_before``/``after``, ``steps``, ``run_dir``, the history)."""
         from tqdm.auto import tqdm
 
+        if callable(getattr(self.algorithm, "fit", None)):  # an algorithm that runs itself (agl.APO)
+            return self.algorithm.fit(self, agent, train, val)
         if self.backend_arg == "openai":
             raise ValueError(
                 "the openai backend serves a hosted model that agl cannot update: use it with dev()"

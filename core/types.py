@@ -388,6 +388,11 @@ class Resources(_Model):
         main = self.items.get("main")
         return main if isinstance(main, LLM) else (llms[0] if llms else None)
 
+    @property
+    def prompts(self) -> dict[str, PromptTemplate]:
+        """The prompt templates of the snapshot by name (``resources.prompts["writer"]``)."""
+        return {k: v for k, v in self.items.items() if isinstance(v, PromptTemplate)}
+
 
 # --------------------------------------------------------------------------------------- transitions
 

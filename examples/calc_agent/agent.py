@@ -7,8 +7,9 @@ it needs, up to ``MAX_TOOL_ITERATIONS``), reflects on the results and answers ``
 else; AutoGen hands the error back to the model as the tool's result, the ``execute_tool`` span is
 ERROR, and AIR penalises the LLM call that wrote the malformed call (matched by its tool-call id).
 
-The only agl code is in :func:`make_rollout`: ``agl.instrument()`` and the rollout function that
-runs the agent on the endpoint the trainer hands it and returns the exact-answer reward.
+The only agl code is in :func:`make_rollout` — ``agl.instrument()`` and the rollout function that
+runs the agent on the endpoint the trainer hands it and returns the exact-answer reward — and the
+system message read through ``agl.prompt`` (the default outside APO; a candidate prompt inside it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from autogen_agentchat.agents import AssistantAgent
 from autogen_ext.models.openai import OpenAIChatCompletionClient
 
+import agl
 from examples.calc_agent.reward import exact_match, final_text
 
 __all__ = ["AGENT", "MAX_TOOL_ITERATIONS", "SYSTEM", "build_agent", "calculator", "make_rollout"]
@@ -86,7 +88,7 @@ def build_agent(model_client: OpenAIChatCompletionClient) -> AssistantAgent:
         AGENT,
         model_client=model_client,
         tools=[calculator],
-        system_message=SYSTEM,
+        system_message=agl.prompt(AGENT, default=SYSTEM),  # the one line APO needs
         reflect_on_tool_use=True,
         max_tool_iterations=MAX_TOOL_ITERATIONS,
     )

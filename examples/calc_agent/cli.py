@@ -1,4 +1,4 @@
-"""``python -m examples.calc_agent dev|train|data``: run the agent without training, train it, or
+"""``python -m examples.calc_agent dev|train|apo|data``: run the agent without training, train it, or
 print the problems. See README.md for what each prints and the figures measured."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ __all__ = ["dev", "main", "parser", "train"]
 
 
 def parser() -> argparse.ArgumentParser:
-    p, _ = example_parser(
+    p, sub = example_parser(
         "calc_agent",
         __doc__,
         train_help="train the solver with LightningRL",
@@ -25,7 +25,83 @@ def parser() -> argparse.ArgumentParser:
             "steps": 8, "val_tasks": 48, "val_every": 4, "learning_rate": 5e-4, "micro_batch_tokens": 2048,
         },
     )  # fmt: skip
+    a = sub.add_parser("apo", help="optimise the solver's system prompt with APO (no training)")
+    a.add_argument("--base-url", default=None, help="the agent's endpoint (default: embedded SmolLM2)")
+    a.add_argument("--model", default=None, help="model name at --base-url, or a local model path")
+    a.add_argument("--api-key", default=None, help="API key for --base-url (default: $OPENAI_API_KEY)")
+    a.add_argument("--optimizer-base-url", default=None, help="the optimiser (default: the agent's model)")
+    a.add_argument("--optimizer-model", default=None)
+    a.add_argument("--optimizer-api-key", default=None, help="default: $OPENAI_API_KEY")
+    a.add_argument("--optimizer-max-tokens", type=int, default=256)
+    a.add_argument(
+        "--rewrite-format",
+        choices=["json", "text"],
+        default=None,
+        help="json for capable optimisers (default with --optimizer-base-url), text for SmolLM2",
+    )
+    a.add_argument("--rounds", type=int, default=2)
+    a.add_argument("--beam-width", type=int, default=2)
+    a.add_argument("--branch-factor", type=int, default=2)
+    a.add_argument("--rollouts-per-candidate", type=int, default=8)
+    a.add_argument("--max-optimizer-tokens", type=int, default=None)
+    a.add_argument("--val-tasks", type=int, default=16, help="training problems held back for selection")
+    a.add_argument("--test-tasks", type=int, default=32, help="held-out test problems: initial vs best")
+    a.add_argument("--max-tokens", type=int, default=64)
+    a.add_argument("--runners", type=int, default=8)
+    a.add_argument("--run-dir", default="runs/calc_apo")
+    a.add_argument("--seed", type=int, default=0)
     return p
+
+
+def apo(args: argparse.Namespace, **setup: Any) -> Any:
+    """APO on the solver's system prompt: failures on training problems drive the rewrites,
+    candidates are chosen on held-back training problems, and the initial and best prompts are
+    compared on held-out test problems. Every problem is decoded greedily."""
+    from agl import APO, Trainer
+    from agl.algorithms.apo import _Setup
+    from examples.calc_agent import data
+    from examples.calc_agent.agent import AGENT, make_rollout
+
+    hosted = args.optimizer_base_url is not None
+    algorithm = APO(
+        rounds=args.rounds,
+        beam_width=args.beam_width,
+        branch_factor=args.branch_factor,
+        rollouts_per_candidate=args.rollouts_per_candidate,
+        max_optimizer_tokens=args.max_optimizer_tokens,
+        agents=[AGENT],
+        optimizer_base_url=args.optimizer_base_url,
+        optimizer_model=args.optimizer_model,
+        optimizer_api_key=args.optimizer_api_key,
+        optimizer_sampling={"temperature": 1.0, "max_tokens": args.optimizer_max_tokens},
+        rewrite_format=args.rewrite_format or ("json" if hosted else "text"),
+        max_failures=3,
+        trace_chars=800,
+    )
+    trainer = Trainer(
+        algorithm,
+        model=args.model if args.base_url is None else None,
+        backend="openai" if args.base_url else "transformers",
+        base_url=args.base_url,
+        api_key=args.api_key or (os.environ.get("OPENAI_API_KEY") if args.base_url else None),
+        model_name=args.model if args.base_url else None,
+        runners=args.runners,
+        run_dir=args.run_dir,
+        sampling={"max_tokens": args.max_tokens, "temperature": 0.0},
+        seed=args.seed,
+        **setup,
+    )
+    train = data.load_tasks("train")
+    val, train = train[-args.val_tasks :], train[: -args.val_tasks]
+    test = data.load_tasks("test", limit=args.test_tasks)
+    summary = algorithm.optimize(make_rollout(), train, val, test=test, setup=_Setup.from_trainer(trainer))
+    keys = (
+        "run_dir", "rounds", "val_reward_before", "val_reward_after", "test_reward_before",
+        "test_reward_after", "best_prompts", "candidates", "optimizer_calls", "optimizer_tokens",
+        "optimizer_failures", "wall_s",
+    )  # fmt: skip
+    print(json.dumps({k: summary.get(k) for k in keys}, indent=2))
+    return summary
 
 
 def _val_tasks(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -134,6 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(task))
     elif args.command == "dev":
         dev(args)
+    elif args.command == "apo":
+        apo(args)
     else:
         train(args)
     return 0
