@@ -43,8 +43,9 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
+from agl.dashboard.mount import UI_PREFIX, LazyUI, is_public_ui_path
 from agl.store._common import describe_validation_error
 from agl.store._wire import dump_spans
 from agl.store.base import InvalidInputError, Store, StoreError
@@ -111,6 +112,7 @@ class _RolloutQuery(_Body):
     group_id: str | None = None
     ids: list[str] | None = None
     limit: int | None = Field(default=None, ge=0, le=_MAX_INT)
+    offset: int | None = Field(default=None, ge=0, le=_MAX_INT)
 
 
 class _WaitIn(_Body):
@@ -217,7 +219,12 @@ class _Guard:
         self._expected = f"Bearer {token}".encode() if token else None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if self._expected is not None and scope["type"] == "http" and scope["path"] != "/health":
+        if (
+            self._expected is not None
+            and scope["type"] == "http"
+            and scope["path"] != "/health"
+            and not is_public_ui_path(scope["path"])  # the dashboard page; its /ui/api/ is guarded
+        ):
             got = b""
             for name, value in scope["headers"]:
                 if name == b"authorization":
@@ -254,6 +261,8 @@ class StoreServer:
         #: requests held right now (claim / wait long-polls), for tests and monitoring
         self.active_polls = 0
         self._poll_limiter: anyio.CapacityLimiter | None = None
+        #: the dashboard under /ui (built on its first request)
+        self.ui = LazyUI(store)
 
     # ------------------------------------------------------------ plumbing
     def _store(self, request: Request) -> Store:
@@ -484,7 +493,7 @@ class StoreServer:
     async def query_rollouts(self, request: Request) -> Response:
         q = await self._json_body(request, _RolloutQuery)
         rollouts = self._store(request).query_rollouts(
-            status=q.status, mode=q.mode, group_id=q.group_id, ids=q.ids, limit=q.limit
+            status=q.status, mode=q.mode, group_id=q.group_id, ids=q.ids, limit=q.limit, offset=q.offset
         )
         return self._ok(b'{"rollouts":' + _dump(rollouts) + b"}")
 
@@ -549,7 +558,7 @@ class StoreServer:
         return Response(answer.body, status_code=answer.status, media_type=answer.media_type)
 
     # ------------------------------------------------------------ routing
-    def routes(self) -> list[Route]:
+    def routes(self) -> list[Any]:
         table: list[tuple[str, Callable[[Request], Awaitable[Response]], Sequence[str]]] = [
             # the hot paths of a runner first: Starlette tries routes in order
             ("/claim", self.claim, ["POST"]),
@@ -571,12 +580,14 @@ class StoreServer:
             ("/tasks/query", self.query_tasks, ["POST"]),
             ("/tasks/{task_id}", self.get_task, ["GET"]),
         ]
-        routes = [Route("/health", self.health, methods=["GET"])]
+        routes: list[Any] = [Route("/health", self.health, methods=["GET"])]
         routes += [Route(path, fn, methods=list(methods)) for path, fn, methods in table]
+        routes.append(Mount(UI_PREFIX, app=self.ui))
         return routes
 
     def close(self) -> None:
         self._closing = True
+        self.ui.close()
 
 
 def create_app(

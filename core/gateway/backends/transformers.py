@@ -2,9 +2,19 @@
 
 Token ids are the ids the model actually consumed and produced: the prompt ids are the rendered chat
 template encoded once (the same ids fed to ``generate``), the response ids are the generated ids
-(EOS included: the model chose to stop), and the logprobs are ``log_softmax`` of the model's raw
-logits at each generated position (``generate(output_logits=True)``, before temperature/top-p), the
-same quantity a trainer recomputes. Nothing is re-tokenised.
+(EOS included: the model chose to stop). Nothing is re-tokenised.
+
+The logprobs are those of the distribution each token was actually drawn from (the behaviour policy):
+``log_softmax(logits / temperature)`` after any processors the model's generation config adds, and,
+when the request sets ``top_p < 1`` (or a ``top_k``), of the truncated, renormalised distribution. A
+greedy request (``temperature=0``) records ``log_softmax(logits)``. agl samples itself (a final
+:class:`_Sampler` logits processor that draws the token, records its logprob and leaves ``generate``
+only the argmax to take), so this holds by construction, costs no ``batch x steps x vocab`` buffer, and
+draws from the backend's own ``torch.Generator`` — a request's ``seed`` seeds a fresh local generator;
+the process-wide RNG that a trainer in the same process uses is never touched.
+
+Weights: :meth:`TransformersBackend.push` serves a training policy without a second copy of its frozen
+base weights (see its docstring); ``load_weights``/``load_adapter`` take files.
 
 Concurrency: requests wait in a queue; one worker thread runs the model. Waiting requests with the
 same sampling settings are generated together as one left-padded batch (``max_batch_size``), so
@@ -24,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,11 +65,107 @@ class _Job:
     max_new: int
     future: asyncio.Future[GenerationResult]
     cancel: threading.Event = field(default_factory=threading.Event)
+    #: streamed jobs: (token id, logprob) per generated token, then None when the job is done
+    tokens: asyncio.Queue[tuple[int, float] | None] | None = None
+    loop: asyncio.AbstractEventLoop | None = None
 
     def batch_key(self) -> tuple[Any, ...]:
         r = self.request
         seeded = r.seed is not None
-        return (r.temperature, r.top_p, seeded, id(self) if seeded else None)
+        return (r.temperature, r.top_p, _top_k(r), seeded, id(self) if seeded else None)
+
+
+_TOOL_TAG = "<tool_call>"
+
+
+def _safe_prefix(text: str, stops: Sequence[str], tools: bool) -> str:
+    """The part of the text decoded so far that later tokens cannot change or cut."""
+    if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence
+        text = text.rstrip("\ufffd")
+    if stops:  # the reply is cut before a stop string: never send one, nor the start of one
+        cuts = [k for k in (text.find(x) for x in stops if x) if k >= 0]
+        if cuts:
+            text = text[: min(cuts)]
+        else:
+            text = text[: max(0, len(text) - (max(len(x) for x in stops) - 1))]
+    if tools:
+        cut = text.find(_TOOL_TAG)
+        if cut >= 0:
+            text = text[:cut]
+        else:  # a tag may be starting at the end
+            for k in range(len(_TOOL_TAG) - 1, 0, -1):
+                if text.endswith(_TOOL_TAG[:k]):
+                    text = text[:-k]
+                    break
+        text = text.rstrip()  # the parsed content is stripped around calls
+        if not text.strip():
+            return ""
+    return text
+
+
+def _top_k(request: GenerationRequest) -> int | None:
+    """``top_k`` is not an OpenAI parameter; vLLM-style clients send it as an extra body field."""
+    value = request.raw.get("top_k") if isinstance(request.raw, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    return value
+
+
+class _Sampler:
+    """The last logits processor of a generation: draws each row's next token itself and records the
+    logprob of that token under the distribution it was drawn from.
+
+    ``generate`` runs greedily (``do_sample=False``) over the scores this returns, which are ``-inf``
+    everywhere but the drawn token, so the token ``generate`` appends is the one drawn here. Scores
+    arrive after the model's own processors (e.g. a repetition penalty in its generation config).
+    """
+
+    def __init__(
+        self, temperature: float, top_p: float, top_k: int | None, generator: Any, on_token: Any = None
+    ) -> None:
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.generator = generator
+        self.on_token = on_token  # called with (tokens, logprobs) tensors per step: streaming
+        self.logprobs: list[Any] = []  # one (batch,) tensor per generated position
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        scores = scores.float()
+        if self.temperature <= 0:  # greedy: the model's own distribution, argmax taken
+            logp = torch.log_softmax(scores, dim=-1)
+            token = logp.argmax(dim=-1)
+        else:
+            logp = torch.log_softmax(scores / self.temperature, dim=-1)
+            logp = _truncate(logp, self.top_p, self.top_k)
+            token = torch.multinomial(logp.exp(), 1, generator=self.generator)[:, 0]
+        self.logprobs.append(logp.gather(1, token[:, None])[:, 0])
+        if self.on_token is not None:
+            self.on_token(token, self.logprobs[-1])
+        out = torch.full_like(scores, float("-inf"))
+        out.scatter_(1, token[:, None], 0.0)
+        return out
+
+
+def _truncate(logp: Any, top_p: float, top_k: int | None) -> Any:
+    """Restrict log-probs to the top-k and the nucleus ``top_p`` tokens and renormalise them."""
+    import torch
+
+    if top_k is not None and top_k < logp.size(-1):
+        kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]
+        logp = logp.masked_fill(logp < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_lp, order = torch.sort(logp, dim=-1, descending=True)
+        cum = sorted_lp.exp().cumsum(dim=-1)
+        # keep a token when the mass before it is below top_p (the top token always stays)
+        drop_sorted = (cum - sorted_lp.exp()) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logp = logp.masked_fill(drop, float("-inf"))
+    if top_p < 1.0 or top_k is not None:
+        logp = torch.log_softmax(logp, dim=-1)
+    return logp
 
 
 class TransformersBackend(Backend):
@@ -70,9 +176,12 @@ class TransformersBackend(Backend):
     shipped SmolLM2 one for a model object), a Hugging Face fast tokenizer, or a
     :class:`~agl.gateway.tokenizer.ChatTokenizer`. ``model_name`` is what clients put in ``model``.
     ``threads`` sets torch's intra-op threads (fewer than the cores helps on a busy CPU).
+    ``default_temperature``/``default_top_p`` apply to requests that leave them out (the trainer sets
+    them from its :class:`agl.RunConfig`).
     """
 
     name = "transformers"
+    streams = True
 
     def __init__(
         self,
@@ -87,8 +196,20 @@ class TransformersBackend(Backend):
         default_max_tokens: int = 512,
         max_context: int | None = None,
         threads: int | None = None,
+        default_temperature: float = 1.0,
+        default_top_p: float = 1.0,
+        batch_window_s: float = 0.005,
     ) -> None:
         super().__init__()
+        self.batch_window_s = batch_window_s
+        if not (default_temperature >= 0 and default_temperature < float("inf")):
+            raise ValueError(f"default_temperature must be a finite number >= 0, got {default_temperature!r}")
+        if not (0 < default_top_p <= 1):
+            raise ValueError(f"default_top_p must be in (0, 1], got {default_top_p!r}")
+        self.default_temperature = float(default_temperature)
+        self.default_top_p = float(default_top_p)
+        self._generator: Any = None
+        self._pushed_from: Any = None
         self.threads = threads
         self._model_arg = model
         self._tokenizer_arg = tokenizer
@@ -110,6 +231,14 @@ class TransformersBackend(Backend):
         self._peft_adapter: str | None = None
         if model is not None and not isinstance(model, (str, Path)):
             self._load_sync()
+
+    @classmethod
+    def for_policy(cls, policy: Any, **kwargs: Any) -> TransformersBackend:
+        """An engine serving a :class:`~agl.algorithms.update.PolicyUpdate` of this process, sharing
+        its frozen weights (see :meth:`push`); ``kwargs`` as for the constructor."""
+        backend = cls(_engine_copy(policy.model), **kwargs)
+        backend._pushed_from = policy.model
+        return backend
 
     # -------------------------------------------------------------------------- loading
     def _load_sync(self) -> None:
@@ -204,7 +333,8 @@ class TransformersBackend(Backend):
             self._lock = self._lock or asyncio.Lock()
             self._worker = asyncio.create_task(self._run_worker())
 
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
+    async def _prepare(self, request: GenerationRequest) -> tuple[str, list[int], int]:
+        """(prompt text, prompt ids, max new tokens) of a request; raises on an empty or long prompt."""
         if self.model is None:
             await self.start()
         assert self.tokenizer is not None
@@ -223,6 +353,10 @@ class TransformersBackend(Backend):
         max_new = request.max_tokens or self.default_max_tokens
         if limit is not None:
             max_new = min(max_new, limit - len(prompt_ids))
+        return prompt_text, prompt_ids, max_new
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        prompt_text, prompt_ids, max_new = await self._prepare(request)
         self._ensure_worker()
         jobs = []
         for _ in range(request.n):
@@ -244,12 +378,121 @@ class TransformersBackend(Backend):
         first.choices = [p.choices[0] for p in parts]
         return first
 
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
+        """Tokens leave as they are drawn; the ``end`` result is the very one ``generate`` returns.
+
+        The job runs in the same batches, sampler and stopping rules as a non-streamed one, so ids and
+        logprobs are equal for the same seed. Text deltas are decoded incrementally; text that may
+        still change is held back (an incomplete UTF-8 sequence, a possible stop string, and with tools
+        a possible ``<tool_call>``), and tool calls are sent as deltas once parsed at the end.
+        """
+        if request.n != 1:  # several choices: generated together, then sent as whole deltas
+            result = await self.generate(request)
+            yield {"type": "start", "prompt_ids": result.prompt_ids}
+            for i, c in enumerate(result.choices):
+                delta: dict[str, Any] = {"role": "assistant", "content": c.content}
+                if c.tool_calls:
+                    delta["tool_calls"] = [
+                        {"index": k, **tc.to_openai()} for k, tc in enumerate(c.tool_calls)
+                    ]
+                yield {
+                    "type": "delta",
+                    "index": i,
+                    "delta": delta,
+                    "token_ids": c.response_ids,
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                }
+            yield {"type": "end", "result": result}
+            return
+        prompt_text, prompt_ids, max_new = await self._prepare(request)
+        tok = self.tokenizer
+        assert tok is not None
+        self._ensure_worker()
+        loop = asyncio.get_running_loop()
+        job = _Job(
+            request, prompt_ids, prompt_text, max_new, loop.create_future(), tokens=asyncio.Queue(), loop=loop
+        )
+        self._queue.append(job)
+        assert self._wakeup is not None
+        self._wakeup.set()
+        want_lp = bool(isinstance(request.raw, dict) and request.raw.get("logprobs"))
+        tools = bool(request.messages is not None and request.tools and request.tool_choice != "none")
+        eos = set(self._eos_ids)
+        ids: list[int] = []
+        sent = ""
+        done_text = False
+        try:
+            yield {"type": "start", "prompt_ids": list(prompt_ids)}
+            first = True
+            while True:
+                item = await job.tokens.get()  # type: ignore[union-attr]
+                if item is None:
+                    break
+                if done_text or len(ids) >= max_new:
+                    continue
+                tid, lp = item
+                ids.append(tid)
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+                first = False
+                if tid in eos:
+                    done_text = True
+                else:
+                    text = tok.decode([t for t in ids if t not in eos])
+                    safe = _safe_prefix(text, request.stop, tools)
+                    if len(safe) > len(sent) and safe.startswith(sent):
+                        delta["content"] = safe[len(sent) :]
+                        sent = safe
+                lps = None
+                if want_lp:
+                    piece = tok.decode([tid])
+                    lps = [{"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}]
+                yield {
+                    "type": "delta",
+                    "index": 0,
+                    "delta": delta,
+                    "token_ids": [tid],
+                    "logprobs": lps,
+                    "finish_reason": None,
+                }
+            result = await job.future
+            choice = result.choices[0]
+            content = choice.content or ""
+            tail: dict[str, Any] = {}
+            if content.startswith(sent) and len(content) > len(sent):
+                tail["content"] = content[len(sent) :]
+            elif not content.startswith(sent):
+                log.warning(
+                    "agl gateway: streamed text diverged from the final reply (stop string or tool call)"
+                )
+            if choice.tool_calls:
+                tail["tool_calls"] = [
+                    {"index": k, **tc.to_openai()} for k, tc in enumerate(choice.tool_calls)
+                ]
+            yield {
+                "type": "delta",
+                "index": 0,
+                "delta": tail,
+                "token_ids": [],
+                "logprobs": [] if want_lp else None,
+                "finish_reason": choice.finish_reason,
+            }
+            yield {"type": "end", "result": result}
+        finally:
+            if not job.future.done():  # the client went away: stop generating this row
+                job.cancel.set()
+                if job in self._queue:
+                    self._queue.remove(job)
+
     async def _run_worker(self) -> None:
         assert self._wakeup is not None and self._lock is not None
         loop = asyncio.get_running_loop()
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
+            if self.batch_window_s > 0 and 0 < len(self._queue) < self.max_batch_size:
+                # requests of concurrent clients arrive a few ms apart: let them join this batch
+                await asyncio.sleep(self.batch_window_s)
             while self._queue:
                 async with self._lock:
                     head = self._queue[0]
@@ -271,14 +514,19 @@ class TransformersBackend(Backend):
                                 j.future.set_exception(
                                     BackendError(f"generation failed: {type(exc).__name__}: {exc}")
                                 )
+                            if j.tokens is not None:
+                                j.tokens.put_nowait(None)
                         continue
                     for j, res in zip(batch, results, strict=True):
                         if not j.future.done():
                             j.future.set_result(res)
+                    for j in batch:
+                        if j.tokens is not None:  # after the result: a streamed job ends here
+                            j.tokens.put_nowait(None)
 
     def _generate_batch(self, batch: Sequence[_Job]) -> list[GenerationResult]:
         import torch
-        from transformers import StoppingCriteria, StoppingCriteriaList
+        from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
         tok = self.tokenizer
         assert tok is not None
@@ -317,28 +565,37 @@ class TransformersBackend(Backend):
                         done[row] = True
                 return done
 
-        sample = req.temperature is None or req.temperature > 0
-        kwargs: dict[str, Any] = {}
-        if sample:
-            kwargs.update(do_sample=True, temperature=req.temperature or 1.0, top_p=req.top_p or 1.0, top_k=0)
-        else:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        if req.seed is not None:
-            torch.manual_seed(req.seed)
+        temperature = req.temperature if req.temperature is not None else self.default_temperature
+        top_p = req.top_p if req.top_p is not None else self.default_top_p
+        generator = self._generator_for(req.seed, device)
+        on_token = None
+        if any(j.tokens is not None for j in batch):
+
+            def on_token(tokens: Any, logprobs: Any) -> None:
+                """Hand each streamed row its token as soon as it is drawn."""
+                step_tokens, step_lps = tokens.tolist(), logprobs.tolist()
+                for row, j in enumerate(batch):
+                    if j.tokens is not None and j.loop is not None and ended_at[row] is None:
+                        j.loop.call_soon_threadsafe(j.tokens.put_nowait, (step_tokens[row], step_lps[row]))
+
+        sampler = _Sampler(float(temperature), float(top_p), _top_k(req), generator, on_token)
         with torch.inference_mode():
             out = model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention.to(device),
                 max_new_tokens=max_new,
+                logits_processor=LogitsProcessorList([sampler]),
                 stopping_criteria=StoppingCriteriaList([_PerRow()]),
                 eos_token_id=eos_ids,
                 pad_token_id=self._pad_id,
-                output_logits=True,
                 return_dict_in_generate=True,
-                **kwargs,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
             )
         generated = out.sequences[:, width:].tolist()
-        logits = out.logits
+        step_logprobs = torch.stack(sampler.logprobs, dim=1).tolist() if sampler.logprobs else []
         results = []
         for row, j in enumerate(batch):
             ids = generated[row]
@@ -350,14 +607,7 @@ class TransformersBackend(Backend):
             if hit_eos:
                 n = eos_pos + 1
             ids = ids[:n]
-            if n:
-                step_logits = torch.stack([logits[k][row] for k in range(n)]).float()
-                lp = torch.log_softmax(step_logits, dim=-1).gather(
-                    1, torch.tensor(ids, device=step_logits.device)[:, None]
-                )
-                logprobs = lp[:, 0].tolist()
-            else:
-                logprobs = []
+            logprobs = step_logprobs[row][:n] if n else []
             text_ids = ids[:-1] if hit_eos else ids
             text = tok.decode(text_ids)
             finish = "stop" if hit_eos else "length"
@@ -393,6 +643,20 @@ class TransformersBackend(Backend):
                 )
             )
         return results
+
+    def _generator_for(self, seed: int | None, device: Any) -> Any:
+        """A seeded request gets a fresh generator of its own; the others share the backend's, seeded
+        once from the OS. Neither touches the process-wide torch RNG."""
+        import torch
+
+        if seed is not None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(int(seed) % (2**63))
+            return gen
+        if self._generator is None or self._generator.device != torch.device(device):
+            self._generator = torch.Generator(device=device)
+            self._generator.seed()
+        return self._generator
 
     # ----------------------------------------------------------------------- weight swap
     async def _swap(self, fn: Any) -> int:
@@ -463,3 +727,63 @@ class TransformersBackend(Backend):
             return self._bump_version(version)
 
         return await self._swap(swap)
+
+    async def push(self, policy: Any, *, version: int | None = None, staging_dir: Any = None) -> int:
+        """Serve ``policy`` (a :class:`~agl.algorithms.update.PolicyUpdate` in this process) from the next
+        request on, without a second copy of its frozen weights.
+
+        The first push builds the engine's model from the policy's: a copy of the module tree whose
+        frozen tensors (the base weights under LoRA) *are* the policy's tensors, shared, and whose
+        trainable tensors (the LoRA A/B matrices, a few MB) are its own. Every later push copies the
+        trainable tensors in place, under the generation lock — nothing else is allocated or cloned.
+        The engine keeps its own trainable copy so an update running while a late request still
+        generates never changes the weights under it. Under full fine-tuning every tensor is trainable,
+        so the engine holds one full copy (made once) and each push copies all weights in place.
+        """
+        source = policy.model
+
+        def swap() -> int:
+            import torch
+
+            if self._pushed_from is not source:
+                self.model = _engine_copy(source)
+                self._pushed_from = source
+            else:
+                with torch.no_grad():
+                    for (name, dst), (_, src) in zip(
+                        _trainable(self.model, source), _trainable(source, source), strict=True
+                    ):
+                        if dst.shape != src.shape:
+                            raise BackendError(f"pushed tensor {name} changed shape")
+                        dst.copy_(src.detach())
+            return self._bump_version(version)
+
+        return await self._swap(swap)
+
+
+def _trainable(model: Any, reference: Any) -> list[tuple[str, Any]]:
+    """``model``'s parameters that are trainable in ``reference`` (by name, in a fixed order)."""
+    wanted = {name for name, p in reference.named_parameters() if p.requires_grad}
+    return [(name, p) for name, p in model.named_parameters() if name in wanted]
+
+
+def _engine_copy(source: Any) -> Any:
+    """A copy of ``source`` for inference that shares its frozen parameters and copies the rest."""
+    import copy
+
+    import torch
+
+    memo: dict[int, Any] = {id(p): p for p in source.parameters() if not p.requires_grad}
+    # buffers of frozen modules (e.g. rotary tables) are shared too; they never change
+    memo.update({id(b): b for b in source.buffers()})
+    with torch.no_grad():
+        engine = copy.deepcopy(source, memo)
+    for module in engine.modules():
+        # TRL patches ``forward`` on the training model's instance (its fused LM head); the copy must run
+        # its own class's forward, not a closure bound to the training model
+        module.__dict__.pop("forward", None)
+    for p in engine.parameters():
+        if p.requires_grad:
+            p.requires_grad_(False)
+    engine.eval()
+    return engine
