@@ -854,7 +854,7 @@ def serve(
     if not token and not is_loopback(host):
         raise ValueError(
             f"refusing to listen on non-loopback address {host!r} without a token: "
-            "pass --token or set AGL_STORE_TOKEN"
+            "set AGL_STORE_TOKEN or pass --token-file"
         )
     import uvicorn
 
