@@ -422,7 +422,7 @@ class Runner:
             else:
                 ok = True
             returned.set()
-            if not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the runner's loop closed while this agent hung
                 loop.call_soon_threadsafe(settle, ok, value)
                 loop.call_soon_threadsafe(self._thread_returned, thread)
 
