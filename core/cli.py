@@ -68,6 +68,33 @@ def check_port_free(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+def read_secret(value: str | None, path: str | None, env: str, what: str) -> str | None:
+    """A server's secret from ``--X`` (``value``), ``--X-file`` (``path``, first line) or ``$env``, in
+    that order; None when none is set.
+
+    The file and the variable keep the secret out of the process list, where ``--X VALUE`` shows it
+    to every user of the machine (``ps``); the flag stays for quick local use.
+    """
+    import os
+
+    if value is not None and path is not None:
+        raise ValueError(f"give the {what} once: by value or by file, not both")
+    if path is not None:
+        try:
+            text = open(path, encoding="utf-8").read()  # noqa: SIM115 - read once, closed by GC
+        except OSError as exc:
+            raise ValueError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from None
+        secret = text.strip().splitlines()[0].strip() if text.strip() else ""
+        if not secret:
+            raise ValueError(f"the {what} file {path} is empty")
+        return secret
+    if value is not None:
+        if not value.strip():
+            raise ValueError(f"the {what} is empty")
+        return value
+    return os.environ.get(env) or None
+
+
 def missing_module_message(exc: ModuleNotFoundError) -> str:
     """One line naming the extra to install for a missing optional dependency."""
     name = (exc.name or "").split(".")[0]

@@ -18,6 +18,12 @@ belongs to even when a framework drops the tracing headers.
 
 SIGINT/SIGTERM stop claiming; in-flight rollouts get ``grace_s`` to finish, then are finished as failed
 (the store requeues them while attempts remain). A second signal stops at once, the same way.
+
+Hung sync agents: Python cannot stop a thread. When a sync agent's rollout times out (or is lost or
+released) the attempt is finished at once, but the agent's thread runs on until the agent returns by
+itself. Such threads are counted (``stats.hung``); once ``max_hung`` are still running the runner
+stops claiming until some return (with ``until_idle`` it exits instead), so a wedged agent cannot pile
+up threads without bound. An async agent has no such problem: it is cancelled.
 """
 
 from __future__ import annotations
@@ -186,6 +192,7 @@ class RunnerStats:
     timed_out: int = 0
     lost: int = 0  #: attempts the store ended under us (lease expired, cancelled)
     released: int = 0  #: claimed work handed back on shutdown
+    hung: int = 0  #: sync agent threads still running after their rollout was given up (now)
     rewards: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -197,6 +204,7 @@ class RunnerStats:
             "timed_out": self.timed_out,
             "lost": self.lost,
             "released": self.released,
+            "hung": self.hung,
             "reward_mean": sum(self.rewards) / len(self.rewards) if self.rewards else None,
         }
 
@@ -251,7 +259,9 @@ class Runner:
     ``timeout_s`` caps each rollout (the rollout's own ``config.timeout_s`` or the ``@agl.rollout``
     timeout apply when smaller). ``heartbeat_s`` defaults to a third of the rollout's lease.
     ``modes`` restricts what is claimed (e.g. ``["val"]``). ``grace_s`` is how long in-flight work may
-    run on after a stop request before it is released.
+    run on after a stop request before it is released. ``max_hung`` (default ``max(4, concurrency)``)
+    is how many sync agent threads may still run after their rollouts were given up before the
+    runner stops claiming (see the module docstring).
     """
 
     def __init__(
@@ -267,6 +277,7 @@ class Runner:
         claim_timeout_s: float = 1.0,
         grace_s: float = 30.0,
         trace: bool = True,
+        max_hung: int | None = None,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
@@ -275,6 +286,14 @@ class Runner:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if claim_timeout_s < 0 or grace_s < 0:
             raise ValueError("claim_timeout_s and grace_s must be >= 0")
+        if max_hung is not None and (
+            isinstance(max_hung, bool) or not isinstance(max_hung, int) or max_hung < 1
+        ):
+            raise ValueError(f"max_hung must be an integer >= 1, got {max_hung!r}")
+        self.max_hung = max_hung if max_hung is not None else max(4, concurrency)
+        #: sync agent threads given up on but still running (touched on the event loop only)
+        self._hung: set[threading.Thread] = set()
+        self._hung_warned = False
         self.agent = _as_rollout_function(agent)
         self.store = store
         self.concurrency = concurrency
@@ -389,6 +408,7 @@ class Runner:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         ctx = contextvars.copy_context()
+        returned = threading.Event()
 
         def settle(ok: bool, value: Any) -> None:
             if not fut.done():
@@ -401,11 +421,49 @@ class Runner:
                 ok, value = False, exc
             else:
                 ok = True
-            if not loop.is_closed():
+            returned.set()
+            with contextlib.suppress(RuntimeError):  # the runner's loop closed while this agent hung
                 loop.call_soon_threadsafe(settle, ok, value)
+                loop.call_soon_threadsafe(self._thread_returned, thread)
 
-        threading.Thread(target=target, name=f"agl-agent-{self.worker_id}", daemon=True).start()
-        return await fut
+        thread = threading.Thread(target=target, name=f"agl-agent-{self.worker_id}", daemon=True)
+        thread.start()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if not returned.is_set():  # given up on (timeout, lost, shutdown), but it runs on
+                self._hung.add(thread)
+                self.stats.hung = len(self._hung)
+            raise
+
+    def _thread_returned(self, thread: threading.Thread) -> None:
+        if thread in self._hung:
+            self._hung.discard(thread)
+            self.stats.hung = len(self._hung)
+            log.info(
+                "agl runner %s: a hung agent thread returned (%d still hung)", self.worker_id, len(self._hung)
+            )
+
+    async def _pause_while_hung(self) -> bool:
+        """Claim nothing while ``max_hung`` given-up sync agents still run; False: stop claiming."""
+        if not self._hung_warned:
+            self._hung_warned = True
+            log.warning(
+                "agl runner %s: %d sync agent threads are still running after their rollouts were given "
+                "up (timeout, lost lease or shutdown); Python cannot stop a thread, so no new work is "
+                "claimed until fewer than %d remain%s. Make the agent honour a timeout of its own (e.g. on "
+                "its HTTP calls), or write it async so the runner can cancel it.",
+                self.worker_id,
+                len(self._hung),
+                self.max_hung,
+                "" if not self._idle_exit else " (until_idle: the runner exits)",
+            )
+        if self._idle_exit:
+            return False
+        while len(self._hung) >= self.max_hung and not self._stop.is_set():
+            await asyncio.sleep(0.1)
+        self._hung_warned = False
+        return True
 
     def _take_slot(self) -> bool:
         if self._remaining is None:
@@ -417,6 +475,10 @@ class Runner:
 
     async def _worker(self, index: int) -> None:
         while not self._stop.is_set():
+            if len(self._hung) >= self.max_hung:
+                if not await self._pause_while_hung():
+                    return
+                continue
             if not self._take_slot():
                 return
             try:
@@ -697,6 +759,14 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mode", action="append", choices=["train", "val", "test"], help="only claim these modes"
     )
+    parser.add_argument(
+        "--max-hung",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop claiming while N sync agents still run after their rollouts timed out (Python cannot "
+        "stop a thread; default: max(4, concurrency))",
+    )
     parser.add_argument("--until-idle", action="store_true", help="exit when no work arrives for a while")
     parser.add_argument("--idle-s", type=float, default=5.0, help="long-poll wait per claim (default 5 s)")
     parser.add_argument(
@@ -738,6 +808,7 @@ def _cli(args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
         modes=args.mode,
         claim_timeout_s=args.idle_s,
+        max_hung=args.max_hung,
     )
     log.info(
         "agl runner %s: %s on %s, concurrency %d", runner.worker_id, agent.name, args.store, args.concurrency

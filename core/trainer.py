@@ -106,7 +106,15 @@ class _ServedGateway:
         self._sock.bind((host, port))
         self.root = f"http://{host}:{self._sock.getsockname()[1]}"
         self.url = self.root + "/v1"
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)
+        from agl.http_limits import HttpLimits
+
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=1,
+            http=HttpLimits().protocol(),
+        )
         self._server = uvicorn.Server(config)
         self.loop = asyncio.new_event_loop()
         self._error: list[BaseException] = []

@@ -317,3 +317,61 @@ def test_cli_runs_rollouts_and_sigterm_requeues_in_flight_work(tmp_path: Path) -
     r = store.get_rollout(slow)
     assert r.status == "queued" and r.attempts[0].status == "failed"
     store.close()
+
+
+def test_hung_sync_agents_are_counted_and_capped(store: MemoryStore) -> None:
+    """A sync agent that ignores its timeout keeps its thread (Python cannot stop one): the runner
+    finishes the attempt, counts the thread as hung, and stops claiming at ``max_hung`` until some
+    return."""
+    release = threading.Event()
+    started: list[str] = []
+
+    def agent(task: str) -> float:
+        started.append(task)
+        release.wait(60)  # wedged until the test lets go
+        return 1.0
+
+    ids = _enqueue(store, ["a", "b", "c", "d", "e"])
+    runner = Runner(agent, store, timeout_s=0.2, claim_timeout_s=0.05, max_hung=2)
+    done: list = []
+    thread = threading.Thread(target=lambda: done.append(asyncio.run(runner.run_async())), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while runner.stats.hung < 2:
+            assert time.monotonic() < deadline, runner.stats
+            time.sleep(0.02)
+        time.sleep(1.0)  # ten claim timeouts' worth: nothing more is claimed while two are hung
+        assert runner.stats.claimed == 2 and runner.stats.timed_out == 2
+        assert len(started) == 2
+        statuses = [store.get_rollout(rid).status for rid in ids]
+        assert statuses.count("failed") == 2 and statuses.count("queued") == 3
+        assert runner.stats.as_dict()["hung"] == 2
+        release.set()  # the hung agents return: their threads are reclaimed, claiming resumes
+        while sum(store.get_rollout(rid).status == "succeeded" for rid in ids) < 3:
+            assert time.monotonic() < deadline + 30, runner.stats
+            time.sleep(0.02)
+        assert runner.stats.hung == 0
+    finally:
+        release.set()
+        runner.stop(now=True)
+        thread.join(30)
+    assert done and done[0].succeeded == 3
+
+
+def test_until_idle_exits_when_max_hung_agents_are_running(store: MemoryStore) -> None:
+    release = threading.Event()
+
+    def agent(task: str) -> float:
+        release.wait(60)
+        return 1.0
+
+    ids = _enqueue(store, ["a", "b", "c"])
+    try:
+        stats = Runner(agent, store, timeout_s=0.2, claim_timeout_s=0.05, max_hung=1).run(until_idle=True)
+        assert stats.claimed == 1 and stats.timed_out == 1 and stats.hung == 1
+        assert [store.get_rollout(rid).status for rid in ids].count("queued") == 2
+    finally:
+        release.set()
+    with pytest.raises(ValueError, match="max_hung"):
+        Runner(agent, store, max_hung=0)

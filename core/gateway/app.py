@@ -31,7 +31,7 @@ from typing import Any
 
 import anyio
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Mount, Route
 
@@ -45,6 +45,7 @@ from agl.gateway.backends.base import (
     UnknownModelError,
     UpstreamError,
 )
+from agl.gateway.chat_format import content_chars
 from agl.gateway.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -137,14 +138,44 @@ class Gateway:
                     code="invalid_api_key",
                 )
 
+    def body_limit(self) -> int:
+        """The largest request body read: ``max_body_bytes``, lowered to what a prompt that fits the
+        backend's context window can take (12 bytes per content character, the longest JSON escape,
+        plus 1 MiB for everything else), so a huge body is refused before it is even parsed."""
+        chars = self.backend.max_prompt_chars()
+        if chars is None:
+            return self.max_body_bytes
+        return min(self.max_body_bytes, 12 * chars + (1 << 20))
+
+    def _check_prompt_size(self, gen: GenerationRequest) -> None:
+        """Refuse a prompt that cannot fit the context window before it is rendered or tokenised
+        (tokenising megabytes takes seconds of CPU)."""
+        limit = self.backend.max_prompt_chars()
+        if limit is None:
+            return
+        chars = content_chars(gen.messages, gen.prompt)
+        if chars > limit:
+            what = "messages" if gen.messages is not None else "prompt"
+            raise ApiError(
+                400,
+                f"the {what} hold {chars} characters: more than this model's context window can take "
+                f"(at most {limit} characters); shorten the {what}",
+                param=what,
+                code="context_length_exceeded",
+            )
+
     async def _body(self, request: Request) -> Any:
         self._auth(request)
+        limit = self.body_limit()
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            raise ApiError(413, f"request body over {self.max_body_bytes} bytes")
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise ApiError(413, f"request body over {self.max_body_bytes} bytes")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            raise _ClientGone("the client went away while sending the body") from None
+        if len(raw) > limit:
+            raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
         try:
             return _loads(raw)
         except ValueError as exc:
@@ -186,6 +217,7 @@ class Gateway:
             self.backend.check_model(gen.model)
         except UnknownModelError as exc:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+        self._check_prompt_size(gen)
         if not self.backend.cancellable:
             return await self.backend.generate(gen)
         # generate in this task; a watcher cancels it when the client disconnects (one extra task,
@@ -347,6 +379,7 @@ class Gateway:
             self.backend.check_model(gen.model)
         except UnknownModelError as exc:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+        self._check_prompt_size(gen)
         start_ns = time.time_ns()
         self.stats["calls"] += 1
         if gen.rollout is None:
@@ -637,6 +670,8 @@ class Gateway:
                 new_version = await fn(body)
         except ApiError as exc:
             return _error(exc)
+        except _ClientGone:
+            return Response(status_code=499)
         except (BackendError, FileNotFoundError, ValueError) as exc:
             return _error(ApiError(400, f"{what} failed: {exc}", code="swap_failed"))
         return Response(_dumps({"weight_version": new_version}), media_type="application/json")

@@ -31,6 +31,7 @@ from agl.gateway.backends.base import ToolCall
 
 __all__ = [
     "TOOL_SYSTEM_PROMPT",
+    "content_chars",
     "flatten_content",
     "lower_messages",
     "new_tool_call_id",
@@ -75,6 +76,29 @@ def flatten_content(content: Any) -> str:
                     parts.append(text)
         return "".join(parts)
     return str(content)
+
+
+def content_chars(messages: Sequence[Any] | None, prompt: str | None = None) -> int:
+    """Characters of message content (stripped, as templates that trim it see it), plus a completion
+    ``prompt``: a lower bound of the rendered prompt's length under any template, counted without
+    rendering anything (cheap enough for the event loop, whatever the request's size).
+
+    Tool calls and tool definitions are left out: they are re-serialised when rendered and may come
+    out shorter than sent.
+    """
+    total = len(prompt) if isinstance(prompt, str) else 0
+    for msg in messages or ():
+        if not isinstance(msg, dict):
+            continue
+        content = msg.get("content")
+        if isinstance(content, str):
+            total += len(content.strip())
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else part
+                if isinstance(text, str):
+                    total += len(text.strip())
+    return total
 
 
 def _arguments_object(arguments: Any) -> Any:

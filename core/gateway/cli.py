@@ -8,9 +8,24 @@ import logging
 from pathlib import Path
 from typing import Any
 
-__all__ = ["build_backend", "register_cli"]
+from agl.http_limits import HttpLimits, is_loopback
+
+__all__ = ["API_KEY_ENV", "build_backend", "check_public_bind", "register_cli"]
 
 log = logging.getLogger("agl.gateway")
+
+#: where ``agl gateway serve`` reads its API key when no --api-key/--api-key-file is given
+API_KEY_ENV = "AGL_GATEWAY_API_KEY"
+
+
+def check_public_bind(host: str, api_key: str | None) -> None:
+    """Refuse a non-loopback address without an API key (the store server's rule): anyone who can
+    reach the gateway could use the model, read its status and swap its weights."""
+    if not api_key and not is_loopback(host):
+        raise ValueError(
+            f"refusing to listen on {host!r} without an API key: anyone who can reach it could use the "
+            f"model and swap its weights. Set {API_KEY_ENV} or pass --api-key-file, or bind 127.0.0.1"
+        )
 
 
 def register_cli(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +51,9 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", help="the name clients use for the model (transformers backend)")
     p.add_argument("--upstream", help="vllm/openai: the upstream base URL (e.g. http://gpu:8000/v1)")
     p.add_argument(
-        "--upstream-api-key", help="openai/vllm: API key for the upstream (default: $OPENAI_API_KEY)"
+        "--upstream-api-key",
+        help="openai/vllm: API key for the upstream (default: $OPENAI_API_KEY, which keeps it out of the "
+        "process list)",
     )
     p.add_argument(
         "--script", help="scripted: a JSON file with a list of replies (strings or {content, tool_calls})"
@@ -44,11 +61,27 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--store", help="store URL for the spans (sqlite:///agl.db, http://127.0.0.1:4747, memory://)"
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: 127.0.0.1); any other address needs an API key",
+    )
     p.add_argument("--port", type=int, default=8765, help="port (default: 8765; 0 picks a free one)")
-    p.add_argument("--api-key", help="require this bearer token from clients")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="file holding the bearer token clients must send (its first line); it guards every route, "
+        "the control routes (/agl/v1/status, weights, adapters) included",
+    )
+    key.add_argument(
+        "--api-key",
+        help=f"the bearer token itself; prefer ${API_KEY_ENV} or --api-key-file: a value given here is "
+        f"visible to every user of the machine in the process list (default: ${API_KEY_ENV})",
+    )
     p.add_argument("--max-batch-size", type=int, default=8, help="transformers: requests generated together")
     p.add_argument("--threads", type=int, help="transformers: torch CPU threads (default: torch's choice)")
+    HttpLimits.add_arguments(p)
     p.add_argument(
         "--log-level",
         default="info",
@@ -114,9 +147,12 @@ def _serve(args: Any) -> int:
         return 2
     import uvicorn
 
-    from agl.cli import check_port_free
+    from agl.cli import check_port_free, read_secret
     from agl.gateway.app import create_app
 
+    api_key = read_secret(args.api_key, args.api_key_file, API_KEY_ENV, "API key")
+    check_public_bind(args.host, api_key)
+    limits = HttpLimits.from_args(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0-65535, got {args.port}")
     check_port_free(args.host, args.port)
@@ -128,13 +164,18 @@ def _serve(args: Any) -> int:
         store = agl.store.open(args.store)
     else:
         print("agl gateway: no --store given: calls are served but no spans are recorded")
-    app = create_app(backend, store, api_key=args.api_key)
+    app = create_app(backend, store, api_key=api_key)
     print(f"agl gateway: {args.backend} backend on http://{args.host}:{args.port}/v1", flush=True)
     print(
         f"  per-rollout base URL: http://{args.host}:{args.port}/rollouts/{{rollout_id}}/attempts/{{n}}/v1",
         flush=True,
     )
     uvicorn.run(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.log_level == "debug"
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.log_level == "debug",
+        http=limits.protocol(),  # read timeouts, per-client connection cap
     )
     return 0

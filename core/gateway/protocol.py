@@ -203,12 +203,17 @@ class ResponsesRequest(_SamplingFields):
         return v
 
 
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not str(part).startswith(("function-", "str", "list[", "dict[", "literal[", "union[")):
+        elif part not in _UNION_TAGS and not str(part).startswith(
+            ("function-", "list[", "dict[", "literal[", "union[")
+        ):  # pydantic names a union member by its type: not a field ("stream" is one, "str" is not)
             out += ("." if out else "") + str(part)
     return out
 
@@ -218,7 +223,8 @@ def parse_request(model: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        return model.model_validate(body)
+        # strict: "10" is not a number, 1 is not a boolean; a wrong type is the client's bug to hear of
+        return model.model_validate(body, strict=True)
     except ValidationError as exc:
         err = exc.errors()[0]
         param = _loc(tuple(err.get("loc", ())))

@@ -24,6 +24,8 @@ from typing import Any
 from agl.gateway.app import Gateway, create_app
 from agl.gateway.backends.base import Backend
 from agl.gateway.backends.scripted import Reply, ScriptedBackend, ScriptedToolCall, reply, tool_call
+from agl.gateway.cli import check_public_bind
+from agl.http_limits import HttpLimits
 
 __all__ = [
     "GatewayURL",
@@ -67,15 +69,23 @@ def serve_asgi(
     port: int = 0,
     log_level: str = "warning",
     startup_timeout_s: float = 30.0,
+    limits: HttpLimits | None = None,
 ) -> Iterator[str]:
-    """Run any ASGI app with uvicorn in a daemon thread; yields its root URL (``http://host:port``)."""
+    """Run any ASGI app with uvicorn in a daemon thread; yields its root URL (``http://host:port``).
+    ``limits``: read timeouts and the per-client connection cap (default :class:`HttpLimits`)."""
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     bound_port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=1)
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=1,
+        http=(limits or HttpLimits()).protocol(),
+    )
     server = uvicorn.Server(config)
     errors: list[BaseException] = []
     started = threading.Event()
@@ -114,11 +124,16 @@ def serve_gateway(
     host: str = "127.0.0.1",
     port: int = 0,
     log_level: str = "warning",
+    limits: HttpLimits | None = None,
     **gateway_kwargs: Any,
 ) -> Iterator[GatewayURL]:
-    """Serve ``backend`` (spans into ``store``) on ``host``; yields the ``/v1`` base URL."""
+    """Serve ``backend`` (spans into ``store``) on ``host``; yields the ``/v1`` base URL.
+
+    Like ``agl gateway serve``, refuses a non-loopback ``host`` without an ``api_key``.
+    """
+    check_public_bind(host, gateway_kwargs.get("api_key"))
     app = create_app(backend, store, **gateway_kwargs)
-    with serve_asgi(app, host=host, port=port, log_level=log_level) as root:
+    with serve_asgi(app, host=host, port=port, log_level=log_level, limits=limits) as root:
         url = GatewayURL(root + "/v1")
         url.gateway = app.state.gateway
         url.root = root

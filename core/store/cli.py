@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from agl.http_limits import HttpLimits
+
 __all__ = ["register_cli"]
 
 TOKEN_ENV = "AGL_STORE_TOKEN"
@@ -22,7 +24,8 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         "serve",
         help="serve a store over HTTP (+ OTLP/HTTP at /v1/traces)",
         description="Serve a store over HTTP/JSON, with OTLP/HTTP trace ingestion at /v1/traces. "
-        "Binds 127.0.0.1 unless told otherwise; any other address needs a token.",
+        "Binds 127.0.0.1 unless told otherwise; any other address needs a token "
+        f"(${TOKEN_ENV} or --token-file).",
     )
     where = serve.add_mutually_exclusive_group()
     where.add_argument(
@@ -40,10 +43,18 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=4747, help="port (default: 4747; 0 picks a free one)")
-    serve.add_argument(
+    token = serve.add_mutually_exclusive_group()
+    token.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the bearer token every request but /health must carry (its first line)",
+    )
+    token.add_argument(
         "--token",
         default=None,
-        help=f"bearer token every request but /health must carry (default: ${TOKEN_ENV})",
+        help=f"the bearer token itself; prefer ${TOKEN_ENV} or --token-file: a value given here is "
+        "visible to every user of the machine in the process list (default: $" + TOKEN_ENV + ")",
     )
     serve.add_argument(
         "--max-body-bytes",
@@ -52,6 +63,7 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="largest request body accepted; larger ones get 413 (default: 32 MiB)",
     )
+    HttpLimits.add_arguments(serve)
     serve.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -73,14 +85,16 @@ def _serve(args: argparse.Namespace) -> int:
     # pydantic scans every installed distribution for plugins when it builds its first model; a store
     # server has no use for them and answers sooner without the scan (set the variable to override).
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+    from agl.cli import read_secret
     from agl.store.server import DEFAULT_MAX_BODY_BYTES, is_loopback, serve
 
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+    token = read_secret(args.token, args.token_file, TOKEN_ENV, "store token")
     if not token and not is_loopback(args.host):
         raise ValueError(
             f"refusing to listen on {args.host!r} without a token: anyone who can reach it could read and "
-            f"change the store. Pass --token or set {TOKEN_ENV}, or bind 127.0.0.1"
+            f"change the store. Set {TOKEN_ENV} or pass --token-file, or bind 127.0.0.1"
         )
+    limits = HttpLimits.from_args(args)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0-65535, got {args.port}")
     from agl.cli import check_port_free
@@ -97,5 +111,6 @@ def _serve(args: argparse.Namespace) -> int:
         token=token,
         max_body_bytes=max_body,
         log_level=args.log_level,
+        limits=limits,
     )
     return 0

@@ -46,6 +46,7 @@ from starlette.responses import Response
 from starlette.routing import Mount, Route
 
 from agl.dashboard.mount import UI_PREFIX, LazyUI, is_public_ui_path
+from agl.http_limits import HttpLimits, is_loopback
 from agl.store._common import describe_validation_error
 from agl.store._wire import dump_spans
 from agl.store.base import InvalidInputError, Store, StoreError
@@ -377,7 +378,8 @@ class StoreServer:
         body = await self._body(request)
         if not body.strip():
             raise InvalidInputError("empty request body; expected a JSON object")
-        return model.model_validate_json(body)
+        # strict: {"limit": "10"} or {"attempt": true} is the client's bug, refused naming the field
+        return model.model_validate_json(body, strict=True)
 
     def _idem_key(self, request: Request, body_key: str | None = None) -> str | None:
         key = body_key or request.headers.get("idempotency-key")
@@ -775,17 +777,6 @@ def create_app(
 # ----------------------------------------------------------------------------------------- running
 
 
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -932,9 +923,11 @@ def serve_in_thread(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     long_poll_cap_s: float = LONG_POLL_CAP_S,
     close_store: bool = False,
+    limits: HttpLimits | None = None,
 ) -> Iterator[str]:
     """Serve ``store`` (or an app from ``create_app``) with uvicorn in a background thread on a free
-    127.0.0.1 port; yields the URL. For tests and notebooks."""
+    127.0.0.1 port; yields the URL. For tests and notebooks. ``limits``: read timeouts and the
+    per-client connection cap (default :class:`~agl.http_limits.HttpLimits`)."""
     import threading
 
     import uvicorn
@@ -951,7 +944,12 @@ def serve_in_thread(
         )
     sock = _bind("127.0.0.1", 0)
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=2
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=2,
+        http=(limits or HttpLimits()).protocol(),
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(
@@ -981,15 +979,18 @@ def serve(
     ready_message: str = "agl store: serving",
     log_level: str = "warning",
     wrap: Callable[[Any], Any] | None = None,
+    limits: HttpLimits | None = None,
 ) -> None:
     """Serve ``store`` until SIGINT/SIGTERM; prints ``<ready_message> http://host:port`` once listening.
 
     Refuses a non-loopback address without a token: the store holds prompts, rewards and model endpoints.
+    ``limits``: header/body read timeouts and the per-client connection cap (default
+    :class:`~agl.http_limits.HttpLimits`).
     """
     if not token and not is_loopback(host):
         raise ValueError(
             f"refusing to listen on non-loopback address {host!r} without a token: "
-            "pass --token or set AGL_STORE_TOKEN"
+            "set AGL_STORE_TOKEN or pass --token-file"
         )
     import uvicorn
 
@@ -1015,6 +1016,7 @@ def serve(
         timeout_keep_alive=60,  # runners idle between rollouts keep their connection
         lifespan="on",
         server_header=False,
+        http=(limits or HttpLimits()).protocol(),  # slow or greedy clients cannot hold the server
     )
     server = _Server(config)
     try:

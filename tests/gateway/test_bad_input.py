@@ -63,6 +63,13 @@ def _error(resp: httpx.Response, status: int) -> dict[str, Any]:
             "tools[0].function",
             "missing",
         ),
+        # strict types: nothing is coerced ("10" is not a number, 1 is not a boolean)
+        ({"model": "scripted", "messages": MSG, "max_tokens": "10"}, "max_tokens", "valid integer"),
+        ({"model": "scripted", "messages": MSG, "max_tokens": 10.0}, "max_tokens", "valid integer"),
+        ({"model": "scripted", "messages": MSG, "temperature": "0.5"}, "temperature", "valid number"),
+        ({"model": "scripted", "messages": MSG, "stream": 1}, "stream", "valid boolean"),
+        ({"model": "scripted", "messages": MSG, "n": True}, "n", "valid integer"),
+        ({"model": 7, "messages": MSG}, "model", "valid string"),
     ],
 )
 def test_schema_errors_are_400_naming_the_parameter(

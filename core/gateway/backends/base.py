@@ -177,6 +177,12 @@ class Backend(abc.ABC):
     #: True when ``stream`` is implemented
     streams: bool = False
 
+    def max_prompt_chars(self) -> int | None:
+        """The most characters of message content a request that fits the context window can carry
+        (None: unknown, no check). The gateway refuses longer requests before anything is rendered or
+        tokenised, and derives its request-body limit from it, so one huge prompt cannot stall it."""
+        return None
+
     def check_model(self, model: str) -> None:
         available = self.models()
         if model not in available:

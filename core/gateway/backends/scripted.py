@@ -142,6 +142,9 @@ class ScriptedBackend(Backend):
     def models(self) -> list[str]:
         return list(self._models)
 
+    def max_prompt_chars(self) -> int | None:
+        return self.tokenizer.max_prompt_chars()
+
     def check_model(self, model: str) -> None:
         if not self.accept_any_model and model not in self._models:
             raise UnknownModelError(model, self._models)
@@ -180,11 +183,11 @@ class ScriptedBackend(Backend):
         if rep.error is not None:
             raise BackendError(rep.error)
         tok = self.tokenizer
-        if request.messages is not None:
-            prompt_text, prompt_ids = tok.encode_chat(request.messages, request.tools)
+        if request.messages is not None:  # off the event loop when long
+            prompt_text, prompt_ids = await tok.aencode_chat(request.messages, request.tools)
         else:
             prompt_text = request.prompt or ""
-            prompt_ids = tok.encode(prompt_text)
+            prompt_ids = await tok.aencode(prompt_text)
         if tok.max_context is not None and len(prompt_ids) >= tok.max_context:
             raise ContextWindowError(len(prompt_ids), tok.max_context)
         choice = self._choice(rep, request)

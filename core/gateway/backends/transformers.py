@@ -303,6 +303,7 @@ class TransformersBackend(Backend):
         elif isinstance(gen_eos, (list, tuple)):
             eos.update(gen_eos)
         self._eos_ids = sorted(e for e in eos if e is not None)
+        tok.max_token_chars  # noqa: B018 - computed once here (a worker thread), not during a request
         self._pad_id = tok.token_to_id(tok.pad_token) if tok.pad_token else None
         if self._pad_id is None:
             self._pad_id = self._eos_ids[0]
@@ -318,6 +319,10 @@ class TransformersBackend(Backend):
 
     def models(self) -> list[str]:
         return [self.model_name or "model"]
+
+    def max_prompt_chars(self) -> int | None:
+        tok = self.tokenizer
+        return None if tok is None else tok.max_prompt_chars(self.max_context)
 
     def check_model(self, model: str) -> None:
         if self.model is None:
@@ -344,10 +349,12 @@ class TransformersBackend(Backend):
         tok = self.tokenizer
         if request.messages is not None:
             tools = None if request.tool_choice == "none" else request.tools
-            prompt_text, prompt_ids = tok.encode_chat(request.messages, tools)
+            prompt_text, prompt_ids = await tok.aencode_chat(
+                request.messages, tools
+            )  # off the loop when long
         else:
             prompt_text = request.prompt or ""
-            prompt_ids = tok.encode(prompt_text)
+            prompt_ids = await tok.aencode(prompt_text)
         if not prompt_ids:
             raise BackendError("the prompt is empty")
         limit = self.max_context
