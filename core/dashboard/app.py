@@ -398,7 +398,14 @@ def create_dashboard_app(
             if close_store:
                 store.close()
 
-    app = Starlette(routes=dash.routes(), lifespan=lifespan)
+    async def on_404(request: Request, exc: Exception) -> Response:
+        return _error(404, "no_route", f"no route {request.method} {request.url.path}")
+
+    async def on_405(request: Request, exc: Exception) -> Response:
+        return _error(405, "method_not_allowed", f"method {request.method} not allowed on {request.url.path}")
+
+    # every error a JSON body, as everywhere else on agl's servers (static files included)
+    app = Starlette(routes=dash.routes(), lifespan=lifespan, exception_handlers={404: on_404, 405: on_405})
     app.state.dashboard = dash
     return app
 
