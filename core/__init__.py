@@ -34,6 +34,7 @@ _LAZY: dict[str, str] = {
     "Adapter": "agl.adapter",
     "AIR": "agl.rewards",
     "LightningRL": "agl.algorithms.lightning_rl",
+    "SFT": "agl.algorithms.sft",
     # runner / trainer
     "Runner": "agl.runner",
     "rollout": "agl.runner",
