@@ -73,7 +73,7 @@ class SFT:
     lora_alpha: int = 32
     max_grad_norm: float = 1.0
     max_length: int | None = None
-    eval_examples: int = 32
+    eval_examples: int = 16
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "lora_r", "lora_alpha", "eval_examples"):

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from examples.sql_agent import data
-from examples.sql_agent.reward import execute, execution_match, extract_sql
+from examples.sql_agent.reward import answers_with_count, execute, execution_match, extract_sql
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,19 @@ def test_execution_match(data_dir: Path) -> None:
     assert execution_match(db, "SELECT COUNT(*) FROM customers", gold) == 0.0
     assert execution_match(db, "SELECT COUNT(*) FROM customer", gold) == 0.0  # fails to run
     assert execution_match(db, "", gold) == 0.0
+    # a count answers only a counting question, even when the numbers coincide
+    n = execute(db, "SELECT COUNT(*) FROM customers")[0][0]
+    same = f"SELECT MAX(n) FROM (SELECT {n} AS n)"  # a non-count gold whose value is the row count
+    assert execute(db, same) == [(n,)]
+    assert execution_match(db, "SELECT COUNT(*) FROM customers", same) == 0.0
+    assert execution_match(db, f"SELECT {n}", same) == 1.0
+    assert execution_match(db, "SELECT city, COUNT(*) AS n FROM customers GROUP BY city",
+                           "SELECT city, COUNT(id) FROM customers GROUP BY city") == 1.0  # fmt: skip
+    for task in data.load_tasks("test", data_dir):  # COUNT(*) wins no non-count question of the split
+        if not answers_with_count(task["gold_sql"]):
+            table = task["gold_sql"].split(" FROM ")[1].split()[0]
+            task_db = data.db_path(task["db_id"], data_dir)
+            assert execution_match(task_db, f"SELECT COUNT(*) FROM {table}", task["gold_sql"]) == 0.0
     # unordered gold: row order is free; ordered gold: it is not
     names = "SELECT name FROM customers WHERE age > 30"
     assert execution_match(db, names + " ORDER BY name DESC", names) == 1.0
