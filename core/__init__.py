@@ -35,6 +35,7 @@ _LAZY: dict[str, str] = {
     "AIR": "agl.rewards",
     "LightningRL": "agl.algorithms.lightning_rl",
     "SFT": "agl.algorithms.sft",
+    "RunConfig": "agl.config",
     # runner / trainer
     "Runner": "agl.runner",
     "rollout": "agl.runner",

@@ -9,11 +9,29 @@ and sets ``func=callable(args) -> int | None`` with ``parser.set_defaults``.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import socket
 import sys
 from collections.abc import Sequence
 
 from agl.store.base import StoreError
+
+#: a missing optional module -> the extra that installs it
+EXTRAS: dict[str, str] = {
+    "torch": "train",
+    "transformers": "train",
+    "trl": "train",
+    "peft": "train",
+    "datasets": "train",
+    "accelerate": "train",
+    "matplotlib": "train",
+    "tensorboard": "train",
+    "gguf": "train",
+    "openai": "openai",
+    "psycopg": "postgres",
+    "psycopg_pool": "postgres",
+}
 
 #: command -> (module that owns it, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -28,6 +46,33 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "runner": ("agl.runner", "run an agent against a store: claim rollouts, run them, report"),
     "plot": ("agl.plot", "plot the reward curve of a training run"),
 }
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a busy port with one line before a server announces itself (uvicorn would log a bind
+    error after the banner). Port 0 (any free port) always passes."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ValueError(
+                    f"port {port} on {host} is already in use; pick another with --port (0 picks a free one)"
+                ) from None
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def missing_module_message(exc: ModuleNotFoundError) -> str:
+    """One line naming the extra to install for a missing optional dependency."""
+    name = (exc.name or "").split(".")[0]
+    extra = EXTRAS.get(name)
+    if extra is None:
+        return f"missing module {name!r}: {exc}"
+    return f"this needs {name}, which is not installed: pip install 'agl[{extra}]'"
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -56,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc = func(args)
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:
+        print(f"agl {command}: error: {missing_module_message(exc)}", file=sys.stderr)
+        return 2
     except (ValueError, KeyError, FileNotFoundError, StoreError) as exc:
         print(f"agl {command}: error: {exc}", file=sys.stderr)
         return 2

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import threading
 import warnings
@@ -25,7 +24,6 @@ from agl.tracing import current_rollout, get_tracer
 
 __all__ = ["emit_exception", "emit_message", "emit_object", "emit_reward"]
 
-logger = logging.getLogger(__name__)
 
 _warned = False
 _warn_lock = threading.Lock()
@@ -43,7 +41,7 @@ def _warn_outside_rollout(what: str) -> None:
         f"agl.{what}() called outside a rollout context: the span is created but belongs to no rollout, "
         "so it never reaches the store (run the agent inside agl.rollout_context() or the Runner)"
     )
-    logger.warning(message)
+    # One channel only: a warning shows once (and logging users see it through logging.captureWarnings).
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 

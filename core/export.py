@@ -365,7 +365,12 @@ def load_tokenizer(spec: str) -> Any:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", required=True, help="store URL: sqlite:///path.db or http://host:port")
+    p.add_argument(
+        "--store",
+        default=None,
+        help="store URL: sqlite:///path.db or http://host:port (default: $AGL_STORE or sqlite:///agl.db)",
+    )
+    p.add_argument("--token", default=None, help="bearer token for an http store (default: $AGL_STORE_TOKEN)")
     sel = p.add_mutually_exclusive_group()
     sel.add_argument("--agents", help="comma-separated agent names to keep (default: all)")
     sel.add_argument("--agents-regex", help="keep agents whose name fully matches this regular expression")
@@ -417,15 +422,16 @@ def _adapter_from_args(args: argparse.Namespace) -> Adapter:
     )
 
 
-def _open(url: str) -> Any:
-    from agl.store import open as open_store
+def _open(args: argparse.Namespace) -> Any:
+    """The store named by ``--store``, else ``$AGL_STORE``, as ``agl rollouts`` opens it."""
+    from agl.inspect import open_store_from_args
 
-    return open_store(url)
+    return open_store_from_args(args)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
     adapter = _adapter_from_args(args)
-    store = _open(args.store)
+    store = _open(args)
     try:
         ids = [i.strip() for i in args.rollouts.split(",") if i.strip()] if args.rollouts else None
         result = export(
@@ -512,6 +518,12 @@ def print_transitions(
         notes["air"] = st.air
     if notes:
         print(f"  notes: {notes}", file=file)
+    if st.no_tokenizer and adapter.tokenizer is None:
+        print(
+            f"  {st.no_tokenizer} LLM call(s) were recorded client-side without exact token ids: pass "
+            "--tokenizer default (or a local tokenizer directory) to re-tokenise them",
+            file=file,
+        )
     tok = adapter.tokenizer
     for t in ts:
         print(
@@ -527,7 +539,7 @@ def print_transitions(
 
 def _cmd_transitions(args: argparse.Namespace) -> int:
     adapter = _adapter_from_args(args)
-    store = _open(args.store)
+    store = _open(args)
     try:
         rollout = store.get_rollout(args.rollout_id)
         attempt = args.attempt if args.attempt is not None else finishing_attempt(rollout)

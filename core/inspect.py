@@ -77,7 +77,7 @@ def _add_store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON records instead of text")
 
 
-def _open_store(args: argparse.Namespace) -> Any:
+def open_store_from_args(args: argparse.Namespace) -> Any:
     import agl.store
 
     url = args.store or os.environ.get(STORE_ENV) or DEFAULT_STORE
@@ -94,7 +94,7 @@ def _open_store(args: argparse.Namespace) -> Any:
 def _run(args: argparse.Namespace, body: Any) -> int:
     from agl.store.base import StoreError
 
-    store = _open_store(args)
+    store = open_store_from_args(args)
     try:
         body(store, sys.stdout)
     except StoreError as exc:
@@ -105,6 +105,41 @@ def _run(args: argparse.Namespace, body: Any) -> int:
     return 0
 
 
+def error_from_spans(store: Any, rollout_id: str, attempt: int) -> Any:
+    """The attempt's error as its last ``agl.exception`` span tells it (``agl.emit_exception``), for an
+    attempt that was finished as failed without ``error=``; None when it recorded no exception."""
+    from agl.types import AttemptError
+
+    spans = store.query_spans(rollout_id=rollout_id, attempt=attempt, name=sc.SPAN_EXCEPTION)
+    if not spans:
+        return None
+    span = spans[-1]
+    a = span.attributes
+    stack = next(
+        (e.attributes.get(sc.AGL_EXCEPTION_STACKTRACE) for e in span.events if e.name == sc.EVENT_EXCEPTION),
+        None,
+    )
+    return AttemptError(
+        type=str(a.get(sc.AGL_EXCEPTION_TYPE, "Exception")),
+        message=str(a.get(sc.AGL_EXCEPTION_MESSAGE, "")),
+        traceback=stack if isinstance(stack, str) else None,
+    )
+
+
+def with_span_errors(store: Any, rollout: Any) -> Any:
+    """``rollout`` with each failed attempt that has no error filled from its exception spans."""
+    attempts = []
+    changed = False
+    for a in rollout.attempts:
+        if a.status == "failed" and a.error is None:
+            err = error_from_spans(store, rollout.id, a.number)
+            if err is not None:
+                a = a.model_copy(update={"error": err})
+                changed = True
+        attempts.append(a)
+    return rollout.model_copy(update={"attempts": attempts}) if changed else rollout
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
@@ -113,6 +148,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
         rollouts = store.query_rollouts(status=args.status, mode=args.mode, group_id=args.group_id)
         if args.limit is not None:
             rollouts = rollouts[len(rollouts) - args.limit :] if args.limit else []
+        rollouts = [with_span_errors(store, r) for r in rollouts]
         if args.json:
             out.write(json.dumps([r.model_dump(mode="json") for r in rollouts], indent=2) + "\n")
         else:
@@ -123,7 +159,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     def body(store: Any, out: TextIO) -> None:
-        rollout = store.get_rollout(args.rollout_id)
+        rollout = with_span_errors(store, store.get_rollout(args.rollout_id))
         counts = {}
         for a in rollout.attempts:
             counts[a.number] = len(store.query_spans(rollout_id=rollout.id, attempt=a.number))

@@ -147,7 +147,7 @@ def _missing_message(cls: type[Instrumentor]) -> str:
     conflict = get_dependency_conflicts(list(cls.instruments))
     extra = cls.extra or cls.name
     return (
-        f"cannot instrument {cls.name!r}: {conflict}. Install it with: pip install 'agl[{extra}]'"
+        f"cannot instrument {cls.name!r}: {str(conflict).rstrip('.')}. Install it with: pip install 'agl[{extra}]'"
         if conflict is not None
         else f"cannot instrument {cls.name!r}: install it with pip install 'agl[{extra}]'"
     )

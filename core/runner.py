@@ -336,6 +336,7 @@ class Runner:
         self._stop_evt, self._hard_evt = asyncio.Event(), asyncio.Event()
         self._remaining = max_rollouts
         self._idle_exit = until_idle
+        _warn_if_untraced()
         loop = asyncio.get_running_loop()
         installed: list[int] = []
         if signals and threading.current_thread() is threading.main_thread():
@@ -612,6 +613,29 @@ class _ShutdownError(RuntimeError):
     pass
 
 
+_untraced_warned = False
+
+
+def _warn_if_untraced() -> None:
+    """Warn once when no integration is instrumented: the agent's LLM calls would then make no spans,
+    carry no rollout id to the gateway (whose replies and spans then belong to no rollout) and give
+    the trainer nothing to learn from. ``agl runner`` instruments by itself; library users call
+    ``agl.instrument()`` in the agent's module."""
+    global _untraced_warned
+    if _untraced_warned:
+        return
+    from agl.instrument import instrumented
+
+    if instrumented():
+        return
+    _untraced_warned = True
+    log.warning(
+        "agl runner: no integration is instrumented, so the agent's LLM calls are not traced and not "
+        "attributed to their rollout; call agl.instrument() in the agent's module (agl runner does it "
+        "unless --no-instrument)"
+    )
+
+
 def _shutdown_error() -> AttemptError:
     return AttemptError(
         type="WorkerShutdown", message="the runner stopped before the rollout finished; requeued"
@@ -645,8 +669,16 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--until-idle", action="store_true", help="exit when no work arrives for a while")
     parser.add_argument("--idle-s", type=float, default=5.0, help="long-poll wait per claim (default 5 s)")
     parser.add_argument(
-        "--token", default=os.environ.get("AGL_STORE_TOKEN"), help="bearer token of the store server"
+        "--token",
+        default=os.environ.get("AGL_STORE_TOKEN"),
+        help="bearer token of the store server (prefer $AGL_STORE_TOKEN: a --token is visible in ps)",
     )
+    parser.add_argument(
+        "--no-instrument",
+        action="store_true",
+        help="do not call agl.instrument() for every installed integration before loading the agent",
+    )
+    parser.add_argument("--verbose", "-v", action="store_true", help="log every store request (INFO)")
     parser.set_defaults(func=_cli)
 
 
@@ -655,12 +687,20 @@ def _cli(args: argparse.Namespace) -> int:
 
     if args.concurrency < 1:
         raise ValueError("--concurrency must be >= 1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not args.verbose:  # one line per HTTP request drowns the runner's own messages
+        for noisy in ("httpx", "httpcore"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+    if not args.no_instrument:
+        import agl
+
+        names = agl.instrument()
+        log.info("agl runner: instrumented %s", ", ".join(names) or "nothing (no integration installed)")
     agent = load_agent(args.agent)
     kwargs: dict[str, Any] = {}
     if args.token and args.store.startswith(("http://", "https://")):
         kwargs["token"] = args.token
     store = agl.store.open(args.store, **kwargs)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     runner = Runner(
         agent,
         store,

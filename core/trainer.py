@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from agl import semconv
+from agl.config import RunConfig
 from agl.types import LLM, NewRollout, Rollout, RolloutConfig, Task, Transition
 
 __all__ = ["Trainer", "load_tokenizer"]
@@ -211,6 +212,7 @@ class Trainer:
         behaviour_logprobs: bool | None = None,
         progress: bool = True,
         update_options: dict[str, Any] | None = None,
+        config: RunConfig | None = None,
     ) -> None:
         from agl.algorithms.lightning_rl import LightningRL
 
@@ -234,6 +236,14 @@ class Trainer:
             raise ValueError(
                 "backend='vllm' needs vllm_url (the vLLM OpenAI server, e.g. http://host:8000/v1)"
             )
+        #: the one run configuration: sampling published to the agents and used by the in-process
+        #: gateway, and the update settings (temperature included) the policy update reads
+        self.config = RunConfig.resolve(self.algorithm, sampling=sampling, update=update_options, base=config)
+        if backend == "vllm" and not self.config.lora:
+            raise ValueError(
+                "the vllm backend takes new weights as LoRA adapters: use LightningRL(lora=True) "
+                "(for full fine-tuning serve with backend='transformers' or restart vLLM on a checkpoint)"
+            )
         if backend == "scripted" and script is None:
             raise ValueError("backend='scripted' needs script= (replies, see agl.gateway.ScriptedBackend)")
         self.model_arg = model
@@ -245,7 +255,6 @@ class Trainer:
         self.adapter_arg = adapter
         self.tokenizer_arg = tokenizer
         self.model_name = model_name
-        self.sampling = {"temperature": 1.0, "max_tokens": 64, **(sampling or {})}
         self.tasks_per_step = tasks_per_step
         self.steps = steps
         self.val_every = val_every
@@ -271,8 +280,8 @@ class Trainer:
             behaviour_logprobs = backend in ("transformers", "vllm")
         self.behaviour_logprobs = behaviour_logprobs
         self.progress = progress
-        self.update_options = dict(update_options or {})
         self.history: list[dict[str, Any]] = []
+        self._warned_off_policy = False
         self.policy: Any = None
         self.store: Any = None
         self._gateway: _ServedGateway | None = None
@@ -280,6 +289,11 @@ class Trainer:
         self._tb: Any = None
         self._tokenizer: Any = None
         self._served_model_name: str | None = None
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The sampling settings published to the agents (``self.config.sampling``)."""
+        return self.config.sampling
 
     # ------------------------------------------------------------------------------ setup
     def _open_store(self) -> Any:
@@ -320,12 +334,27 @@ class Trainer:
             return gateway.ScriptedBackend(self.script, accept_any_model=True, on_exhausted="repeat")
         if backend == "vllm":
             return gateway.VLLMBackend(self.vllm_url, model=self.model_name)
-        # transformers: the engine keeps its own copy of the weights; the trainer swaps new ones in.
+        sampling = {
+            "default_temperature": self.config.temperature,
+            "default_top_p": self.config.top_p,
+        }
+        if for_training and self.policy is not None:
+            # the engine serves the policy itself: frozen base weights shared, LoRA tensors pushed
+            return gateway.TransformersBackend.for_policy(
+                self.policy, tokenizer=self._tokenizer, model_name=self._model_name_for(source), **sampling
+            )
         model = copy.deepcopy(source) if not isinstance(source, (str, os.PathLike)) else str(source)
-        name = self.model_name or (Path(str(source)).name if isinstance(source, (str, os.PathLike)) else None)
         return gateway.TransformersBackend(
-            model, tokenizer=self._tokenizer if not isinstance(model, str) else None, model_name=name
+            model,
+            tokenizer=self._tokenizer if not isinstance(model, str) else None,
+            model_name=self._model_name_for(source),
+            **sampling,
         )
+
+    def _model_name_for(self, source: Any) -> str | None:
+        if self.model_name:
+            return self.model_name
+        return Path(str(source)).name if isinstance(source, (str, os.PathLike)) else None
 
     def _start(self, agent: Any, *, training: bool, base_url: str | None = None) -> None:
         from agl.adapter import Adapter
@@ -340,6 +369,9 @@ class Trainer:
         # Training needs the policy's tokenizer; dev uses one to print prompts and to re-tokenise calls
         # of an endpoint without token ids (the shipped SmolLM2 one when nothing better is known).
         self._tokenizer = self._make_tokenizer(source if source is not None else self.model_arg)
+        if training:
+            # built before the engine, which shares the policy's frozen weights instead of loading its own
+            self._build_policy(source)
         if self.gateway_url is None or base_url is not None:
             backend = self._make_backend(source, for_training=training, base_url=base_url)
             host, port = self.gateway_bind
@@ -362,8 +394,6 @@ class Trainer:
             self.adapter = self.adapter_arg
         else:
             self.adapter = Adapter(agents=self.agents, tokenizer=self._tokenizer, algorithm=self.algorithm)
-        if training:
-            self._build_policy(source)
         if self.runners > 0:
             runner = Runner(
                 agent, self.store, concurrency=self.runners, claim_timeout_s=1.0, worker_id="agl-trainer"
@@ -379,10 +409,9 @@ class Trainer:
         self.policy = PolicyUpdate(
             source,
             self._tokenizer,
-            self.algorithm,
+            self.config,
             output_dir=self.run_dir / "checkpoints",
             seed=self.seed,
-            **self.update_options,
         )
 
     def close(self) -> None:
@@ -403,62 +432,46 @@ class Trainer:
 
     # -------------------------------------------------------------------------- weight sync
     def sync_weights(self, version: int) -> float:
-        """Push the policy's weights to the inference engine as ``version``; returns seconds taken."""
+        """Push the policy's weights to the inference engine as ``version`` (``Backend.push``: shared
+        tensors in process, a LoRA adapter or full weights as files elsewhere); returns seconds taken."""
         t0 = time.perf_counter()
         policy = self.policy
-        backend_name = (
-            self.backend_arg if isinstance(self.backend_arg, str) else getattr(self.backend_arg, "name", "")
-        )
-        if backend_name in ("scripted", "openai") or policy is None:
+        if policy is None:
             return 0.0
-        if self._gateway is not None and backend_name == "transformers":
-            state = policy.merged_state_dict()
-            self._gateway.call(lambda: self._gateway.backend.load_weights(state, version=version))
-        elif self._gateway is not None:  # vllm: the adapter directory must be readable by vLLM
-            if not policy.is_lora:
-                raise ValueError(
-                    "the vllm backend takes new weights as LoRA adapters: use LightningRL(lora=True)"
-                )
-            path = policy.save_adapter(self.run_dir / "adapters" / f"v{version}")
-            self._gateway.call(
-                lambda: self._gateway.backend.load_adapter(str(Path(path).resolve()), version=version)
-            )
-        else:  # an external gateway: tell it through its HTTP API where the new weights are
-            import httpx
-
-            root = self._gateway_v1[: -len("/v1")]
-            if policy.is_lora and backend_name == "vllm":
-                path = policy.save_adapter(self.run_dir / "adapters" / f"v{version}")
-                resp = httpx.post(
-                    root + "/agl/v1/adapters",
-                    json={"path": str(Path(path).resolve()), "version": version},
-                    timeout=600,
-                )
-            else:
-                from safetensors.torch import save_file
-
-                target = self.run_dir / "weights" / f"v{version}"
-                target.mkdir(parents=True, exist_ok=True)
-                save_file(
-                    {k: v.contiguous() for k, v in policy.merged_state_dict().items()},
-                    str(target / "model.safetensors"),
-                )
-                resp = httpx.post(
-                    root + "/agl/v1/weights",
-                    json={"path": str(target.resolve()), "version": version},
-                    timeout=600,
-                )
-            if resp.status_code >= 400:
-                raise RuntimeError(f"the gateway refused the new weights: {resp.text[:300]}")
+        staging = self.run_dir / ("adapters" if policy.is_lora else "weights")
+        if self._gateway is not None:
+            backend = self._gateway.backend
+            if not backend.can_push:  # scripted replies: there is nothing to serve new weights with
+                return 0.0
+            self._gateway.call(lambda: backend.push(policy, version=version, staging_dir=staging))
+        else:
+            self._push_remote(policy, version, staging)
         # Old weight files are dead weight (a full model each); vLLM keeps the last adapters loaded.
         _prune(self.run_dir / "weights", keep=1)
         _prune(self.run_dir / "adapters", keep=3)
         return time.perf_counter() - t0
 
+    def _push_remote(self, policy: Any, version: int, staging: Path) -> None:
+        """An external gateway (``agl gateway serve``): save the adapter (or, under full fine-tuning,
+        the weights) where it can read them and tell it through its ``/agl/v1`` API."""
+        import httpx
+
+        root = self._gateway_v1[: -len("/v1")]
+        target = staging / f"v{version}"
+        if policy.is_lora:
+            path, route = policy.save_adapter(target), "/agl/v1/adapters"
+        else:
+            path, route = policy.save_weights(target), "/agl/v1/weights"
+        resp = httpx.post(
+            root + route, json={"path": str(Path(path).resolve()), "version": version}, timeout=600
+        )
+        if resp.status_code >= 400:
+            raise RuntimeError(f"the gateway refused the new weights: {resp.text[:300]}")
+
     # ------------------------------------------------------------------------------ rollouts
     def _publish(self) -> int:
         llm = LLM(
-            base_url=self._gateway_v1, model=self._served_model_name or "model", sampling=dict(self.sampling)
+            base_url=self._gateway_v1, model=self._served_model_name or "model", sampling=self.config.sampling
         )
         return self.store.add_resources({"main": llm}).version
 
@@ -565,6 +578,7 @@ class Trainer:
             raise ValueError(
                 "the openai backend serves a hosted model that agl cannot update: use it with dev()"
             )
+        self.config.check_trainable()
         train_tasks = _as_tasks(train, "train")
         val_tasks = _as_tasks(val, "val") if val is not None else []
         if not train_tasks:
@@ -657,8 +671,10 @@ class Trainer:
                                 "tokens_per_s": update["tokens_per_s"],
                                 "update_s": update.get("update_s"),
                                 "trained_transitions": update["transitions"],
+                                "behaviour_ratio_dev": update.get("behaviour_ratio_dev"),
                             }
                         )
+                        self._check_on_policy(update.get("behaviour_ratio_dev"))
                 record["rollout_s"] = rollout_s
                 record["sync_s"] = sync_s
                 record["step_s"] = time.perf_counter() - t_step
@@ -697,6 +713,24 @@ class Trainer:
             "val_reward_after": vals[-1][1] if vals else None,
             "history": self.history,
         }
+
+    #: a first-micro-batch ratio further than this from 1 means the recorded behaviour policy is not
+    #: the policy the update scores (bf16 on a GPU stays well under it)
+    OFF_POLICY_WARN = 0.05
+
+    def _check_on_policy(self, ratio_dev: float | None) -> None:
+        if ratio_dev is None or ratio_dev <= self.OFF_POLICY_WARN or self._warned_off_policy:
+            return
+        self._warned_off_policy = True
+        log.warning(
+            "agl trainer: before its first optimizer step the update's PPO ratio is off by %.3g: the "
+            "log-probs the engine recorded are not the policy's at temperature %g. Most likely the agent "
+            "sends its own temperature/top_p instead of resources.llm.sampling (%s), or the engine "
+            "serves other weights than the policy's",
+            ratio_dev,
+            self.config.temperature,
+            self.config.sampling,
+        )
 
     def _checkpoint(self, order: list[int], rng: random.Random) -> None:
         path = self.policy.save_checkpoint()

@@ -171,9 +171,22 @@ class RolloutConfig(_Model):
 
 
 class AttemptError(_Model):
+    """Why an attempt failed: pass it as ``store.finish_attempt(..., "failed", error=...)``."""
+
     type: str
     message: str = ""
     traceback: str | None = None
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> AttemptError:
+        """The error of an exception, with its formatted traceback (what the Runner records)."""
+        import traceback as tb
+
+        return cls(
+            type=type(exc).__qualname__,
+            message=str(exc),
+            traceback="".join(tb.format_exception(type(exc), exc, exc.__traceback__)),
+        )
 
 
 class Attempt(_Model):

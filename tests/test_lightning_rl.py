@@ -68,6 +68,8 @@ def test_fields_are_exactly_the_contract() -> None:
         "micro_batch_tokens": 4096,
         "epochs_per_step": 1,
         "max_grad_norm": 1.0,
+        "gradient_checkpointing": None,
+        "mixed_precision": None,
     }
 
 

@@ -326,6 +326,17 @@ def test_plot_cli_and_bad_input(tmp_path: Path) -> None:
         Trainer(backend="scripted")
     with pytest.raises(ValueError, match="dev"):
         Trainer(backend="openai", base_url="http://127.0.0.1:9/v1").fit(two_agent_app, [{"q": "x"}])
+    # the run configuration: bad values and untrainable sampling are refused before anything starts
+    with pytest.raises(ValueError, match="unknown sampling setting 'temp'"):
+        Trainer(backend="scripted", script=["x"], sampling={"temp": 0.7})
+    with pytest.raises(ValueError, match="RunConfig.lora_r must be an integer >= 1"):
+        Trainer(backend="scripted", script=["x"], update_options={"lora_r": 0})
+    greedy = Trainer(backend="scripted", script=["x"], sampling={"temperature": 0.0}, run_dir=tmp_path / "g")
+    with pytest.raises(ValueError, match="temperature must be > 0 for training"):
+        greedy.fit(two_agent_app, [{"q": "x"}])
+    assert not (tmp_path / "g").exists()
+    with pytest.raises(ValueError, match="LightningRL"):
+        Trainer(agl.LightningRL(lora=False), backend="vllm", vllm_url="http://127.0.0.1:9/v1")
 
 
 def test_learn_on_cpu_agent_rewards_only_the_strict_format(tmp_path: Path) -> None:
@@ -409,9 +420,11 @@ def test_vllm_backend_gets_each_steps_lora_adapter(tmp_path: Path) -> None:
 
 
 def test_external_gateway_gets_weights_over_http(tmp_path: Path) -> None:
-    """Trainer(gateway_url=...): the policy's merged weights reach a separately served transformers
-    gateway through POST /agl/v1/weights, as the resources version of each step."""
+    """Trainer(gateway_url=...): each step's LoRA adapter (not a merged copy of the model) reaches a
+    separately served transformers gateway through POST /agl/v1/adapters, as that step's version."""
     import copy
+
+    from peft import PeftModel
 
     from agl.gateway import TransformersBackend
     from agl.gateway.testing import serve_gateway
@@ -445,21 +458,17 @@ def test_external_gateway_gets_weights_over_http(tmp_path: Path) -> None:
             progress=False,
         )
         trainer.fit(agent, [{"q": "hi"}])
-        assert backend.weight_version == trainer.history[-1]["resources_version"]
-        served = backend.model.state_dict()
-        want = trainer.policy.merged_state_dict()
-    # only the last synced weights are kept on disk
-    assert [p.name for p in (tmp_path / "weights").iterdir()] == [
-        f"v{trainer.history[-1]['resources_version']}"
-    ]
-    # the gateway serves the weights of the last sync (taken before the final update)
-    from safetensors.torch import load_file
-
-    synced = load_file(
-        str(tmp_path / "weights" / f"v{trainer.history[-1]['resources_version']}" / "model.safetensors")
-    )
-    assert max((served[k] - synced[k]).abs().max().item() for k in synced) < 1e-6
-    assert set(synced) == set(want)
+        last = trainer.history[-1]["resources_version"]
+        assert backend.weight_version == last
+        served = backend.model
+    assert isinstance(served, PeftModel)
+    assert not (tmp_path / "weights").exists()  # no full-weight files for a LoRA run
+    assert (tmp_path / "adapters" / f"v{last}" / "adapter_config.json").exists()
+    # the gateway serves the adapter of the last sync (taken before the final update)
+    expect = PeftModel.from_pretrained(tiny_model(), str(tmp_path / "adapters" / f"v{last}")).eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.allclose(served(ids).logits, expect(ids).logits, atol=1e-5)
     spans = store.query_spans(name=sc.SPAN_CHAT)
     versions = {
         s.attributes.get(sc.AGL_LLM_WEIGHT_VERSION)
@@ -467,3 +476,55 @@ def test_external_gateway_gets_weights_over_http(tmp_path: Path) -> None:
         if s.attributes.get(sc.AGL_SIDE) == sc.SIDE_SERVER
     }
     assert versions == {r["resources_version"] for r in trainer.history}
+
+
+def test_fit_in_process_is_on_policy_at_the_run_temperature(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The embedded engine serves the policy itself (shared base weights, the LoRA pushed each step)
+    and samples at the RunConfig's temperature, which the agent gets as resources.llm.sampling; so
+    the update's ratio is 1 before each step's first optimizer step, at that same temperature."""
+    tok = load_tokenizer()
+
+    def agent(task: dict, resources: agl.Resources) -> float:
+        llm = resources.llm
+        client = openai.OpenAI(base_url=llm.base_url, api_key="x")
+        with _agent_span("writer"):
+            out = client.chat.completions.create(
+                model=llm.model, messages=[{"role": "user", "content": task["q"]}], **llm.sampling
+            )
+        return float(len(out.choices[0].message.content or "") % 2)
+
+    trainer = Trainer(
+        agl.LightningRL(group_size=4, learning_rate=1e-2, lora_r=4, lora_alpha=8),
+        model=tiny_model(),
+        backend="transformers",
+        model_name="tiny",
+        tokenizer=tok,
+        store="memory://",
+        runners=4,
+        run_dir=tmp_path,
+        tasks_per_step=2,
+        steps=2,
+        val_every=0,
+        config=agl.RunConfig(temperature=0.7, max_tokens=6),
+        progress=False,
+    )
+    assert trainer.sampling == {"temperature": 0.7, "top_p": 1.0, "max_tokens": 6}
+    with caplog.at_level("WARNING", logger="agl.trainer"):
+        trainer.fit(agent, [{"q": "hello"}, {"q": "count"}])
+    assert trainer.policy.config.temperature == 0.7
+    trained = [r for r in trainer.history if r.get("trained_transitions")]
+    assert trained, trainer.history
+    for r in trained:
+        assert r["behaviour_ratio_dev"] < 1e-3
+    assert "off by" not in caplog.text
+    spans = [
+        s
+        for s in trainer.store.query_spans(name=sc.SPAN_CHAT)
+        if s.attributes.get(sc.AGL_SIDE) == sc.SIDE_SERVER
+    ]
+    assert {s.attributes[sc.GEN_AI_REQUEST_TEMPERATURE] for s in spans} == {0.7}
+    assert {s.attributes[sc.AGL_LLM_WEIGHT_VERSION] for s in spans} == {
+        r["resources_version"] for r in trainer.history
+    }

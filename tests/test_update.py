@@ -3,6 +3,7 @@ merging, checkpoints. A tiny random Llama with the shipped SmolLM2 tokenizer sta
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -14,7 +15,10 @@ pytest.importorskip("peft")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from agl.algorithms.lightning_rl import LightningRL  # noqa: E402
-from agl.algorithms.update import PolicyUpdate, pack_micro_batches  # noqa: E402
+from agl.algorithms.update import PolicyUpdate, chunked_token_logps, pack_micro_batches  # noqa: E402
+from agl.config import RunConfig  # noqa: E402
+from agl.gateway.backends.base import GenerationRequest  # noqa: E402
+from agl.gateway.backends.transformers import TransformersBackend  # noqa: E402
 from agl.trainer import load_tokenizer  # noqa: E402
 from agl.types import Transition  # noqa: E402
 
@@ -49,9 +53,41 @@ def tiny_model(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg)
 
 
-def make(tok, tmp_path, *, seed: int = 0, **cfg) -> PolicyUpdate:
+def make(tok, tmp_path, *, seed: int = 0, temperature: float = 1.0, **cfg) -> PolicyUpdate:
     algo = LightningRL(**{"learning_rate": 5e-3, "lora_r": 8, "lora_alpha": 16, **cfg})
-    return PolicyUpdate(tiny_model(seed), tok, algo, output_dir=tmp_path / "ckpt", seed=seed)
+    config = RunConfig.resolve(algo, sampling={"temperature": temperature})
+    return PolicyUpdate(tiny_model(seed), tok, config, output_dir=tmp_path / "ckpt", seed=seed)
+
+
+def sample(backend: TransformersBackend, prompts: list[str], temperature: float) -> list[Transition]:
+    """Transitions as the gateway records them: the engine's prompt ids, sampled ids and logprobs."""
+
+    async def go() -> list:
+        reqs = [
+            GenerationRequest(
+                model="tiny",
+                messages=[{"role": "user", "content": p}],
+                temperature=temperature,
+                max_tokens=12,
+            )
+            for p in prompts
+        ]
+        return await asyncio.gather(*(backend.generate(r) for r in reqs))
+
+    out = []
+    for i, res in enumerate(asyncio.run(go())):
+        c = res.choices[0]
+        out.append(
+            Transition(
+                rollout_id=f"r{i}",
+                attempt=1,
+                index=0,
+                prompt_ids=tuple(res.prompt_ids),
+                response_ids=tuple(c.response_ids),
+                response_logprobs=tuple(c.logprobs),
+            )
+        )
+    return out
 
 
 def tr(tok, prompt: str, response: str, rid: str = "r", logprobs=None) -> Transition:
@@ -219,3 +255,115 @@ def test_checkpoint_round_trip_restores_policy_and_optimizer(tok, tmp_path) -> N
         again.load_checkpoint(tmp_path)
     adapter_dir = up.save_adapter(tmp_path / "adapter")
     assert (tmp_path / "adapter" / "adapter_config.json").exists() and adapter_dir.endswith("adapter")
+
+
+def test_first_ratio_is_one_when_the_engine_sampled_at_the_update_temperature(tok, tmp_path) -> None:
+    """On-policy by construction: the engine samples at 0.7 and records those logprobs; the update
+    recomputes them at the run's temperature, 0.7, so every token's ratio is 1 before the first
+    optimizer step. Scored at temperature 1 (what agl used to do) the same samples are off-policy."""
+    up = make(tok, tmp_path / "a", temperature=0.7)
+    engine = TransformersBackend.for_policy(up, tokenizer=tok, model_name="tiny")
+    ts = sample(engine, ["tell me a story", "count to ten", "hi", "what is 2+2?"], 0.7)
+    assert all(len(t.response_ids) > 0 for t in ts)
+    m = up.step(ts, [1.0, -1.0, 0.5, -0.5])
+    assert m["behaviour_ratio_dev"] < 1e-4
+    assert m["clip_fraction"] == 0.0
+    off = make(tok, tmp_path / "b", temperature=1.0)
+    assert off.step(ts, [1.0, -1.0, 0.5, -0.5])["behaviour_ratio_dev"] > 0.05
+    engine._executor.shutdown(wait=False)
+
+
+def test_chunked_logprobs_equal_the_full_log_softmax_with_gradients() -> None:
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 300, bias=False)
+    hidden = torch.randn(3, 7, 16, requires_grad=True)
+    targets = torch.randint(0, 300, (3, 7))
+    lp, ent = chunked_token_logps(hidden, targets, head, 0.7, chunk=5)
+    full = (head(hidden) / 0.7).log_softmax(-1)
+    want = full.gather(-1, targets[..., None])[..., 0]
+    assert torch.allclose(lp, want, atol=1e-5)
+    assert torch.allclose(ent, -(full.exp() * full).sum(-1), atol=1e-4)
+    (g1,) = torch.autograd.grad(lp.sum(), hidden)
+    (g2,) = torch.autograd.grad(want.sum(), hidden)
+    assert torch.allclose(g1, g2, atol=1e-5)
+
+
+def test_push_shares_the_base_weights_and_copies_only_the_adapter(tok, tmp_path) -> None:
+    up = make(tok, tmp_path)
+    engine = TransformersBackend.for_policy(up, tokenizer=tok, model_name="tiny")
+    policy = dict(up.model.named_parameters())
+    served = dict(engine.model.named_parameters())
+    assert set(policy) == set(served)
+    frozen = [n for n, p in policy.items() if not p.requires_grad]
+    lora = [n for n, p in policy.items() if p.requires_grad]
+    assert lora and all("lora_" in n for n in lora)
+    # the base weights exist once: the engine's are the policy's tensors
+    assert all(served[n] is policy[n] for n in frozen)
+    assert all(served[n].data_ptr() != policy[n].data_ptr() for n in lora)
+    ts = [tr(tok, "q", "Answer: 7", "r1"), tr(tok, "q", "no", "r2")]
+    ids = torch.tensor([list(ts[0].prompt_ids + ts[0].response_ids)])
+    with torch.no_grad():
+        out0 = engine.model(ids).logits
+    for _ in range(2):
+        up.step(ts, [1.0, -1.0])
+    with torch.no_grad():
+        assert torch.equal(engine.model(ids).logits, out0)  # an update alone does not reach the engine
+    snapshot = {n: p.detach().clone() for n, p in served.items()}
+    ptrs = {n: served[n].data_ptr() for n in lora}
+    assert asyncio.run(engine.push(up, version=5)) == 5 and engine.weight_version == 5
+    changed = {n for n, p in engine.model.named_parameters() if not torch.equal(p, snapshot[n])}
+    assert changed and changed <= set(lora)
+    assert all(served[n].data_ptr() == ptrs[n] for n in lora)  # copied in place, nothing allocated
+    with torch.no_grad():
+        out1 = engine.model(ids).logits
+        assert not torch.allclose(out0, out1)
+        up.model.eval()
+        assert torch.allclose(out1, up.model(ids).logits, atol=1e-5)
+    engine._executor.shutdown(wait=False)
+
+
+def test_full_finetuning_push_copies_every_weight_in_place(tok, tmp_path) -> None:
+    up = make(tok, tmp_path, lora=False, learning_rate=1e-3)
+    engine = TransformersBackend.for_policy(up, tokenizer=tok, model_name="tiny")
+    served = dict(engine.model.named_parameters())
+    assert all(served[n] is not p for n, p in up.model.named_parameters())
+    ts = [tr(tok, "q", "Answer: 7", "r1"), tr(tok, "q", "no", "r2")]
+    up.step(ts, [1.0, -1.0])
+    asyncio.run(engine.push(up, version=1))
+    for n, p in up.model.named_parameters():
+        assert torch.equal(served[n], p)
+    engine._executor.shutdown(wait=False)
+
+
+def test_run_config_refuses_bad_values_with_clear_messages() -> None:
+    assert RunConfig().sampling == {"temperature": 1.0, "top_p": 1.0, "max_tokens": 64}
+    cases = [
+        ({"temperature": -0.1}, "RunConfig.temperature must be a finite number >= 0"),
+        ({"temperature": math.inf}, "RunConfig.temperature"),
+        ({"top_p": 1.5}, "RunConfig.top_p must be a finite number > 0"),
+        ({"max_tokens": 0}, "RunConfig.max_tokens must be an integer >= 1"),
+        ({"learning_rate": -1.0}, "RunConfig.learning_rate"),
+        ({"micro_batch_tokens": 2.5}, "RunConfig.micro_batch_tokens must be an integer"),
+        ({"mixed_precision": "fp8"}, "RunConfig.mixed_precision"),
+        ({"gradient_checkpointing": "yes"}, "RunConfig.gradient_checkpointing"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
+            RunConfig(**kwargs)
+    # valid for dev(), refused for training, with the reason
+    with pytest.raises(ValueError, match="temperature must be > 0 for training"):
+        RunConfig(temperature=0).check_trainable()
+    with pytest.raises(ValueError, match="top_p must be 1.0 for training, got 0.9"):
+        RunConfig(top_p=0.9).check_trainable()
+    with pytest.raises(ValueError, match="top_p must be 1.0 for training"):
+        PolicyUpdate(tiny_model(), load_tokenizer(), RunConfig(top_p=0.9))
+    with pytest.raises(ValueError, match="unknown sampling setting 'temprature'"):
+        RunConfig.resolve(sampling={"temprature": 0.7})
+    with pytest.raises(ValueError, match="'learning_rate' is not a sampling setting"):
+        RunConfig.resolve(sampling={"learning_rate": 0.1})
+    # one source of defaults: the algorithm's update fields and the config's agree, overrides win
+    cfg = RunConfig.resolve(LightningRL(learning_rate=3e-4), sampling={"temperature": 0.7})
+    assert (cfg.learning_rate, cfg.temperature, cfg.clip_eps) == (3e-4, 0.7, LightningRL().clip_eps)
+    base = RunConfig(temperature=0.5, lora_r=4)
+    cfg = RunConfig.resolve(LightningRL(), base=base, update={"kl_coef": 0.1})
+    assert (cfg.temperature, cfg.lora_r, cfg.kl_coef) == (0.5, 4, 0.1)

@@ -29,6 +29,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from agl.config import UpdateSettings, check_number
+
 if TYPE_CHECKING:
     from agl.types import Transition
 
@@ -54,11 +56,12 @@ AdvantageLevel = Literal["rollout", "transition"]
 
 
 @dataclass
-class LightningRL:
+class LightningRL(UpdateSettings):
     """The LightningRL configuration: credit assignment, advantages and the policy-update settings.
 
     Only ``credit``, ``gamma``, ``advantage_level``, ``normalize_std`` and ``group_size`` are used
-    here; the rest configure the token-level PPO-clip update in :mod:`agl.algorithms.update`.
+    here; the update fields (and their defaults) come from :class:`agl.config.UpdateSettings` and
+    configure the token-level PPO-clip update in :mod:`agl.algorithms.update`.
     """
 
     credit: Credit = "identical"
@@ -66,16 +69,6 @@ class LightningRL:
     advantage_level: AdvantageLevel = "rollout"
     normalize_std: bool = True
     group_size: int = 4
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None
-    kl_coef: float = 0.0
-    learning_rate: float = 1e-5
-    lora: bool = True
-    lora_r: int = 16
-    lora_alpha: int = 32
-    micro_batch_tokens: int = 4096
-    epochs_per_step: int = 1
-    max_grad_norm: float = 1.0
 
     def __post_init__(self) -> None:
         if self.credit not in ("identical", "discounted"):
@@ -84,20 +77,13 @@ class LightningRL:
             raise ValueError(
                 f"LightningRL.advantage_level must be 'rollout' or 'transition', got {self.advantage_level!r}"
             )
-        _number(self, "gamma", lo=0.0, hi=1.0)
-        _number(self, "clip_eps", lo=0.0, lo_open=True)
-        if self.clip_eps_high is not None:
-            _number(self, "clip_eps_high", lo=0.0, lo_open=True)
-        _number(self, "kl_coef", lo=0.0)
-        _number(self, "learning_rate", lo=0.0, lo_open=True)
-        _number(self, "max_grad_norm", lo=0.0, lo_open=True)
-        for name in ("group_size", "lora_r", "lora_alpha", "micro_batch_tokens", "epochs_per_step"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LightningRL.{name} must be an integer >= 1, got {value!r}")
-        for name in ("normalize_std", "lora"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"LightningRL.{name} must be True or False, got {getattr(self, name)!r}")
+        check_number("LightningRL", "gamma", self.gamma, lo=0.0, hi=1.0)
+        value = self.group_size
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"LightningRL.group_size must be an integer >= 1, got {value!r}")
+        if not isinstance(self.normalize_std, bool):
+            raise ValueError(f"LightningRL.normalize_std must be True or False, got {self.normalize_std!r}")
+        self._validate_update("LightningRL")
 
     # Convenience: the same pure functions, bound to this configuration.
     def assign_credit(
@@ -112,18 +98,6 @@ class LightningRL:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-def _number(
-    cfg: LightningRL, name: str, *, lo: float, hi: float | None = None, lo_open: bool = False
-) -> None:
-    value = getattr(cfg, name)
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if ok:
-        ok = (value > lo if lo_open else value >= lo) and (hi is None or value <= hi)
-    if not ok:
-        bound = f"{'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi is not None else "")
-        raise ValueError(f"LightningRL.{name} must be a finite number {bound}, got {value!r}")
 
 
 # ------------------------------------------------------------------------------------ credit

@@ -47,6 +47,8 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import pad, use_adapter
 
+from agl.config import RunConfig
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -55,23 +57,6 @@ if TYPE_CHECKING:
 __all__ = ["MicroBatch", "PolicyUpdate", "pack_micro_batches"]
 
 log = logging.getLogger(__name__)
-
-_DEFAULTS: dict[str, Any] = {
-    "clip_eps": 0.2,
-    "clip_eps_high": None,
-    "kl_coef": 0.0,
-    "learning_rate": 1e-5,
-    "lora": True,
-    "lora_r": 16,
-    "lora_alpha": 32,
-    "micro_batch_tokens": 4096,
-    "epochs_per_step": 1,
-    "max_grad_norm": 1.0,
-}
-
-
-def _cfg(cfg: Any, name: str) -> Any:
-    return getattr(cfg, name, _DEFAULTS[name]) if cfg is not None else _DEFAULTS[name]
 
 
 @dataclass
@@ -124,8 +109,86 @@ def pack_micro_batches(
     return out
 
 
+#: response positions scored per chunk: bounds the (chunk x vocab) logits that exist at once
+SCORE_CHUNK_TOKENS = 512
+
+
+def _score_chunk(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each target and the (detached) entropy, for one chunk of positions."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+    logz = torch.logsumexp(logits, dim=-1)
+    logps = logits.gather(-1, targets[:, None])[:, 0] - logz
+    with torch.no_grad():
+        probs = torch.softmax(logits, dim=-1)
+        entropy = logz - (probs * logits).sum(-1)
+    return logps, entropy
+
+
+def chunked_token_logps(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: torch.nn.Module,
+    temperature: float,
+    *,
+    chunk: int = SCORE_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs (and entropies) of ``targets`` given the final hidden states, at
+    ``temperature``, without a batch x length x vocab tensor held for backward.
+
+    Positions are scored ``chunk`` at a time; under autograd each chunk runs in
+    ``torch.utils.checkpoint``, so only its hidden states are kept and its logits are recomputed during
+    the backward pass (the same trade TRL's and Liger's fused heads make). Shapes: ``hidden`` (B, R, H),
+    ``targets`` (B, R) -> two (B, R) tensors.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    b, r, h = hidden.shape
+    flat_h, flat_t = hidden.reshape(b * r, h), targets.reshape(b * r)
+    weight, bias = head.weight, getattr(head, "bias", None)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    logps, ents = [], []
+    for start in range(0, b * r, chunk):
+        args = (flat_h[start : start + chunk], flat_t[start : start + chunk], weight, bias, temperature)
+        lp, ent = checkpoint(_score_chunk, *args, use_reentrant=False) if grad else _score_chunk(*args)
+        logps.append(lp)
+        ents.append(ent)
+    return torch.cat(logps).view(b, r), torch.cat(ents).view(b, r)
+
+
+def _backbone_and_head(model: Any) -> tuple[Any, Any] | None:
+    """The decoder stack and LM head of a (peft-wrapped) causal LM whose logits are a plain projection
+    of the last hidden state; None for models that scale or soft-cap their logits."""
+    base = model.get_base_model() if _is_peft(model) else model
+    cfg = getattr(base, "config", None)
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    for attr in (
+        "final_logit_softcapping",
+        "logit_scale",
+        "output_multiplier",
+        "lm_head_multiplier",
+        "logits_scaling",
+    ):
+        if getattr(text, attr, None) not in (None, 1, 1.0):
+            return None
+    get_decoder = getattr(base, "get_decoder", None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    decoder = get_decoder() if callable(get_decoder) else None
+    if decoder is None or head is None or not isinstance(head, torch.nn.Linear):
+        return None
+    return decoder, head
+
+
 class _TransitionGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` fed with precomputed transitions: generation and rewards are never used."""
+
+    #: the policy's per-token log-probs of the last scored batch (detached), for the on-policy check
+    last_logps: torch.Tensor | None = None
 
     def _get_per_token_logps_and_entropies(  # type: ignore[override]
         self,
@@ -140,8 +203,8 @@ class _TransitionGRPOTrainer(GRPOTrainer):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """TRL's fused LM head scores only response positions where Triton runs (CUDA/XPU); elsewhere
         it scores every position, prompt included — several times the work for agent transitions,
-        whose prompts are long and responses short. There, project only the response positions through
-        the LM head (``logits_to_keep``) and use TRL's ``selective_log_softmax_and_entropy``."""
+        whose prompts are long and responses short. There, run the decoder, then score only the
+        response positions, in checkpointed chunks (:func:`chunked_token_logps`)."""
         try:
             from trl.kernels.chunked_logprob import _use_triton
         except ImportError:  # pragma: no cover - a TRL that moved it: assume Triton wherever CUDA is
@@ -149,8 +212,13 @@ class _TransitionGRPOTrainer(GRPOTrainer):
             def _use_triton(device: torch.device) -> bool:
                 return device.type in ("cuda", "xpu")
 
-        if _use_triton(input_ids.device) or compute_aux_loss or any(v is not None for v in kwargs.values()):
-            return super()._get_per_token_logps_and_entropies(
+        parts = None
+        if not (
+            _use_triton(input_ids.device) or compute_aux_loss or any(v is not None for v in kwargs.values())
+        ):
+            parts = _backbone_and_head(self.accelerator.unwrap_model(model))
+        if parts is None:
+            logps, entropies, aux = super()._get_per_token_logps_and_entropies(
                 model,
                 input_ids,
                 attention_mask,
@@ -160,23 +228,16 @@ class _TransitionGRPOTrainer(GRPOTrainer):
                 compute_aux_loss=compute_aux_loss,
                 **kwargs,
             )
-        from trl.trainer.utils import selective_log_softmax_and_entropy
-
-        with self.accelerator.autocast():
-            out = model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                logits_to_keep=logits_to_keep + 1,
-                use_cache=False,
+        else:
+            decoder, head = parts
+            with self.accelerator.autocast():
+                hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)[0]
+            logps, ent = chunked_token_logps(
+                hidden[:, -logits_to_keep - 1 : -1, :], input_ids[:, -logits_to_keep:], head, self.temperature
             )
-        logits = out.logits[:, :-1, :]
-        logps, entropies = selective_log_softmax_and_entropy(
-            logits.float(),
-            input_ids[:, -logits_to_keep:],
-            entropy_requires_grad=False,
-            temperature=self.temperature,
-        )
-        return logps, (entropies if compute_entropy else None), None
+            entropies, aux = (ent if compute_entropy else None), None
+        self.last_logps = logps.detach()
+        return logps, entropies, aux
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:  # pragma: no cover - guard
         raise RuntimeError("agl's policy update gets transitions from the store; it never generates")
@@ -193,8 +254,11 @@ def _is_peft(model: Any) -> bool:
 class PolicyUpdate:
     """Token-level PPO-clip updates of a causal LM from LightningRL transitions.
 
-    ``model`` is a loaded ``PreTrainedModel`` or a local path; ``cfg`` is a ``LightningRL`` (any object
-    with its fields). Call ``step(transitions, advantages)`` once per training step.
+    ``model`` is a loaded ``PreTrainedModel`` or a local path; ``cfg`` is a :class:`agl.RunConfig` (or a
+    ``LightningRL``, whose update fields are used with the RunConfig's sampling defaults). The ratio's
+    logits are divided by ``cfg.temperature``: the temperature the gateway sampled at, so the ratio is
+    one of the policy that acted. ``temperature``/``gradient_checkpointing``/``mixed_precision``
+    override the config's. Call ``step(transitions, advantages)`` once per training step.
     """
 
     def __init__(
@@ -204,7 +268,7 @@ class PolicyUpdate:
         cfg: Any = None,
         *,
         output_dir: str | os.PathLike[str] = "agl-run",
-        temperature: float = 1.0,
+        temperature: float | None = None,
         gradient_checkpointing: bool | None = None,
         mixed_precision: str | None = None,
         seed: int = 0,
@@ -213,9 +277,21 @@ class PolicyUpdate:
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if temperature <= 0 or not math.isfinite(temperature):
-            raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
-        self.cfg = cfg
+        overrides: dict[str, Any] = {}
+        if temperature is not None:
+            overrides["temperature"] = temperature
+        if gradient_checkpointing is not None:
+            overrides["gradient_checkpointing"] = gradient_checkpointing
+        if mixed_precision is not None:
+            overrides["mixed_precision"] = mixed_precision
+        base = cfg if isinstance(cfg, RunConfig) else None
+        self.config = RunConfig.resolve(None if base is not None else cfg, base=base, update=overrides)
+        self.cfg = self.config
+        config = self.config
+        config.check_trainable()
+        temperature = config.temperature
+        gradient_checkpointing = config.gradient_checkpointing
+        mixed_precision = config.mixed_precision
         use_cuda = torch.cuda.is_available()
         if isinstance(model, (str, os.PathLike)):
             model = AutoModelForCausalLM.from_pretrained(str(model))
@@ -223,14 +299,12 @@ class PolicyUpdate:
             tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
         if mixed_precision is None:
             mixed_precision = "bf16" if use_cuda and torch.cuda.is_bf16_supported() else "no"
-        if mixed_precision not in ("no", "bf16", "fp16"):
-            raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {mixed_precision!r}")
         if gradient_checkpointing is None:
             # Recomputing activations trades compute for memory: worth it on a GPU, a loss on a CPU.
             gradient_checkpointing = use_cuda
-        self.kl_coef = float(_cfg(cfg, "kl_coef"))
-        eps = float(_cfg(cfg, "clip_eps"))
-        eps_high = _cfg(cfg, "clip_eps_high")
+        self.kl_coef = float(config.kl_coef)
+        eps = float(config.clip_eps)
+        eps_high = config.clip_eps_high
         # TRL 1.16 still spells transformers 5's `activation_checkpointing` the deprecated way (a warning
         # on every config and forward); not actionable for agl's users.
         warnings.filterwarnings(
@@ -239,10 +313,10 @@ class PolicyUpdate:
         args = GRPOConfig(
             output_dir=str(output_dir),
             report_to=[],
-            learning_rate=float(_cfg(cfg, "learning_rate")),
+            learning_rate=float(config.learning_rate),
             lr_scheduler_type=lr_scheduler_type,
             warmup_steps=0,
-            max_grad_norm=float(_cfg(cfg, "max_grad_norm")),
+            max_grad_norm=float(config.max_grad_norm),
             beta=self.kl_coef,
             epsilon=eps,
             epsilon_high=float(eps_high) if eps_high is not None else eps,
@@ -265,12 +339,12 @@ class PolicyUpdate:
             disable_tqdm=True,
         )
         peft_config = None
-        if bool(_cfg(cfg, "lora")) and not _is_peft(model):
+        if bool(config.lora) and not _is_peft(model):
             from peft import LoraConfig
 
             peft_config = LoraConfig(
-                r=int(_cfg(cfg, "lora_r")),
-                lora_alpha=int(_cfg(cfg, "lora_alpha")),
+                r=int(config.lora_r),
+                lora_alpha=int(config.lora_alpha),
                 lora_dropout=0.0,
                 target_modules=lora_target_modules,
                 task_type="CAUSAL_LM",
@@ -374,7 +448,9 @@ class PolicyUpdate:
         """One LightningRL update: ``epochs_per_step`` optimizer steps over the given transitions.
 
         Returns metrics: loss, kl, clip_fraction, entropy, grad_norm, tokens_per_s, transitions, tokens,
-        micro_batches, skipped (zero-advantage transitions left out).
+        micro_batches, skipped (zero-advantage transitions left out) and, when the transitions carry
+        the engine's log-probs, ``behaviour_ratio_dev``: max |ratio - 1| before the first optimizer
+        step (~0 when the run is on-policy; see :func:`_ratio_deviation`).
         """
         if len(transitions) != len(advantages):
             raise ValueError(f"{len(transitions)} transitions but {len(advantages)} advantages")
@@ -391,7 +467,7 @@ class PolicyUpdate:
         skipped = len(transitions) - len(keep)
         if acc.num_processes > 1:
             keep = keep[acc.process_index :: acc.num_processes]
-        mbs = pack_micro_batches(transitions, int(_cfg(self.cfg, "micro_batch_tokens")), indices=keep)
+        mbs = pack_micro_batches(transitions, int(self.config.micro_batch_tokens), indices=keep)
         n_resp_local = sum(len(transitions[i].response_ids) for i in keep)
         n_tok_local = n_resp_local + sum(len(transitions[i].prompt_ids) for i in keep)
         counts = torch.tensor([float(n_resp_local), float(n_tok_local), float(len(mbs))], device=self.device)
@@ -418,10 +494,11 @@ class PolicyUpdate:
             }
 
         model = self._wrapped
-        epochs = max(1, int(_cfg(self.cfg, "epochs_per_step")))
+        epochs = max(1, int(self.config.epochs_per_step))
         tr._metrics["train"].clear()
         losses: list[float] = []
         grad_norms: list[float] = []
+        ratio_dev: float | None = None
         t0 = time.perf_counter()
         for _epoch in range(epochs):
             order = list(range(len(mbs)))
@@ -450,6 +527,9 @@ class PolicyUpdate:
                     acc.backward(loss)
                 if not dummy:
                     epoch_loss += float(loss.detach().item())
+                    if _epoch == 0 and mb is not None and mb.has_logprobs:
+                        dev = _ratio_deviation(tr.last_logps, inputs)
+                        ratio_dev = dev if ratio_dev is None else max(ratio_dev, dev)
             norm = acc.clip_grad_norm_(model.parameters(), tr.args.max_grad_norm)
             grad_norms.append(float(norm.item()) if torch.is_tensor(norm) else float(norm or 0.0))
             tr.optimizer.step()
@@ -475,6 +555,8 @@ class PolicyUpdate:
             update_s=elapsed,
             learning_rate=float(tr.lr_scheduler.get_last_lr()[0]),
         )
+        if ratio_dev is not None:
+            metrics["behaviour_ratio_dev"] = ratio_dev
         m.clear()
         return metrics
 
@@ -484,7 +566,7 @@ class PolicyUpdate:
         """Per-token log-probs of each transition's response under the current policy (at the update's
         temperature): what the tests use to check that rewarded responses became more likely."""
         out: list[list[float]] = [[] for _ in transitions]
-        mbs = pack_micro_batches(transitions, int(_cfg(self.cfg, "micro_batch_tokens")))
+        mbs = pack_micro_batches(transitions, int(self.config.micro_batch_tokens))
         was_training = self._wrapped.training
         self._wrapped.eval()
         try:
@@ -533,6 +615,19 @@ class PolicyUpdate:
         self.trainer.accelerator.wait_for_everyone()
         return path
 
+    def save_weights(self, path: str | os.PathLike[str]) -> str:
+        """Save the full weights (LoRA deltas merged) as ``model.safetensors`` in ``path``: the
+        full-fine-tuning push to an engine in another process (``Backend.load_weights``)."""
+        from safetensors.torch import save_file
+
+        path = str(path)
+        os.makedirs(path, exist_ok=True)
+        if self.trainer.accelerator.is_main_process:
+            state = {k: v.contiguous() for k, v in self.merged_state_dict().items()}
+            save_file(state, os.path.join(path, "model.safetensors"))
+        self.trainer.accelerator.wait_for_everyone()
+        return path
+
     # ---------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> str:
         """Save adapter/weights, optimizer, scheduler, RNG and trainer state (TRL/transformers format)
@@ -567,6 +662,18 @@ class PolicyUpdate:
             self.global_step = int(json.load(f)["global_step"])
         tr.state.global_step = self.global_step
         return self.global_step
+
+
+def _ratio_deviation(logps: torch.Tensor | None, inputs: dict[str, Any]) -> float:
+    """max |pi/mu - 1| over a micro-batch's response tokens, before any optimizer step of the update:
+    0 up to float error when the recorded behaviour log-probs are the current policy's at the update's
+    temperature. A large value means the run learns off-policy (e.g. the agent sampled at another
+    temperature than the run's)."""
+    if logps is None:
+        return float("nan")
+    mask = inputs["completion_mask"].bool()
+    ratio = torch.exp(logps.float() - inputs["old_per_token_logps"].float())
+    return float((ratio - 1.0).abs().masked_select(mask).max().item()) if mask.any() else 0.0
 
 
 def _no_reward(**kwargs: Any) -> list[float]:  # pragma: no cover - GRPOTrainer requires a reward source

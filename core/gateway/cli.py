@@ -15,7 +15,13 @@ log = logging.getLogger("agl.gateway")
 
 def register_cli(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="gateway_command", metavar="SUBCOMMAND")
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible gateway")
+    p = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible gateway",
+        description="Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/responses, "
+        "/v1/models) in front of one backend, recording every call as a span with its exact token ids. "
+        "Agents reach it per rollout at /rollouts/{rollout_id}/attempts/{n}/v1.",
+    )
     p.add_argument(
         "--backend",
         choices=["transformers", "scripted", "vllm", "openai"],
@@ -38,18 +44,25 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--store", help="store URL for the spans (sqlite:///agl.db, http://127.0.0.1:4747, memory://)"
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8765, help="port (default: 8765; 0 picks a free one)")
     p.add_argument("--api-key", help="require this bearer token from clients")
     p.add_argument("--max-batch-size", type=int, default=8, help="transformers: requests generated together")
     p.add_argument("--threads", type=int, help="transformers: torch CPU threads (default: torch's choice)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="server log level; debug also logs every request (default: info)",
+    )
     p.set_defaults(func=_serve)
+    parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
 
 def build_backend(args: Any) -> Any:
     """The backend the command-line arguments describe (also used by the trainer's embedded default)."""
     if args.backend == "transformers":
+        _require_torch()
         from agl.gateway.backends.transformers import TransformersBackend
 
         return TransformersBackend(
@@ -83,14 +96,31 @@ def build_backend(args: Any) -> Any:
     )
 
 
+def _require_torch() -> None:
+    """The embedded backend needs the training extras; say so in one line before announcing anything."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(
+            f"the transformers backend needs {' and '.join(missing)}: pip install 'agl[train]' (on CPU with "
+            "torch==2.13.0), or serve another backend: --backend scripted|vllm|openai"
+        )
+
+
 def _serve(args: Any) -> int:
     if getattr(args, "gateway_command", None) != "serve":
         print("usage: agl gateway serve [--backend ...] (see agl gateway serve --help)")
         return 2
     import uvicorn
 
+    from agl.cli import check_port_free
     from agl.gateway.app import create_app
 
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be 0-65535, got {args.port}")
+    check_port_free(args.host, args.port)
+    backend = build_backend(args)
     store = None
     if args.store:
         import agl.store
@@ -98,7 +128,6 @@ def _serve(args: Any) -> int:
         store = agl.store.open(args.store)
     else:
         print("agl gateway: no --store given: calls are served but no spans are recorded")
-    backend = build_backend(args)
     app = create_app(backend, store, api_key=args.api_key)
     print(f"agl gateway: {args.backend} backend on http://{args.host}:{args.port}/v1", flush=True)
     print(

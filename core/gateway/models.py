@@ -87,7 +87,7 @@ def prepare_default_model(*, force: bool = False, progress: bool = True) -> Path
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.config.torch_dtype = None
+        model.config.dtype = None
         bar.update()
         bar.set_postfix_str(steps[1])
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

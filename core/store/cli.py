@@ -89,6 +89,9 @@ def _serve(args: argparse.Namespace) -> int:
         )
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0-65535, got {args.port}")
+    from agl.cli import check_port_free
+
+    check_port_free(args.host, args.port)
     max_body = args.max_body_bytes if args.max_body_bytes is not None else DEFAULT_MAX_BODY_BYTES
     if max_body <= 0:
         raise ValueError(f"--max-body-bytes must be positive, got {max_body}")

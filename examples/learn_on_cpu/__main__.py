@@ -47,7 +47,7 @@ def _trainer(args: argparse.Namespace, seed: int, run_dir: Path) -> Any:
         steps=args.steps,
         val_every=args.val_every,
         seed=seed,
-        store="memory://",
+        store=f"sqlite:///{(run_dir / 'store.db').resolve()}",  # inspectable after the run
     )
 
 
@@ -57,6 +57,44 @@ def _setup(args: argparse.Namespace) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
+
+
+def _fresh_run_dir(args: argparse.Namespace) -> Path:
+    """The run directory: a new timestamped one by default, so a rerun never overwrites (or mixes its
+    TensorBoard events with) an earlier run; an existing non-empty ``--run-dir`` needs ``--overwrite``."""
+    if args.run_dir is None:
+        root = Path("runs") / args.default_name
+        path = root / time.strftime("%Y%m%d-%H%M%S")
+        n = 1
+        while path.exists():
+            path = root / f"{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+            n += 1
+        return path
+    path = Path(args.run_dir)
+    if path.exists() and any(path.iterdir()):
+        if not args.overwrite:
+            raise SystemExit(
+                f"{path} already holds a run; pass --overwrite to replace it, or leave out --run-dir "
+                "for a fresh timestamped directory"
+            )
+        import shutil
+
+        shutil.rmtree(path)
+    return path
+
+
+def _print_inspect(run_dir: Path) -> None:
+    """How to look at what the run stored (every rollout, attempt and span is in its SQLite store)."""
+    store = f"sqlite:///{run_dir / 'store.db'}"
+    print(
+        "\ninspect this run:\n"
+        f"  agl rollouts list --store {store}\n"
+        f"  agl rollouts show ROLLOUT_ID --store {store}\n"
+        f"  agl spans ROLLOUT_ID --store {store}\n"
+        f"  agl transitions ROLLOUT_ID --store {store}\n"
+        f"  agl dashboard --store {store} --run-dir {run_dir}\n"
+        f"  agl plot {run_dir}"
+    )
 
 
 def _train_one(args: argparse.Namespace, seed: int, run_dir: Path) -> dict[str, Any]:
@@ -76,11 +114,13 @@ def _train_one(args: argparse.Namespace, seed: int, run_dir: Path) -> dict[str, 
 
 def cmd_train(args: argparse.Namespace) -> int:
     _setup(args)
-    out = _train_one(args, args.seed, Path(args.run_dir))
+    run_dir = _fresh_run_dir(args)
+    out = _train_one(args, args.seed, run_dir)
     print(
         f"held-out reward {out['val_reward_before']:.3f} -> {out['val_reward_after']:.3f} "
-        f"in {out['steps']} steps, {out['wall_s'] / 60:.1f} min; curve: {Path(args.run_dir) / 'reward_curve.png'}"
+        f"in {out['steps']} steps, {out['wall_s'] / 60:.1f} min; curve: {run_dir / 'reward_curve.png'}"
     )
+    _print_inspect(run_dir)
     return 0
 
 
@@ -88,7 +128,7 @@ def cmd_seeds(args: argparse.Namespace) -> int:
     from agl.plot import plot_runs
 
     _setup(args)
-    root = Path(args.run_dir)
+    root = _fresh_run_dir(args)
     results = [_train_one(args, seed, root / f"seed{seed}") for seed in args.seeds]
     print("\n| seed | held-out reward before | after | change | minutes |")
     print("|---:|---:|---:|---:|---:|")
@@ -109,6 +149,8 @@ def cmd_seeds(args: argparse.Namespace) -> int:
         title="learn_on_cpu: SmolLM2-135M + LoRA",
     )
     print(f"curves: {png}")
+    for seed in args.seeds:
+        _print_inspect(root / f"seed{seed}")
     (root / "seeds.json").write_text(
         json.dumps([{k: v for k, v in r.items() if k != "history"} for r in results], indent=2)
     )
@@ -122,16 +164,18 @@ def cmd_dev(args: argparse.Namespace) -> int:
 
     _setup(args)
     _, val = split(n_val=args.n)
+    run_dir = _fresh_run_dir(args)
     trainer = agl.Trainer(
         backend="transformers",
         model=args.model,
         runners=args.runners,
-        run_dir=args.run_dir,
+        run_dir=run_dir,
         agents=["calculator_agent"],
         sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
-        store="memory://",
+        store=f"sqlite:///{(run_dir / 'store.db').resolve()}",
     )
     trainer.dev(calc_agent, val[: args.n], base_url=args.base_url, model=args.model_name)
+    _print_inspect(run_dir)
     return 0
 
 
@@ -146,29 +190,50 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument(
             "--runners", type=int, default=8, help="rollouts run at once (the gateway batches them)"
         )
-        sp.add_argument("--temperature", type=float, default=1.0)
-        sp.add_argument("--max-tokens", type=int, default=16)
+        sp.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
+        sp.add_argument("--max-tokens", type=int, default=16, help="longest reply in tokens (default: 16)")
         sp.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+        sp.add_argument(
+            "--run-dir",
+            default=None,
+            help="where metrics, checkpoints and the SQLite store go (default: a new "
+            "runs/<name>/<timestamp> directory per run)",
+        )
+        sp.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --run-dir")
 
+    helps = {
+        "train": "one LightningRL run: held-out reward before, during and after",
+        "seeds": "the same run for several seeds, then the before/after table and one PNG of all curves",
+        "dev": "a few rollouts without training: print their transitions and rewards",
+    }
     for name in ("train", "seeds"):
-        sp = sub.add_parser(name)
+        sp = sub.add_parser(name, help=helps[name], description=helps[name])
         common(sp)
-        sp.add_argument("--run-dir", default=f"runs/learn_on_cpu{'_seeds' if name == 'seeds' else ''}")
-        sp.add_argument("--steps", type=int, default=8)
-        sp.add_argument("--tasks-per-step", type=int, default=4)
-        sp.add_argument("--group-size", type=int, default=4)
-        sp.add_argument("--lr", type=float, default=1e-3)
-        sp.add_argument("--lora-r", type=int, default=16)
-        sp.add_argument("--micro-batch-tokens", type=int, default=2048)
-        sp.add_argument("--val-size", type=int, default=24)
-        sp.add_argument("--val-every", type=int, default=2)
+        sp.set_defaults(default_name="learn_on_cpu" if name == "train" else "learn_on_cpu_seeds")
+        sp.add_argument("--steps", type=int, default=8, help="LightningRL steps (default: 8)")
+        sp.add_argument("--tasks-per-step", type=int, default=4, help="tasks per step (default: 4)")
+        sp.add_argument(
+            "--group-size", type=int, default=4, help="rollouts per task, the GRPO group (default: 4)"
+        )
+        sp.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
+        sp.add_argument("--lora-r", type=int, default=16, help="LoRA rank; alpha is 2r (default: 16)")
+        sp.add_argument(
+            "--micro-batch-tokens",
+            type=int,
+            default=2048,
+            help="tokens per update micro-batch: lower it to use less memory (default: 2048)",
+        )
+        sp.add_argument("--val-size", type=int, default=24, help="held-out questions (default: 24)")
+        sp.add_argument(
+            "--val-every", type=int, default=2, help="measure held-out reward every N steps (default: 2)"
+        )
         if name == "train":
-            sp.add_argument("--seed", type=int, default=0)
+            sp.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
         else:
-            sp.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    sp = sub.add_parser("dev")
+            sp.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds (default: 0 1)")
+    sp = sub.add_parser("dev", help=helps["dev"], description=helps["dev"])
     common(sp)
-    sp.add_argument("--run-dir", default="runs/learn_on_cpu_dev")
+    sp.set_defaults(default_name="learn_on_cpu_dev")
     sp.add_argument("-n", type=int, default=4, help="tasks to run")
     sp.add_argument(
         "--base-url", default=None, help="any OpenAI-compatible endpoint instead of the embedded model"

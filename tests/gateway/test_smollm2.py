@@ -63,9 +63,14 @@ def test_models_prepare_then_serve_smollm2(
         resp = client.chat.completions.create(
             model="SmolLM2-135M-Instruct", messages=messages, max_tokens=6, temperature=0
         )
+        # sampled at 0.7 and streamed: the recorded logprobs are those of the distribution sampled from
+        stream = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8, temperature=0.7, stream=True
+        )
+        list(stream)
     text = resp.choices[0].message.content or ""
     assert text.strip()
-    (span,) = server_spans(store, rollout[0])
+    span, sampled = server_spans(store, rollout[0])
     tok = load_default_tokenizer()
     prompt = span.attributes[sc.AGL_LLM_PROMPT_TOKEN_IDS]
     response = span.attributes[sc.AGL_LLM_RESPONSE_TOKEN_IDS]
@@ -79,4 +84,12 @@ def test_models_prepare_then_serve_smollm2(
         logp = backend.model(torch.tensor([prompt + response])).logits[0].float().log_softmax(-1)
     recomputed = [logp[len(prompt) - 1 + k, t].item() for k, t in enumerate(response)]
     assert logprobs == pytest.approx(recomputed, abs=1e-3)
+    prompt, response = (
+        sampled.attributes[sc.AGL_LLM_PROMPT_TOKEN_IDS],
+        sampled.attributes[sc.AGL_LLM_RESPONSE_TOKEN_IDS],
+    )
+    with torch.no_grad():
+        logp = (backend.model(torch.tensor([prompt + response])).logits[0].float() / 0.7).log_softmax(-1)
+    recomputed = [logp[len(prompt) - 1 + k, t].item() for k, t in enumerate(response)]
+    assert sampled.attributes[sc.AGL_LLM_RESPONSE_LOGPROBS] == pytest.approx(recomputed, abs=1e-3)
     backend._executor.shutdown(wait=False)

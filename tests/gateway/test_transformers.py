@@ -58,10 +58,12 @@ def backend(model: Any) -> Iterator[TransformersBackend]:
     be._executor.shutdown(wait=False)
 
 
-def recompute_logprobs(model: Any, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+def recompute_logprobs(
+    model: Any, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0
+) -> list[float]:
     ids = torch.tensor([prompt_ids + response_ids])
     with torch.no_grad():
-        logp = model(ids).logits[0].float().log_softmax(-1)
+        logp = (model(ids).logits[0].float() / temperature).log_softmax(-1)
     p = len(prompt_ids)
     return [logp[p - 1 + k, t].item() for k, t in enumerate(response_ids)]
 
@@ -80,7 +82,11 @@ def greedy(model: Any, prompt_ids: list[int], n: int) -> list[int]:
 
 
 def check_span(
-    model: Any, span: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    model: Any,
+    span: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    temperature: float = 1.0,
 ) -> None:
     a = span.attributes
     prompt, response, logprobs = (
@@ -91,7 +97,7 @@ def check_span(
     assert prompt == TOK.encode(TOK.render(messages, tools))
     assert len(response) == len(logprobs) > 0
     assert all(math.isfinite(x) and x <= 0 for x in logprobs)
-    assert logprobs == pytest.approx(recompute_logprobs(model, prompt, response), abs=1e-4)
+    assert logprobs == pytest.approx(recompute_logprobs(model, prompt, response, temperature), abs=1e-4)
     assert a[sc.AGL_LLM_BACKEND] == "transformers" and a[sc.AGL_LLM_EXACT] is True
 
 
@@ -132,6 +138,80 @@ async def test_concurrent_sampled_requests_are_batched_and_exact(
     for r, m in zip(rollouts, convs, strict=True):
         (span,) = server_spans(store, r[0])
         check_span(model, span, m)  # left-padded batch rows still give the model's own logprobs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_recorded_logprobs_are_the_sampled_distributions(
+    store: Any, backend: Any, model: Any, stream: bool
+) -> None:
+    """The behaviour policy is recorded exactly: at temperature 0.7 the logprobs equal
+    log_softmax(logits / 0.7) of the sampled tokens, streamed or not; with the request leaving the
+    temperature out, the backend's default temperature applies and is what gets recorded."""
+    backend.default_temperature = 0.5
+    cases = [("t07", {"temperature": 0.7}, 0.7), ("tdefault", {}, 0.5)]
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    with serve_gateway(backend, store) as url:
+        for name, extra, _ in cases:
+            rollout = start_rollout(store, f"ro-{name}-{stream}")
+            client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
+            out = client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=12, stream=stream, **extra
+            )
+            if stream:
+                list(out)
+    for name, _, temperature in cases:
+        (span,) = server_spans(store, f"ro-{name}-{stream}")
+        check_span(model, span, messages, temperature=temperature)
+        # a recomputation at temperature 1 (what agl used to record) does not match
+        a = span.attributes
+        raw = recompute_logprobs(model, a[sc.AGL_LLM_PROMPT_TOKEN_IDS], a[sc.AGL_LLM_RESPONSE_TOKEN_IDS])
+        assert max(abs(x - y) for x, y in zip(raw, a[sc.AGL_LLM_RESPONSE_LOGPROBS], strict=True)) > 1e-3
+
+
+def test_top_p_records_the_truncated_distribution(store: Any, backend: Any, model: Any) -> None:
+    """With top_p < 1 the token is drawn from the renormalised nucleus; its recorded logprob is that
+    distribution's, so it is >= the full distribution's at the same temperature."""
+    rollout = start_rollout(store, "ro-topp")
+    messages = [{"role": "user", "content": "Count."}]
+    with serve_gateway(backend, store) as url:
+        client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, temperature=1.0, top_p=0.3
+        )
+    (span,) = server_spans(store, rollout[0])
+    a = span.attributes
+    prompt, response = a[sc.AGL_LLM_PROMPT_TOKEN_IDS], a[sc.AGL_LLM_RESPONSE_TOKEN_IDS]
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logp = model(ids).logits[0].float().log_softmax(-1)
+    for k, (tok, recorded) in enumerate(zip(response, a[sc.AGL_LLM_RESPONSE_LOGPROBS], strict=True)):
+        row = logp[len(prompt) - 1 + k]
+        sorted_lp, order = row.sort(descending=True)
+        mass_before = sorted_lp.exp().cumsum(0) - sorted_lp.exp()
+        nucleus = order[mass_before < 0.3]
+        assert tok in nucleus.tolist()
+        expected = row[tok] - torch.logsumexp(row[nucleus], 0)
+        assert recorded == pytest.approx(expected.item(), abs=1e-4)
+
+
+def test_seeded_request_is_reproducible_and_leaves_the_global_rng_alone(store: Any, backend: Any) -> None:
+    messages = [{"role": "user", "content": "Pick a word."}]
+    torch.manual_seed(1234)
+    before = torch.random.get_rng_state().clone()
+    with serve_gateway(backend, store) as url:
+        client = openai.OpenAI(base_url=url.root + "/v1", api_key="x")
+        replies = [
+            client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=10, temperature=1.0, seed=seed
+            )
+            .choices[0]
+            .message.content
+            for seed in (7, 7, 8)
+        ]
+        # unseeded requests draw from the backend's own generator, not the process-wide one either
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=1.0)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert replies[0] == replies[1]
 
 
 def test_streaming_and_tool_results_render_through_the_template(

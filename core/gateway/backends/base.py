@@ -182,6 +182,47 @@ class Backend(abc.ABC):
         if model not in available:
             raise UnknownModelError(model, available)
 
+    async def push(self, policy: Any, *, version: int | None = None, staging_dir: Any = None) -> int:
+        """Serve the trainer's current ``policy`` as weight ``version`` from the next request on.
+
+        The weight-sync contract between a trainer and the engine that serves its rollouts. ``policy``
+        is a :class:`~agl.algorithms.update.PolicyUpdate` (``.model``, ``.is_lora``,
+        ``save_adapter(dir)``, ``save_weights(dir)``); ``staging_dir`` is a directory the engine can
+        read where files may be written. This default suits engines that load files: a LoRA policy is
+        saved as a peft adapter and loaded with :meth:`load_adapter` (vLLM's runtime LoRA loading), a
+        fully fine-tuned one is saved as safetensors and loaded with :meth:`load_weights`. In-process
+        engines override it to share tensors instead (:class:`TransformersBackend`).
+        """
+        import os
+
+        if not self.can_push:
+            raise BackendError(f"the {self.name} backend cannot take new weights")
+        if staging_dir is None:
+            raise BackendError(f"the {self.name} backend loads weights from files: give staging_dir")
+        target = os.path.join(os.fspath(staging_dir), f"v{version if version is not None else 'next'}")
+        overrides = type(self).load_adapter is not Backend.load_adapter
+        if policy.is_lora and overrides:
+            path = os.path.abspath(policy.save_adapter(target))
+            return await self.load_adapter(path, version=version)
+        if policy.is_lora:
+            raise BackendError(f"the {self.name} backend cannot load LoRA adapters")
+        if type(self).load_weights is Backend.load_weights:
+            raise BackendError(
+                f"the {self.name} backend takes new weights only as LoRA adapters: train with lora=True"
+            )
+        path = os.path.abspath(policy.save_weights(target))
+        return await self.load_weights(path, version=version)
+
+    @property
+    def can_push(self) -> bool:
+        """Whether this backend can serve new weights at all (a scripted or hosted one cannot)."""
+        cls = type(self)
+        return (
+            cls.push is not Backend.push
+            or cls.load_adapter is not Backend.load_adapter
+            or cls.load_weights is not Backend.load_weights
+        )
+
     async def load_weights(self, source: Any, *, version: int | None = None) -> int:
         """Swap in new full weights (a path or a state dict); returns the new weight version."""
         raise BackendError(f"the {self.name} backend cannot load weights")

@@ -2,9 +2,19 @@
 
 Token ids are the ids the model actually consumed and produced: the prompt ids are the rendered chat
 template encoded once (the same ids fed to ``generate``), the response ids are the generated ids
-(EOS included: the model chose to stop), and the logprobs are ``log_softmax`` of the model's raw
-logits at each generated position (``generate(output_logits=True)``, before temperature/top-p), the
-same quantity a trainer recomputes. Nothing is re-tokenised.
+(EOS included: the model chose to stop). Nothing is re-tokenised.
+
+The logprobs are those of the distribution each token was actually drawn from (the behaviour policy):
+``log_softmax(logits / temperature)`` after any processors the model's generation config adds, and,
+when the request sets ``top_p < 1`` (or a ``top_k``), of the truncated, renormalised distribution. A
+greedy request (``temperature=0``) records ``log_softmax(logits)``. agl samples itself (a final
+:class:`_Sampler` logits processor that draws the token, records its logprob and leaves ``generate``
+only the argmax to take), so this holds by construction, costs no ``batch x steps x vocab`` buffer, and
+draws from the backend's own ``torch.Generator`` — a request's ``seed`` seeds a fresh local generator;
+the process-wide RNG that a trainer in the same process uses is never touched.
+
+Weights: :meth:`TransformersBackend.push` serves a training policy without a second copy of its frozen
+base weights (see its docstring); ``load_weights``/``load_adapter`` take files.
 
 Concurrency: requests wait in a queue; one worker thread runs the model. Waiting requests with the
 same sampling settings are generated together as one left-padded batch (``max_batch_size``), so
@@ -59,7 +69,67 @@ class _Job:
     def batch_key(self) -> tuple[Any, ...]:
         r = self.request
         seeded = r.seed is not None
-        return (r.temperature, r.top_p, seeded, id(self) if seeded else None)
+        return (r.temperature, r.top_p, _top_k(r), seeded, id(self) if seeded else None)
+
+
+def _top_k(request: GenerationRequest) -> int | None:
+    """``top_k`` is not an OpenAI parameter; vLLM-style clients send it as an extra body field."""
+    value = request.raw.get("top_k") if isinstance(request.raw, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    return value
+
+
+class _Sampler:
+    """The last logits processor of a generation: draws each row's next token itself and records the
+    logprob of that token under the distribution it was drawn from.
+
+    ``generate`` runs greedily (``do_sample=False``) over the scores this returns, which are ``-inf``
+    everywhere but the drawn token, so the token ``generate`` appends is the one drawn here. Scores
+    arrive after the model's own processors (e.g. a repetition penalty in its generation config).
+    """
+
+    def __init__(self, temperature: float, top_p: float, top_k: int | None, generator: Any) -> None:
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.generator = generator
+        self.logprobs: list[Any] = []  # one (batch,) tensor per generated position
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        scores = scores.float()
+        if self.temperature <= 0:  # greedy: the model's own distribution, argmax taken
+            logp = torch.log_softmax(scores, dim=-1)
+            token = logp.argmax(dim=-1)
+        else:
+            logp = torch.log_softmax(scores / self.temperature, dim=-1)
+            logp = _truncate(logp, self.top_p, self.top_k)
+            token = torch.multinomial(logp.exp(), 1, generator=self.generator)[:, 0]
+        self.logprobs.append(logp.gather(1, token[:, None])[:, 0])
+        out = torch.full_like(scores, float("-inf"))
+        out.scatter_(1, token[:, None], 0.0)
+        return out
+
+
+def _truncate(logp: Any, top_p: float, top_k: int | None) -> Any:
+    """Restrict log-probs to the top-k and the nucleus ``top_p`` tokens and renormalise them."""
+    import torch
+
+    if top_k is not None and top_k < logp.size(-1):
+        kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]
+        logp = logp.masked_fill(logp < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_lp, order = torch.sort(logp, dim=-1, descending=True)
+        cum = sorted_lp.exp().cumsum(dim=-1)
+        # keep a token when the mass before it is below top_p (the top token always stays)
+        drop_sorted = (cum - sorted_lp.exp()) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logp = logp.masked_fill(drop, float("-inf"))
+    if top_p < 1.0 or top_k is not None:
+        logp = torch.log_softmax(logp, dim=-1)
+    return logp
 
 
 class TransformersBackend(Backend):
@@ -70,6 +140,8 @@ class TransformersBackend(Backend):
     shipped SmolLM2 one for a model object), a Hugging Face fast tokenizer, or a
     :class:`~agl.gateway.tokenizer.ChatTokenizer`. ``model_name`` is what clients put in ``model``.
     ``threads`` sets torch's intra-op threads (fewer than the cores helps on a busy CPU).
+    ``default_temperature``/``default_top_p`` apply to requests that leave them out (the trainer sets
+    them from its :class:`agl.RunConfig`).
     """
 
     name = "transformers"
@@ -87,8 +159,18 @@ class TransformersBackend(Backend):
         default_max_tokens: int = 512,
         max_context: int | None = None,
         threads: int | None = None,
+        default_temperature: float = 1.0,
+        default_top_p: float = 1.0,
     ) -> None:
         super().__init__()
+        if not (default_temperature >= 0 and default_temperature < float("inf")):
+            raise ValueError(f"default_temperature must be a finite number >= 0, got {default_temperature!r}")
+        if not (0 < default_top_p <= 1):
+            raise ValueError(f"default_top_p must be in (0, 1], got {default_top_p!r}")
+        self.default_temperature = float(default_temperature)
+        self.default_top_p = float(default_top_p)
+        self._generator: Any = None
+        self._pushed_from: Any = None
         self.threads = threads
         self._model_arg = model
         self._tokenizer_arg = tokenizer
@@ -110,6 +192,14 @@ class TransformersBackend(Backend):
         self._peft_adapter: str | None = None
         if model is not None and not isinstance(model, (str, Path)):
             self._load_sync()
+
+    @classmethod
+    def for_policy(cls, policy: Any, **kwargs: Any) -> TransformersBackend:
+        """An engine serving a :class:`~agl.algorithms.update.PolicyUpdate` of this process, sharing
+        its frozen weights (see :meth:`push`); ``kwargs`` as for the constructor."""
+        backend = cls(_engine_copy(policy.model), **kwargs)
+        backend._pushed_from = policy.model
+        return backend
 
     # -------------------------------------------------------------------------- loading
     def _load_sync(self) -> None:
@@ -278,7 +368,7 @@ class TransformersBackend(Backend):
 
     def _generate_batch(self, batch: Sequence[_Job]) -> list[GenerationResult]:
         import torch
-        from transformers import StoppingCriteria, StoppingCriteriaList
+        from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
         tok = self.tokenizer
         assert tok is not None
@@ -317,28 +407,27 @@ class TransformersBackend(Backend):
                         done[row] = True
                 return done
 
-        sample = req.temperature is None or req.temperature > 0
-        kwargs: dict[str, Any] = {}
-        if sample:
-            kwargs.update(do_sample=True, temperature=req.temperature or 1.0, top_p=req.top_p or 1.0, top_k=0)
-        else:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        if req.seed is not None:
-            torch.manual_seed(req.seed)
+        temperature = req.temperature if req.temperature is not None else self.default_temperature
+        top_p = req.top_p if req.top_p is not None else self.default_top_p
+        generator = self._generator_for(req.seed, device)
+        sampler = _Sampler(float(temperature), float(top_p), _top_k(req), generator)
         with torch.inference_mode():
             out = model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention.to(device),
                 max_new_tokens=max_new,
+                logits_processor=LogitsProcessorList([sampler]),
                 stopping_criteria=StoppingCriteriaList([_PerRow()]),
                 eos_token_id=eos_ids,
                 pad_token_id=self._pad_id,
-                output_logits=True,
                 return_dict_in_generate=True,
-                **kwargs,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
             )
         generated = out.sequences[:, width:].tolist()
-        logits = out.logits
+        step_logprobs = torch.stack(sampler.logprobs, dim=1).tolist() if sampler.logprobs else []
         results = []
         for row, j in enumerate(batch):
             ids = generated[row]
@@ -350,14 +439,7 @@ class TransformersBackend(Backend):
             if hit_eos:
                 n = eos_pos + 1
             ids = ids[:n]
-            if n:
-                step_logits = torch.stack([logits[k][row] for k in range(n)]).float()
-                lp = torch.log_softmax(step_logits, dim=-1).gather(
-                    1, torch.tensor(ids, device=step_logits.device)[:, None]
-                )
-                logprobs = lp[:, 0].tolist()
-            else:
-                logprobs = []
+            logprobs = step_logprobs[row][:n] if n else []
             text_ids = ids[:-1] if hit_eos else ids
             text = tok.decode(text_ids)
             finish = "stop" if hit_eos else "length"
@@ -393,6 +475,20 @@ class TransformersBackend(Backend):
                 )
             )
         return results
+
+    def _generator_for(self, seed: int | None, device: Any) -> Any:
+        """A seeded request gets a fresh generator of its own; the others share the backend's, seeded
+        once from the OS. Neither touches the process-wide torch RNG."""
+        import torch
+
+        if seed is not None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(int(seed) % (2**63))
+            return gen
+        if self._generator is None or self._generator.device != torch.device(device):
+            self._generator = torch.Generator(device=device)
+            self._generator.seed()
+        return self._generator
 
     # ----------------------------------------------------------------------- weight swap
     async def _swap(self, fn: Any) -> int:
@@ -463,3 +559,63 @@ class TransformersBackend(Backend):
             return self._bump_version(version)
 
         return await self._swap(swap)
+
+    async def push(self, policy: Any, *, version: int | None = None, staging_dir: Any = None) -> int:
+        """Serve ``policy`` (a :class:`~agl.algorithms.update.PolicyUpdate` in this process) from the next
+        request on, without a second copy of its frozen weights.
+
+        The first push builds the engine's model from the policy's: a copy of the module tree whose
+        frozen tensors (the base weights under LoRA) *are* the policy's tensors, shared, and whose
+        trainable tensors (the LoRA A/B matrices, a few MB) are its own. Every later push copies the
+        trainable tensors in place, under the generation lock — nothing else is allocated or cloned.
+        The engine keeps its own trainable copy so an update running while a late request still
+        generates never changes the weights under it. Under full fine-tuning every tensor is trainable,
+        so the engine holds one full copy (made once) and each push copies all weights in place.
+        """
+        source = policy.model
+
+        def swap() -> int:
+            import torch
+
+            if self._pushed_from is not source:
+                self.model = _engine_copy(source)
+                self._pushed_from = source
+            else:
+                with torch.no_grad():
+                    for (name, dst), (_, src) in zip(
+                        _trainable(self.model, source), _trainable(source, source), strict=True
+                    ):
+                        if dst.shape != src.shape:
+                            raise BackendError(f"pushed tensor {name} changed shape")
+                        dst.copy_(src.detach())
+            return self._bump_version(version)
+
+        return await self._swap(swap)
+
+
+def _trainable(model: Any, reference: Any) -> list[tuple[str, Any]]:
+    """``model``'s parameters that are trainable in ``reference`` (by name, in a fixed order)."""
+    wanted = {name for name, p in reference.named_parameters() if p.requires_grad}
+    return [(name, p) for name, p in model.named_parameters() if name in wanted]
+
+
+def _engine_copy(source: Any) -> Any:
+    """A copy of ``source`` for inference that shares its frozen parameters and copies the rest."""
+    import copy
+
+    import torch
+
+    memo: dict[int, Any] = {id(p): p for p in source.parameters() if not p.requires_grad}
+    # buffers of frozen modules (e.g. rotary tables) are shared too; they never change
+    memo.update({id(b): b for b in source.buffers()})
+    with torch.no_grad():
+        engine = copy.deepcopy(source, memo)
+    for module in engine.modules():
+        # TRL patches ``forward`` on the training model's instance (its fused LM head); the copy must run
+        # its own class's forward, not a closure bound to the training model
+        module.__dict__.pop("forward", None)
+    for p in engine.parameters():
+        if p.requires_grad:
+            p.requires_grad_(False)
+    engine.eval()
+    return engine

@@ -1,0 +1,177 @@
+"""The run configuration: one typed place for how a training run samples and updates (DESIGN §8-9).
+
+Every number that two parts of a run must agree on lives here, with its default, once:
+
+- **sampling** (``temperature``, ``top_p``, ``max_tokens``): what the trainer publishes in the rollouts'
+  resources (``LLM.sampling``), what the in-process gateway samples with when a request leaves them
+  out, and — ``temperature`` — what :class:`~agl.algorithms.update.PolicyUpdate` divides the logits by
+  when it computes the PPO ratio. The ratio is only a ratio of the *same* policy if both sides use the
+  same temperature; keeping it in one field is how agl makes that so.
+- **update** (clipping, KL, learning rate, LoRA, micro-batching, gradient checkpointing, precision).
+
+:class:`~agl.algorithms.lightning_rl.LightningRL` inherits the update fields from :class:`UpdateSettings`
+(so ``LightningRL(learning_rate=...)`` keeps working and shares these defaults); the trainer resolves
+``RunConfig.resolve(algorithm, sampling=..., update=...)`` once and hands the result to the gateway, the
+runner's resources and the policy update.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+__all__ = ["RunConfig", "UpdateSettings", "check_number"]
+
+
+def check_number(
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    lo: float,
+    hi: float | None = None,
+    lo_open: bool = False,
+) -> None:
+    """Raise a ValueError naming ``owner.name`` unless ``value`` is a finite number within the bounds."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if ok:
+        ok = (value > lo if lo_open else value >= lo) and (hi is None or value <= hi)
+    if not ok:
+        bound = f"{'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi is not None else "")
+        raise ValueError(f"{owner}.{name} must be a finite number {bound}, got {value!r}")
+
+
+def _check_int(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}.{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_bool(owner: str, name: str, value: Any, *, optional: bool = False) -> None:
+    if not (isinstance(value, bool) or (optional and value is None)):
+        allowed = "True, False or None" if optional else "True or False"
+        raise ValueError(f"{owner}.{name} must be {allowed}, got {value!r}")
+
+
+@dataclass
+class UpdateSettings:
+    """The token-level PPO-clip update's settings (the defaults every part of agl uses).
+
+    ``gradient_checkpointing``: None picks per device (on: it cuts activation memory several-fold for a
+    few tens of percent more compute). ``mixed_precision``: None is bf16 on a GPU that has it, else off.
+    """
+
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    kl_coef: float = 0.0
+    learning_rate: float = 1e-5
+    lora: bool = True
+    lora_r: int = 16
+    lora_alpha: int = 32
+    micro_batch_tokens: int = 4096
+    epochs_per_step: int = 1
+    max_grad_norm: float = 1.0
+    gradient_checkpointing: bool | None = None
+    mixed_precision: str | None = None
+
+    def _validate_update(self, owner: str) -> None:
+        check_number(owner, "clip_eps", self.clip_eps, lo=0.0, lo_open=True)
+        if self.clip_eps_high is not None:
+            check_number(owner, "clip_eps_high", self.clip_eps_high, lo=0.0, lo_open=True)
+        check_number(owner, "kl_coef", self.kl_coef, lo=0.0)
+        check_number(owner, "learning_rate", self.learning_rate, lo=0.0, lo_open=True)
+        check_number(owner, "max_grad_norm", self.max_grad_norm, lo=0.0, lo_open=True)
+        for name in ("lora_r", "lora_alpha", "micro_batch_tokens", "epochs_per_step"):
+            _check_int(owner, name, getattr(self, name))
+        _check_bool(owner, "lora", self.lora)
+        _check_bool(owner, "gradient_checkpointing", self.gradient_checkpointing, optional=True)
+        if self.mixed_precision not in (None, "no", "bf16", "fp16"):
+            raise ValueError(
+                f"{owner}.mixed_precision must be None, 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}"
+            )
+
+    def update_settings(self) -> dict[str, Any]:
+        """Just the update fields, as keyword arguments for another ``UpdateSettings`` subclass."""
+        return {f.name: getattr(self, f.name) for f in fields(UpdateSettings)}
+
+
+#: names of the sampling fields, in the order the resources show them
+SAMPLING_FIELDS = ("temperature", "top_p", "max_tokens")
+
+
+@dataclass
+class RunConfig(UpdateSettings):
+    """How a run samples and updates: the one source of these defaults.
+
+    Any ``temperature >= 0`` and ``top_p`` in (0, 1] is a valid configuration (``Trainer.dev`` may
+    decode greedily), but training refuses two of them (:meth:`check_trainable`): ``temperature=0``
+    (greedy decoding has no sampled distribution to learn from, and the ratio divides by it) and
+    ``top_p < 1`` (the engine would sample from a truncated distribution while the update's ratio uses
+    the full one, biasing every token's ratio low).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        owner = "RunConfig"
+        check_number(owner, "temperature", self.temperature, lo=0.0)
+        check_number(owner, "top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _check_int(owner, "max_tokens", self.max_tokens)
+        self._validate_update(owner)
+
+    def check_trainable(self) -> None:
+        """Refuse sampling settings a policy update cannot learn from on-policy, saying why."""
+        if self.temperature <= 0:
+            raise ValueError(
+                "RunConfig.temperature must be > 0 for training, got 0: greedy decoding gives every "
+                "rollout of a group the same reply and no sampled distribution to compute a ratio against"
+            )
+        if self.top_p != 1.0:
+            raise ValueError(
+                f"RunConfig.top_p must be 1.0 for training, got {self.top_p!r}: the gateway would sample "
+                "from a truncated (nucleus) distribution while the update's PPO ratio uses the full one, "
+                "so the run would learn off-policy; lower the temperature instead"
+            )
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The sampling settings as published in ``LLM.sampling`` (what agents should send)."""
+        return {name: getattr(self, name) for name in SAMPLING_FIELDS}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def resolve(
+        cls,
+        algorithm: Any = None,
+        *,
+        sampling: dict[str, Any] | None = None,
+        update: dict[str, Any] | None = None,
+        base: RunConfig | None = None,
+    ) -> RunConfig:
+        """One RunConfig from the ways a user can say it: ``base`` (a RunConfig), the update fields of
+        ``algorithm`` (a LightningRL), a ``sampling`` dict and ``update`` overrides, later ones winning.
+        Unknown keys are refused by name rather than ignored."""
+        values: dict[str, Any] = base.to_dict() if base is not None else {}
+        if algorithm is not None:
+            for f in fields(UpdateSettings):
+                if not hasattr(algorithm, f.name):
+                    continue
+                value = getattr(algorithm, f.name)
+                # the algorithm's value counts unless it is the default and ``base`` already set one
+                if f.name not in values or value != f.default:
+                    values[f.name] = value
+        known = {f.name for f in fields(cls)}
+        for label, extra in (("sampling", sampling), ("update_options", update)):
+            for key, value in (extra or {}).items():
+                if key not in known:
+                    raise ValueError(
+                        f"unknown {label} setting {key!r}; RunConfig has {', '.join(sorted(known))}"
+                    )
+                if label == "sampling" and key not in SAMPLING_FIELDS:
+                    raise ValueError(f"{key!r} is not a sampling setting; sampling has {SAMPLING_FIELDS}")
+                values[key] = value
+        return cls(**values)

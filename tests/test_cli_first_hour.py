@@ -1,0 +1,189 @@
+"""A new user's first hour: CLI errors are one line with a non-zero exit, never a traceback; the demo's
+store can be looked at afterwards; failed attempts keep their error; untraced runners say so."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import agl
+from agl.cli import main
+from agl.store.sqlite import SQLiteStore
+from agl.types import AttemptError, NewRollout
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, block: tuple[str, ...] = (), env: dict[str, str] | None = None) -> tuple[int, str]:
+    """``agl ARGS`` in a fresh interpreter (with the ``block`` modules made unimportable)."""
+    code = (
+        "import sys\n"
+        f"for m in {block!r}: sys.modules[m] = None\n"
+        "from agl.cli import main\n"
+        "raise SystemExit(main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+        cwd=ROOT,
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def assert_one_line_error(rc: int, out: str, *needles: str) -> None:
+    assert rc != 0, out
+    assert "Traceback" not in out, out
+    errors = [line for line in out.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, out
+    for needle in needles:
+        assert needle in errors[0], out
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        yield sock.getsockname()[1]
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/reward": 0.5}) + "\n")
+    rc, out = run_cli("plot", str(tmp_path), block=("matplotlib",))
+    assert_one_line_error(rc, out, "pip install 'agl[train]'")
+
+
+def test_gateway_without_torch_says_so_before_announcing() -> None:
+    rc, out = run_cli("gateway", "serve", "--port", "0", block=("torch",))
+    assert_one_line_error(rc, out, "agl[train]", "--backend scripted")
+    assert "backend on http" not in out
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("store", "serve", "--store", "memory://"), ("gateway", "serve", "--backend", "scripted")],
+)
+def test_busy_port_is_one_line(busy_port: int, command: tuple[str, ...]) -> None:
+    rc, out = run_cli(*command, "--port", str(busy_port))
+    assert_one_line_error(rc, out, f"port {busy_port}", "already in use")
+
+
+def test_bare_gateway_prints_its_own_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["gateway"]) == 2
+    out = capsys.readouterr().out
+    assert "serve" in out and "agl gateway" in out
+
+
+def test_gateway_serve_help_describes_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["gateway", "serve", "--help"])
+    out = capsys.readouterr().out
+    assert "OpenAI-compatible" in out
+    assert "default: 127.0.0.1" in out and "default: 8765" in out and "default: info" in out
+
+
+def _failed_with_exception_span(path: Path) -> str:
+    """The README's store API: the agent's exception is recorded with emit_exception, then the attempt
+    is finished as failed without error= (what a user following the tracing section does)."""
+    store = SQLiteStore(path)
+    try:
+        (r,) = store.enqueue([NewRollout(input={"q": 1})])
+        store.claim("w")
+        agl.setup_tracing(store)
+        with agl.rollout_context(r.id, 1):
+            try:
+                raise ZeroDivisionError("division by zero in the agent")
+            except ZeroDivisionError as exc:
+                agl.emit_exception(exc)
+        agl.tracing.flush()
+        store.finish_attempt(r.id, 1, "failed")
+        return r.id
+    finally:
+        store.close()
+
+
+def test_emit_exception_error_shows_in_list_and_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "agl.db"
+    rid = _failed_with_exception_span(path)
+    assert main(["rollouts", "list", "--store", f"sqlite:///{path}"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeroDivisionError: division by zero in the agent" in out
+    assert main(["rollouts", "show", rid, "--traceback", "--store", f"sqlite:///{path}"]) == 0
+    out = capsys.readouterr().out
+    assert "Traceback (most recent call last)" in out and "raise ZeroDivisionError" in out
+
+
+def test_attempt_error_from_exception_keeps_the_traceback() -> None:
+    try:
+        {}["missing"]
+    except KeyError as exc:
+        err = AttemptError.from_exception(exc)
+    assert err.type == "KeyError" and "missing" in err.message
+    assert err.traceback is not None and "KeyError" in err.traceback
+
+
+def test_transitions_and_export_honour_agl_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "agl.db"
+    rid = _failed_with_exception_span(path)
+    monkeypatch.setenv("AGL_STORE", f"sqlite:///{path}")
+    assert main(["transitions", rid]) == 0
+    out_file = tmp_path / "out.jsonl"
+    assert main(["export", "--format", "transitions", "--out", str(out_file)]) == 0
+    assert out_file.exists()
+    monkeypatch.setenv("AGL_STORE", f"sqlite:///{tmp_path / 'nope.db'}")
+    assert main(["transitions", rid]) == 2  # names the missing store instead of creating an empty one
+
+
+def test_runner_warns_once_when_nothing_is_instrumented(caplog: pytest.LogCaptureFixture) -> None:
+    from agl import runner as runner_mod
+    from agl.instrument import instrumented
+    from agl.store.memory import MemoryStore
+
+    if instrumented():
+        pytest.skip("an earlier test left an integration instrumented")
+    runner_mod._untraced_warned = False
+    store = MemoryStore()
+    store.enqueue([NewRollout(input=1)])
+    with caplog.at_level(logging.WARNING, logger="agl.runner"):
+        agl.Runner(lambda x: 1.0, store, trace=False).run(until_idle=True)
+        agl.Runner(lambda x: 1.0, store, trace=False).run(until_idle=True)
+    warnings = [r for r in caplog.records if "no integration is instrumented" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_demo_store_is_inspectable_after_dev(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The main job's `dev` path keeps its rollouts in a SQLite store in its run dir, prints how to
+    look at it, and `agl rollouts list` on that store lists them; rerunning into it needs --overwrite."""
+    pytest.importorskip("openai")
+    from agl.gateway.testing import ScriptedBackend, serve_gateway
+    from examples.learn_on_cpu.__main__ import main as demo
+
+    run_dir = tmp_path / "demo"
+    backend = ScriptedBackend(["Answer: 8"], models=["scripted"], on_exhausted="cycle")
+    try:
+        with serve_gateway(backend) as url:
+            args = ["dev", "-n", "2", "--runners", "1", "--run-dir", str(run_dir)]
+            assert demo([*args, "--base-url", str(url), "--model-name", "scripted"]) == 0
+            out = capsys.readouterr().out
+            store_url = f"sqlite:///{run_dir / 'store.db'}"
+            assert f"agl rollouts list --store {store_url}" in out
+            with pytest.raises(SystemExit, match="--overwrite"):
+                demo([*args, "--base-url", str(url), "--model-name", "scripted"])
+    finally:
+        agl.uninstrument()
+    assert main(["rollouts", "list", "--store", store_url]) == 0
+    listed = capsys.readouterr().out
+    assert "2 rollout(s): 2 succeeded" in listed
