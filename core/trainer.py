@@ -654,6 +654,7 @@ class Trainer:
                     record["exact_token_ratio"] = (
                         (sum(1 for t in train_ts if t.exact) / len(train_ts)) if train_ts else None
                     )
+                    record.update(_reward_split(train_ts, self.history))
                     if not self.behaviour_logprobs:
                         train_ts = [t.model_copy(update={"response_logprobs": None}) for t in train_ts]
                     if train_ts:
@@ -811,6 +812,19 @@ class Trainer:
             if prompt_tail:
                 print("      prompt …" + prompt_tail.replace("\n", "\\n")[-160:])
             print("      response: " + (t.response_text or "").replace("\n", "\\n")[:200])
+
+
+def _reward_split(transitions: Sequence[Transition], history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The step's reward split into task and AIR parts (:func:`agl.rewards.reward_breakdown`), and
+    each part's gain since the first training step: how much of a reward gain is shaping."""
+    from agl.rewards import reward_breakdown
+
+    out: dict[str, Any] = dict(reward_breakdown(transitions))
+    first = next((h for h in history if h.get("task_reward") is not None), None)
+    if first is not None and out["task_reward"] is not None:
+        out["task_reward_gain"] = out["task_reward"] - first["task_reward"]
+        out["air_reward_gain"] = out["air_reward"] - first["air_reward"]
+    return out
 
 
 def _prune(folder: Path, keep: int) -> None:
