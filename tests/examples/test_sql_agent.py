@@ -293,3 +293,27 @@ def test_train_a_few_steps_with_a_tiny_model(data_dir: Path, tmp_path: Path) -> 
         mine = [t for t in every if t.rollout_id == rid]
         assert sum(t.intermediate_reward for t in mine) == pytest.approx(-0.1 * len(failed))
         assert Counter(t.agent for t in mine) == Counter(writer=1, rewriter=min(len(failed), 2))
+
+
+def test_the_oracle_teacher_solves_every_question(data_dir: Path, tmp_path: Path) -> None:
+    """``dev --oracle``: the unchanged LangGraph agent, served the gold SQL by the scripted backend,
+    earns reward 1 on every question with one writer call and no AIR penalty — demonstrations for
+    ``agl sft`` recorded in a store like any rollout."""
+    pytest.importorskip("langgraph")
+    pytest.importorskip("langchain_openai")
+    pytest.importorskip("transformers")
+    import agl.store
+    from agl.algorithms.sft import SFT
+    from examples.sql_agent import cli
+
+    db = f"sqlite:///{tmp_path / 'demos.db'}"
+    args = cli.parser().parse_args(
+        ["--data-dir", str(data_dir), "dev", "--oracle", "--split", "train", "-n", "8", "--store", db]
+    )
+    transitions = cli.dev(args)
+    assert len({t.rollout_id for t in transitions}) == 8
+    assert all(t.final_reward == 1.0 and t.intermediate_reward == 0.0 and t.exact for t in transitions)
+    assert {t.agent for t in transitions} == {"writer"} and len(transitions) == 8
+    store = agl.store.open(db)
+    assert len(SFT(min_reward=1.0).read(store, agents=["writer"])) == 8
+    store.close()
