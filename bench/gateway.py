@@ -209,6 +209,351 @@ def bench_scripted(n: int, concurrency: int) -> list[dict[str, Any]]:
         proc.wait(timeout=10)
 
 
+# ------------------------------------------------------------------ real path: vllm/openai backends
+UPSTREAM_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+N_ROLLOUTS = 16
+
+
+def serve_real(port: int, backend_name: str, upstream: str, store_url: str) -> None:
+    """A gateway process in front of the fake upstream: vllm or openai backend, spans into ``store_url``."""
+    import uvicorn
+
+    import agl.store
+    from agl.gateway.app import create_app
+    from agl.gateway.backends.openai import OpenAIBackend
+    from agl.gateway.backends.vllm import VLLMBackend
+
+    backend: Any
+    if backend_name == "vllm":
+        backend = VLLMBackend(upstream, model=UPSTREAM_MODEL)
+    else:
+        backend = OpenAIBackend(upstream + "/v1", api_key="sk-bench", models=[UPSTREAM_MODEL])
+    store = None if store_url == "none" else agl.store.open(store_url)
+    app = create_app(backend, store)
+    if os.environ.get("AGL_BENCH_PROFILE"):  # cProfile of the gateway process, dumped at shutdown
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            uvicorn.run(
+                app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop="uvloop"
+            )
+        finally:
+            prof.disable()
+            prof.dump_stats(os.environ["AGL_BENCH_PROFILE"])
+        return
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+    )
+
+
+def _wait_http(url: str, proc: subprocess.Popen[Any], timeout_s: float = 90.0) -> None:
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"{url} did not come up")
+        time.sleep(0.1)
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its children (uvicorn or hydra may fork)."""
+    total = _cpu_s(pid)
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return total + sum(_tree_cpu_s(int(c)) for c in children)
+
+
+def _rollouts_in(store_url: str) -> list[tuple[str, int]]:
+    """Enqueue and claim the bench's rollouts in a fresh store; their (id, attempt)s."""
+    import agl.store
+    from agl.types import NewRollout
+
+    store = agl.store.open(store_url)
+    store.enqueue([NewRollout(id=f"ro-bench-{i}") for i in range(N_ROLLOUTS)])
+    out = []
+    for _ in range(N_ROLLOUTS):
+        claim = store.claim("bench")
+        assert claim is not None
+        out.append((claim.rollout.id, claim.attempt.number))
+    store.close()
+    return out
+
+
+class Target:
+    """One thing to measure: a URL prefix per rollout, and the process whose CPU is counted."""
+
+    def __init__(
+        self,
+        label: str,
+        paths: list[str],
+        port: int,
+        proc: subprocess.Popen[Any] | None,
+        streams: bool = True,
+    ) -> None:
+        self.label, self.paths, self.port, self.proc, self.streams = label, paths, port, proc, streams
+
+
+def _chat_body() -> bytes:
+    return json.dumps({"model": UPSTREAM_MODEL, "messages": MESSAGES, "max_tokens": 64}).encode()
+
+
+async def _latency_paths(port: int, paths: list[str], n: int) -> list[float]:
+    body = _chat_body()
+    conns = [Conn(port, p, body) for p in paths]
+    await conns[0].open()
+    for c in conns[1:]:  # one connection, rollouts taken in turn
+        c.reader, c.writer = conns[0].reader, conns[0].writer
+    for i in range(100):
+        await conns[i % len(conns)].call()
+    out = []
+    for i in range(n):
+        t = time.perf_counter()
+        await conns[i % len(conns)].call()
+        out.append(time.perf_counter() - t)
+    conns[0].close()
+    return out
+
+
+async def _throughput_paths(port: int, paths: list[str], n: int, concurrency: int) -> float:
+    body = _chat_body()
+    conns = [Conn(port, paths[i % len(paths)], body) for i in range(concurrency)]
+    for c in conns:
+        await c.open()
+        for _ in range(5):
+            await c.call()
+    per = n // concurrency
+
+    async def worker(c: Conn) -> None:
+        for _ in range(per):
+            await c.call()
+
+    t = time.perf_counter()
+    await asyncio.gather(*(worker(c) for c in conns))
+    elapsed = time.perf_counter() - t
+    for c in conns:
+        c.close()
+    return per * concurrency / elapsed
+
+
+async def _stream_latency(port: int, paths: list[str], n: int) -> tuple[list[float], list[float]]:
+    """Sequential streamed calls: (time to the first chunk, time to ``[DONE]``) per call."""
+    body = json.dumps(
+        {"model": UPSTREAM_MODEL, "messages": MESSAGES, "max_tokens": 64, "stream": True}
+    ).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    reqs = [
+        (
+            f"POST {p} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        + body
+        for p in paths
+    ]
+    first, total = [], []
+    for i in range(n + 50):
+        t = time.perf_counter()
+        writer.write(reqs[i % len(reqs)])
+        buf = await reader.read(65536)
+        if not buf.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"stream refused: {buf[:200]!r}")
+        t_first = time.perf_counter() - t if b"data: " in buf else None
+        while not (buf.endswith(b"0\r\n\r\n") and b"[DONE]" in buf):
+            buf += await reader.read(65536)
+            if t_first is None and b"data: " in buf:
+                t_first = time.perf_counter() - t
+        if i >= 50:
+            first.append(t_first or 0.0)
+            total.append(time.perf_counter() - t)
+    writer.close()
+    return first, total
+
+
+def _measure(target: Target, n: int, concurrency: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if target.streams:
+        first, total = asyncio.run(_stream_latency(target.port, target.paths, max(200, n // 4)))
+        out = {"ttft_p50": statistics.median(first), "stream_p50": statistics.median(total)}
+    lat = asyncio.run(_latency_paths(target.port, target.paths, n))
+    total = max(n, concurrency * 200)
+    cpu0 = _tree_cpu_s(target.proc.pid) if target.proc else 0.0
+    rps = asyncio.run(_throughput_paths(target.port, target.paths, total, concurrency))
+    cpu = (_tree_cpu_s(target.proc.pid) - cpu0) / (total // concurrency * concurrency) if target.proc else 0.0
+    return {"p50": statistics.median(lat), "p99": _pct(lat, 0.99), "rps": rps, "cpu": cpu, **out}
+
+
+def _start_al(python: str, port: int, upstream: str, tmp: Path) -> subprocess.Popen[Any]:
+    """agentlightning 1.0.2's server (``agl-server``: FastAPI proxy + in-memory event store)."""
+    import httpx
+
+    exe = str(Path(python).parent / "agl-server")
+    proc = subprocess.Popen(
+        [
+            exe,
+            f"port={port}",
+            "host=127.0.0.1",
+            f"default_proxy.model_name={UPSTREAM_MODEL}",
+            f"hydra.run.dir={tmp / 'al-hydra'}",
+        ],
+        cwd=tmp,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    _wait_http(f"http://127.0.0.1:{port}/healthz", proc)
+    root = f"http://127.0.0.1:{port}"
+    r = httpx.post(root + "/api/models", json=[{"model": UPSTREAM_MODEL, "endpoint": upstream + "/v1"}])
+    r.raise_for_status()
+    r = httpx.post(
+        root + "/api/rollouts",
+        json=[{"input": None, "rollout_id": f"ro-bench-{i}"} for i in range(N_ROLLOUTS)],
+    )
+    r.raise_for_status()
+    return proc
+
+
+def bench_real(
+    n: int, concurrency: int, rounds: int, baseline_python: str | None, configs: list[str]
+) -> dict[str, list[dict[str, float]]]:
+    """Every target in front of one fake upstream, measured in alternating rounds."""
+    import tempfile
+
+    import httpx
+
+    tmp = Path(tempfile.mkdtemp(prefix="agl-bench-gw-"))
+    procs: list[subprocess.Popen[Any]] = []
+    here = str(Path(__file__).resolve())
+    try:
+        up_port = _free_port()
+        up = subprocess.Popen([sys.executable, str(Path(here).parent / "_upstream.py"), str(up_port)])
+        procs.append(up)
+        upstream = f"http://127.0.0.1:{up_port}"
+        _wait_http(upstream + "/v1/models", up)
+        targets = [Target("upstream alone", ["/v1/chat/completions"], up_port, up)]
+        for cfg in configs:
+            backend, store_kind = cfg.split("+")
+            store_url = "none"
+            paths = ["/v1/chat/completions"]
+            if store_kind in ("sqlite", "http"):
+                db = tmp / f"{cfg}.db"
+                store_url = f"sqlite:///{db}"
+                ros = _rollouts_in(store_url)
+                paths = [f"/rollouts/{r}/attempts/{a}/v1/chat/completions" for r, a in ros]
+                if store_kind == "http":
+                    sport = _free_port()
+                    sp = subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "agl.cli",
+                            "store",
+                            "serve",
+                            "--db",
+                            str(db),
+                            "--port",
+                            str(sport),
+                        ],
+                        cwd=ROOT,
+                    )
+                    procs.append(sp)
+                    _wait_http(f"http://127.0.0.1:{sport}/health", sp)
+                    store_url = f"http://127.0.0.1:{sport}"
+            port = _free_port()
+            p = subprocess.Popen(
+                [
+                    *(sys.executable, here, "--serve-real", str(port), "--backend", backend),
+                    *("--upstream", upstream, "--store", store_url),
+                ],
+                cwd=ROOT,
+            )
+            procs.append(p)
+            _wait_http(f"http://127.0.0.1:{port}/v1/models", p)
+            targets.append(Target(f"agl {backend}, spans: {store_kind}", paths, port, p))
+        if baseline_python:
+            port = _free_port()
+            p = _start_al(baseline_python, port, upstream, tmp)
+            procs.append(p)
+            paths = [
+                f"/proxy/rollout/ro-bench-{i}/attempt/1/mode/train/openai/v1/chat/completions"
+                for i in range(N_ROLLOUTS)
+            ]
+            # its proxy refuses stream=true (400 "Streaming responses are not supported")
+            targets.append(
+                Target("agentlightning 1.0.2 proxy (memory events)", paths, port, p, streams=False)
+            )
+        results: dict[str, list[dict[str, float]]] = {t.label: [] for t in targets}
+        for r in range(rounds):
+            order = targets if r % 2 == 0 else targets[::-1]
+            for t in order:
+                results[t.label].append(_measure(t, n, concurrency))
+                print(f"  round {r + 1} {t.label}: {results[t.label][-1]}", flush=True)
+        for t in targets[1:]:
+            if t.label.startswith("agl") and "none" not in t.label:
+                stats = httpx.get(f"http://127.0.0.1:{t.port}/agl/v1/status").json()["stats"]
+                print(f"  {t.label}: {stats}")
+        return results
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def report_real(results: dict[str, list[dict[str, float]]]) -> None:
+    up = results["upstream alone"]
+
+    def med(rows: list[dict[str, float]], key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    def rng(vals: list[float], fmt: str) -> str:
+        return f"[{format(min(vals), fmt)}–{format(max(vals), fmt)}]"
+
+    print(
+        "\nreal path: chat completion through a proxy in front of the fake vLLM upstream; "
+        "added = proxy minus upstream alone, same round; medians over rounds [range]"
+    )
+    print(f"{'target':46} {'added p50 ms':>20} {'added p99 ms':>20} {'req/s @16':>16} {'CPU/req ms':>16}")
+    for label, rows in results.items():
+        if label == "upstream alone":
+            print(
+                f"{label:46} {'e2e ' + format(med(rows, 'p50') * 1e3, '.3f'):>20} "
+                f"{'e2e ' + format(med(rows, 'p99') * 1e3, '.3f'):>20} {med(rows, 'rps'):16.0f} "
+                f"{med(rows, 'cpu') * 1e3:16.3f}"
+            )
+            continue
+        a50 = [(r["p50"] - u["p50"]) * 1e3 for r, u in zip(rows, up, strict=True)]
+        a99 = [(r["p99"] - u["p99"]) * 1e3 for r, u in zip(rows, up, strict=True)]
+        rps = [r["rps"] for r in rows]
+        cpu = [r["cpu"] * 1e3 for r in rows]
+        print(
+            f"{label:46} {statistics.median(a50):7.3f} {rng(a50, '.2f'):>12} "
+            f"{statistics.median(a99):7.3f} {rng(a99, '.2f'):>12} "
+            f"{statistics.median(rps):6.0f} {rng(rps, '.0f'):>9} {statistics.median(cpu):6.3f} {rng(cpu, '.2f'):>9}"
+        )
+    print("\nstreamed (stream: true, 8 token chunks), sequential: p50 of first chunk / [DONE], ms")
+    for label, rows in results.items():
+        if "ttft_p50" in rows[0]:
+            ttft = med(rows, "ttft_p50") * 1e3
+            done = med(rows, "stream_p50") * 1e3
+            print(f"{label:46} first chunk {ttft:7.3f}   [DONE] {done:7.3f}")
+
+
 def bench_smollm2(new_tokens: int, threads: int | None) -> list[dict[str, Any]]:
     from agl.gateway.backends.base import GenerationRequest
     from agl.gateway.backends.transformers import TransformersBackend
@@ -293,12 +638,33 @@ def main() -> None:
     parser.add_argument("--skip-smollm2", action="store_true")
     parser.add_argument("--skip-scripted", action="store_true")
     parser.add_argument("--threads", type=int, help="torch CPU threads for SmolLM2 (default: torch's choice)")
+    parser.add_argument("--skip-real", action="store_true", help="skip the vllm/openai real-path section")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the real-path section")
+    parser.add_argument(
+        "--configs",
+        default="vllm+sqlite,vllm+http,openai+sqlite,vllm+none",
+        help="real-path gateways: BACKEND+STORE (STORE: sqlite, http or none), comma-separated",
+    )
+    parser.add_argument(
+        "--baseline-python",
+        help="python of a venv with agentlightning==1.0.2 (its agl-server proxy joins the real-path runs)",
+    )
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-real", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--backend", default="vllm", help=argparse.SUPPRESS)
+    parser.add_argument("--upstream", help=argparse.SUPPRESS)
+    parser.add_argument("--store", default="none", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve)
         return
+    if args.serve_real:
+        serve_real(args.serve_real, args.backend, args.upstream, args.store)
+        return
     print(f"load average before: {os.getloadavg()[0]:.2f}")
+    if not args.skip_real:
+        configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+        report_real(bench_real(args.requests, args.concurrency, args.rounds, args.baseline_python, configs))
     if not args.skip_scripted:
         report_scripted(bench_scripted(args.requests, args.concurrency))
     if not args.skip_smollm2:

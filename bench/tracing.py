@@ -222,16 +222,17 @@ def bench_export(n: int) -> list[tuple[str, float]]:
         semconv.GEN_AI_INPUT_MESSAGES: json.dumps(MESSAGES),
     }
     with agl.rollout_context("ro-export", 1, span=False):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in tqdm(range(n), desc="spans", unit="span", leave=False, mininterval=0.5):
             tracer.start_span(semconv.SPAN_CHAT, attributes=attrs).end()
         made = time.perf_counter() - t0
         tracing.flush(120)
-        total = time.perf_counter() - t0
+        total, total_cpu = time.perf_counter() - t0, time.process_time() - c0
     stored = len(store.query_spans(rollout_id="ro-export"))
     assert stored == n, f"{stored} of {n} spans stored ({tracing.stats()})"
     rows.append(("make + stamp + enqueue (agent thread)", n / made))
     rows.append(("end to end into SQLite (until flush returns)", n / total))
+    rows.append(("— per CPU-second of the process (all threads)", n / total_cpu))
 
     # the exporter alone, on spans captured from the same provider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -244,10 +245,16 @@ def bench_export(n: int) -> list[tuple[str, float]]:
             tracer.start_span(semconv.SPAN_CHAT, attributes=attrs).end()
     otel_spans = list(captured.get_finished_spans())
     exporter = tracing.StoreSpanExporter(store)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(0, len(otel_spans), 512):
         exporter.export(otel_spans[i : i + 512])
     rows.append(("StoreSpanExporter alone, batches of 512", len(otel_spans) / (time.perf_counter() - t0)))
+    rows.append(("— per CPU-second", len(otel_spans) / (time.process_time() - c0)))
+    t0 = time.process_time()
+    converted = exporter.convert(otel_spans)
+    rows.append(
+        ("— of which OTel span -> agl Span, per CPU-second", len(converted) / (time.process_time() - t0))
+    )
     tracing.reset_tracing()
     store.close()
     return rows
@@ -257,21 +264,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=1500, help="calls per mode and case")
     parser.add_argument("--spans", type=int, default=50_000)
+    parser.add_argument(
+        "--only", choices=["calls", "components", "export"], action="append", help="run only these sections"
+    )
     args = parser.parse_args()
+    only = set(args.only or ["calls", "components", "export"])
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
-    print(f"Added cost per openai call ({args.calls} calls per mode; target <= {TARGET_US:.0f} µs)")
-    print(f"{'case':<28}{'clock':>9}{'plain µs':>11}{'instrumented µs':>17}{'added µs':>11}{'target':>8}")
-    for label, figures in bench_calls(args.calls):
-        for clock, (off, on) in figures.items():
-            added = on - off
-            ok = "ok" if added <= TARGET_US else "MISSED"
-            print(f"{label:<28}{clock:>9}{off:>11.0f}{on:>17.0f}{added:>11.1f}{ok:>8}")
-    print()
-    print("Hot-path pieces (CPU µs per call, best of 5 blocks)")
-    for label, us in bench_components():
-        print(f"{label:<48}{us:>10.1f}")
-    print()
+    if "calls" in only:
+        print(f"Added cost per openai call ({args.calls} calls per mode; target <= {TARGET_US:.0f} µs)")
+        print(f"{'case':<28}{'clock':>9}{'plain µs':>11}{'instrumented µs':>17}{'added µs':>11}{'target':>8}")
+        for label, figures in bench_calls(args.calls):
+            for clock, (off, on) in figures.items():
+                added = on - off
+                ok = "ok" if added <= TARGET_US else "MISSED"
+                print(f"{label:<28}{clock:>9}{off:>11.0f}{on:>17.0f}{added:>11.1f}{ok:>8}")
+        print()
+    if "components" in only:
+        print("Hot-path pieces (CPU µs per call, best of 5 blocks)")
+        for label, us in bench_components():
+            print(f"{label:<48}{us:>10.1f}")
+        print()
+    if "export" not in only:
+        return
     print(f"Span export throughput ({args.spans} spans with GenAI attributes, SQLite store)")
     print(f"{'path':<48}{'spans/s':>12}")
     for label, rate in bench_export(args.spans):

@@ -19,9 +19,9 @@ __version__ = "0.1.0"
 #: public name -> module that defines it
 _LAZY: dict[str, str] = {
     # plugins and tracing
-    "instrument": "agl.instrument",
-    "uninstrument": "agl.instrument",
-    "Instrumentor": "agl.instrument",
+    "instrument": "agl.instrumentation",
+    "uninstrument": "agl.instrumentation",
+    "Instrumentor": "agl.instrumentation",
     "rollout_context": "agl.tracing",
     "current_rollout": "agl.tracing",
     "setup_tracing": "agl.tracing",

@@ -45,6 +45,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("agl.gateway.models", "prepare the embedded default model (agl models prepare)"),
     "runner": ("agl.runner", "run an agent against a store: claim rollouts, run them, report"),
     "plot": ("agl.plot", "plot the reward curve of a training run"),
+    "dashboard": ("agl.dashboard.cli", "open the dashboard: runs, rollouts, span trees, transitions"),
+    "doctor": ("agl.doctor", "installed frameworks, instrumented integrations, their hooks, the tracer"),
 }
 
 

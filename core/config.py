@@ -73,6 +73,9 @@ class UpdateSettings:
     max_grad_norm: float = 1.0
     gradient_checkpointing: bool | None = None
     mixed_precision: str | None = None
+    #: train on one merged sequence per agent conversation where turns extend exactly (agl.trajectories);
+    #: False trains every LLM call as its own sequence (the per-call form, for comparison)
+    merge_turns: bool = True
 
     def _validate_update(self, owner: str) -> None:
         check_number(owner, "clip_eps", self.clip_eps, lo=0.0, lo_open=True)
@@ -84,6 +87,7 @@ class UpdateSettings:
         for name in ("lora_r", "lora_alpha", "micro_batch_tokens", "epochs_per_step"):
             _check_int(owner, name, getattr(self, name))
         _check_bool(owner, "lora", self.lora)
+        _check_bool(owner, "merge_turns", self.merge_turns)
         _check_bool(owner, "gradient_checkpointing", self.gradient_checkpointing, optional=True)
         if self.mixed_precision not in (None, "no", "bf16", "fp16"):
             raise ValueError(

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from agl.instrument import Instrumentor
+    from agl.instrumentation import Instrumentor
     from agl.types import Span
 
 __all__ = ["PROJECT_NAME", "hookspec", "agl_register_instrumentors", "agl_intermediate_reward"]

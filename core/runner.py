@@ -298,6 +298,9 @@ class Runner:
             from agl.tracing import setup_tracing
 
             setup_tracing(store)
+        from agl.instrumentation.attribution import AttributionCheck
+
+        self._attribution = AttributionCheck(store)  # warns once when LLM calls lose their agent
 
     # ------------------------------------------------------------------------------ control
     def stop(self, *, now: bool = False) -> None:
@@ -586,6 +589,8 @@ class Runner:
         # The flush guarantee: the attempt's spans are stored before its status changes.
         if not await self._blocking(flush, 30.0):
             log.warning("agl runner: spans of %s/%d not all stored before finishing", rid, number)
+        if not released:
+            await self._blocking(self._attribution.after_attempt, rid, number)
         try:
             await self._blocking(self.store.finish_attempt, rid, number, status, error=error)
         except (ConflictError, NotFoundError) as exc:
@@ -624,7 +629,7 @@ def _warn_if_untraced() -> None:
     global _untraced_warned
     if _untraced_warned:
         return
-    from agl.instrument import instrumented
+    from agl.instrumentation import instrumented
 
     if instrumented():
         return
@@ -632,8 +637,32 @@ def _warn_if_untraced() -> None:
     log.warning(
         "agl runner: no integration is instrumented, so the agent's LLM calls are not traced and not "
         "attributed to their rollout; call agl.instrument() in the agent's module (agl runner does it "
-        "unless --no-instrument)"
+        "for the frameworks the module imports, unless --no-instrument)"
     )
+
+
+def _instrument_imported_frameworks() -> list[str]:
+    """Instrument the integrations whose framework the (just loaded) agent module imported, and the
+    openai client's: importing every installed framework only to instrument it costs seconds each."""
+    import re
+    from importlib.metadata import packages_distributions
+
+    import agl
+    from agl.instrumentation import available_instrumentors, is_installed
+
+    modules_of: dict[str, set[str]] = {}
+    for module, dists in packages_distributions().items():
+        for dist in dists:
+            modules_of.setdefault(dist.lower().replace("_", "-"), set()).add(module)
+    chosen = []
+    for name, cls in available_instrumentors().items():
+        if not is_installed(cls):
+            continue
+        dists = {re.split(r"[\s<>=!~;\[]", req.strip(), maxsplit=1)[0].lower() for req in cls.instruments}
+        modules = set().union(*(modules_of.get(d.replace("_", "-"), set()) for d in dists))
+        if any(m in sys.modules for m in modules):
+            chosen.append(name)
+    return agl.instrument(*chosen) if chosen else []
 
 
 def _shutdown_error() -> AttemptError:
@@ -676,7 +705,7 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-instrument",
         action="store_true",
-        help="do not call agl.instrument() for every installed integration before loading the agent",
+        help="do not instrument the integrations of the frameworks the agent's module imports",
     )
     parser.add_argument("--verbose", "-v", action="store_true", help="log every store request (INFO)")
     parser.set_defaults(func=_cli)
@@ -691,12 +720,10 @@ def _cli(args: argparse.Namespace) -> int:
     if not args.verbose:  # one line per HTTP request drowns the runner's own messages
         for noisy in ("httpx", "httpcore"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-    if not args.no_instrument:
-        import agl
-
-        names = agl.instrument()
-        log.info("agl runner: instrumented %s", ", ".join(names) or "nothing (no integration installed)")
     agent = load_agent(args.agent)
+    if not args.no_instrument:
+        names = _instrument_imported_frameworks()
+        log.info("agl runner: instrumented %s", ", ".join(names) or "nothing (no framework imported)")
     kwargs: dict[str, Any] = {}
     if args.token and args.store.startswith(("http://", "https://")):
         kwargs["token"] = args.token

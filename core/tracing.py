@@ -36,7 +36,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import Status, StatusCode
 
 from agl import semconv
-from agl.types import Span, SpanEvent, SpanStatus
+from agl.types import _ID_RE, Span, SpanEvent, SpanStatus
 
 if TYPE_CHECKING:
     from agl.store.base import Store
@@ -186,10 +186,18 @@ class MissingRolloutError(ValueError):
 
 def _attr_value(value: Any) -> Any:
     """OTel attribute values as JSON-friendly ones: tuples become lists, NaN/inf become strings."""
-    if isinstance(value, float):
+    kind = type(value)
+    if kind is str or kind is bool:
+        return value
+    if kind is int:
+        return value if -(2**63) <= value < 2**63 else str(value)  # the store keeps 64-bit ints
+    if kind is float:
         return value if math.isfinite(value) else repr(value)
     if isinstance(value, (tuple, list)):
-        return [_attr_value(v) for v in value]
+        items = list(value)
+        if any(type(v) is float and not math.isfinite(v) for v in items):
+            return [repr(v) for v in items]  # one type per list: all as strings
+        return items
     return value
 
 
@@ -210,12 +218,23 @@ def _rollout_of(attributes: Mapping[str, Any]) -> tuple[str, int] | None:
         return None
 
 
+_UNSET = SpanStatus()
+_KINDS = frozenset({"INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER"})
+_MAX_NS = 2**63 - 1
+
+
 def span_from_otel(span: ReadableSpan, *, rollout_id: str | None = None, attempt: int | None = None) -> Span:
     """Convert a finished OTel SDK span to the store's ``agl.types.Span``.
 
     Rollout and attempt come from the span's ``agl.rollout.id``/``agl.attempt`` attributes unless
     given; a span with neither raises ``MissingRolloutError`` (a ``ValueError``). Status (ERROR with
     its description), events (exceptions included) and the resource are kept; ids are lowercase hex.
+
+    The span is built without pydantic's per-field validation: every value is either formatted here
+    (hex ids from the SDK's integers, kind and status from its enums) or an attribute the OTel SDK
+    already restricted to str/bool/int/float and homogeneous sequences of them (non-finite floats
+    become strings). What is left to check — the rollout id, the attempt, the name, the times — is
+    checked here; a store server still validates every span it receives over HTTP.
     """
     attributes = _attrs(span.attributes)
     if rollout_id is None or attempt is None:
@@ -229,28 +248,68 @@ def span_from_otel(span: ReadableSpan, *, rollout_id: str | None = None, attempt
     ctx = span.get_span_context()
     if ctx is None:
         raise ValueError(f"span {span.name!r} has no span context")
+    if not _ID_RE.match(rollout_id):
+        raise ValueError(f"span {span.name!r}: invalid rollout id {rollout_id!r}")
+    if not 1 <= attempt <= 2**31:
+        raise ValueError(f"span {span.name!r}: invalid attempt {attempt!r}")
+    name = span.name
+    if not isinstance(name, str) or not 1 <= len(name) <= 1024:
+        raise ValueError(f"invalid span name {name!r}: 1-1024 characters")
+    if not ctx.trace_id or not ctx.span_id:
+        raise ValueError(f"span {name!r} has an invalid (all-zero) trace or span id")
     parent = span.parent
     start = span.start_time or 0
     end = span.end_time if span.end_time is not None else start
+    if not 0 <= start <= end <= _MAX_NS:
+        raise ValueError(f"span {name!r}: invalid times start={start} end={end}")
+    kind = span.kind.name
+    if kind not in _KINDS:  # pragma: no cover - OTel's enum has exactly these
+        raise ValueError(f"span {name!r}: unknown kind {kind!r}")
     status = span.status
-    return Span(
+    code = status.status_code.name
+    st = (
+        _UNSET
+        if code == "UNSET" and not status.description
+        else SpanStatus.model_construct(code=code, message=status.description or None)
+    )
+    events = tuple(
+        SpanEvent.model_construct(name=e.name, time_ns=e.timestamp or 0, attributes=_attrs(e.attributes))
+        for e in span.events
+    )
+    return Span.model_construct(
         trace_id=format(ctx.trace_id, "032x"),
         span_id=format(ctx.span_id, "016x"),
         parent_id=format(parent.span_id, "016x") if parent is not None and parent.span_id else None,
-        name=span.name,
-        kind=span.kind.name,  # type: ignore[arg-type]
+        name=name,
+        kind=kind,
         start_ns=start,
         end_ns=end,
-        status=SpanStatus(code=status.status_code.name, message=status.description or None),  # type: ignore[arg-type]
+        status=st,
         attributes=attributes,
-        events=tuple(
-            SpanEvent(name=e.name, time_ns=e.timestamp or 0, attributes=_attrs(e.attributes))
-            for e in span.events
-        ),
-        resource=_attrs(span.resource.attributes) if span.resource is not None else {},
+        events=events,
+        resource=_resource(span.resource),
         rollout_id=rollout_id,
         attempt=attempt,
+        seq=None,
+        stale=False,
     )
+
+
+_RESOURCES: dict[int, tuple[Any, dict[str, Any]]] = {}
+
+
+def _resource(resource: Any) -> dict[str, Any]:
+    """A resource's attributes as a dict: converted once per resource object (all spans share one)."""
+    if resource is None:
+        return {}
+    hit = _RESOURCES.get(id(resource))
+    if hit is not None and hit[0] is resource:
+        return dict(hit[1])
+    attrs = _attrs(resource.attributes)
+    if len(_RESOURCES) > 64:
+        _RESOURCES.clear()
+    _RESOURCES[id(resource)] = (resource, attrs)
+    return dict(attrs)
 
 
 class StoreSpanExporter(SpanExporter):

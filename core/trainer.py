@@ -673,6 +673,12 @@ class Trainer:
                                 "update_s": update.get("update_s"),
                                 "trained_transitions": update["transitions"],
                                 "behaviour_ratio_dev": update.get("behaviour_ratio_dev"),
+                                # multi-turn merging (agl.trajectories): sequences trained, tokens
+                                # encoded, share of calls that extended a sequence, tokens saved
+                                "sequences": update.get("sequences"),
+                                "update_tokens": update.get("tokens"),
+                                "merge_rate": update.get("merge_rate"),
+                                "tokens_saved": update.get("tokens_saved"),
                             }
                         )
                         self._check_on_policy(update.get("behaviour_ratio_dev"))

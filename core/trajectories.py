@@ -25,7 +25,14 @@ from pydantic import model_validator
 
 from agl.types import Transition, _Model
 
-__all__ = ["MergeStats", "Segment", "Trajectory", "merge_transitions", "token_advantages"]
+__all__ = [
+    "MergeStats",
+    "Segment",
+    "Trajectory",
+    "merge_transitions",
+    "per_call_trajectories",
+    "token_advantages",
+]
 
 #: why a call did not extend an open sequence of its agent
 BREAK_CAUSES = ("retokenised", "truncated", "diverged")
@@ -234,6 +241,21 @@ def merge_transitions(
     out = [_finish(s) for s in all_seqs]
     stats.sequences += len(out)
     stats.tokens_merged += sum(tr.tokens for tr in out)
+    return out, stats
+
+
+def per_call_trajectories(
+    transitions: Sequence[Transition], stats: MergeStats | None = None
+) -> tuple[list[Trajectory], MergeStats]:
+    """The per-call form in the same type: one single-segment trajectory per transition (what
+    ``merge_turns=False`` trains on, and the baseline the merged form is compared with)."""
+    stats = stats if stats is not None else MergeStats()
+    out = [_finish(_start(t, i)) for i, t in enumerate(transitions)]
+    n = sum(tr.tokens for tr in out)
+    stats.calls += len(out)
+    stats.sequences += len(out)
+    stats.tokens_per_call += n
+    stats.tokens_merged += n
     return out, stats
 
 

@@ -149,7 +149,7 @@ def test_transitions_and_export_honour_agl_store(tmp_path: Path, monkeypatch: py
 
 def test_runner_warns_once_when_nothing_is_instrumented(caplog: pytest.LogCaptureFixture) -> None:
     from agl import runner as runner_mod
-    from agl.instrument import instrumented
+    from agl.instrumentation import instrumented
     from agl.store.memory import MemoryStore
 
     if instrumented():

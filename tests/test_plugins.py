@@ -14,8 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 import agl
 from agl import plugins, semconv, tracing
-from agl.instrument import (
-    Instrumentor,
+from agl.instrumentation import (
     IntegrationNotFoundError,
     MissingFrameworkError,
     available_instrumentors,
@@ -161,18 +160,31 @@ def test_register_refuses_non_instrumentors() -> None:
         pm.unregister(name="bad")
 
 
-def test_instrumentor_is_one_instance_per_class() -> None:
-    class A(Instrumentor):
-        name = "a"
-        instruments = ()
+def test_the_plugin_manager_holds_one_instance_per_integration(demo) -> None:
+    from agl.instrumentation import get_instrumentor
 
-        def _uninstrument(self, **kwargs):
-            pass
+    first = get_instrumentor("agl-test-demo")
+    assert first is get_instrumentor("agl-test-demo")
+    assert isinstance(first, demo.DemoInstrumentor)
+    assert demo.DemoInstrumentor() is not first  # no per-class singleton: the registry owns it
+    assert plugins.get_plugin_manager().instances[demo.DemoInstrumentor] is first
+    assert list(first.instrumentation_dependencies()) == ["pluggy >= 1.0"]
 
-    class B(A):
-        name = "b"
 
-    assert A() is A()
-    assert B() is B()
-    assert A() is not B()
-    assert list(A().instrumentation_dependencies()) == []
+def test_instrumentations_survive_a_plugin_reset(demo) -> None:
+    agl.instrument("agl-test-demo", tracer_provider=TracerProvider())
+    plugins.reset_plugin_manager()
+    assert instrumented() == ["agl-test-demo"]
+    assert agl.uninstrument() == ["agl-test-demo"]
+    assert [c[0] for c in demo.calls] == ["instrument", "uninstrument"]
+
+
+def test_agl_instrument_is_a_function_and_the_module_has_another_name() -> None:
+    import types
+
+    import agl.instrumentation
+
+    assert isinstance(agl.instrument, types.FunctionType)
+    assert agl.instrument is agl.instrumentation.instrument
+    assert agl.uninstrument is agl.instrumentation.uninstrument
+    assert "agl.instrument" not in sys.modules

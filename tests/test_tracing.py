@@ -30,7 +30,7 @@ from agl.tracing import (
     rollout_context,
     span_from_otel,
 )
-from agl.types import NewRollout
+from agl.types import NewRollout, Span
 
 
 @pytest.fixture()
@@ -357,6 +357,26 @@ def test_span_from_otel_keeps_status_events_resource_and_kind(provider, user) ->
     assert converted.span_id == format(ctx.span_id, "016x")
     assert converted.parent_id == format(otel["parent"].get_span_context().span_id, "016x")
     assert converted.start_ns == otel["child"].start_time and converted.end_ns == otel["child"].end_time
+    # built without per-field validation, yet exactly what validation accepts and keeps
+    assert Span.model_validate(converted.model_dump()) == converted
+
+
+def test_span_from_otel_checks_what_the_sdk_does_not(provider, user) -> None:
+    """Conversion skips pydantic validation, so it checks rollout ids, attempts and odd values itself."""
+    tracing.setup_tracing(tracer_provider=provider)
+    span = _tracer().start_span(
+        "s", attributes={"lps": (0.5, float("inf")), "big": 2**70, semconv.AGL_ROLLOUT_ID: "bad id!"}
+    )
+    span.set_attribute(semconv.AGL_ATTEMPT, 1)
+    span.end()
+    (otel,) = user.get_finished_spans()
+    with pytest.raises(ValueError, match="invalid rollout id"):
+        span_from_otel(otel)
+    with pytest.raises(ValueError, match="invalid attempt"):
+        span_from_otel(otel, rollout_id="ro-ok", attempt=0)
+    ok = span_from_otel(otel, rollout_id="ro-ok", attempt=1)
+    assert ok.attributes["lps"] == ["0.5", "inf"] and ok.attributes["big"] == str(2**70)
+    assert Span.model_validate(ok.model_dump()) == ok  # one type per list, 64-bit ints: storable
 
 
 def test_span_without_rollout_is_skipped_by_the_exporter(provider, user, store) -> None:
@@ -397,7 +417,7 @@ _GLOBAL_SCRIPT = textwrap.dedent(
     import agl
     from agl import tracing
     from agl.store.memory import MemoryStore
-    from agl.types import NewRollout
+    from agl.types import NewRollout, Span
 
     store = MemoryStore()
     store.enqueue([NewRollout(id="ro-g")]); store.claim("w")

@@ -204,3 +204,65 @@ def test_merged_logprobs_equal_per_call_logprobs_on_a_real_model() -> None:
         per_call = logprobs(own, len(t.prompt_ids), len(own))
         merged = logprobs(full, p + seg.start, p + seg.end)
         assert merged == pytest.approx(per_call, abs=1e-5)
+
+
+def _conversation_with_logprobs(update, turns: int, seed: int) -> list[Transition]:
+    """A conversation whose recorded logprobs are the policy's own (as the gateway records them)."""
+    base = conversation(turns, seed=seed)
+    lps = update.response_logprobs(base)
+    return [t.model_copy(update={"response_logprobs": tuple(lp)}) for t, lp in zip(base, lps, strict=True)]
+
+
+def test_merged_update_equals_the_per_call_update(tmp_path) -> None:
+    """The loss and the resulting weights of one update on merged sequences equal the per-call ones."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from agl.algorithms.lightning_rl import LightningRL
+    from agl.algorithms.update import PolicyUpdate
+    from agl.config import RunConfig
+    from agl.trainer import load_tokenizer
+
+    torch.set_num_threads(1)
+    tok = load_tokenizer()
+
+    def make(sub: str) -> PolicyUpdate:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=49152,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=512,
+                tie_word_embeddings=True,
+            )
+        )
+        algo = LightningRL(learning_rate=5e-3, lora_r=8, lora_alpha=16, micro_batch_tokens=64)
+        return PolicyUpdate(model, tok, RunConfig.resolve(algo), output_dir=tmp_path / sub, seed=0)
+
+    merged_up, per_call_up = make("a"), make("b")
+    ts = _conversation_with_logprobs(merged_up, 4, seed=5)
+    other = [
+        t.model_copy(update={"agent": "checker", "index": t.index + 4})
+        for t in _conversation_with_logprobs(merged_up, 3, seed=6)
+    ]
+    ts = ts + other
+    advantages = [1.0, -0.5, 0.0, 2.0, -1.0, 0.5, 0.25]
+    m1 = merged_up.step(ts, advantages, merge_turns=True)
+    m2 = per_call_up.step(ts, advantages, merge_turns=False)
+    assert m1["sequences"] == 2 and m2["sequences"] == 6  # the zero-advantage call is left out
+    assert m1["transitions"] == m2["transitions"] == 6
+    assert m1["response_tokens"] == m2["response_tokens"]
+    assert m1["tokens"] < m2["tokens"]
+    assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-5)
+    assert m1["behaviour_ratio_dev"] < 1e-4
+    for (name, p1), (_, p2) in zip(
+        merged_up.model.named_parameters(), per_call_up.model.named_parameters(), strict=True
+    ):
+        if p1.requires_grad:
+            assert torch.allclose(p1, p2, atol=1e-5), name

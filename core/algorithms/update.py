@@ -48,6 +48,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import pad, use_adapter
 
 from agl.config import RunConfig
+from agl.trajectories import Trajectory, merge_transitions, per_call_trajectories, token_advantages
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class MicroBatch:
-    """Rows of one forward/backward pass: indices into the step's transitions."""
+    """Rows of one forward/backward pass: indices into the step's sequences."""
 
     rows: list[int]
     prompt_len: int
@@ -73,25 +74,31 @@ class MicroBatch:
         return len(self.rows) * (self.prompt_len + self.response_len)
 
 
+def _lengths(item: Transition | Trajectory) -> tuple[int, int, bool]:
+    """(prompt tokens, tokens after the prompt, has behaviour log-probs) of a transition or trajectory."""
+    if isinstance(item, Trajectory):
+        return len(item.prompt_ids), len(item.completion_ids), item.logprobs is not None
+    return len(item.prompt_ids), len(item.response_ids), item.response_logprobs is not None
+
+
 def pack_micro_batches(
-    transitions: Sequence[Transition], budget_tokens: int, *, indices: Sequence[int] | None = None
+    items: Sequence[Transition | Trajectory], budget_tokens: int, *, indices: Sequence[int] | None = None
 ) -> list[MicroBatch]:
-    """Group transitions into micro-batches whose padded size (rows x (max prompt + max response)) fits
-    ``budget_tokens``. Longest first, so padding stays small; a transition longer than the budget goes
-    alone (it cannot be split without changing the loss). Rows with and without engine log-probs are
-    never mixed: TRL chooses the behaviour log-probs per batch."""
+    """Group transitions (or merged trajectories) into micro-batches whose padded size (rows x (max
+    prompt + max completion)) fits ``budget_tokens``. Longest first, so padding stays small; a sequence
+    longer than the budget goes alone (it cannot be split without changing the loss). Rows with and
+    without engine log-probs are never mixed: TRL chooses the behaviour log-probs per batch."""
     if budget_tokens < 1:
         raise ValueError(f"micro_batch_tokens must be >= 1, got {budget_tokens}")
-    idx = list(range(len(transitions))) if indices is None else list(indices)
+    idx = list(range(len(items))) if indices is None else list(indices)
+    lens = {i: _lengths(items[i]) for i in idx}
     out: list[MicroBatch] = []
     for has_lp in (True, False):
-        rows = [i for i in idx if (transitions[i].response_logprobs is not None) == has_lp]
-        rows.sort(
-            key=lambda i: len(transitions[i].prompt_ids) + len(transitions[i].response_ids), reverse=True
-        )
+        rows = [i for i in idx if lens[i][2] == has_lp]
+        rows.sort(key=lambda i: lens[i][0] + lens[i][1], reverse=True)
         cur: MicroBatch | None = None
         for i in rows:
-            p, r = len(transitions[i].prompt_ids), len(transitions[i].response_ids)
+            p, r, _ = lens[i]
             if cur is not None:
                 mp, mr = max(cur.prompt_len, p), max(cur.response_len, r)
                 if (len(cur.rows) + 1) * (mp + mr) <= budget_tokens:
@@ -102,7 +109,7 @@ def pack_micro_batches(
             out.append(cur)
             if p + r > budget_tokens:
                 log.warning(
-                    "transition of %d tokens exceeds micro_batch_tokens=%d; it runs as its own micro-batch",
+                    "a sequence of %d tokens exceeds micro_batch_tokens=%d; it runs as its own micro-batch",
                     p + r,
                     budget_tokens,
                 )
@@ -402,30 +409,40 @@ class PolicyUpdate:
 
     # -------------------------------------------------------------------------------------- batches
     def _tensors(
-        self, transitions: Sequence[Transition], mb: MicroBatch, advantages: Sequence[float]
+        self,
+        seqs: Sequence[Trajectory],
+        mb: MicroBatch,
+        token_adv: Sequence[Sequence[float]] | None = None,
+        train_masks: Sequence[Sequence[int]] | None = None,
     ) -> dict:
+        """TRL's GRPO inputs for one micro-batch. Every token after the prompt is attended to
+        (``completion_mask``); only the model's own tokens are trained (``tool_mask``, TRL's mask for
+        tokens the policy did not generate), each with its own call's advantage."""
         dev = self.device
-        rows = [transitions[i] for i in mb.rows]
+        rows = [seqs[i] for i in mb.rows]
+
+        def padded(values: list[torch.Tensor], value: float, side: str) -> torch.Tensor:
+            return pad(values, padding_value=value, padding_side=side).to(dev)
+
         prompt = [torch.tensor(t.prompt_ids, dtype=torch.long) for t in rows]
-        resp = [torch.tensor(t.response_ids, dtype=torch.long) for t in rows]
-        prompt_ids = pad(prompt, padding_value=self.pad_id, padding_side="left").to(dev)
-        prompt_mask = pad([torch.ones_like(p) for p in prompt], padding_value=0, padding_side="left").to(dev)
-        completion_ids = pad(resp, padding_value=self.pad_id, padding_side="right").to(dev)
-        completion_mask = pad([torch.ones_like(r) for r in resp], padding_value=0, padding_side="right").to(
-            dev
-        )
+        comp = [torch.tensor(t.completion_ids, dtype=torch.long) for t in rows]
+        masks = [train_masks[i] if train_masks is not None else seqs[i].loss_mask for i in mb.rows]
         out: dict[str, Any] = {
-            "prompt_ids": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "completion_ids": completion_ids,
-            "completion_mask": completion_mask,
-            "advantages": torch.tensor(
-                [float(advantages[i]) for i in mb.rows], dtype=torch.float32, device=dev
-            ),
+            "prompt_ids": padded(prompt, self.pad_id, "left"),
+            "prompt_mask": padded([torch.ones_like(p) for p in prompt], 0, "left"),
+            "completion_ids": padded(comp, self.pad_id, "right"),
+            "completion_mask": padded([torch.ones_like(c) for c in comp], 0, "right"),
         }
+        if any(0 in m for m in masks):
+            out["tool_mask"] = padded([torch.tensor(m, dtype=torch.long) for m in masks], 0, "right")
+        if token_adv is not None:
+            adv = [torch.tensor(token_adv[i], dtype=torch.float32) for i in mb.rows]
+            out["advantages"] = padded(adv, 0.0, "right")
+        else:
+            out["advantages"] = torch.zeros(len(rows), dtype=torch.float32, device=dev)
         if mb.has_logprobs:
-            lps = [torch.tensor(t.response_logprobs, dtype=torch.float32) for t in rows]
-            out["old_per_token_logps"] = pad(lps, padding_value=0.0, padding_side="right").to(dev)
+            lps = [torch.tensor(t.logprobs, dtype=torch.float32) for t in rows]
+            out["old_per_token_logps"] = padded(lps, 0.0, "right")
         return out
 
     def _ref_logps(self, inputs: dict) -> torch.Tensor:
@@ -444,13 +461,25 @@ class PolicyUpdate:
         return lp
 
     # ----------------------------------------------------------------------------------------- step
-    def step(self, transitions: Sequence[Transition], advantages: Sequence[float]) -> dict[str, float]:
+    def step(
+        self,
+        transitions: Sequence[Transition],
+        advantages: Sequence[float],
+        *,
+        merge_turns: bool | None = None,
+    ) -> dict[str, float]:
         """One LightningRL update: ``epochs_per_step`` optimizer steps over the given transitions.
 
+        With ``merge_turns`` (default: the config's, on) each agent conversation whose calls extend one
+        another exactly is one sequence (``agl.trajectories``): each response token keeps its own
+        call's advantage and behaviour log-prob and sees the same context as when it was sampled, so the
+        loss is the per-call loss, computed in one forward pass instead of one per call.
+
         Returns metrics: loss, kl, clip_fraction, entropy, grad_norm, tokens_per_s, transitions, tokens,
-        micro_batches, skipped (zero-advantage transitions left out) and, when the transitions carry
-        the engine's log-probs, ``behaviour_ratio_dev``: max |ratio - 1| before the first optimizer
-        step (~0 when the run is on-policy; see :func:`_ratio_deviation`).
+        sequences, micro_batches, skipped (zero-advantage transitions left out), the merge statistics
+        (merge_rate, tokens_saved, breaks_*) and, when the transitions carry the engine's log-probs,
+        ``behaviour_ratio_dev``: max |ratio - 1| before the first optimizer step (~0 when the run is
+        on-policy; see :func:`_ratio_deviation`).
         """
         if len(transitions) != len(advantages):
             raise ValueError(f"{len(transitions)} transitions but {len(advantages)} advantages")
@@ -459,27 +488,37 @@ class PolicyUpdate:
                 raise ValueError(f"advantages must be finite, got {a!r}")
         tr = self.trainer
         acc = tr.accelerator
-        keep = [
+        merge = self.config.merge_turns if merge_turns is None else merge_turns
+        seqs, merge_stats = (merge_transitions if merge else per_call_trajectories)(transitions)
+        # A call with zero advantage carries no gradient without a KL term: it is left out of the loss
+        # (masked within a merged sequence, dropped when alone), as DAPO's dynamic sampling does.
+        trained = {
             i
             for i, t in enumerate(transitions)
             if t.response_ids and (self.kl_coef != 0.0 or float(advantages[i]) != 0.0)
-        ]
-        skipped = len(transitions) - len(keep)
+        }
+        train_masks = [_train_mask(s, trained) for s in seqs]
+        token_adv = [token_advantages(s, advantages) for s in seqs]
+        keep = [k for k, m in enumerate(train_masks) if any(m)]
+        n_calls = sum(1 for k in keep for seg in seqs[k].segments if seg.transition in trained)
+        skipped = len(transitions) - n_calls
         if acc.num_processes > 1:
             keep = keep[acc.process_index :: acc.num_processes]
-        mbs = pack_micro_batches(transitions, int(self.config.micro_batch_tokens), indices=keep)
-        n_resp_local = sum(len(transitions[i].response_ids) for i in keep)
-        n_tok_local = n_resp_local + sum(len(transitions[i].prompt_ids) for i in keep)
+        mbs = pack_micro_batches(seqs, int(self.config.micro_batch_tokens), indices=keep)
+        n_resp_local = sum(sum(train_masks[k]) for k in keep)
+        n_tok_local = sum(seqs[k].tokens for k in keep)
         counts = torch.tensor([float(n_resp_local), float(n_tok_local), float(len(mbs))], device=self.device)
         totals = acc.reduce(counts, reduction="sum") if acc.num_processes > 1 else counts
         n_mb_max = int(acc.gather(counts[2:3]).max().item()) if acc.num_processes > 1 else len(mbs)
         n_resp, n_tok = totals[0].clamp(min=1.0), float(totals[1].item())
         metrics: dict[str, float] = {
-            "transitions": float(len(keep)),
+            "transitions": float(n_calls),
+            "sequences": float(len(keep)),
             "skipped": float(skipped),
             "tokens": n_tok,
             "response_tokens": float(n_resp_local),
             "micro_batches": float(len(mbs)),
+            **{k: float(v) for k, v in merge_stats.as_dict().items() if k in _MERGE_METRICS},
         }
         if n_mb_max == 0:
             self.global_step += 1
@@ -515,7 +554,7 @@ class PolicyUpdate:
                     loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
                     acc.backward(loss)
                     continue
-                inputs = self._tensors(transitions, mb, advantages)
+                inputs = self._tensors(seqs, mb, token_adv, train_masks)
                 inputs["num_items_in_batch"] = n_resp
                 if tr.beta != 0.0:
                     inputs["ref_per_token_logps"] = self._ref_logps(inputs)
@@ -566,12 +605,13 @@ class PolicyUpdate:
         """Per-token log-probs of each transition's response under the current policy (at the update's
         temperature): what the tests use to check that rewarded responses became more likely."""
         out: list[list[float]] = [[] for _ in transitions]
-        mbs = pack_micro_batches(transitions, int(self.config.micro_batch_tokens))
+        seqs, _ = per_call_trajectories(transitions)
+        mbs = pack_micro_batches(seqs, int(self.config.micro_batch_tokens))
         was_training = self._wrapped.training
         self._wrapped.eval()
         try:
             for mb in mbs:
-                inputs = self._tensors(transitions, mb, [0.0] * len(transitions))
+                inputs = self._tensors(seqs, mb)
                 ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
                 mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
                 lp, _, _ = self.trainer._get_per_token_logps_and_entropies(
@@ -672,8 +712,23 @@ def _ratio_deviation(logps: torch.Tensor | None, inputs: dict[str, Any]) -> floa
     if logps is None:
         return float("nan")
     mask = inputs["completion_mask"].bool()
+    if "tool_mask" in inputs:
+        mask = mask & inputs["tool_mask"].bool()
     ratio = torch.exp(logps.float() - inputs["old_per_token_logps"].float())
     return float((ratio - 1.0).abs().masked_select(mask).max().item()) if mask.any() else 0.0
+
+
+#: the merge statistics a step reports (agl.trajectories.MergeStats.as_dict keys)
+_MERGE_METRICS = ("merge_rate", "tokens_saved", "breaks_retokenised", "breaks_truncated", "breaks_diverged")
+
+
+def _train_mask(seq: Trajectory, trained: set[int]) -> list[int]:
+    """The sequence's loss mask with the tokens of calls left out of this update zeroed."""
+    mask = list(seq.loss_mask)
+    for seg in seq.segments:
+        if seg.transition not in trained:
+            mask[seg.start : seg.end] = [0] * (seg.end - seg.start)
+    return mask
 
 
 def _no_reward(**kwargs: Any) -> list[float]:  # pragma: no cover - GRPOTrainer requires a reward source

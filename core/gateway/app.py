@@ -6,10 +6,14 @@ Outside a per-rollout path the rollout comes from the W3C ``baggage`` header (``
 ``agl.attempt``). Admin: ``GET /agl/v1/status``, ``POST /agl/v1/weights`` ``{"path", "version"}``,
 ``POST /agl/v1/adapters`` ``{"path", "name", "version"}`` (weight swaps between requests).
 
-Streaming: backends that generate a whole reply at once (scripted, transformers) are streamed after
-generation finishes — the chunks are real SSE chunks (content deltas, tool-call deltas, usage) but
-the first one arrives when the reply is complete. The span is stored before the first byte of the
-reply is sent, so it is in the store by the time the client has the full response.
+Streaming: backends with ``streams`` (vllm, openai) stream chat completions for real — each upstream
+chunk is forwarded as it arrives (content and tool-call deltas; token ids and logprobs when the client
+asks), while the backend collects ids and logprobs for the span, which is recorded when the stream
+ends. Other backends' replies (and the completions / Responses routes) are streamed after generation
+finishes as real SSE chunks. A client that disconnects cancels the generation and leaves an ERROR
+span. Spans are stored by a writer thread just after the reply (``span_writes="after_reply"``,
+batched; ``POST /agl/v1/flush`` waits for them, shutdown drains them) or before it
+(``span_writes="before_reply"``), see :mod:`agl.gateway.spans`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -106,7 +111,11 @@ class Gateway:
         *,
         api_key: str | None = None,
         max_body_bytes: int = 32 * 1024 * 1024,
+        span_writes: str = "after_reply",
     ) -> None:
+        if span_writes not in ("after_reply", "before_reply"):
+            raise ValueError(f"span_writes must be 'after_reply' or 'before_reply', got {span_writes!r}")
+        self.span_writes = span_writes
         self.backend = backend
         self.store = store
         self.api_key = api_key
@@ -179,20 +188,22 @@ class Gateway:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from None
         if not self.backend.cancellable:
             return await self.backend.generate(gen)
-        task = asyncio.ensure_future(self.backend.generate(gen))
-        watch = asyncio.ensure_future(_wait_disconnect(request))
+        # generate in this task; a watcher cancels it when the client disconnects (one extra task,
+        # not two: this is on every request's path)
+        me = asyncio.current_task()
+        gone: list[bool] = []
+        watch = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request, me, gone))
         try:
-            done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            return await self.backend.generate(gen)
         except asyncio.CancelledError:
-            task.cancel()
-            raise
+            if not gone:
+                raise
+            if hasattr(me, "uncancel"):  # Python >= 3.11: this cancellation is handled here
+                me.uncancel()  # type: ignore[union-attr]
+            self.stats["cancelled_calls"] += 1
+            raise _ClientGone("the client disconnected before the reply; generation cancelled") from None
         finally:
             watch.cancel()
-        if task not in done:
-            task.cancel()
-            self.stats["cancelled_calls"] += 1
-            raise _ClientGone
-        return task.result()
 
     async def _call(
         self,
@@ -214,68 +225,78 @@ class Gateway:
         result: GenerationResult | None = None
         try:
             result = await self._run(request, gen)
-        except ContextWindowError as exc:
-            raise ApiError(
-                400,
-                str(exc),
-                param="messages" if gen.messages is not None else "prompt",
-                code="context_length_exceeded",
-            ) from None
-        except UpstreamError as exc:
-            if 400 <= exc.status < 500:  # the upstream refused bad input: passed on, nothing recorded
-                self.stats["upstream_refusals"] += 1
-                too_long = "context length" in str(exc).lower()
-                code = "context_length_exceeded" if too_long else "upstream_error"
-                raise ApiError(exc.status, str(exc), type="invalid_request_error", code=code) from None
+        except _ClientGone as exc:  # cancelled: recorded as an ERROR span
             error = exc
-            self.stats["backend_errors"] += 1
-            raise ApiError(
-                502,
-                f"the {self.backend.name} backend failed: {exc}",
-                type="backend_error",
-                code="backend_error",
-            ) from None
-        except (ApiError, _ClientGone):
             raise
-        except Exception as exc:  # noqa: BLE001 - any backend failure is a 502 with an ERROR span
-            error = exc
-            self.stats["backend_errors"] += 1
-            if not isinstance(exc, BackendError):
-                log.exception("agl gateway: backend %s failed", self.backend.name)
-            raise ApiError(
-                502,
-                f"the {self.backend.name} backend failed: {exc}",
-                type="backend_error",
-                code="backend_error",
-            ) from None
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to an API error; backend failures get an ERROR span
+            api_error, error = self._api_error(exc, gen)
+            raise api_error from None
         finally:
-            if rollout is not None and self.writer is not None and (result is not None or error is not None):
-                prefix = None
-                if result is not None and result.prompt_ids is not None and gen.messages is not None:
-                    choice = result.choices[0]
-                    prefix = self.drift.observe(
-                        rollout,
-                        gen.messages,
-                        gen.tools,
-                        result.prompt_ids,
-                        choice.message(),
-                        choice.response_ids,
-                    )
-                spans = build_chat_spans(
-                    request=gen,
-                    result=result,
-                    rollout=rollout,
-                    trace_id=trace_id,
-                    parent_id=parent_id,
-                    start_ns=start_ns,
-                    backend_name=self.backend.name,
-                    response_id=response_id,
-                    prefix_match=prefix,
-                    error=error,
-                    input_messages=input_messages,
-                )
-                await self.writer.write(spans)
+            if result is not None or error is not None:
+                spans = self._spans(gen, result, error, trace, start_ns, response_id, input_messages)
+                if spans and self.span_writes == "before_reply":
+                    await self.writer.write(spans)  # type: ignore[union-attr]
+                elif spans:
+                    self.writer.submit(spans)  # type: ignore[union-attr]
         return result
+
+    def _api_error(self, exc: Exception, gen: GenerationRequest) -> tuple[ApiError, BaseException | None]:
+        """The API error for a backend failure, and the error to record (None: bad input, no span)."""
+        if isinstance(exc, ContextWindowError):
+            param = "messages" if gen.messages is not None else "prompt"
+            return ApiError(400, str(exc), param=param, code="context_length_exceeded"), None
+        if isinstance(exc, UpstreamError) and 400 <= exc.status < 500:
+            # the upstream refused bad input: passed on, nothing recorded
+            self.stats["upstream_refusals"] += 1
+            code = "context_length_exceeded" if "context length" in str(exc).lower() else "upstream_error"
+            return ApiError(exc.status, str(exc), type="invalid_request_error", code=code), None
+        self.stats["backend_errors"] += 1
+        if not isinstance(exc, BackendError):
+            log.error("agl gateway: backend %s failed", self.backend.name, exc_info=exc)
+        message = f"the {self.backend.name} backend failed: {exc}"
+        return ApiError(502, message, type="backend_error", code="backend_error"), exc
+
+    def _spans(
+        self,
+        gen: GenerationRequest,
+        result: GenerationResult | None,
+        error: BaseException | None,
+        trace: tuple[str | None, str | None],
+        start_ns: int,
+        response_id: str,
+        input_messages: list[dict[str, Any]] | None = None,
+    ) -> list[Any]:
+        """The span(s) of a finished call (drift checked); none when there is no rollout or store."""
+        rollout = gen.rollout
+        if rollout is None or self.writer is None:
+            return []
+        prefix = None
+        if result is not None and result.prompt_ids is not None and gen.messages is not None:
+            choice = result.choices[0]
+            prefix = self.drift.observe(
+                rollout, gen.messages, gen.tools, result.prompt_ids, choice.message(), choice.response_ids
+            )
+        return build_chat_spans(
+            request=gen,
+            result=result,
+            rollout=rollout,
+            trace_id=trace[0],
+            parent_id=trace[1],
+            start_ns=start_ns,
+            backend_name=self.backend.name,
+            response_id=response_id,
+            prefix_match=prefix,
+            error=error,
+            input_messages=input_messages,
+        )
+
+    async def flush(self, timeout_s: float | None = 60.0) -> bool:
+        """Wait until the spans of every call answered so far are stored; False on timeout."""
+        if self.writer is None:
+            return True
+        return await asyncio.to_thread(self.writer.flush, timeout_s)
 
     # --------------------------------------------------------------------------------- routes
     async def chat_completions(self, request: Request) -> Response:
@@ -285,6 +306,12 @@ class Gateway:
             rollout, trace_id, parent_id = self._context(request)
             gen = req.to_generation(rollout, body)
             response_id = new_id("chatcmpl")
+            if req.stream and self.backend.streams:
+                events, first, start_ns = await self._open_stream(gen, (trace_id, parent_id), response_id)
+                tracked = self._tracked(gen, events, (trace_id, parent_id), start_ns, response_id)
+                return StreamingResponse(
+                    self._chat_stream(req, gen, tracked, first, response_id), media_type="text/event-stream"
+                )
             result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
         except ApiError as exc:
             return _error(exc)
@@ -307,6 +334,133 @@ class Gateway:
             self._chat_chunks(result, response_id, include_usage, req.return_token_ids),
             media_type="text/event-stream",
         )
+
+    async def _open_stream(
+        self, gen: GenerationRequest, trace: tuple[str | None, str | None], response_id: str
+    ) -> tuple[AsyncIterator[dict[str, Any]], dict[str, Any], int]:
+        """Start a true stream: (events, first event, start time).
+
+        The backend's first event comes before the 200 is committed, so a refusal (bad input, unknown
+        model, upstream down) is still a plain HTTP error, with an ERROR span where the backend failed.
+        """
+        try:
+            self.backend.check_model(gen.model)
+        except UnknownModelError as exc:
+            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+        start_ns = time.time_ns()
+        self.stats["calls"] += 1
+        if gen.rollout is None:
+            self.stats["unattributed_calls"] += 1
+        events = self.backend.stream(gen)
+        try:
+            first = await anext(events)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - mapped like a non-streamed call's failure
+            api_error, error = self._api_error(exc, gen)
+            if error is not None:
+                self._record(self._spans(gen, None, error, trace, start_ns, response_id))
+            raise api_error from None
+        return events, first, start_ns
+
+    def _record(self, spans: list[Any]) -> None:
+        if spans:
+            self.writer.submit(spans)  # type: ignore[union-attr]
+
+    async def _tracked(
+        self,
+        gen: GenerationRequest,
+        events: AsyncIterator[dict[str, Any]],
+        trace: tuple[str | None, str | None],
+        start_ns: int,
+        response_id: str,
+        input_messages: list[dict[str, Any]] | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The backend's events, with the span recorded when the stream ends.
+
+        The ``end`` event is passed on after the span is recorded (stored first with
+        ``before_reply``). A backend failure mid-stream becomes an ``error`` event carrying the
+        ApiError (the 200 is already sent) and an ERROR span; a client that disconnects cancels the
+        stream (the backend's iterator is closed) and leaves an ERROR span.
+        """
+        result: GenerationResult | None = None
+        error: BaseException | None = None
+        end: dict[str, Any] | None = None
+        try:
+            async for ev in events:
+                if ev["type"] == "end":
+                    end, result = ev, ev["result"]
+                else:
+                    yield ev
+            if result is None:
+                raise BackendError("the backend's stream ended without a result")
+        except (asyncio.CancelledError, GeneratorExit):
+            self.stats["cancelled_calls"] += 1
+            error = _ClientGone("the client disconnected mid-stream; generation cancelled")
+            raise
+        except Exception as exc:  # noqa: BLE001 - the 200 is sent: the error goes into the stream
+            api_error, error = self._api_error(exc, gen)
+            error = error or exc
+            yield {"type": "error", "error": api_error}
+            return
+        finally:
+            with anyio.CancelScope(shield=True):
+                await events.aclose()  # type: ignore[attr-defined]
+            if error is not None:
+                self._record(self._spans(gen, None, error, trace, start_ns, response_id, input_messages))
+        spans = self._spans(gen, result, None, trace, start_ns, response_id, input_messages)
+        if spans and self.span_writes == "before_reply":
+            await self.writer.write(spans)  # type: ignore[union-attr]
+        else:
+            self._record(spans)
+        yield end  # type: ignore[misc]
+
+    async def _chat_stream(
+        self,
+        req: ChatCompletionRequest,
+        gen: GenerationRequest,
+        events: AsyncIterator[dict[str, Any]],
+        first: dict[str, Any],
+        response_id: str,
+    ) -> AsyncIterator[bytes]:
+        """Chat-completion chunks from the tracked events, as they come."""
+        head = {
+            "id": response_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": gen.model,
+        }
+        want_ids, want_lp = req.return_token_ids, bool(req.logprobs)
+        prompt_ids = first.get("prompt_ids") if want_ids else None
+        result: GenerationResult | None = None
+        async for ev in events:
+            kind = ev["type"]
+            if kind == "delta":
+                lps = ev.get("logprobs")
+                choice: dict[str, Any] = {
+                    "index": ev["index"],
+                    "delta": ev["delta"],
+                    "logprobs": {"content": lps, "refusal": None} if want_lp and lps is not None else None,
+                    "finish_reason": ev.get("finish_reason"),
+                }
+                if want_ids:
+                    choice["token_ids"] = ev.get("token_ids")
+                chunk = {**head, "choices": [choice]}
+                if prompt_ids is not None:
+                    chunk["prompt_token_ids"], prompt_ids = prompt_ids, None
+                yield _sse(chunk)
+            elif kind == "error":
+                yield _sse(ev["error"].body())
+                return
+            elif kind == "end":
+                result = ev["result"]
+        if result is not None and (req.stream_options or {}).get("include_usage"):
+            prompt = result.prompt_tokens or 0
+            usage = {
+                "prompt_tokens": prompt,
+                "completion_tokens": result.completion_tokens,
+                "total_tokens": prompt + result.completion_tokens,
+            }
+            yield _sse({**head, "choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"
 
     def _token_strings(self, ids: list[int] | None) -> list[str] | None:
         tok = getattr(self.backend, "tokenizer", None)
@@ -418,6 +572,12 @@ class Gateway:
             gen = responses_to_generation(req, rollout)
             response_id = new_id("resp")
             created = time.time()
+            if req.stream and self.backend.streams:
+                events, _, start_ns = await self._open_stream(gen, (trace_id, parent_id), response_id)
+                tracked = self._tracked(gen, events, (trace_id, parent_id), start_ns, response_id)
+                return StreamingResponse(
+                    _response_stream(req, response_id, created, tracked), media_type="text/event-stream"
+                )
             result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
         except ApiError as exc:
             return _error(exc)
@@ -493,6 +653,17 @@ class Gateway:
             "load adapter",
         )
 
+    async def flush_spans(self, request: Request) -> Response:
+        """``POST /agl/v1/flush``: answers once the spans of every call answered so far are stored."""
+        try:
+            self._auth(request)
+        except ApiError as exc:
+            return _error(exc)
+        ok = await self.flush()
+        if not ok:
+            return _error(ApiError(503, "spans are still being written; try again", type="server_error"))
+        return Response(_dumps({"flushed": True, "stats": dict(self.stats)}), media_type="application/json")
+
     async def not_found(self, request: Request) -> Response:
         return _error(ApiError(404, f"no route {request.method} {request.url.path}", code="unknown_url"))
 
@@ -501,10 +672,12 @@ class _ClientGone(Exception):
     """The client disconnected before its reply was ready."""
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def _cancel_on_disconnect(request: Request, task: Any, gone: list[bool]) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
+            gone.append(True)
+            task.cancel()
             return
 
 
@@ -608,6 +781,154 @@ async def _response_events(
     yield event({"type": kind, "response": final})
 
 
+async def _response_stream(
+    req: ResponsesRequest, response_id: str, created: float, events: AsyncIterator[dict[str, Any]]
+) -> AsyncIterator[bytes]:
+    """Responses-API events from a true stream: text and call arguments go out as they are generated."""
+    seq = 0
+
+    def event(obj: dict[str, Any]) -> bytes:
+        nonlocal seq
+        obj["sequence_number"] = seq
+        seq += 1
+        return _sse_event(obj)
+
+    yield event(
+        {"type": "response.created", "response": responses_body(req, response_id, created, result=None)}
+    )
+    yield event(
+        {"type": "response.in_progress", "response": responses_body(req, response_id, created, result=None)}
+    )
+    items: list[dict[str, Any]] = []
+    msg: dict[str, Any] | None = None  # the open message item
+    calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its function_call item
+    parts: dict[int, list[str]] = {}  # output index -> text / argument pieces
+
+    def close_message() -> list[bytes]:
+        nonlocal msg
+        if msg is None:
+            return []
+        idx, text = msg["idx"], "".join(parts[msg["idx"]])
+        item = {
+            "type": "message",
+            "id": msg["id"],
+            "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+        }
+        items.append(item)
+        ids = {"item_id": msg["id"], "output_index": idx, "content_index": 0}
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        msg = None
+        return [
+            event({"type": "response.output_text.done", **ids, "text": text, "logprobs": []}),
+            event({"type": "response.content_part.done", **ids, "part": part}),
+            event({"type": "response.output_item.done", "output_index": idx, "item": item}),
+        ]
+
+    result: GenerationResult | None = None
+    async for ev in events:
+        if ev["type"] == "error":
+            err = ev["error"]
+            yield event({"type": "error", "code": err.code, "message": err.message, "param": err.param})
+            return
+        if ev["type"] == "end":
+            result = ev["result"]
+            continue
+        if ev["type"] != "delta" or ev["index"] != 0:
+            continue
+        delta = ev["delta"]
+        if delta.get("content") and not calls:
+            if msg is None:
+                msg = {"id": new_id("msg"), "idx": len(items) + len(calls)}
+                parts[msg["idx"]] = []
+                yield event(
+                    {
+                        "type": "response.output_item.added",
+                        "output_index": msg["idx"],
+                        "item": {
+                            "type": "message",
+                            "id": msg["id"],
+                            "status": "in_progress",
+                            "role": "assistant",
+                            "content": [],
+                        },
+                    }
+                )
+                yield event(
+                    {
+                        "type": "response.content_part.added",
+                        "item_id": msg["id"],
+                        "output_index": msg["idx"],
+                        "content_index": 0,
+                        "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                    }
+                )
+            parts[msg["idx"]].append(delta["content"])
+            yield event(
+                {
+                    "type": "response.output_text.delta",
+                    "item_id": msg["id"],
+                    "output_index": msg["idx"],
+                    "content_index": 0,
+                    "delta": delta["content"],
+                    "logprobs": [],
+                }
+            )
+        for tc in delta.get("tool_calls") or ():
+            k = tc.get("index", 0)
+            fn = tc.get("function") or {}
+            call = calls.get(k)
+            if call is None:
+                for chunk in close_message():
+                    yield chunk
+                idx = len(items) + len(calls)
+                call = calls[k] = {
+                    "type": "function_call",
+                    "id": new_id("fc"),
+                    "call_id": tc.get("id") or new_id("call"),
+                    "name": fn.get("name") or "",
+                    "arguments": "",
+                    "status": "in_progress",
+                    "idx": idx,
+                }
+                parts[idx] = []
+                item = {key: v for key, v in call.items() if key != "idx"}
+                yield event({"type": "response.output_item.added", "output_index": idx, "item": item})
+            args = fn.get("arguments")
+            if args:
+                parts[call["idx"]].append(args)
+                yield event(
+                    {
+                        "type": "response.function_call_arguments.delta",
+                        "item_id": call["id"],
+                        "output_index": call["idx"],
+                        "delta": args,
+                    }
+                )
+    for chunk in close_message():
+        yield chunk
+    for call in calls.values():
+        idx = call.pop("idx")
+        call["arguments"], call["status"] = "".join(parts[idx]), "completed"
+        items.append(call)
+        yield event(
+            {
+                "type": "response.function_call_arguments.done",
+                "item_id": call["id"],
+                "output_index": idx,
+                "arguments": call["arguments"],
+                "name": call["name"],
+            }
+        )
+        yield event({"type": "response.output_item.done", "output_index": idx, "item": call})
+    if result is None:  # pragma: no cover - the tracked stream ends with a result or an error
+        return
+    final = responses_body(req, response_id, created, result=result, output=items)
+    kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+    yield event({"type": kind, "response": final})
+
+
 def create_app(backend: Backend, store: Any = None, **kwargs: Any) -> Starlette:
     """The ASGI app; ``app.state.gateway`` is the :class:`Gateway` (stats, drift tracker, backend)."""
     gw = Gateway(backend, store, **kwargs)
@@ -624,7 +945,11 @@ def create_app(backend: Backend, store: Any = None, **kwargs: Any) -> Starlette:
         try:
             yield
         finally:
-            await backend.close()
+            try:
+                await backend.close()
+            finally:
+                if gw.writer is not None:  # requests are done: store what is queued, lose nothing
+                    await asyncio.to_thread(gw.writer.close)
 
     async def on_404(request: Request, exc: Exception) -> Response:
         return await gw.not_found(request)
@@ -645,6 +970,7 @@ def create_app(backend: Backend, store: Any = None, **kwargs: Any) -> Starlette:
             Mount("/v1", routes=v1),
             Mount("/rollouts/{rollout_id}/attempts/{attempt:int}/v1", routes=v1),
             Route("/agl/v1/status", gw.status, methods=["GET"]),
+            Route("/agl/v1/flush", gw.flush_spans, methods=["POST"]),
             Route("/agl/v1/weights", gw.load_weights, methods=["POST"]),
             Route("/agl/v1/adapters", gw.load_adapter, methods=["POST"]),
         ],

@@ -1,11 +1,15 @@
-"""Server-side ``chat`` spans: built per call, written to the store before the client gets its reply.
+"""Server-side ``chat`` spans: built per call, stored by a writer thread off the request path.
 
-The gateway builds :class:`agl.types.Span` objects directly instead of going through an OTel
-``TracerProvider`` + batch exporter: a batch exporter would write *after* the response, and the
-contract is that the span is in the store by the time the client has the full response. Concurrent
-requests' spans are still written in one ``add_spans`` call (a small group-commit writer), so a busy
-gateway makes few store round-trips. The parent comes from the incoming W3C ``traceparent`` (parsed
-by OTel's own propagator); rollout and attempt from the URL path or the W3C ``baggage`` header.
+The gateway builds :class:`agl.types.Span` objects directly (``model_construct`` on values it made or
+checked itself) instead of going through an OTel ``TracerProvider``: no per-span validation, no span
+processors. By default (``span_writes="after_reply"``) the reply leaves first and the span follows
+within milliseconds: a :class:`SpanWriter` thread stores everything that arrived while it was busy in
+one ``add_spans`` call, so a busy gateway makes few store round trips and no request waits for a
+commit; ``POST /agl/v1/flush`` (or ``Gateway.flush()``) waits until every span of the calls answered
+so far is stored, and shutdown drains the queue. ``span_writes="before_reply"`` stores each span before
+its reply is sent (the client then finds it in the store as soon as it has the answer). The parent
+comes from the incoming W3C ``traceparent`` (parsed by OTel's own propagator); rollout and attempt
+from the URL path or the W3C ``baggage`` header.
 
 Calls that belong to no rollout are served but their spans are **not** stored (a stored span needs a
 rollout); they are counted in ``Gateway.stats["unattributed_calls"]``.
@@ -18,9 +22,10 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from agl import semconv as sc
@@ -285,40 +290,98 @@ def _choice_attrs(attrs: dict[str, Any], choice: Choice) -> None:
 
 
 class SpanWriter:
-    """Group commit: spans of concurrent requests go to the store in one ``add_spans`` call.
+    """Stores the gateway's spans from one writer thread, batching what arrives while it writes.
 
-    ``await write(spans)`` returns once the spans are stored (or the write failed: failures are logged
-    and counted, never turned into an error for the client — the agent's run must not break because
-    a span could not be stored, e.g. for a rollout id the store does not know).
+    ``submit(spans)`` queues and returns at once: the reply is not held back by the store (a SQLite
+    commit or an HTTP round trip), and everything queued while the thread was busy goes to the store in
+    one ``add_spans`` call. ``await write(spans)`` queues and returns once the spans are stored (the
+    ``before_reply`` mode). ``flush()`` waits until everything queued so far is stored; ``close()``
+    flushes and stops the thread — the gateway calls it at shutdown, after the last request, so a clean
+    shutdown loses no span. Failures are logged and counted, never turned into an error for the client
+    (the agent's run must not break because a span could not be stored, e.g. for an unknown rollout).
+    The memory store is written in line: in-process and lock-protected, that is cheaper than a hop.
     """
 
     def __init__(self, store: Any, stats: dict[str, int]) -> None:
         self.store = store
         self.stats = stats
-        self._pending: list[tuple[list[Span], asyncio.Future[None]]] = []
-        self._task: asyncio.Task[None] | None = None
-        self._inline = type(store).__name__ == "MemoryStore"
+        self.inline = type(store).__name__ == "MemoryStore"
+        self._cond = threading.Condition()
+        self._queue: list[tuple[list[Span], Callable[[], None] | None]] = []
+        self._queued = 0  # spans accepted so far
+        self._done = 0  # spans handled (stored or failed) so far
+        self._closed = False
+        self._thread: threading.Thread | None = None
 
-    async def write(self, spans: list[Span]) -> None:
-        if self._inline:  # in-process and lock-protected: cheaper than a thread hop
+    def submit(self, spans: list[Span]) -> None:
+        """Queue spans for the writer thread; returns immediately."""
+        if self.inline:
             self._add(spans)
             return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((spans, fut))
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._drain())
+        self._put(spans, None)
+
+    async def write(self, spans: list[Span]) -> None:
+        """Queue spans and wait until they are stored (or their write failed)."""
+        if self.inline:
+            self._add(spans)
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def done() -> None:
+            loop.call_soon_threadsafe(_resolve, fut)
+
+        self._put(spans, done)
         await asyncio.shield(fut)
 
-    async def _drain(self) -> None:
-        while self._pending:
-            batch, self._pending = self._pending, []
-            spans = [s for group, _ in batch for s in group]
+    def _put(self, spans: list[Span], done: Callable[[], None] | None) -> None:
+        with self._cond:
+            if self._closed:  # after close (should not happen): write in line rather than lose them
+                self._add(spans)
+                if done is not None:
+                    done()
+                return
+            self._queue.append((spans, done))
+            self._queued += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="agl-gateway-spans", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue and self._closed:
+                    return
+                batch, self._queue = self._queue, []
             try:
-                await asyncio.to_thread(self._add, spans, batch)
+                self._add([s for group, _ in batch for s in group], batch)
             finally:
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_result(None)
+                for _, done in batch:
+                    if done is not None:
+                        done()
+                with self._cond:
+                    self._done += len(batch)
+                    self._cond.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Block until every span queued before the call is handled; False on timeout."""
+        with self._cond:
+            target = self._queued
+            return self._cond.wait_for(lambda: self._done >= target, timeout=timeout_s)
+
+    def close(self, timeout_s: float | None = 60.0) -> None:
+        """Store what is queued, then stop the writer thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.warning("agl gateway: span writer still busy after %s s at shutdown", timeout_s)
 
     def _add(self, spans: list[Span], batch: list[tuple[list[Span], Any]] | None = None) -> None:
         try:
@@ -341,3 +404,8 @@ class SpanWriter:
         log.warning(
             "agl gateway: could not store %d span(s) of rollout %s: %s", len(spans), spans[0].rollout_id, exc
         )
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

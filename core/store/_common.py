@@ -25,6 +25,7 @@ __all__ = [
     "check_limit",
     "check_mode",
     "check_modes",
+    "check_offset",
     "check_statuses",
     "check_timeout",
     "coerce_many",
@@ -95,6 +96,14 @@ def check_limit(limit: Any) -> int | None:
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0 or limit > 2**62:
         raise InvalidInputError(f"limit must be an integer between 0 and 2**62, got {limit!r}")
     return limit
+
+
+def check_offset(offset: Any) -> int:
+    if offset is None:
+        return 0
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset > 2**62:
+        raise InvalidInputError(f"offset must be an integer between 0 and 2**62, got {offset!r}")
+    return offset
 
 
 def check_mode(mode: Any) -> str | None:

@@ -31,7 +31,8 @@ Details every implementation keeps (``tests/store/conformance.py`` checks them):
 - ``add_spans``: spans for an unknown rollout or attempt are a ``NotFoundError`` and no span of the batch
   is stored. Spans may arrive after their attempt ended: after ``succeeded``/``failed`` they are stored
   as usual, after ``lost``/``timed_out`` they are stored ``stale``.
-- Every returned ``Rollout`` carries its ``attempts``. Queries return oldest first and honour ``limit``;
+- Every returned ``Rollout`` carries its ``attempts``. Queries return oldest first and honour ``limit``
+  (and ``query_rollouts`` its ``offset``: that many matches skipped first);
   ``wait_for_rollouts`` returns the terminal ones in the order the ids were given.
 - Resources versions start at 1 and increase by one per ``add_resources``; an unknown version passed to
   ``get_resources`` is a ``NotFoundError``.
@@ -149,8 +150,13 @@ class Store(Protocol):
         group_id: str | None = None,
         ids: Sequence[str] | None = None,
         limit: int | None = None,
+        offset: int | None = None,
     ) -> list[Rollout]:
-        """Rollouts matching every given filter, oldest first, each with its attempts."""
+        """Rollouts matching every given filter, oldest first, each with its attempts.
+
+        ``offset`` skips that many matching rollouts first (then ``limit`` applies): rollouts are only
+        ever added, in store order, so ``offset=n`` after seeing ``n`` rollouts returns the new ones.
+        """
         ...
 
     def get_attempts(self, rollout_id: str) -> list[Attempt]: ...

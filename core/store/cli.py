@@ -50,29 +50,11 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
 
-def _open(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The store to serve, and (test-only) a factory of fresh sibling stores."""
+def _open(args: argparse.Namespace) -> Any:
+    """The store to serve."""
     from agl.store import open as open_store
-    from agl.store.server import TEST_NAMESPACES_ENV
 
-    url = args.store or f"sqlite:///{Path(args.db or 'agl.db')}"
-    store = open_store(url)
-    factory = None
-    if os.environ.get(TEST_NAMESPACES_ENV) == "1":
-        if url.startswith("sqlite:"):
-            rest = url.split("://", 1)[1]
-            base = Path(rest[1:] if rest.startswith("/") else rest)
-            suffix = base.suffix or ".db"
-
-            def factory(ns: str) -> Any:
-                return open_store(f"sqlite:///{base.with_name(base.stem + '.' + ns + suffix)}")
-
-        else:
-
-            def factory(ns: str) -> Any:
-                return open_store(url)
-
-    return store, factory
+    return open_store(args.store or f"sqlite:///{Path(args.db or 'agl.db')}")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -95,14 +77,13 @@ def _serve(args: argparse.Namespace) -> int:
     max_body = args.max_body_bytes if args.max_body_bytes is not None else DEFAULT_MAX_BODY_BYTES
     if max_body <= 0:
         raise ValueError(f"--max-body-bytes must be positive, got {max_body}")
-    store, factory = _open(args)
+    store = _open(args)
     serve(
         store,
         host=args.host,
         port=args.port,
         token=token,
         max_body_bytes=max_body,
-        namespace_factory=factory,
         log_level=args.log_level,
     )
     return 0

@@ -50,6 +50,7 @@ from agl.store._common import (
     check_limit,
     check_mode,
     check_modes,
+    check_offset,
     check_statuses,
     check_timeout,
     coerce_many,
@@ -734,23 +735,25 @@ class _Requests:
         group_id: str | None,
         ids: Sequence[str] | None,
         limit: int | None,
+        offset: int | None = None,
     ) -> _Req:
         statuses = check_statuses(status)
         check_mode(mode)
         check_limit(limit)
+        skip = check_offset(offset)
         if group_id is not None and not isinstance(group_id, str):
             raise InvalidInputError(f"group_id must be a string, got {group_id!r}")
         id_list = None if ids is None else check_ids(ids)
-        body = _to_json(
-            {
-                "status": None if statuses is None else list(statuses),
-                "mode": mode,
-                "group_id": group_id,
-                "ids": id_list,
-                "limit": limit,
-            }
-        )
-        return _Req("POST", self._u("/rollouts/query"), body, _P_ROLLOUTS)
+        query: dict[str, Any] = {
+            "status": None if statuses is None else list(statuses),
+            "mode": mode,
+            "group_id": group_id,
+            "ids": id_list,
+            "limit": limit,
+        }
+        if skip:  # sent only when used, so a query without it works against an older server too
+            query["offset"] = skip
+        return _Req("POST", self._u("/rollouts/query"), _to_json(query), _P_ROLLOUTS)
 
     def _get_attempts(self, rollout_id: str) -> _Req:
         rid = _check_path_id(rollout_id, "rollout")
@@ -957,8 +960,9 @@ class HttpStore(_Requests):
         group_id: str | None = None,
         ids: Sequence[str] | None = None,
         limit: int | None = None,
+        offset: int | None = None,
     ) -> list[Rollout]:
-        return self._send(self._query_rollouts(status, mode, group_id, ids, limit))
+        return self._send(self._query_rollouts(status, mode, group_id, ids, limit, offset))
 
     def get_attempts(self, rollout_id: str) -> list[Attempt]:
         return self._send(self._get_attempts(rollout_id))
@@ -1145,8 +1149,9 @@ class AsyncHttpStore(_Requests):
         group_id: str | None = None,
         ids: Sequence[str] | None = None,
         limit: int | None = None,
+        offset: int | None = None,
     ) -> list[Rollout]:
-        return await self._send(self._query_rollouts(status, mode, group_id, ids, limit))
+        return await self._send(self._query_rollouts(status, mode, group_id, ids, limit, offset))
 
     async def get_attempts(self, rollout_id: str) -> list[Attempt]:
         return await self._send(self._get_attempts(rollout_id))

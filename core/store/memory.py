@@ -26,6 +26,7 @@ from agl.store._common import (
     check_limit,
     check_mode,
     check_modes,
+    check_offset,
     check_statuses,
     check_timeout,
     coerce_many,
@@ -370,10 +371,12 @@ class MemoryStore:
         group_id: str | None = None,
         ids: Sequence[str] | None = None,
         limit: int | None = None,
+        offset: int | None = None,
     ) -> list[Rollout]:
         statuses = check_statuses(status)
         check_mode(mode)
         limit = check_limit(limit)
+        skip = check_offset(offset)
         id_list = None if ids is None else check_ids(ids)
         with self._lock:
             self._reap(time.time())
@@ -392,6 +395,9 @@ class MemoryStore:
                 if mode is not None and r.mode != mode:
                     continue
                 if group_id is not None and r.group_id != group_id:
+                    continue
+                if skip:
+                    skip -= 1
                     continue
                 out.append(rec.public())
                 if limit is not None and len(out) >= limit:

@@ -43,8 +43,9 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
+from agl.dashboard.mount import UI_PREFIX, LazyUI, is_public_ui_path
 from agl.store._common import describe_validation_error
 from agl.store._wire import dump_spans
 from agl.store.base import InvalidInputError, Store, StoreError
@@ -53,14 +54,12 @@ from agl.types import AttemptError, Claim, Mode, NewRollout, Rollout, Span, Task
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "LONG_POLL_CAP_S",
-    "TEST_NAMESPACES_ENV",
     "ServerProcess",
     "StoreServer",
     "create_app",
     "is_loopback",
     "serve",
     "serve_in_thread",
-    "shared_test_server",
 ]
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -69,8 +68,6 @@ LONG_POLL_CAP_S = 30.0
 #: How often a held request checks that its client is still connected.
 _POLL_SLICE_S = 1.0
 _IDEM_CACHE = 10_000
-#: Test-only: serve a fresh, separate store under /_test/stores/{ns}/... (see ``create_app``).
-TEST_NAMESPACES_ENV = "AGL_STORE_TEST_NAMESPACES"
 
 _JSON = "application/json"
 _MAX_INT = 2**63 - 1
@@ -115,6 +112,7 @@ class _RolloutQuery(_Body):
     group_id: str | None = None
     ids: list[str] | None = None
     limit: int | None = Field(default=None, ge=0, le=_MAX_INT)
+    offset: int | None = Field(default=None, ge=0, le=_MAX_INT)
 
 
 class _WaitIn(_Body):
@@ -221,7 +219,12 @@ class _Guard:
         self._expected = f"Bearer {token}".encode() if token else None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if self._expected is not None and scope["type"] == "http" and scope["path"] != "/health":
+        if (
+            self._expected is not None
+            and scope["type"] == "http"
+            and scope["path"] != "/health"
+            and not is_public_ui_path(scope["path"])  # the dashboard page; its /ui/api/ is guarded
+        ):
             got = b""
             for name, value in scope["headers"]:
                 if name == b"authorization":
@@ -239,7 +242,7 @@ class _Guard:
 
 
 class StoreServer:
-    """The request handlers over one store (plus test namespaces when enabled)."""
+    """The request handlers over one store."""
 
     def __init__(
         self,
@@ -247,14 +250,10 @@ class StoreServer:
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         long_poll_cap_s: float = LONG_POLL_CAP_S,
-        namespace_factory: Callable[[str], Store] | None = None,
     ) -> None:
         self.store = store
         self.max_body_bytes = max_body_bytes
         self.long_poll_cap_s = long_poll_cap_s
-        self._namespace_factory = namespace_factory
-        self._namespaces: dict[str, Store] = {}
-        self._ns_counter = 0
         #: Idempotency-Key -> (request fingerprint, status, body) of its first answer
         self._idem: OrderedDict[str, tuple[str, int, bytes]] = OrderedDict()
         self._inflight: dict[str, tuple[str, asyncio.Future[tuple[int, bytes]]]] = {}
@@ -262,16 +261,12 @@ class StoreServer:
         #: requests held right now (claim / wait long-polls), for tests and monitoring
         self.active_polls = 0
         self._poll_limiter: anyio.CapacityLimiter | None = None
+        #: the dashboard under /ui (built on its first request)
+        self.ui = LazyUI(store)
 
     # ------------------------------------------------------------ plumbing
     def _store(self, request: Request) -> Store:
-        ns = request.path_params.get("ns")
-        if ns is None:
-            return self.store
-        store = self._namespaces.get(ns)
-        if store is None:
-            raise HTTPException(404)
-        return store
+        return self.store
 
     async def _body(self, request: Request) -> bytes:
         cached = request.scope.get("agl.body")
@@ -498,7 +493,7 @@ class StoreServer:
     async def query_rollouts(self, request: Request) -> Response:
         q = await self._json_body(request, _RolloutQuery)
         rollouts = self._store(request).query_rollouts(
-            status=q.status, mode=q.mode, group_id=q.group_id, ids=q.ids, limit=q.limit
+            status=q.status, mode=q.mode, group_id=q.group_id, ids=q.ids, limit=q.limit, offset=q.offset
         )
         return self._ok(b'{"rollouts":' + _dump(rollouts) + b"}")
 
@@ -562,23 +557,8 @@ class StoreServer:
         )
         return Response(answer.body, status_code=answer.status, media_type=answer.media_type)
 
-    # ------------------------------------------------------- test namespaces
-    async def ns_create(self, request: Request) -> Response:
-        assert self._namespace_factory is not None
-        self._ns_counter += 1
-        name = f"ns{self._ns_counter}"
-        self._namespaces[name] = self._namespace_factory(name)
-        return self._ok(json.dumps({"namespace": name, "prefix": f"/_test/stores/{name}"}).encode())
-
-    async def ns_delete(self, request: Request) -> Response:
-        store = self._namespaces.pop(request.path_params["ns"], None)
-        if store is None:
-            raise HTTPException(404)
-        store.close()
-        return self._ok(b'{"deleted":true}')
-
     # ------------------------------------------------------------ routing
-    def routes(self) -> list[Route]:
+    def routes(self) -> list[Any]:
         table: list[tuple[str, Callable[[Request], Awaitable[Response]], Sequence[str]]] = [
             # the hot paths of a runner first: Starlette tries routes in order
             ("/claim", self.claim, ["POST"]),
@@ -600,21 +580,14 @@ class StoreServer:
             ("/tasks/query", self.query_tasks, ["POST"]),
             ("/tasks/{task_id}", self.get_task, ["GET"]),
         ]
-        routes = [Route("/health", self.health, methods=["GET"])]
+        routes: list[Any] = [Route("/health", self.health, methods=["GET"])]
         routes += [Route(path, fn, methods=list(methods)) for path, fn, methods in table]
-        if self._namespace_factory is not None:
-            routes.append(Route("/_test/stores", self.ns_create, methods=["POST"]))
-            routes.append(Route("/_test/stores/{ns}", self.ns_delete, methods=["DELETE"]))
-            routes += [
-                Route("/_test/stores/{ns}" + path, fn, methods=list(methods)) for path, fn, methods in table
-            ]
+        routes.append(Mount(UI_PREFIX, app=self.ui))
         return routes
 
     def close(self) -> None:
         self._closing = True
-        for store in self._namespaces.values():
-            store.close()
-        self._namespaces.clear()
+        self.ui.close()
 
 
 def create_app(
@@ -623,15 +596,9 @@ def create_app(
     token: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     long_poll_cap_s: float = LONG_POLL_CAP_S,
-    namespace_factory: Callable[[str], Store] | None = None,
     close_store: bool = True,
 ) -> Any:
-    """The ASGI app serving ``store``.
-
-    ``namespace_factory`` is for tests only: with it, ``POST /_test/stores`` opens a fresh store and
-    serves it under ``/_test/stores/{ns}/...``, so one server process gives every test its own empty
-    store (the conformance suite runs over HTTP without a server start per test).
-    """
+    """The ASGI app serving ``store`` (test-only routes live in ``agl.testing.store_server``)."""
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     if not math.isfinite(long_poll_cap_s) or long_poll_cap_s <= 0:
@@ -640,7 +607,6 @@ def create_app(
         store,
         max_body_bytes=max_body_bytes,
         long_poll_cap_s=long_poll_cap_s,
-        namespace_factory=namespace_factory,
     )
 
     @contextlib.asynccontextmanager
@@ -814,17 +780,6 @@ class ServerProcess:
         finally:
             conn.close()
 
-    def new_namespace(self) -> str:
-        """URL of a fresh, empty store on this server (needs ``AGL_STORE_TEST_NAMESPACES=1``)."""
-        status, body = self.request("POST", "/_test/stores", b"")
-        if status != 200:
-            raise RuntimeError(f"server refused a test namespace ({status}): {body[:300]!r}")
-        return f"{self.url}{json.loads(body)['prefix']}"
-
-    def drop_namespace(self, url: str) -> None:
-        assert self.url is not None
-        self.request("DELETE", url[len(self.url) :])
-
     def __enter__(self) -> ServerProcess:
         self.start()
         return self
@@ -880,35 +835,6 @@ def serve_in_thread(
         sock.close()
 
 
-_shared: ServerProcess | None = None
-
-
-def shared_test_server() -> ServerProcess:
-    """One server process per test process, over SQLite, with test namespaces on; stopped at exit."""
-    global _shared
-    if _shared is None or _shared.proc is None or _shared.proc.poll() is not None:
-        import atexit
-        import tempfile
-
-        tmp = tempfile.mkdtemp(prefix="agl-store-test-")
-        server = ServerProcess(
-            os.path.join(tmp, "store.db"),
-            env={TEST_NAMESPACES_ENV: "1"},
-            log_path=os.path.join(tmp, "server.log"),
-        )
-        server.start()
-
-        def cleanup() -> None:
-            import shutil
-
-            server.stop()
-            shutil.rmtree(tmp, ignore_errors=True)
-
-        atexit.register(cleanup)
-        _shared = server
-    return _shared
-
-
 def serve(
     store: Store,
     *,
@@ -916,9 +842,9 @@ def serve(
     port: int = 4747,
     token: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    namespace_factory: Callable[[str], Store] | None = None,
     ready_message: str = "agl store: serving",
     log_level: str = "warning",
+    wrap: Callable[[Any], Any] | None = None,
 ) -> None:
     """Serve ``store`` until SIGINT/SIGTERM; prints ``<ready_message> http://host:port`` once listening.
 
@@ -931,7 +857,9 @@ def serve(
         )
     import uvicorn
 
-    app = create_app(store, token=token, max_body_bytes=max_body_bytes, namespace_factory=namespace_factory)
+    app = create_app(store, token=token, max_body_bytes=max_body_bytes)
+    if wrap is not None:  # agl.testing.store_server adds its test-only routes this way
+        app = wrap(app)
     sock = _bind(host, port)
     bound_port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host

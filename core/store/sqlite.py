@@ -53,6 +53,7 @@ from agl.store._common import (
     check_limit,
     check_mode,
     check_modes,
+    check_offset,
     check_statuses,
     check_timeout,
     coerce_many,
@@ -753,10 +754,12 @@ class SQLiteStore:
         group_id: str | None = None,
         ids: Sequence[str] | None = None,
         limit: int | None = None,
+        offset: int | None = None,
     ) -> list[Rollout]:
         statuses = check_statuses(status)
         check_mode(mode)
         limit = check_limit(limit)
+        skip = check_offset(offset)
         id_list = None if ids is None else list(dict.fromkeys(check_ids(ids)))
         where: list[str] = []
         args: list[Any] = []
@@ -775,14 +778,15 @@ class SQLiteStore:
             if id_list is None:
                 sql = f"SELECT {_ROLLOUT_COLS} FROM rollouts"
                 sql += (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY n"
-                if limit is not None:
-                    sql += f" LIMIT {limit}"
+                if limit is not None or skip:
+                    sql += f" LIMIT {-1 if limit is None else limit}"
+                if skip:
+                    sql += f" OFFSET {skip}"
                 rows = self._conn.execute(sql, args).fetchall()
             else:
                 with _ReadTxn(self._conn):
                     rows = self._rows_by_ids(id_list, "".join(f" AND {w}" for w in where), args)
-                if limit is not None:
-                    rows = rows[:limit]
+                rows = rows[skip:] if limit is None else rows[skip : skip + limit]
         return [_rollout(r) for r in rows]
 
     def get_attempts(self, rollout_id: str) -> list[Attempt]:

@@ -36,6 +36,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agl import semconv
+from agl.instrumentation import guarded
 
 __all__ = ["AglTracer", "Hooks", "ToolCall"]
 
@@ -49,18 +50,6 @@ SELECTOR_DESCRIPTION = "selects the next speaker of the group chat"
 _TURN: contextvars.ContextVar[str | None] = contextvars.ContextVar("agl_autogen_turn", default=None)
 #: the tool call AssistantAgent is executing now (set by the ``_execute_tool_call`` wrapper)
 _PENDING: contextvars.ContextVar[ToolCall | None] = contextvars.ContextVar("agl_autogen_tool", default=None)
-
-_logged: set[str] = set()
-errors = 0  # agl-side failures swallowed so that the user's run goes on
-
-
-def _failed(where: str, exc: BaseException) -> None:
-    """agl's own failure: count it, log it once per place, never let it reach the user's run."""
-    global errors
-    errors += 1
-    if where not in _logged:
-        _logged.add(where)
-        logger.warning("agl: autogen integration failed in %s (the run continues): %r", where, exc)
 
 
 def _reset(var: contextvars.ContextVar[Any], token: contextvars.Token[Any]) -> None:
@@ -178,7 +167,7 @@ class AglTracer(trace.Tracer):
                     attrs[semconv.GEN_AI_TOOL_CALL_ARGUMENTS] = pending.arguments
             attrs[semconv.AGL_INTEGRATION] = INTEGRATION
         except Exception as exc:  # noqa: BLE001
-            _failed("span attributes", exc)
+            guarded("autogen.span_attributes").failed(exc)
         return name, kind, attrs, claim
 
     def start_span(
@@ -261,7 +250,7 @@ class Hooks:
                 try:
                     hooks.on_first_turn()
                 except Exception as exc:  # noqa: BLE001
-                    _failed("set-up check", exc)
+                    guarded("autogen.set_up_check").failed(exc)
             if kwargs.get("tracer") is None:
                 kwargs["tracer"] = autogen_tracer
             agent_name = args[0] if args else kwargs.get("agent_name")
@@ -309,7 +298,7 @@ class Hooks:
                 call = kwargs["tool_call"] if "tool_call" in kwargs else args[0]
                 pending = ToolCall(getattr(call, "id", None), getattr(call, "name", ""), call.arguments)
             except Exception as exc:  # noqa: BLE001
-                _failed("tool call", exc)
+                guarded("autogen.tool_call").failed(exc)
                 return await wrapped(*args, **kwargs)
             token = _PENDING.set(pending)
             try:
@@ -318,14 +307,14 @@ class Hooks:
                 try:
                     pending.fail(tracer, exc)
                 except Exception as err:  # noqa: BLE001
-                    _failed("tool failure", err)
+                    guarded("autogen.tool_failure").failed(err)
                 raise
             finally:
                 _reset(_PENDING, token)
             try:
                 pending.finish(tracer, outcome)
             except Exception as exc:  # noqa: BLE001
-                _failed("tool result", exc)
+                guarded("autogen.tool_result").failed(exc)
             return outcome
 
         return wrapper

@@ -21,8 +21,8 @@ go to a second logger at DEBUG, and ``LLMCallEvent`` duplicates the openai integ
 logger is silent at the default WARNING level, and enabling it would make the application's own
 handlers print AutoGen's events. The spans carry everything agl needs without touching logging.
 
-Every replacement is recorded and put back by ``uninstrument()`` (only where it is still agl's), so
-nothing is left patched. AutoGen's runtime messaging spans (``autogen publish ...``) and its
+Every replacement goes through the integration's patch ledger (``agl.instrumentation.PatchLedger``) and
+is put back by ``uninstrument()`` (only where it is still agl's), so nothing is left patched. AutoGen's runtime messaging spans (``autogen publish ...``) and its
 ``create_agent`` spans are left as they are, on the global provider.
 """
 
@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 from opentelemetry import trace
 
-from agl.instrument import Instrumentor
+from agl.instrumentation import Instrumentor, guarded, is_instrumented
 
 __all__ = ["AutoGenInstrumentor"]
 
@@ -71,31 +71,12 @@ _SELECTOR = (
 
 def _check_llm_tracing() -> None:
     """At the first agent turn: warn when nothing will trace the agents' LLM calls."""
-    try:
-        from agl.integrations.openai import OpenAIInstrumentor
-
-        active = bool(OpenAIInstrumentor().is_instrumented_by_opentelemetry)
-    except Exception:  # noqa: BLE001 - the openai package or integration is unavailable
-        active = False
-    if not active:
+    if not is_instrumented("openai"):
         logger.warning(
             "agl: the 'openai' integration is not instrumented, so the LLM calls of AutoGen's "
             "OpenAIChatCompletionClient get no chat spans and no traceparent and cannot be attributed "
             "to agents; use agl.instrument() or agl.instrument('autogen', 'openai')"
         )
-
-
-class _Patch:
-    __slots__ = ("owner", "attr", "original", "replacement")
-
-    def __init__(self, owner: Any, attr: str, original: Any, replacement: Any) -> None:
-        self.owner, self.attr, self.original, self.replacement = owner, attr, original, replacement
-
-    def undo(self) -> None:
-        if (
-            vars(self.owner).get(self.attr) is self.replacement
-        ):  # someone else re-patched it since: leave theirs
-            setattr(self.owner, self.attr, self.original)
 
 
 class AutoGenInstrumentor(Instrumentor):
@@ -111,45 +92,26 @@ class AutoGenInstrumentor(Instrumentor):
     extra: ClassVar[str] = "autogen"
     instruments: ClassVar[tuple[str, ...]] = ("autogen-agentchat >= 0.7.5", "autogen-core >= 0.7.5")
 
-    _patches: list[_Patch]
-    _hooks: Any = None
+    distributions: ClassVar[tuple[str, ...]] = ("autogen-agentchat", "autogen-core", "autogen-ext")
 
     def __init__(self) -> None:
-        if not hasattr(self, "_patches"):
-            self._patches = []
-            self._late_done: set[str] = set()
-            self._late_lock = threading.Lock()
+        super().__init__()
+        self._hooks: Any = None
+        self._late_done: set[str] = set()
+        self._late_lock = threading.Lock()
 
     @property
     def patches(self) -> list[tuple[Any, str]]:
         """(owner, attribute) of everything agl replaced (tests compare them before and after)."""
-        return [(p.owner, p.attr) for p in self._patches]
+        return self.ledger.patches
 
     # ------------------------------------------------------------------------------ patching
-    def _replace(self, owner: Any, attr: str, replacement: Any) -> None:
-        original = vars(owner)[attr]
-        setattr(owner, attr, replacement)
-        self._patches.append(_Patch(owner, attr, original, replacement))
-
-    def _wrap(self, owner: Any, attr: str, wrapper: Any) -> None:
-        import wrapt
-
-        self._replace(owner, attr, wrapt.FunctionWrapper(vars(owner)[attr], wrapper))
-
     def _patch_site(self, module: Any, attr: str, which: str) -> None:
         hooks = self._hooks
-        original = vars(module).get(attr)
-        if original is None:
-            logger.warning(
-                "agl: %s has no %s (changed in this AutoGen version?); not instrumented there",
-                module.__name__,
-                attr,
-            )
-            return
-        if which == "invoke":
-            self._replace(module, attr, hooks.invoke_agent_helper(original))
-        else:
-            self._replace(module, attr, hooks.tool_helper(original))
+        make = hooks.invoke_agent_helper if which == "invoke" else hooks.tool_helper
+        self.ledger.replace(
+            (module, attr), make, optional=f"AutoGen's {attr} calls in {module.__name__} are not instrumented"
+        )
 
     def _patch_late_sites(self) -> None:
         """Patch call sites of modules imported since ``instrument()`` (cheap when nothing is new)."""
@@ -165,10 +127,8 @@ class AutoGenInstrumentor(Instrumentor):
                 if module_name in self._late_done or self._hooks is None:
                     continue
                 self._late_done.add(module_name)
-                try:
+                with guarded("autogen.late_patch"):  # never break the user's run
                     self._patch_site(module, attr, which)
-                except Exception as exc:  # noqa: BLE001 - never break the user's run
-                    logger.warning("agl: cannot instrument %s.%s: %r", module_name, attr, exc)
 
     def _instrument(self, **kwargs: Any) -> None:
         from agl import __version__
@@ -190,23 +150,16 @@ class AutoGenInstrumentor(Instrumentor):
                 if cls is None:
                     continue
                 if "on_messages" in vars(cls):
-                    self._wrap(cls, "on_messages", hooks.on_messages())
+                    self.ledger.wrap((cls, "on_messages"), hooks.on_messages())
                 if "on_messages_stream" in vars(cls):
-                    self._wrap(cls, "on_messages_stream", hooks.on_messages_stream())
+                    self.ledger.wrap((cls, "on_messages_stream"), hooks.on_messages_stream())
             for (module_name, class_name, attr), wrapper in (
                 (_TOOL_CALL, hooks.execute_tool_call()),
                 (_SELECTOR, hooks.select_speaker()),
             ):
-                cls = getattr(importlib.import_module(module_name), class_name, None)
-                if cls is None or attr not in vars(cls):
-                    logger.warning(
-                        "agl: AutoGen has no %s.%s.%s; that part is not instrumented",
-                        module_name,
-                        class_name,
-                        attr,
-                    )
-                    continue
-                self._wrap(cls, attr, wrapper)
+                self.ledger.wrap(
+                    f"{module_name}:{class_name}.{attr}", wrapper, optional="that part is not instrumented"
+                )
             self._patch_late_sites()
         except BaseException:
             self._undo()
@@ -215,8 +168,7 @@ class AutoGenInstrumentor(Instrumentor):
     def _undo(self) -> None:
         with self._late_lock:
             self._hooks = None
-            while self._patches:
-                self._patches.pop().undo()
+            self.ledger.unpatch_all()
 
     def _uninstrument(self, **kwargs: Any) -> None:
         self._undo()

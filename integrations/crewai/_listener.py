@@ -38,10 +38,13 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agl import semconv
+from agl.instrumentation import guarded, safe_json
 
 __all__ = ["AglEventListener"]
 
 logger = logging.getLogger(__name__)
+
+_OBSERVE = guarded("crewai.event")  # an event agl failed to record; the crew's run goes on
 
 INTEGRATION = "crewai"
 
@@ -105,25 +108,6 @@ class _Entry:
     failure: tuple[dict[str, Any], str, BaseException | None, int] | None = None
     failed_tool: _Entry | None = None  # agent: its tool entry whose failure is not settled yet
     instant: bool = False  # tool: a call CrewAI refused without running it
-
-
-def _json(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value, default=_default, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return str(value)
-
-
-def _default(value: Any) -> Any:
-    dump = getattr(value, "model_dump", None)
-    if callable(dump):
-        try:
-            return dump(mode="json", exclude_none=True)
-        except Exception:  # noqa: BLE001
-            pass
-    return str(value)
 
 
 def _get(obj: Any, key: str) -> Any:
@@ -217,8 +201,8 @@ def _usage(attrs: dict[str, Any], usage: Any) -> None:
 def _assistant_message(response: Any) -> dict[str, Any]:
     calls = [c for c in (response if isinstance(response, (list, tuple)) else ()) if _get(c, "function")]
     if calls:
-        return {"role": "assistant", "content": None, "tool_calls": json.loads(_json(list(calls)))}
-    return {"role": "assistant", "content": response if isinstance(response, str) else _json(response)}
+        return {"role": "assistant", "content": None, "tool_calls": json.loads(safe_json(list(calls)))}
+    return {"role": "assistant", "content": response if isinstance(response, str) else safe_json(response)}
 
 
 class AglEventListener:
@@ -242,7 +226,6 @@ class AglEventListener:
         self._unsettled: dict[int, _Entry] = {}  # failed tool entries awaiting _settle, by id()
         self._scope_starts, self._scope_ends = _scope_sets()
         self.enabled = True
-        self.errors = 0  # events agl failed to record (logged once); the crew's run is never affected
 
     # --------------------------------------------------------------------------------------- entry
     def observe(self, source: Any, event: Any) -> None:
@@ -274,7 +257,7 @@ class AglEventListener:
                     with self._lock:
                         self._scopes.pop(started, None)
         except Exception as exc:  # noqa: BLE001 - never break the user's crew
-            self._failed(exc)
+            _OBSERVE.failed(exc)
 
     def shutdown(self) -> None:
         """Stop recording and end every span still open (nothing is left half-recorded)."""
@@ -300,11 +283,6 @@ class AglEventListener:
             return len(self._by_event) + len(self._unsettled)
 
     # ------------------------------------------------------------------------------------ internals
-    def _failed(self, exc: BaseException) -> None:
-        self.errors += 1
-        if self.errors == 1:
-            logger.warning("agl: crewai listener failed (further failures counted only): %r", exc)
-
     def _parent(self, kind: str, event: Any) -> _Entry | None:
         """The nearest tracked entry above ``event`` in CrewAI's own event scopes, else the open agent
         with the event's agent id (tools run in worker threads without CrewAI's scope stack)."""
@@ -405,7 +383,7 @@ class AglEventListener:
             attrs[semconv.GEN_AI_TOOL_NAME] = str(getattr(event, "tool_name", "") or "")
             args = getattr(event, "tool_args", None)
             if args is not None:
-                attrs[semconv.GEN_AI_TOOL_CALL_ARGUMENTS] = _json(args)
+                attrs[semconv.GEN_AI_TOOL_CALL_ARGUMENTS] = safe_json(args)
             return semconv.SPAN_EXECUTE_TOOL, SpanKind.INTERNAL, attrs
         # llm (fallback client span)
         attrs[semconv.GEN_AI_OPERATION_NAME] = semconv.OP_CHAT
@@ -417,10 +395,10 @@ class AglEventListener:
         if messages is not None:
             if isinstance(messages, str):
                 messages = [{"role": "user", "content": messages}]
-            attrs[semconv.GEN_AI_INPUT_MESSAGES] = _json(messages)
+            attrs[semconv.GEN_AI_INPUT_MESSAGES] = safe_json(messages)
         tools = getattr(event, "tools", None)
         if tools:
-            attrs[semconv.GEN_AI_TOOL_DEFINITIONS] = _json(tools)
+            attrs[semconv.GEN_AI_TOOL_DEFINITIONS] = safe_json(tools)
         for key, name in (
             ("temperature", semconv.GEN_AI_REQUEST_TEMPERATURE),
             ("top_p", semconv.GEN_AI_REQUEST_TOP_P),
@@ -465,7 +443,7 @@ class AglEventListener:
             else:
                 output = getattr(event, "output", None)
                 if output is not None:
-                    attrs[semconv.GEN_AI_TOOL_CALL_RESULT] = _json(output)
+                    attrs[semconv.GEN_AI_TOOL_CALL_RESULT] = safe_json(output)
                 failure = getattr(event, "failure", None)
                 if failure is not None:  # CrewAI's own report that the tool did not do its job
                     error = str(getattr(failure, "message", None) or failure)
@@ -477,7 +455,7 @@ class AglEventListener:
                 error = str(getattr(event, "error", None) or "LLM call failed")
             else:
                 response = getattr(event, "response", None)
-                attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = _json([_assistant_message(response)])
+                attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = safe_json([_assistant_message(response)])
                 _usage(attrs, getattr(event, "usage", None))
                 finish = getattr(event, "finish_reason", None)
                 if finish:

@@ -4,8 +4,8 @@
 event, right after the bus has prepared it, also reaches agl's
 :class:`~agl.integrations.crewai._listener.AglEventListener` in the emitting thread — why not through
 ``crewai_event_bus.on(...)`` is explained in ``_listener``. The bus's own handlers, and therefore the
-application's listeners, run exactly as before. ``uninstrument()`` restores ``emit`` and ends any span
-still open.
+application's listeners, run exactly as before. ``uninstrument()`` restores ``emit`` (the patches go
+through the integration's ``PatchLedger``) and ends any span still open.
 
 LLM calls: CrewAI's native OpenAI provider (``LLM(model="openai/...", base_url=...)``) sends through
 the ``openai`` package, so with the ``openai`` integration instrumented (``agl.instrument()`` does both)
@@ -23,7 +23,6 @@ CrewAI's own telemetry and tracing are left as they are: agl neither reads nor c
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -33,28 +32,25 @@ from opentelemetry import trace
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from agl.instrument import Instrumentor
+from agl.instrumentation import Instrumentor, guarded, is_instrumented
 
 __all__ = ["CrewAIInstrumentor"]
 
 logger = logging.getLogger(__name__)
 
-_EMIT_TARGET = ("crewai.events.event_bus", "CrewAIEventsBus", "emit")
+_EMIT_TARGET = "crewai.events.event_bus:CrewAIEventsBus.emit"
 _HEADER_TARGETS = (
-    ("crewai.llms.providers.openai.completion", "OpenAICompletion", "_prepare_completion_params"),
-    ("crewai.llms.providers.openai.completion", "OpenAICompletion", "_prepare_responses_params"),
+    "crewai.llms.providers.openai.completion:OpenAICompletion._prepare_completion_params",
+    "crewai.llms.providers.openai.completion:OpenAICompletion._prepare_responses_params",
 )
 _TRACECONTEXT = TraceContextTextMapPropagator()
 _BAGGAGE = W3CBaggagePropagator()
+_HEADERS = guarded("crewai.trace_headers")
 
 
 def _openai_client_instrumented() -> bool:
     """Whether the ``openai`` client integration makes the LLM calls' client spans and headers."""
-    try:
-        from agl.integrations.openai import OpenAIInstrumentor
-    except Exception:  # noqa: BLE001 - openai integration unavailable: this one does it
-        return False
-    return bool(OpenAIInstrumentor().is_instrumented_by_opentelemetry)
+    return is_instrumented("openai")
 
 
 def _event_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -107,7 +103,7 @@ def _headers_wrapper(enabled: Callable[[], bool]) -> Callable[..., Any]:
             if extra:
                 params = {**params, "extra_headers": {**existing, **extra}}
         except Exception as exc:  # noqa: BLE001 - the call goes out as the provider prepared it
-            logger.debug("agl: adding trace headers to a crewai OpenAI request failed: %r", exc)
+            _HEADERS.failed(exc)
         return params
 
     return wrapper
@@ -128,10 +124,11 @@ class CrewAIInstrumentor(Instrumentor):
     extra: ClassVar[str] = "crewai"
     instruments: ClassVar[tuple[str, ...]] = ("crewai >= 1.15.30",)
 
+    distributions: ClassVar[tuple[str, ...]] = ("crewai",)
+
     def __init__(self) -> None:
-        if not hasattr(self, "_patches"):
-            self._patches: list[tuple[type, str, Any, Any]] = []
-            self._listener: Any = None
+        super().__init__()
+        self._listener: Any = None
 
     @property
     def listener(self) -> Any:
@@ -139,46 +136,23 @@ class CrewAIInstrumentor(Instrumentor):
         return self._listener
 
     def _instrument(self, **kwargs: Any) -> None:
-        import wrapt
-
         from agl import __version__
         from agl.integrations.crewai._listener import AglEventListener
 
         tracer = trace.get_tracer(__name__, __version__, tracer_provider=kwargs.get("tracer_provider"))
         fallback = lambda: not _openai_client_instrumented()  # noqa: E731
         listener = AglEventListener(tracer, llm_spans=fallback)
-        self._patch(wrapt, _EMIT_TARGET, _emit_wrapper(listener), required=True)
+        self.ledger.wrap(_EMIT_TARGET, _emit_wrapper(listener))
         for target in _HEADER_TARGETS:
-            self._patch(wrapt, target, _headers_wrapper(fallback), required=False)
+            self.ledger.wrap(
+                target,
+                _headers_wrapper(fallback),
+                optional="its requests get no trace headers unless the openai integration is instrumented",
+            )
         self._listener = listener
 
-    def _patch(self, wrapt: Any, target: tuple[str, str, str], wrapper: Any, *, required: bool) -> None:
-        module_name, class_name, attr = target
-        try:
-            owner = getattr(importlib.import_module(module_name), class_name)
-            original = owner.__dict__[attr]
-        except (ImportError, AttributeError, KeyError):
-            if required:
-                raise RuntimeError(
-                    f"agl: crewai has no {module_name}.{class_name}.{attr}; this crewai version is not supported"
-                ) from None
-            logger.warning(
-                "agl: crewai has no %s.%s.%s (renamed in this version?); its requests get no trace headers "
-                "unless the openai integration is instrumented",
-                module_name,
-                class_name,
-                attr,
-            )
-            return
-        patched = wrapt.FunctionWrapper(original, wrapper)
-        setattr(owner, attr, patched)
-        self._patches.append((owner, attr, original, patched))
-
     def _uninstrument(self, **kwargs: Any) -> None:
-        while self._patches:
-            owner, attr, original, patched = self._patches.pop()
-            if owner.__dict__.get(attr) is patched:
-                setattr(owner, attr, original)
+        self.ledger.unpatch_all()
         listener, self._listener = self._listener, None
         if listener is not None:
             listener.shutdown()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from agl.plugins import hookimpl
 
 if TYPE_CHECKING:
-    from agl.instrument import Instrumentor
+    from agl.instrumentation import Instrumentor
     from agl.integrations.langchain.instrumentor import LangChainInstrumentor
 
 __all__ = ["LangChainInstrumentor", "agl_register_instrumentors"]

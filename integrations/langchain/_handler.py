@@ -26,14 +26,12 @@ if the context there lost it.
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any
 from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
@@ -43,6 +41,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agl import semconv as sc
+from agl.instrumentation import guarded, safe_json
 from agl.integrations.langchain._scope import ScopeSpan, current_span
 
 __all__ = ["AglCallbackHandler", "node_agent", "root_agent"]
@@ -67,8 +66,6 @@ AGENT_METADATA_KEY = "agl_agent"
 _NOT_AGENT_RUN_TYPES = frozenset({"prompt", "parser"})
 _MAX_ATTR_CHARS = 32_768
 _SEEN_TOOL_CALLS = 8192
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 # ---------------------------------------------------------------------------------------- naming
@@ -109,23 +106,8 @@ def _truncate(text: str) -> str:
     return text if len(text) <= _MAX_ATTR_CHARS else text[:_MAX_ATTR_CHARS] + "…"
 
 
-def _json_default(value: Any) -> Any:
-    dump = getattr(value, "model_dump", None)
-    if callable(dump):
-        try:
-            return dump(mode="json")
-        except Exception:  # noqa: BLE001
-            pass
-    return repr(value)
-
-
 def _to_text(value: Any) -> str:
-    if isinstance(value, str):
-        return _truncate(value)
-    try:
-        return _truncate(json.dumps(value, default=_json_default, ensure_ascii=False))
-    except (TypeError, ValueError):
-        return _truncate(repr(value))
+    return safe_json(value, _MAX_ATTR_CHARS)
 
 
 def _describe(error: BaseException) -> str:
@@ -168,28 +150,6 @@ def _tool_messages(obj: Any, depth: int = 0) -> Iterator[ToolMessage]:
             yield from _tool_messages(value, depth + 1)
     elif type(obj).__name__ == "Command":
         yield from _tool_messages(getattr(obj, "update", None), depth + 1)
-
-
-def _safe(fn: F) -> F:
-    """agl's failures never break the user's run: log the first, count them all, carry on."""
-
-    @functools.wraps(fn)
-    def wrapper(self: AglCallbackHandler, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(self, *args, **kwargs)
-        except Exception as exc:  # noqa: BLE001
-            self.errors += 1
-            if self.errors == 1:
-                logger.warning(
-                    "agl: the LangChain handler failed in %s (%r); the run goes on, later failures are "
-                    "only counted (handler.errors)",
-                    fn.__name__,
-                    exc,
-                    exc_info=True,
-                )
-            return None
-
-    return wrapper  # type: ignore[return-value]
 
 
 # ------------------------------------------------------------------------------------------ runs
@@ -279,7 +239,6 @@ class AglCallbackHandler(BaseCallbackHandler):
         super().__init__()
         self.tracer = tracer
         self.enabled = True
-        self.errors = 0
         self._runs: dict[UUID, _Run] = {}
         self._lock = threading.Lock()
         self._tool_calls: OrderedDict[str, None] = OrderedDict()  # ids of tool calls that have a span
@@ -374,7 +333,7 @@ class AglCallbackHandler(BaseCallbackHandler):
             return seen
 
     # ------------------------------------------------------------------------------- chains
-    @_safe
+    @guarded("langchain.on_chain_start")
     def on_chain_start(
         self,
         serialized: dict[str, Any] | None,
@@ -412,7 +371,7 @@ class AglCallbackHandler(BaseCallbackHandler):
             if owner is not None:
                 self._attach(run, owner)
 
-    @_safe
+    @guarded("langchain.on_chain_end")
     def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
         run = self._runs.pop(run_id, None)
         if run is None:
@@ -424,7 +383,7 @@ class AglCallbackHandler(BaseCallbackHandler):
         if run.span is not None:
             run.span.end()
 
-    @_safe
+    @guarded("langchain.on_chain_error")
     def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         run = self._runs.pop(run_id, None)
         if run is None:
@@ -518,7 +477,7 @@ class AglCallbackHandler(BaseCallbackHandler):
         self._runs[run_id] = run
         self._attach(run, owner.span, base=owner.ctx)
 
-    @_safe
+    @guarded("langchain.on_chat_model_start")
     def on_chat_model_start(
         self,
         serialized: dict[str, Any] | None,
@@ -530,7 +489,7 @@ class AglCallbackHandler(BaseCallbackHandler):
     ) -> None:
         self._llm_start(run_id, parent_run_id)
 
-    @_safe
+    @guarded("langchain.on_llm_start")
     def on_llm_start(
         self,
         serialized: dict[str, Any] | None,
@@ -542,20 +501,20 @@ class AglCallbackHandler(BaseCallbackHandler):
     ) -> None:
         self._llm_start(run_id, parent_run_id)
 
-    @_safe
+    @guarded("langchain.on_llm_end")
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
         run = self._runs.pop(run_id, None)
         if run is not None:
             self._detach(run)
 
-    @_safe
+    @guarded("langchain.on_llm_error")
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         run = self._runs.pop(run_id, None)
         if run is not None:
             self._detach(run)
 
     # --------------------------------------------------------------------------------- tools
-    @_safe
+    @guarded("langchain.on_tool_start")
     def on_tool_start(
         self,
         serialized: dict[str, Any] | None,
@@ -588,7 +547,7 @@ class AglCallbackHandler(BaseCallbackHandler):
         span = self._open(run, sc.SPAN_EXECUTE_TOOL, attributes)
         self._attach(run, span)
 
-    @_safe
+    @guarded("langchain.on_tool_end")
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
         run = self._runs.pop(run_id, None)
         if run is None:
@@ -611,7 +570,7 @@ class AglCallbackHandler(BaseCallbackHandler):
                 span.set_status(Status(StatusCode.ERROR, result))
         span.end()
 
-    @_safe
+    @guarded("langchain.on_tool_error")
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         run = self._runs.pop(run_id, None)
         if run is None:

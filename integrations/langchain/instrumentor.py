@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
-from agl.instrument import Instrumentor
+from agl.instrumentation import Instrumentor
 
 if TYPE_CHECKING:
     from agl.integrations.langchain._handler import AglCallbackHandler
@@ -34,10 +34,26 @@ class LangChainInstrumentor(Instrumentor):
     extra = "langchain"
     instruments = ("langchain-core >= 0.3",)
 
+    distributions = ("langchain-core", "langchain", "langchain-openai", "langgraph")
+
     def __init__(self) -> None:
-        if not hasattr(self, "_hook"):
-            self._hook: contextvars.ContextVar[Any] | None = None
-            self._handler: AglCallbackHandler | None = None
+        super().__init__()
+        self._hook: contextvars.ContextVar[Any] | None = None
+        self._handler: AglCallbackHandler | None = None
+
+    def _problems(self) -> list[str]:
+        """The configure hook must still be registered, and its variable still hold agl's handler."""
+        try:
+            from langchain_core.tracers import context as lc_context
+
+            hooks = lc_context._configure_hooks
+        except (ImportError, AttributeError):
+            return ["cannot read LangChain's configure hooks (changed in this langchain-core?)"]
+        if not any(entry[0] is self._hook for entry in hooks):
+            return ["agl's LangChain configure hook was removed: runs get no spans"]
+        if self._hook is not None and self._hook.get() is not self._handler:
+            return ["agl's LangChain handler was replaced in this context: runs here get no spans"]
+        return []
 
     @property
     def handler(self) -> AglCallbackHandler | None:

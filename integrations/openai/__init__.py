@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from agl.instrument import Instrumentor
+from agl.instrumentation import Instrumentor
 from agl.plugins import hookimpl
 
 __all__ = ["OpenAIInstrumentor", "agl_register_instrumentors"]

@@ -13,7 +13,6 @@ a list of Chat Completions-style assistant messages, one per choice:
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from agl import semconv
+from agl.instrumentation import safe_json
 
 logger = logging.getLogger(__name__)
 
@@ -41,23 +41,9 @@ def _g(obj: Any, key: str) -> Any:
     return getattr(obj, key, None)
 
 
-def _json_default(value: Any) -> Any:
-    dump = getattr(value, "model_dump", None)
-    if callable(dump):
-        return dump(mode="json", exclude_none=True)
-    if isinstance(value, (set, frozenset, tuple)):
-        return list(value)
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return repr(value)
-
-
-_ENCODER = json.JSONEncoder(default=_json_default, ensure_ascii=False, separators=(",", ":"))
-
-
 def to_json(value: Any) -> str:
-    """Compact JSON (one encoder reused: this runs on every LLM call)."""
-    return _ENCODER.encode(value)
+    """Compact JSON of a request/response part (the toolkit's encoder: never raises)."""
+    return safe_json(value)
 
 
 def classify(method: str, url: str) -> str | None:

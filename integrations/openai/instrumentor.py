@@ -33,7 +33,7 @@ from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.trace import SpanKind
 
 from agl import semconv
-from agl.instrument import Instrumentor
+from agl.instrumentation import Instrumentor, guarded
 from agl.integrations.openai._spans import ChatSpan, classify, request_attributes
 from agl.tracing import current_rollout
 
@@ -200,7 +200,7 @@ class _Call:
         try:
             self._on_result(result)
         except Exception as exc:  # noqa: BLE001
-            _log_failure(exc)
+            _GUARD.failed(exc)
             if self.state is not None:
                 self.state.end()
 
@@ -256,7 +256,7 @@ def _begin(
         new_args = _replace(args, new_kwargs, where, _with_headers(options, call.context(), instance))  # type: ignore[arg-type]
         return call, new_args, new_kwargs
     except Exception as exc:  # noqa: BLE001 - agl must never break the user's LLM call
-        _log_failure(exc)
+        _GUARD.failed(exc)
         if call is not None:
             call.detach()
             if call.state is not None:
@@ -264,14 +264,7 @@ def _begin(
         return None, args, kwargs
 
 
-_failed_once = False
-
-
-def _log_failure(exc: BaseException) -> None:
-    global _failed_once
-    if not _failed_once:
-        _failed_once = True
-        logger.warning("agl: instrumenting an openai call failed (%r); the call went out untraced", exc)
+_GUARD = guarded("openai.request")  # agl's failure: the call goes out untraced, logged once, counted
 
 
 def _sync_request(tracer: trace.Tracer) -> Callable[..., Any]:
@@ -425,37 +418,19 @@ class OpenAIInstrumentor(Instrumentor):
     extra = "openai"
     instruments = ("openai >= 1.40",)
 
-    def __init__(self) -> None:
-        if not hasattr(self, "_patches"):
-            self._patches: list[tuple[type, str, Any, Any]] = []
+    distributions = ("openai",)
 
     def _instrument(self, **kwargs: Any) -> None:
-        import importlib
-
-        import wrapt
-
         from agl import __version__
 
         provider = kwargs.get("tracer_provider")
         tracer = trace.get_tracer(__name__, __version__, tracer_provider=provider)
         for module_name, class_name, attr, key in (*_CLIENT_TARGETS, *_STREAM_TARGETS):
-            try:
-                owner = getattr(importlib.import_module(module_name), class_name)
-                original = owner.__dict__[attr]
-            except (ImportError, AttributeError, KeyError):
-                logger.warning(
-                    "agl: openai has no %s.%s.%s (renamed in this openai version?); that part is not instrumented",
-                    module_name,
-                    class_name,
-                    attr,
-                )
-                continue
-            wrapper = wrapt.FunctionWrapper(original, _FACTORIES[key](tracer))
-            setattr(owner, attr, wrapper)
-            self._patches.append((owner, attr, original, wrapper))
+            self.ledger.wrap(
+                f"{module_name}:{class_name}.{attr}",
+                _FACTORIES[key](tracer),
+                optional="renamed in this openai version? that part is not instrumented",
+            )
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        while self._patches:
-            owner, attr, original, wrapper = self._patches.pop()
-            if owner.__dict__.get(attr) is wrapper:
-                setattr(owner, attr, original)
+        self.ledger.unpatch_all()

@@ -24,7 +24,6 @@ MCP listing, speech) are transparent: their children attach to the nearest mappe
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import re
 import threading
@@ -40,6 +39,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agl import semconv
+from agl.instrumentation import guarded, safe_json
 
 __all__ = ["AglTracingProcessor"]
 
@@ -55,6 +55,8 @@ _ATTACHED: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 # SDK span types (``span_data.type``) whose body the SDK runs while the span is current.
 _ATTACHING = frozenset({"agent", "function", "generation", "response", "handoff", "guardrail"})
 _LLM_TYPES = frozenset({"generation", "response"})
+_ON_START = guarded(f"{INTEGRATION}.on_span_start")
+_ON_END = guarded(f"{INTEGRATION}.on_span_end")
 
 
 @dataclass
@@ -70,25 +72,6 @@ class _Entry:
 class _TraceState:
     ctx: otel_context.Context
     open_spans: set[str] = field(default_factory=set)
-
-
-def _json(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value, default=_default, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return str(value)
-
-
-def _default(value: Any) -> Any:
-    dump = getattr(value, "model_dump", None)
-    if callable(dump):
-        try:
-            return dump(mode="json", exclude_none=True)
-        except TypeError:
-            return dump()
-    return str(value)
 
 
 def _usage(attrs: dict[str, Any], usage: Mapping[str, Any] | Any | None) -> None:
@@ -157,7 +140,6 @@ class AglTracingProcessor(TracingProcessor):
         self._pending_calls: dict[str, list[tuple[str, str, str | None]]] = {}
         self._lock = threading.Lock()
         self.enabled = True
-        self.errors = 0  # callbacks that failed (logged once); the SDK run is never affected
 
     # ------------------------------------------------------------------------------------ traces
     def on_trace_start(self, trace_: SdkTrace) -> None:
@@ -186,16 +168,12 @@ class AglTracingProcessor(TracingProcessor):
     def on_span_start(self, span: SdkSpan[Any]) -> None:
         if not self.enabled:
             return
-        try:
+        with _ON_START:  # never break the user's run
             self._start(span)
-        except Exception as exc:  # noqa: BLE001 - never break the user's run
-            self._failed("on_span_start", exc)
 
     def on_span_end(self, span: SdkSpan[Any]) -> None:
-        try:
+        with _ON_END:
             self._end(span)
-        except Exception as exc:  # noqa: BLE001
-            self._failed("on_span_end", exc)
 
     def shutdown(self) -> None:
         self.enabled = False
@@ -212,13 +190,6 @@ class AglTracingProcessor(TracingProcessor):
         pass  # spans go to the OTel provider, which agl flushes itself
 
     # ---------------------------------------------------------------------------------- internals
-    def _failed(self, where: str, exc: BaseException) -> None:
-        self.errors += 1
-        if self.errors == 1:
-            logger.warning(
-                "agl: openai_agents processor failed in %s (further failures counted only): %r", where, exc
-            )
-
     def _parent(self, span: SdkSpan[Any]) -> tuple[otel_context.Context, str | None]:
         with self._lock:
             parent = self._spans.get(span.parent_id) if span.parent_id else None
@@ -301,9 +272,9 @@ class AglTracingProcessor(TracingProcessor):
         attrs: dict[str, Any] = {}
         if kind == "function":
             if data.input is not None:
-                attrs[semconv.GEN_AI_TOOL_CALL_ARGUMENTS] = _json(data.input)
+                attrs[semconv.GEN_AI_TOOL_CALL_ARGUMENTS] = safe_json(data.input)
             if data.output is not None:
-                attrs[semconv.GEN_AI_TOOL_CALL_RESULT] = _json(data.output)
+                attrs[semconv.GEN_AI_TOOL_CALL_RESULT] = safe_json(data.output)
             call_id = self._match_call(entry.agent, data.name, data.input)
             if call_id is not None:
                 attrs[semconv.GEN_AI_TOOL_CALL_ID] = call_id
@@ -317,9 +288,9 @@ class AglTracingProcessor(TracingProcessor):
             attrs[semconv.AGL_GUARDRAIL_TRIGGERED] = bool(data.triggered)
         elif kind == "generation":
             if data.input is not None:
-                attrs[semconv.GEN_AI_INPUT_MESSAGES] = _json(list(data.input))
+                attrs[semconv.GEN_AI_INPUT_MESSAGES] = safe_json(list(data.input))
             if data.output is not None:
-                attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = _json(list(data.output))
+                attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = safe_json(list(data.output))
             _usage(attrs, data.usage)
         elif kind == "response":
             response = data.response
@@ -328,10 +299,10 @@ class AglTracingProcessor(TracingProcessor):
                 if getattr(response, "model", None):
                     attrs[semconv.GEN_AI_RESPONSE_MODEL] = str(response.model)
                     attrs.setdefault(semconv.GEN_AI_REQUEST_MODEL, str(response.model))
-                attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = _json(list(response.output or ()))
+                attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = safe_json(list(response.output or ()))
                 _usage(attrs, getattr(response, "usage", None))
             if data.input is not None:
-                attrs[semconv.GEN_AI_INPUT_MESSAGES] = _json(data.input)
+                attrs[semconv.GEN_AI_INPUT_MESSAGES] = safe_json(data.input)
         if attrs:
             otel.set_attributes(attrs)
         error = span.error

@@ -11,6 +11,14 @@ the backend, so when asked — ``instrument(replace_exporter=True)`` or the envi
 (``set_trace_processors([agl])``) and puts the previous ones back on ``uninstrument()``. Do not use
 ``OPENAI_AGENTS_DISABLE_TRACING`` or ``RunConfig(tracing_disabled=True)`` for that: they switch off
 every processor, agl's included.
+
+An application that replaces the SDK's processors itself after ``agl.instrument()`` —
+``agents.set_trace_processors([...])``, typically to drop OpenAI's uploader offline — would silently
+remove agl's processor too (every agent turn would lose its span). So while instrumented, agl wraps
+the trace provider's ``set_processors`` (what ``set_trace_processors`` calls, however it was imported)
+and keeps its own processor registered after the application's list; the application's processors
+are exactly the ones it set. ``uninstrument()`` removes the wrapper. ``agl doctor`` reports the
+processor missing if a custom trace provider (``set_trace_provider``) dropped it anyway.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from typing import Any, ClassVar
 
 from opentelemetry import trace
 
-from agl.instrument import Instrumentor
+from agl.instrumentation import Instrumentor, guarded, is_instrumented
 
 __all__ = ["REPLACE_EXPORTER_ENV", "OpenAIAgentsInstrumentor"]
 
@@ -37,11 +45,7 @@ def _env_replace() -> bool:
 
 def _openai_client_instrumented() -> bool:
     """Whether the ``openai`` client integration makes the LLM calls' client spans itself."""
-    try:
-        from agl.integrations.openai import OpenAIInstrumentor
-    except Exception:  # noqa: BLE001 - openai integration unavailable: make the spans here
-        return False
-    return bool(OpenAIInstrumentor().is_instrumented_by_opentelemetry)
+    return is_instrumented("openai")
 
 
 def _processors(provider: Any) -> tuple[Any, ...] | None:
@@ -49,6 +53,30 @@ def _processors(provider: Any) -> tuple[Any, ...] | None:
     multi = getattr(provider, "_multi_processor", None)
     found = getattr(multi, "_processors", None)
     return tuple(found) if isinstance(found, (tuple, list)) else None
+
+
+def _keep_registered(processor: Any, owner: OpenAIAgentsInstrumentor) -> Any:
+    """A wrapper for ``TraceProvider.set_processors`` that keeps ``processor`` after the new list.
+
+    The application's list is its choice from then on: ``uninstrument()`` leaves it (minus agl's
+    processor) instead of restoring the list a ``replace_exporter`` instrument replaced.
+    """
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        result = wrapped(*args, **kwargs)
+        owner._replaced = None
+        with guarded("openai_agents.set_processors"):
+            if processor.enabled and instance is not None:
+                current = _processors(instance)
+                if current is not None and not any(p is processor for p in current):
+                    instance.register_processor(processor)
+                    logger.info(
+                        "agl: the application replaced the Agents SDK's trace processors; agl kept its "
+                        "own processor registered after them"
+                    )
+        return result
+
+    return wrapper
 
 
 class OpenAIAgentsInstrumentor(Instrumentor):
@@ -64,9 +92,12 @@ class OpenAIAgentsInstrumentor(Instrumentor):
     name: ClassVar[str] = "openai_agents"
     extra: ClassVar[str] = "openai-agents"
     instruments: ClassVar[tuple[str, ...]] = ("openai-agents >= 0.20.0",)
+    distributions: ClassVar[tuple[str, ...]] = ("openai-agents", "openai")
 
-    _processor: Any = None
-    _replaced: tuple[Any, ...] | None = None  # processor list before a replace_exporter instrument
+    def __init__(self) -> None:
+        super().__init__()
+        self._processor: Any = None
+        self._replaced: tuple[Any, ...] | None = None  # processor list before a replace_exporter instrument
 
     @property
     def processor(self) -> Any:
@@ -92,9 +123,28 @@ class OpenAIAgentsInstrumentor(Instrumentor):
             self._replaced = None
             provider.register_processor(processor)
         self._processor = processor
+        self.ledger.wrap(
+            (type(provider), "set_processors"),
+            _keep_registered(processor, self),
+            optional="an application that replaces the SDK's processors will drop agl's",
+        )
+
+    def _problems(self) -> list[str]:
+        from agents.tracing import get_trace_provider
+
+        problems = self.ledger.problems()
+        current = _processors(get_trace_provider())
+        if current is not None and not any(p is self._processor for p in current):
+            problems.append(
+                "agl's trace processor is no longer registered with the Agents SDK: agent and tool "
+                "spans are lost (a custom trace provider?)"
+            )
+        return problems
 
     def _uninstrument(self, **kwargs: Any) -> None:
         from agents.tracing import get_trace_provider
+
+        self.ledger.unpatch_all()  # before set_processors below: that must not re-add agl's
 
         processor, self._processor = self._processor, None
         replaced, self._replaced = self._replaced, None

@@ -12,19 +12,29 @@ vLLM itself cannot run here (no GPU). The fields follow vLLM >= 0.10.2
 - ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` → 200 text, 400 when the name is taken;
   ``POST /v1/unload_lora_adapter {"lora_name"}``; LoRA names appear in ``/v1/models``;
 - errors: ``{"error": {"message", "type", "param", "code"}}``; unknown model → 404; prompt over
-  ``max_model_len`` → 400 "This model's maximum context length is N tokens...".
+  ``max_model_len`` → 400 "This model's maximum context length is N tokens...";
+- chat streaming (``stream: true``): SSE chunks, one per generated token, each with
+  ``choices[0].token_ids`` (that token) and, with ``logprobs``, its ``logprobs.content`` entry; the
+  first chunk carries ``prompt_token_ids`` (with ``return_token_ids``) and ``delta.role``; tool calls
+  arrive as deltas (``index``/``id``/``type``/``function.name`` first, then ``function.arguments``
+  in pieces) while their tokens' content deltas are empty; ``stream_options.include_usage`` adds a
+  usage chunk; ``data: [DONE]`` ends it. ``token_delay_s`` paces the tokens (a slow engine), and
+  ``stream_cancelled`` is set when the client goes away mid-stream.
 
 Prompts are rendered and tokenised with the real SmolLM2 tokenizer; replies come from a list.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agl.gateway.chat_format import parse_tool_calls
@@ -33,8 +43,16 @@ from agl.gateway.tokenizer import load_default_tokenizer
 
 class FakeVLLM:
     def __init__(
-        self, replies: list[str], *, model: str = "Qwen/Qwen2.5-0.5B-Instruct", max_model_len: int = 2048
+        self,
+        replies: list[str],
+        *,
+        model: str = "Qwen/Qwen2.5-0.5B-Instruct",
+        max_model_len: int = 2048,
+        token_delay_s: float = 0.0,
     ) -> None:
+        self.token_delay_s = token_delay_s
+        self.stream_cancelled = threading.Event()
+        self.streamed_tokens = 0
         self.replies = list(replies)
         self.model = model
         self.max_model_len = max_model_len
@@ -120,6 +138,11 @@ class FakeVLLM:
             return out
         text, ids, logprobs, finish = out
         content, calls = parse_tool_calls(text) if body.get("tools") else (text, [])
+        if body.get("stream"):
+            return StreamingResponse(
+                self._chat_stream(body, prompt_ids, ids, logprobs, finish, calls),
+                media_type="text/event-stream",
+            )
         message: dict[str, Any] = {
             "role": "assistant",
             "content": content,
@@ -167,6 +190,100 @@ class FakeVLLM:
         if body.get("return_token_ids"):
             resp["prompt_token_ids"] = prompt_ids
         return JSONResponse(resp)
+
+    async def _chat_stream(
+        self,
+        body: dict[str, Any],
+        prompt_ids: list[int],
+        ids: list[int],
+        logprobs: list[float],
+        finish: str,
+        calls: list[Any],
+    ) -> AsyncIterator[bytes]:
+        head = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": body["model"],
+        }
+        want_ids = bool(body.get("return_token_ids"))
+        arg_pieces: list[tuple[int, dict[str, Any]]] = []  # (call, delta)
+        for k, call in enumerate(calls):
+            arg_pieces.append(
+                (
+                    k,
+                    {
+                        "index": k,
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    },
+                )
+            )
+            args = call.arguments
+            third = max(1, len(args) // 3)
+            for start in range(0, len(args), third):
+                arg_pieces.append((k, {"index": k, "function": {"arguments": args[start : start + third]}}))
+
+        def sse(obj: dict[str, Any]) -> bytes:
+            return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+        try:
+            first: dict[str, Any] = {
+                **head,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+            if want_ids:
+                first["prompt_token_ids"] = prompt_ids
+                first["choices"][0]["token_ids"] = []
+            yield sse(first)
+            for k, (tid, lp) in enumerate(zip(ids, logprobs, strict=True)):
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                last = k == len(ids) - 1
+                delta: dict[str, Any] = {}
+                if calls:  # the call's pieces ride on the reply's last tokens, the rest at the end
+                    j = k - (len(ids) - len(arg_pieces))
+                    pieces = arg_pieces[max(j, 0) :] if last else ([arg_pieces[j]] if j >= 0 else [])
+                    if pieces:
+                        delta = {"tool_calls": [p for _, p in pieces]}
+                elif tid != self.tok.eos_token_id:
+                    delta = {"content": self.tok.decode(ids[: k + 1])[len(self.tok.decode(ids[:k])) :]}
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": ("tool_calls" if calls else finish) if last else None,
+                }
+                if body.get("logprobs"):
+                    t = self.tok.decode([tid])
+                    choice["logprobs"] = {
+                        "content": [
+                            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                        ]
+                    }
+                if want_ids:
+                    choice["token_ids"] = [tid]
+                self.streamed_tokens += 1
+                yield sse({**head, "choices": [choice]})
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {
+                    "prompt_tokens": len(prompt_ids),
+                    "completion_tokens": len(ids),
+                    "total_tokens": len(prompt_ids) + len(ids),
+                }
+                yield sse({**head, "choices": [], "usage": usage})
+            yield b"data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            self.stream_cancelled.set()
+            raise
 
     async def completions(self, request: Request) -> Response:
         body = json.loads(await request.body())

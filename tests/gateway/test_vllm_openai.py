@@ -181,7 +181,8 @@ def test_openai_passthrough_is_marked_inexact(
     usage = next(c.usage for c in chunks if c.usage)
     assert usage.completion_tokens == len(TOK.encode("Hello from vLLM.")) + 1
     kind, sent = fake.requests[0]
-    assert "return_token_ids" not in sent and "logprobs" not in sent and sent["stream"] is False
+    assert "return_token_ids" not in sent and "logprobs" not in sent
+    assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}  # streamed upstream
     (span,) = server_spans(store, rollout[0])
     a = span.attributes
     assert a[sc.AGL_LLM_EXACT] is False

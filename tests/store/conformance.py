@@ -296,6 +296,13 @@ def test_query_rollouts_filters(store: Store) -> None:
     assert [r.id for r in store.query_rollouts(ids=[ids[3], ids[0], "ro-unknown"])] == [ids[0], ids[3]]
     assert [r.id for r in store.query_rollouts(limit=3)] == ids[:3]
     assert store.query_rollouts(limit=0) == []
+    assert [r.id for r in store.query_rollouts(offset=2)] == ids[2:]
+    assert [r.id for r in store.query_rollouts(offset=1, limit=2)] == ids[1:3]
+    assert [r.id for r in store.query_rollouts(status="queued", offset=1)] == ids[2:]
+    assert [r.id for r in store.query_rollouts(ids=[ids[3], ids[0], ids[2]], offset=1)] == ids[2:4]
+    assert store.query_rollouts(offset=len(ids)) == []
+    with pytest.raises(InvalidInputError, match="offset"):
+        store.query_rollouts(offset=-1)
     assert store.query_rollouts(group_id="nope") == []
     running = store.query_rollouts(status="running")[0]
     assert len(running.attempts) == 1 and running.attempts[0].status == "running"

@@ -47,12 +47,12 @@ def sqlite_store(tmp_path: Path) -> Iterator[Store]:
 
 # ---- http (store-server work): HttpStore -> a real `agl store serve` process over SQLite ---------------
 # One server process per test session (a start per test would cost ~0.5 s each); every store is a
-# fresh SQLite file of its own on that server (test-only namespaces, on only with
-# AGL_STORE_TEST_NAMESPACES=1), so the whole suite runs over HTTP unchanged.
+# fresh SQLite file of its own on that server (test-only routes that only agl.testing.store_server
+# serves, never the production app), so the whole suite runs over HTTP unchanged.
 @contextlib.contextmanager
 def http_store(tmp_path: Path) -> Iterator[Store]:
     from agl.store.http import HttpStore
-    from agl.store.server import shared_test_server
+    from agl.testing.store_server import shared_test_server
 
     server = shared_test_server()
     url = server.new_namespace()

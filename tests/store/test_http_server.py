@@ -326,10 +326,30 @@ def test_long_poll_of_a_vanished_client_claims_nothing() -> None:
         assert claim is not None and claim.rollout.id == rid
 
 
-def test_test_namespaces_are_off_unless_enabled(served: tuple[MemoryStore, str]) -> None:
+def test_the_production_app_has_no_test_routes(served: tuple[MemoryStore, str]) -> None:
     _, url = served
-    r = httpx.post(f"{url}/_test/stores")
+    r = httpx.post(f"{url}/_test/stores")  # only agl.testing.store_server serves these
     assert r.status_code == 404 and error_of(r)["code"] == "no_route"
+
+
+def test_the_test_server_gives_each_test_a_fresh_store() -> None:
+    from agl.store.http import HttpStore
+    from agl.testing.store_server import shared_test_server
+
+    server = shared_test_server()
+    first, second = server.new_namespace(), server.new_namespace()
+    a, b = HttpStore(first), HttpStore(second)
+    try:
+        a.enqueue([NewRollout(id="only-in-a")])
+        assert [r.id for r in a.query_rollouts()] == ["only-in-a"] and b.query_rollouts() == []
+        assert httpx.get(f"{server.url}/rollouts/only-in-a").status_code == 404  # nor in the main store
+    finally:
+        a.close()
+        b.close()
+        server.drop_namespace(first)
+        server.drop_namespace(second)
+    r = httpx.get(f"{first}/rollouts/only-in-a")
+    assert r.status_code == 404 and r.headers["content-type"].startswith("application/json")
 
 
 def test_unknown_ids_in_paths_are_not_found_on_both_sides(served: tuple[MemoryStore, str]) -> None:

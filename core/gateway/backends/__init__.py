@@ -1,7 +1,7 @@
 """Gateway backends behind the one small interface of :mod:`agl.gateway.backends.base`.
 
 Each backend module is imported only when used: ``transformers`` pulls in torch, ``vllm``/``openai``
-only httpx.
+only aiohttp.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ unknown one comes back as the upstream's own 404.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from agl.gateway.backends._http import HttpUpstreamBackend
 from agl.gateway.backends.base import GenerationRequest, GenerationResult
@@ -40,12 +41,25 @@ class OpenAIBackend(HttpUpstreamBackend):
     def check_model(self, model: str) -> None:
         """Any name goes upstream, which answers 404 for names it does not know."""
 
+    streams = True
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
+        """Chat streamed from the upstream; the result is text only, like :meth:`generate`'s."""
+        async for event in self.stream_chat(request, request.model):
+            if event["type"] == "end":
+                _inexact(event["result"])
+            yield event
+
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        result = await self.forward(request, request.model)
-        usage = (result.raw or {}).get("usage") or {}
-        result.reported_completion_tokens = usage.get("completion_tokens", 0)
-        result.exact = False
-        result.prompt_ids = None
-        for c in result.choices:
-            c.response_ids = c.logprobs = None
-        return result
+        return _inexact(await self.forward(request, request.model))
+
+
+def _inexact(result: GenerationResult) -> GenerationResult:
+    """Hosted APIs give no token ids: keep the text and the reported token count only."""
+    usage = (result.raw or {}).get("usage") or {}
+    result.reported_completion_tokens = usage.get("completion_tokens", 0)
+    result.exact = False
+    result.prompt_ids = None
+    for c in result.choices:
+        c.response_ids = c.logprobs = None
+    return result

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,11 +65,42 @@ class _Job:
     max_new: int
     future: asyncio.Future[GenerationResult]
     cancel: threading.Event = field(default_factory=threading.Event)
+    #: streamed jobs: (token id, logprob) per generated token, then None when the job is done
+    tokens: asyncio.Queue[tuple[int, float] | None] | None = None
+    loop: asyncio.AbstractEventLoop | None = None
 
     def batch_key(self) -> tuple[Any, ...]:
         r = self.request
         seeded = r.seed is not None
         return (r.temperature, r.top_p, _top_k(r), seeded, id(self) if seeded else None)
+
+
+_TOOL_TAG = "<tool_call>"
+
+
+def _safe_prefix(text: str, stops: Sequence[str], tools: bool) -> str:
+    """The part of the text decoded so far that later tokens cannot change or cut."""
+    if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence
+        text = text.rstrip("\ufffd")
+    if stops:  # the reply is cut before a stop string: never send one, nor the start of one
+        cuts = [k for k in (text.find(x) for x in stops if x) if k >= 0]
+        if cuts:
+            text = text[: min(cuts)]
+        else:
+            text = text[: max(0, len(text) - (max(len(x) for x in stops) - 1))]
+    if tools:
+        cut = text.find(_TOOL_TAG)
+        if cut >= 0:
+            text = text[:cut]
+        else:  # a tag may be starting at the end
+            for k in range(len(_TOOL_TAG) - 1, 0, -1):
+                if text.endswith(_TOOL_TAG[:k]):
+                    text = text[:-k]
+                    break
+        text = text.rstrip()  # the parsed content is stripped around calls
+        if not text.strip():
+            return ""
+    return text
 
 
 def _top_k(request: GenerationRequest) -> int | None:
@@ -89,11 +120,14 @@ class _Sampler:
     arrive after the model's own processors (e.g. a repetition penalty in its generation config).
     """
 
-    def __init__(self, temperature: float, top_p: float, top_k: int | None, generator: Any) -> None:
+    def __init__(
+        self, temperature: float, top_p: float, top_k: int | None, generator: Any, on_token: Any = None
+    ) -> None:
         self.temperature = temperature
         self.top_p = top_p
         self.top_k = top_k
         self.generator = generator
+        self.on_token = on_token  # called with (tokens, logprobs) tensors per step: streaming
         self.logprobs: list[Any] = []  # one (batch,) tensor per generated position
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
@@ -108,6 +142,8 @@ class _Sampler:
             logp = _truncate(logp, self.top_p, self.top_k)
             token = torch.multinomial(logp.exp(), 1, generator=self.generator)[:, 0]
         self.logprobs.append(logp.gather(1, token[:, None])[:, 0])
+        if self.on_token is not None:
+            self.on_token(token, self.logprobs[-1])
         out = torch.full_like(scores, float("-inf"))
         out.scatter_(1, token[:, None], 0.0)
         return out
@@ -145,6 +181,7 @@ class TransformersBackend(Backend):
     """
 
     name = "transformers"
+    streams = True
 
     def __init__(
         self,
@@ -161,8 +198,10 @@ class TransformersBackend(Backend):
         threads: int | None = None,
         default_temperature: float = 1.0,
         default_top_p: float = 1.0,
+        batch_window_s: float = 0.005,
     ) -> None:
         super().__init__()
+        self.batch_window_s = batch_window_s
         if not (default_temperature >= 0 and default_temperature < float("inf")):
             raise ValueError(f"default_temperature must be a finite number >= 0, got {default_temperature!r}")
         if not (0 < default_top_p <= 1):
@@ -294,7 +333,8 @@ class TransformersBackend(Backend):
             self._lock = self._lock or asyncio.Lock()
             self._worker = asyncio.create_task(self._run_worker())
 
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
+    async def _prepare(self, request: GenerationRequest) -> tuple[str, list[int], int]:
+        """(prompt text, prompt ids, max new tokens) of a request; raises on an empty or long prompt."""
         if self.model is None:
             await self.start()
         assert self.tokenizer is not None
@@ -313,6 +353,10 @@ class TransformersBackend(Backend):
         max_new = request.max_tokens or self.default_max_tokens
         if limit is not None:
             max_new = min(max_new, limit - len(prompt_ids))
+        return prompt_text, prompt_ids, max_new
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        prompt_text, prompt_ids, max_new = await self._prepare(request)
         self._ensure_worker()
         jobs = []
         for _ in range(request.n):
@@ -334,12 +378,121 @@ class TransformersBackend(Backend):
         first.choices = [p.choices[0] for p in parts]
         return first
 
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
+        """Tokens leave as they are drawn; the ``end`` result is the very one ``generate`` returns.
+
+        The job runs in the same batches, sampler and stopping rules as a non-streamed one, so ids and
+        logprobs are equal for the same seed. Text deltas are decoded incrementally; text that may
+        still change is held back (an incomplete UTF-8 sequence, a possible stop string, and with tools
+        a possible ``<tool_call>``), and tool calls are sent as deltas once parsed at the end.
+        """
+        if request.n != 1:  # several choices: generated together, then sent as whole deltas
+            result = await self.generate(request)
+            yield {"type": "start", "prompt_ids": result.prompt_ids}
+            for i, c in enumerate(result.choices):
+                delta: dict[str, Any] = {"role": "assistant", "content": c.content}
+                if c.tool_calls:
+                    delta["tool_calls"] = [
+                        {"index": k, **tc.to_openai()} for k, tc in enumerate(c.tool_calls)
+                    ]
+                yield {
+                    "type": "delta",
+                    "index": i,
+                    "delta": delta,
+                    "token_ids": c.response_ids,
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                }
+            yield {"type": "end", "result": result}
+            return
+        prompt_text, prompt_ids, max_new = await self._prepare(request)
+        tok = self.tokenizer
+        assert tok is not None
+        self._ensure_worker()
+        loop = asyncio.get_running_loop()
+        job = _Job(
+            request, prompt_ids, prompt_text, max_new, loop.create_future(), tokens=asyncio.Queue(), loop=loop
+        )
+        self._queue.append(job)
+        assert self._wakeup is not None
+        self._wakeup.set()
+        want_lp = bool(isinstance(request.raw, dict) and request.raw.get("logprobs"))
+        tools = bool(request.messages is not None and request.tools and request.tool_choice != "none")
+        eos = set(self._eos_ids)
+        ids: list[int] = []
+        sent = ""
+        done_text = False
+        try:
+            yield {"type": "start", "prompt_ids": list(prompt_ids)}
+            first = True
+            while True:
+                item = await job.tokens.get()  # type: ignore[union-attr]
+                if item is None:
+                    break
+                if done_text or len(ids) >= max_new:
+                    continue
+                tid, lp = item
+                ids.append(tid)
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+                first = False
+                if tid in eos:
+                    done_text = True
+                else:
+                    text = tok.decode([t for t in ids if t not in eos])
+                    safe = _safe_prefix(text, request.stop, tools)
+                    if len(safe) > len(sent) and safe.startswith(sent):
+                        delta["content"] = safe[len(sent) :]
+                        sent = safe
+                lps = None
+                if want_lp:
+                    piece = tok.decode([tid])
+                    lps = [{"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}]
+                yield {
+                    "type": "delta",
+                    "index": 0,
+                    "delta": delta,
+                    "token_ids": [tid],
+                    "logprobs": lps,
+                    "finish_reason": None,
+                }
+            result = await job.future
+            choice = result.choices[0]
+            content = choice.content or ""
+            tail: dict[str, Any] = {}
+            if content.startswith(sent) and len(content) > len(sent):
+                tail["content"] = content[len(sent) :]
+            elif not content.startswith(sent):
+                log.warning(
+                    "agl gateway: streamed text diverged from the final reply (stop string or tool call)"
+                )
+            if choice.tool_calls:
+                tail["tool_calls"] = [
+                    {"index": k, **tc.to_openai()} for k, tc in enumerate(choice.tool_calls)
+                ]
+            yield {
+                "type": "delta",
+                "index": 0,
+                "delta": tail,
+                "token_ids": [],
+                "logprobs": [] if want_lp else None,
+                "finish_reason": choice.finish_reason,
+            }
+            yield {"type": "end", "result": result}
+        finally:
+            if not job.future.done():  # the client went away: stop generating this row
+                job.cancel.set()
+                if job in self._queue:
+                    self._queue.remove(job)
+
     async def _run_worker(self) -> None:
         assert self._wakeup is not None and self._lock is not None
         loop = asyncio.get_running_loop()
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
+            if self.batch_window_s > 0 and 0 < len(self._queue) < self.max_batch_size:
+                # requests of concurrent clients arrive a few ms apart: let them join this batch
+                await asyncio.sleep(self.batch_window_s)
             while self._queue:
                 async with self._lock:
                     head = self._queue[0]
@@ -361,10 +514,15 @@ class TransformersBackend(Backend):
                                 j.future.set_exception(
                                     BackendError(f"generation failed: {type(exc).__name__}: {exc}")
                                 )
+                            if j.tokens is not None:
+                                j.tokens.put_nowait(None)
                         continue
                     for j, res in zip(batch, results, strict=True):
                         if not j.future.done():
                             j.future.set_result(res)
+                    for j in batch:
+                        if j.tokens is not None:  # after the result: a streamed job ends here
+                            j.tokens.put_nowait(None)
 
     def _generate_batch(self, batch: Sequence[_Job]) -> list[GenerationResult]:
         import torch
@@ -410,7 +568,17 @@ class TransformersBackend(Backend):
         temperature = req.temperature if req.temperature is not None else self.default_temperature
         top_p = req.top_p if req.top_p is not None else self.default_top_p
         generator = self._generator_for(req.seed, device)
-        sampler = _Sampler(float(temperature), float(top_p), _top_k(req), generator)
+        on_token = None
+        if any(j.tokens is not None for j in batch):
+
+            def on_token(tokens: Any, logprobs: Any) -> None:
+                """Hand each streamed row its token as soon as it is drawn."""
+                step_tokens, step_lps = tokens.tolist(), logprobs.tolist()
+                for row, j in enumerate(batch):
+                    if j.tokens is not None and j.loop is not None and ended_at[row] is None:
+                        j.loop.call_soon_threadsafe(j.tokens.put_nowait, (step_tokens[row], step_lps[row]))
+
+        sampler = _Sampler(float(temperature), float(top_p), _top_k(req), generator, on_token)
         with torch.inference_mode():
             out = model.generate(
                 input_ids=input_ids.to(device),

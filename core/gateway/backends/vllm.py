@@ -20,6 +20,7 @@ upstream model explicitly go to it unchanged.
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from agl.gateway.backends._http import HttpUpstreamBackend
@@ -51,12 +52,17 @@ class VLLMBackend(HttpUpstreamBackend):
         self.adapters: list[str] = []  # loaded LoRA names, oldest first
         self.current_upstream: str | None = model
         self.keep_adapters = max(1, keep_adapters)
+        self._start_error: str | None = "not started"
 
     async def start(self) -> None:
         """List the upstream's models; an upstream that is not up yet is retried on the first request."""
         try:
             self.upstream_models = await self._get_models()
+            self._start_error = None
+            if not self.upstream_models:
+                self._start_error = f"{self.base_url}/models answers but lists no models"
         except BackendError as exc:
+            self._start_error = str(exc)
             if self.policy_name is None:
                 log.warning("agl gateway: %s (retried on the first request)", exc)
                 return
@@ -64,7 +70,8 @@ class VLLMBackend(HttpUpstreamBackend):
             self.upstream_models = [self.policy_name]
         if self.policy_name is None:
             if not self.upstream_models:
-                raise BackendError(f"{self.base_url} serves no model")
+                log.warning("agl gateway: vLLM at %s: %s", self.base_url, self._start_error)
+                return
             self.policy_name = self.upstream_models[0]
         if self.current_upstream is None:
             self.current_upstream = self.policy_name
@@ -73,13 +80,15 @@ class VLLMBackend(HttpUpstreamBackend):
         if not self.upstream_models:
             await self.start()
             if not self.upstream_models:
-                raise BackendError(f"vLLM at {self.base_url} is not reachable")
+                raise BackendError(f"vLLM at {self.base_url}: {self._start_error}")
 
     def models(self) -> list[str]:
         names = [self.policy_name] if self.policy_name else []
         return names + [m for m in self.upstream_models if m not in names]
 
     def check_model(self, model: str) -> None:
+        if not self.upstream_models:  # not listed yet: the call retries and says what the upstream answered
+            return
         if model not in self.models():
             raise UnknownModelError(model, self.models())
 
@@ -100,6 +109,8 @@ class VLLMBackend(HttpUpstreamBackend):
             body["logprobs"] = 1
         return body
 
+    streams = True
+
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         await self._ensure_started()
         version = self.weight_version
@@ -110,19 +121,29 @@ class VLLMBackend(HttpUpstreamBackend):
             log.warning("agl gateway: vLLM at %s returned no token ids (needs vLLM >= 0.10.2)", self.base_url)
         return result
 
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
+        """Chat streamed from vLLM, token ids and logprobs collected from its chunks."""
+        await self._ensure_started()
+        version = self.weight_version
+        async for event in self.stream_chat(request, self._route(request.model)):
+            if event["type"] == "end":
+                event["result"].weight_version = version
+                if not event["result"].exact:
+                    log.warning("agl gateway: vLLM at %s streamed no token ids", self.base_url)
+            yield event
+
     async def load_adapter(self, path: str, *, name: str | None = None, version: int | None = None) -> int:
         """Load a LoRA adapter into vLLM and route the policy's requests to it."""
         await self._ensure_started()
         new_version = self.weight_version + 1 if version is None else int(version)
         lora_name = name or f"{self.policy_name}-agl-v{new_version}"
-        try:
-            resp = await self.client.post(
-                self.base_url + "/load_lora_adapter", json={"lora_name": lora_name, "lora_path": path}
+        status, raw = await self.request(
+            "POST", self.base_url + "/load_lora_adapter", {"lora_name": lora_name, "lora_path": path}
+        )
+        if status >= 400:
+            raise BackendError(
+                f"vLLM refused to load adapter {lora_name!r} from {path!r}: {raw[:500].decode(errors='replace')}"
             )
-        except Exception as exc:  # noqa: BLE001 - any transport failure
-            raise BackendError(f"vLLM at {self.base_url} unreachable: {exc}") from exc
-        if resp.status_code >= 400:
-            raise BackendError(f"vLLM refused to load adapter {lora_name!r} from {path!r}: {resp.text[:500]}")
         self.adapters.append(lora_name)
         self.current_upstream = lora_name
         if lora_name not in self.upstream_models:
@@ -131,7 +152,7 @@ class VLLMBackend(HttpUpstreamBackend):
         while len(self.adapters) > self.keep_adapters:
             old = self.adapters.pop(0)
             try:
-                await self.client.post(self.base_url + "/unload_lora_adapter", json={"lora_name": old})
+                await self.request("POST", self.base_url + "/unload_lora_adapter", {"lora_name": old})
                 if old in self.upstream_models:
                     self.upstream_models.remove(old)
             except Exception as exc:  # noqa: BLE001 - an adapter left loaded is harmless

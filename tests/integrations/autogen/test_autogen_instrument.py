@@ -28,8 +28,8 @@ import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
 from agl.gateway.testing import ScriptedBackend, reply, serve_gateway, tool_call  # noqa: E402
+from agl.instrumentation import failure_counts, get_instrumentor  # noqa: E402
 from agl.integrations.autogen import (
-    AutoGenInstrumentor,  # noqa: E402
     _spans,  # noqa: E402
 )
 from agl.rewards import AIR  # noqa: E402
@@ -91,7 +91,7 @@ def test_instrument_twice_is_once_and_uninstrument_leaves_nothing(
     agl.uninstrument("autogen")  # start clean even if an earlier test (an example app) left it on
     before = _snapshot()
     assert agl.instrument("autogen", tracer_provider=provider) == ["autogen"]
-    inst = AutoGenInstrumentor()
+    inst = get_instrumentor("autogen")
     patched = [(owner, attr, vars(owner)[attr]) for owner, attr in inst.patches]
     assert len(patched) >= 8 and not _same(before, _snapshot())
     changed = {
@@ -318,10 +318,10 @@ def test_agl_failures_never_break_the_run(
         raise RuntimeError("agl bug")
 
     monkeypatch.setattr(_spans.ToolCall, "finish", broken)
-    errors = _spans.errors
+    errors = failure_counts("autogen.tool_result").get("autogen.tool_result", 0)
     result = asyncio.run(_solve(gateway_url))
     assert result.messages[-1].content == "ANSWER: 5"
-    assert _spans.errors == errors + 1
+    assert failure_counts("autogen.tool_result")["autogen.tool_result"] == errors + 1
 
 
 def test_mcp_call_site_is_instrumented_once_imported(memory_spans: Any, gateway_url: str) -> None:
@@ -339,7 +339,7 @@ def test_mcp_call_site_is_instrumented_once_imported(memory_spans: Any, gateway_
         asyncio.run(_solve(gateway_url))  # the next tool call notices the module
     replaced = vars(workbench)["trace_tool_span"]
     assert replaced is not original and replaced.__wrapped__ is original
-    assert (workbench, "trace_tool_span") in AutoGenInstrumentor().patches
+    assert (workbench, "trace_tool_span") in get_instrumentor("autogen").patches
     agl.uninstrument("autogen")
     assert vars(workbench)["trace_tool_span"] is original
 

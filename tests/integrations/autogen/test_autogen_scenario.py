@@ -25,6 +25,7 @@ import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
 from agl.rewards import AIR  # noqa: E402
+from agl.testing import assert_agent_spans  # noqa: E402
 
 QUESTIONS = [
     {"question": "What is 6*7? [sloppy]", "answer": "42"},
@@ -38,6 +39,13 @@ VARIANTS: list[tuple[TeamKind, str]] = [
     ("selector", "run"),
     ("selector", "model_stream"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _every_call_attributed(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """The runner's unattributed-calls warning stays quiet: every LLM call ran under its agent."""
+    yield
+    assert "ran under no agent span" not in caplog.text
 
 
 def score(result: Any, task: dict[str, str]) -> float:
@@ -97,6 +105,8 @@ def test_math_team_end_to_end(
         agents = sorted((s for s in spans if s.name == sc.SPAN_INVOKE_AGENT), key=lambda s: s.start_ns)
         turns = [a for i, (a, _) in enumerate(expected) if i == 0 or expected[i - 1][0] != a]
         assert [a.attributes[sc.GEN_AI_AGENT_NAME] for a in agents] == turns
+        found = assert_agent_spans(store, rid, list(dict.fromkeys(turns)), attempt=1)  # agl.testing helper
+        assert sum(map(len, found.llm_calls.values())) == len(expected)
         assert not [
             s for s in spans if s.name.startswith(sc.SPAN_INVOKE_AGENT + " ")
         ]  # no AutoGen-named copy
@@ -144,7 +154,7 @@ def test_math_team_end_to_end(
         assert len(transitions) == len(servers) == len(recorded)
         for t, server, call, (agent, what) in zip(transitions, servers, recorded, expected, strict=True):
             assert t.exact and t.span_id == server.span_id and t.agent == agent
-            assert call.role == (agent if agent != SELECTOR else "selector")
+            assert call.agent == (agent if agent != SELECTOR else "selector")
             assert list(t.prompt_ids) == server.attributes[sc.AGL_LLM_PROMPT_TOKEN_IDS]
             assert list(t.response_ids) == server.attributes[sc.AGL_LLM_RESPONSE_TOKEN_IDS]
             # ... and equal to what the scripted model's tokenizer makes of the request it received

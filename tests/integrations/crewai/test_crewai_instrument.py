@@ -29,7 +29,7 @@ from opentelemetry import trace  # noqa: E402
 import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
-from agl.instrument import available_instrumentors, instrumented  # noqa: E402
+from agl.instrumentation import available_instrumentors, failure_counts, get_instrumentor, instrumented  # noqa: E402
 from agl.integrations.crewai import CrewAIInstrumentor  # noqa: E402
 from agl.integrations.crewai._listener import _ATTACHED, AglEventListener  # noqa: E402
 
@@ -68,25 +68,26 @@ def test_importing_the_integration_does_not_import_crewai() -> None:
 def test_instrument_twice_is_once_and_uninstrument_restores(gateway_url: Any, memory_spans: Any) -> None:
     provider, exporter = memory_spans
     before, bus_before = attributes(), handlers()
+    failed = sum(failure_counts("crewai.").values())
     assert agl.instrument("openai", "crewai", tracer_provider=provider) == ["openai", "crewai"]
     once = attributes()
     assert agl.instrument("openai", "crewai", tracer_provider=provider) == ["openai", "crewai"]
     assert attributes() == once and all(a is not b for a, b in zip(once, before, strict=True))
     assert all(a.__wrapped__ is b for a, b in zip(once, before, strict=True))  # wrapped once, not twice
     assert "crewai" in instrumented()
-    listener = CrewAIInstrumentor().listener
+    listener = get_instrumentor("crewai").listener
     assert isinstance(listener, AglEventListener)
 
     assert kickoff(gateway_url).raw == "The capital of France is Paris."
     agents = named(exporter.get_finished_spans(), sc.SPAN_INVOKE_AGENT)
     assert [a.attributes[sc.GEN_AI_AGENT_NAME] for a in agents] == ["researcher", "writer"]  # once each
     assert handlers() == bus_before  # agl registers no handler on the bus: the app's run as before
-    assert listener.open_spans() == 0 and listener.errors == 0
+    assert listener.open_spans() == 0 and sum(failure_counts("crewai.").values()) == failed
 
     assert agl.uninstrument("crewai") == ["crewai"]
     assert all(a is b for a, b in zip(attributes(), before, strict=True))
     assert handlers() == bus_before
-    assert CrewAIInstrumentor().listener is None and not listener.enabled
+    assert get_instrumentor("crewai").listener is None and not listener.enabled
     n = len(exporter.get_finished_spans())
     assert kickoff(gateway_url).raw == "The capital of France is Paris."
     crewai_spans = [
@@ -147,10 +148,11 @@ def test_a_failing_agl_listener_never_breaks_the_crew(
         raise RuntimeError("agl bug")
 
     monkeypatch.setattr(AglEventListener, "_describe", boom)
+    failed = failure_counts("crewai.event").get("crewai.event", 0)
     current = trace.get_current_span()
     assert kickoff(gateway_url).raw == "The capital of France is Paris."
-    listener = CrewAIInstrumentor().listener
-    assert listener.errors > 0 and listener.open_spans() == 0
+    listener = get_instrumentor("crewai").listener
+    assert failure_counts("crewai.event")["crewai.event"] > failed and listener.open_spans() == 0
     assert trace.get_current_span() is current and _ATTACHED.get() is None
 
 
@@ -182,7 +184,7 @@ def test_errors_are_unchanged_and_recorded(gateway_url: Any, memory_spans: Any) 
     (chat,) = [s for s in spans if s.name == sc.SPAN_CHAT]
     assert chat.status.status_code.name == "ERROR"
     assert agent_above(chat, index_of(spans)) == "writer"
-    assert CrewAIInstrumentor().listener.open_spans() == 0
+    assert get_instrumentor("crewai").listener.open_spans() == 0
 
 
 @pytest.mark.parametrize("text_tools", [False, True], ids=["native", "react"])

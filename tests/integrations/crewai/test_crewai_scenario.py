@@ -29,6 +29,7 @@ import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
 from agl.rewards import AIR  # noqa: E402
+from agl.testing import assert_agent_spans  # noqa: E402
 
 TASKS = [{"country": "france", "sloppy": True}, {"country": "japan"}]
 
@@ -42,6 +43,13 @@ VARIANTS = {
     "react_basetool": ("kickoff", False, True, "sequential"),
     "hierarchical": ("kickoff", False, False, "hierarchical"),
 }
+
+
+@pytest.fixture(autouse=True)
+def _every_call_attributed(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """The runner's unattributed-calls warning stays quiet: every LLM call ran under its agent."""
+    yield
+    assert "ran under no agent span" not in caplog.text
 
 
 def score(raw: Any, task: dict[str, Any]) -> float:
@@ -122,6 +130,8 @@ def test_research_crew_end_to_end(
                 sc.SPAN_EXECUTE_TOOL,
             ]
         assert all(s.status.code != "ERROR" for s in [crew_span, *tasks, *agents])
+        found = assert_agent_spans(store, rid, list(dict.fromkeys(names)), attempt=1)  # agl.testing helper
+        assert sum(map(len, found.llm_calls.values())) == len(expected)
 
         servers = by_time(s for s in spans if s.attributes.get(sc.AGL_SIDE) == sc.SIDE_SERVER)
         clients = [s for s in spans if s.attributes.get(sc.AGL_SIDE) == sc.SIDE_CLIENT]

@@ -1,5 +1,5 @@
 """Fixtures for the LangChain/LangGraph integration: agl's real gateway with a scripted policy, a SQLite
-store, and a traced setup (openai + langchain instrumented on a private tracer provider).
+store, and a traced setup (openai + langchain instrumented on agl.testing's ``agl_tracer``).
 
 No LangChain import here: the test modules skip themselves when LangGraph is not installed.
 """
@@ -7,14 +7,11 @@ No LangChain import here: the test modules skip themselves when LangGraph is not
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from lc_support import Gateway, RecordingBackend, Traced
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-import agl
 from agl import tracing
 from agl.gateway.testing import serve_gateway
 from agl.store.sqlite import SQLiteStore
@@ -30,16 +27,9 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
 
 
 @pytest.fixture()
-def traced(gateway: Gateway) -> Iterator[Traced]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing.setup_tracing(gateway.store, provider)
-    assert agl.instrument("openai", "langchain", tracer_provider=provider) == ["openai", "langchain"]
+def traced(gateway: Gateway, agl_tracer: Any) -> Traced:
+    """openai + langchain instrumented onto agl.testing's in-memory tracer, exporting to the store."""
+    tracing.setup_tracing(gateway.store, agl_tracer.provider)
+    assert agl_tracer.instrument("openai", "langchain") == ["openai", "langchain"]
     gateway.backend.policy = lambda request: "ok"
-    try:
-        yield Traced(provider, exporter, gateway)
-    finally:
-        agl.uninstrument("langchain", "openai")
-        tracing.reset_tracing()
-        provider.shutdown()
+    return Traced(agl_tracer.provider, agl_tracer.exporter, gateway)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,9 +23,17 @@ from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
 from agl.rewards import AIR  # noqa: E402
 from agl.runner import Runner  # noqa: E402
+from agl.testing import assert_agent_spans  # noqa: E402
 from agl.types import LLM, NewRollout, Resources, Transition  # noqa: E402
 
 VARIANTS = ["sync", "async", "stream", "astream"]
+
+
+@pytest.fixture(autouse=True)
+def _every_call_attributed(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """The runner's unattributed-calls warning stays quiet: every LLM call ran under its agent."""
+    yield
+    assert "ran under no agent span" not in caplog.text
 
 
 def make_agent(db: str, variant: str) -> Any:
@@ -89,6 +98,8 @@ def test_sql_agent_end_to_end(traced: Traced, tmp_path: Any, variant: str) -> No
         assert Counter(s.attributes[sc.GEN_AI_AGENT_NAME] for s in tree.agents()) == Counter(agents), (
             tree.shape()
         )
+        found = assert_agent_spans(store, rollout.id, list(dict.fromkeys(agents)), attempt=attempt)
+        assert len(found.failed_tools) == (1 if broken else 0)  # agl.testing's view agrees
         clients = tree.client_chats()
         assert [tree.agent_of(c) for c in clients] == agents, tree.shape()
         for client in clients:

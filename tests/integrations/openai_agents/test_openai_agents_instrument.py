@@ -22,7 +22,7 @@ from opentelemetry import trace  # noqa: E402
 
 import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
-from agl.instrument import available_instrumentors, instrumented  # noqa: E402
+from agl.instrumentation import available_instrumentors, failure_counts, get_instrumentor, instrumented  # noqa: E402
 from agl.integrations.openai_agents import OpenAIAgentsInstrumentor  # noqa: E402
 
 QUESTION = "What is the capital of France? [sloppy]"
@@ -70,7 +70,7 @@ def test_instrument_twice_is_once_and_uninstrument_restores(
     once = processors()
     assert agl.instrument("openai_agents", tracer_provider=provider) == ["openai_agents"]
     assert processors() == once
-    assert once == (user_processor, OpenAIAgentsInstrumentor().processor)  # added; the app's own kept
+    assert once == (user_processor, get_instrumentor("openai_agents").processor)  # added; the app's own kept
     added = once[-1]
     assert "openai_agents" in instrumented()
 
@@ -82,7 +82,7 @@ def test_instrument_twice_is_once_and_uninstrument_restores(
 
     assert agl.uninstrument("openai_agents") == ["openai_agents"]
     assert all(a is b for a, b in zip(processors(), before, strict=True))
-    assert OpenAIAgentsInstrumentor().processor is None and not added.enabled
+    assert get_instrumentor("openai_agents").processor is None and not added.enabled
     assert {name: getattr(agents.Runner, name) for name in patched_before} == patched_before
     assert agl.uninstrument("openai_agents") == []  # twice is harmless
 
@@ -93,7 +93,7 @@ def test_replace_exporter_swaps_the_sdk_processors_and_puts_them_back(
     before = processors()
     assert before == (user_processor,)
     agl.instrument("openai_agents")  # AGL_OPENAI_AGENTS_REPLACE_EXPORTER=1 (fixture)
-    assert processors() == (OpenAIAgentsInstrumentor().processor,)
+    assert processors() == (get_instrumentor("openai_agents").processor,)
     agl.uninstrument("openai_agents")
     assert processors() == before
 
@@ -109,7 +109,7 @@ def test_replace_exporter_swaps_the_sdk_processors_and_puts_them_back(
 def test_replace_exporter_as_an_instrument_argument(clean_agl: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AGL_OPENAI_AGENTS_REPLACE_EXPORTER")
     before = processors()
-    inst = OpenAIAgentsInstrumentor()
+    inst = get_instrumentor("openai_agents")
     inst.instrument(replace_exporter=True, skip_dep_check=True)
     try:
         assert processors() == (inst.processor,)
@@ -123,12 +123,12 @@ def test_replace_exporter_through_agl_instrument_options(
 ) -> None:
     monkeypatch.delenv("AGL_OPENAI_AGENTS_REPLACE_EXPORTER")
     before = processors()
-    with pytest.raises(agl.instrument.IntegrationNotFoundError, match="nope"):
+    with pytest.raises(agl.instrumentation.IntegrationNotFoundError, match="nope"):
         agl.instrument("openai_agents", options={"nope": {}})
     assert processors() == before  # a refused call changes nothing
     agl.instrument("openai_agents", options={"openai_agents": {"replace_exporter": True}})
     try:
-        assert processors() == (OpenAIAgentsInstrumentor().processor,)
+        assert processors() == (get_instrumentor("openai_agents").processor,)
     finally:
         agl.uninstrument("openai_agents")
     assert processors() == before
@@ -269,8 +269,8 @@ def test_tool_code_runs_inside_its_execute_tool_span(
             return result
 
     assert asyncio.run(main()).final_output == "Paris is the capital of France."
-    processor = OpenAIAgentsInstrumentor().processor
-    assert processor._spans == {} and processor._traces == {} and processor.errors == 0
+    processor = get_instrumentor("openai_agents").processor
+    assert processor._spans == {} and processor._traces == {}
     spans = exporter.get_finished_spans()
     (tool,) = by_name(spans, sc.SPAN_EXECUTE_TOOL)
     assert seen[0].get_span_context().span_id == tool.context.span_id
@@ -284,12 +284,78 @@ def test_a_failing_processor_never_breaks_the_run(
     url = gateway_url
     provider, _exporter = memory_spans
     agl.instrument("openai_agents", tracer_provider=provider)
-    processor = OpenAIAgentsInstrumentor().processor
+    processor = get_instrumentor("openai_agents").processor
 
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("tracer exploded")
 
     monkeypatch.setattr(processor._tracer, "start_span", boom)
+    failed = failure_counts("openai_agents.").get("openai_agents.on_span_start", 0)
     with agl.rollout_context("ro-boom", 1):
         assert _run("chat", url.for_rollout("ro-boom", 1)).final_output == "Paris is the capital of France."
-    assert processor.errors > 0
+    assert failure_counts("openai_agents.")["openai_agents.on_span_start"] > failed
+
+
+@pytest.mark.parametrize("how", ["agents.set_trace_processors", "provider.set_processors"])
+def test_processors_replaced_after_instrument_keep_agl_spans(
+    how: str, gateway_url: Any, memory_spans: Any, user_processor: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The offline pattern: instrument, then the app drops the SDK's uploader by setting its own list."""
+    monkeypatch.delenv("AGL_OPENAI_AGENTS_REPLACE_EXPORTER")
+    provider, exporter = memory_spans
+    before = processors()
+    agl.instrument("openai", "openai_agents", tracer_provider=provider)
+    inst = get_instrumentor("openai_agents")
+    mine = UserProcessor()
+    try:
+        if how == "agents.set_trace_processors":
+            agents.set_trace_processors([mine])  # imported before agl.instrument(): same outcome
+        else:
+            get_trace_provider().set_processors([mine])
+        assert processors() == (mine, inst.processor)  # the app's list, then agl's
+        assert inst.health().ok, inst.health().problems
+
+        with agl.rollout_context("ro-replaced", 1):
+            result = _run("chat", gateway_url.for_rollout("ro-replaced", 1))
+        assert result.final_output == "Paris is the capital of France."
+        spans = exporter.get_finished_spans()
+        index = {s.context.span_id: s for s in spans}
+        agents_seen = [s.attributes[sc.GEN_AI_AGENT_NAME] for s in by_name(spans, sc.SPAN_INVOKE_AGENT)]
+        assert sorted(agents_seen) == ["answerer", "researcher", "triage"]
+        tools = by_name(spans, sc.SPAN_EXECUTE_TOOL)
+        assert tools and {(t.attributes[sc.GEN_AI_TOOL_NAME], agent_above(t, index)) for t in tools} == {
+            ("search", "researcher")
+        }
+        assert {agent_above(c, index) for c in by_name(spans, sc.SPAN_CHAT)} == {
+            "triage",
+            "researcher",
+            "answerer",
+        }
+        assert mine.spans  # the app's own processor gets everything too
+    finally:
+        agl.uninstrument("openai_agents", "openai")
+        set_trace_processors(list(before))
+    # uninstrument removed the wrapper: a later replacement no longer re-adds agl's processor
+    assert vars(type(get_trace_provider())).get("set_processors") is not None
+    set_trace_processors([mine])
+    assert processors() == (mine,)
+    set_trace_processors(list(before))
+
+
+def test_health_reports_a_processor_dropped_behind_agls_back(
+    memory_spans: Any, user_processor: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("AGL_OPENAI_AGENTS_REPLACE_EXPORTER")
+    provider, _exporter = memory_spans
+    before = processors()
+    agl.instrument("openai_agents", tracer_provider=provider)
+    inst = get_instrumentor("openai_agents")
+    assert inst.health().ok
+    multi = get_trace_provider()._multi_processor
+    try:
+        multi._processors = (user_processor,)  # bypasses set_processors, as a custom provider might
+        health = inst.health()
+        assert not health.ok and "no longer registered" in health.problems[0]
+    finally:
+        agl.uninstrument("openai_agents")
+        set_trace_processors(list(before))

@@ -24,6 +24,7 @@ import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
 from agl.rewards import AIR  # noqa: E402
+from agl.testing import assert_agent_spans  # noqa: E402
 from agl.types import LLM, NewRollout  # noqa: E402
 
 QUESTIONS = [
@@ -31,6 +32,13 @@ QUESTIONS = [
     {"question": "What is the capital of Japan?", "answer": "Tokyo"},
 ]
 VARIANTS = [(api, mode) for api in ("chat", "responses") for mode in ("run", "sync", "streamed")]
+
+
+@pytest.fixture(autouse=True)
+def _every_call_attributed(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """The runner's unattributed-calls warning stays quiet: every LLM call ran under its agent."""
+    yield
+    assert "ran under no agent span" not in caplog.text
 
 
 def score(output: Any, task: Any) -> float:
@@ -113,6 +121,9 @@ def test_retrieval_qa_end_to_end(
         # --- the span tree: agents, tools, handoffs, LLM calls (client + server), reward
         agents_ = sorted((s for s in spans if s.name == sc.SPAN_INVOKE_AGENT), key=lambda s: s.start_ns)
         assert [a.attributes[sc.GEN_AI_AGENT_NAME] for a in agents_] == ["triage", "researcher", "answerer"]
+        found = assert_agent_spans(store, rid, ["triage", "researcher", "answerer"], attempt=1)  # agl.testing
+        assert [agent for agent, _ in expected].count("researcher") == len(found.llm_calls["researcher"])
+        assert len(found.failed_tools) == (1 if "[sloppy]" in task["question"] else 0)
         rollout_span = next(s for s in spans if s.name == sc.SPAN_ROLLOUT)
         assert len({s.trace_id for s in spans}) == 1  # one trace per rollout, gateway spans included
         for a in agents_:
