@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-QUESTIONS = {"What is 6 times 7?": "ANSWER: 42", "What is 9 plus 10?": "ANSWER: 19"}
+QUESTION, ANSWER = "What is 6 times 7?", "ANSWER: 42"
 
 
 def tiny_model() -> Any:
@@ -102,8 +102,8 @@ def test_sft_learns_its_demonstrations_and_the_gateway_serves_the_result(tmp_pat
     openai = pytest.importorskip("openai")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    demos = [demo(f"r{i}", q, a, group=f"g{i}") for i, (q, a) in enumerate(QUESTIONS.items())]
-    demos.append(demo("bad", "What is 6 times 7?", "ANSWER: 41", reward=0.0, group="g0"))
+    # the rewarded demonstration, and a wrong one (reward 0) that min_reward leaves out
+    demos = [demo("good", QUESTION, ANSWER), demo("bad", QUESTION, "ANSWER: 41", reward=0.0)]
     try:
         # full fine-tuning: a random 32-wide model's logits move too little under LoRA to be greedy-decoded
         # back; LoRA (the default) is exercised on the recipe's data in tests/examples/test_calc_agent.py
@@ -113,9 +113,9 @@ def test_sft_learns_its_demonstrations_and_the_gateway_serves_the_result(tmp_pat
     finally:
         torch.set_num_threads(threads)
 
-    # trained on the two rewarded demonstrations only, loss on their response tokens only
-    assert summary["examples"] == 2 and summary["rollouts"] == 2
-    assert summary["response_tokens"] == sum(len(d.response_ids) for d in demos[:2])
+    # trained on the rewarded demonstration only, loss on its response tokens only
+    assert summary["examples"] == 1 and summary["rollouts"] == 1
+    assert summary["response_tokens"] == len(demos[0].response_ids)
     assert summary["loss_after"] < 0.25 * summary["loss_before"], summary
     records = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["sft_loss"] for r in records if "sft_loss" in r]
@@ -132,10 +132,10 @@ def test_sft_learns_its_demonstrations_and_the_gateway_serves_the_result(tmp_pat
     try:
         with serve_gateway(backend) as url:
             client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
-            for question, answer in QUESTIONS.items():
-                out = client.chat.completions.create(
-                    model="warm", messages=[{"role": "user", "content": question}], temperature=0
-                )
-                assert out.choices[0].message.content == answer
+            out = client.chat.completions.create(
+                model="warm", messages=[{"role": "user", "content": QUESTION}], temperature=0
+            )
+            assert out.choices[0].message.content == ANSWER  # greedy: the demonstration, end of turn included
+            assert out.choices[0].finish_reason == "stop"
     finally:
         backend._executor.shutdown(wait=False)
