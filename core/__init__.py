@@ -35,6 +35,7 @@ _LAZY: dict[str, str] = {
     "AIR": "agl.rewards",
     "LightningRL": "agl.algorithms.lightning_rl",
     "APO": "agl.algorithms.apo",
+    "SFT": "agl.algorithms.sft",
     "RunConfig": "agl.config",
     # prompt templates (resources an agent reads; APO rewrites them)
     "prompt": "agl.prompts",

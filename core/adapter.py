@@ -563,9 +563,12 @@ class Adapter:
         else:
             big_r = final[1]
 
-        # 6. AIR
+        # 6. AIR, then its guards (caps, outcome gate: agl.rewards.AIR.shape) over the whole rollout
         if self.air.enabled and calls:
-            self._air(S, kind, parent, notable, calls, locate, agent_at, inter, st)
+            air = [0.0] * len(calls)
+            self._air(S, kind, parent, notable, calls, locate, agent_at, air, st)
+            for k, value in enumerate(self.air.shape(air, big_r)):
+                inter[k] += value
 
         # 7. selection and transitions
         selected = [k for k, c in enumerate(calls) if self._match(c.agent)]

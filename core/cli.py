@@ -40,6 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "spans": ("agl.inspect", "print the span tree of a rollout"),
     "transitions": ("agl.export", "print the transitions a rollout would train on"),
     "export": ("agl.export", "export transitions, SFT or DPO data as JSONL"),
+    "sft": ("agl.algorithms.sft", "supervised warm start on demonstrations from a store (agl.SFT)"),
     "gateway": ("agl.gateway.cli", "serve the OpenAI-compatible gateway (agl gateway serve)"),
     "models": ("agl.gateway.models", "prepare the embedded default model (agl models prepare)"),
     "runner": ("agl.runner", "run an agent against a store: claim rollouts, run them, report"),

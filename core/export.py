@@ -6,8 +6,12 @@ line (definitions in docs/architecture.md §8):
 - ``transitions``: every transition (``agl.types.Transition`` fields) plus its ``advantage`` under
   the default LightningRL settings (or ``--credit``/``--gamma``/``--advantage-level``);
 - ``sft``: one chat per LLM call of the selected agents, from rollouts whose final reward is at
-  least ``--min-reward``: ``{"messages": [...prompt, {"role": "assistant", "content": response}]}``
-  (TRL's conversational SFT format, plus the token ids and provenance);
+  least ``--min-reward``: ``{"messages": [...prompt, assistant], "tools": [...]}`` in TRL's
+  conversational SFT format. The assistant turn is the message the gateway returned to the agent —
+  a tool call is in ``tool_calls`` (OpenAI format), never JSON text in ``content`` — and ``tools`` is
+  the schema the model was offered (from the span's ``gen_ai.tool.definitions``). Each record also
+  holds ``prompt_ids``/``response_ids``: the tokens exactly as the gateway rendered the conversation
+  for the model (``agl sft`` trains on these, loss on the response only), plus provenance;
 - ``dpo``: for every group, the best rollout against the worst one (by final reward, ties skipped):
   ``{"prompt": messages, "chosen": [assistant], "rejected": [assistant]}`` from the first transition
   of the selected agents in each (TRL's conversational preference format); pairs whose prompts
@@ -34,7 +38,9 @@ from agl.rewards import AIR
 from agl.types import Rollout, Transition
 
 __all__ = [
+    "CallRecord",
     "ExportResult",
+    "call_records",
     "dpo_records",
     "export",
     "load_tokenizer",
@@ -91,14 +97,102 @@ def transition_records(
     return out
 
 
-def _assistant(t: Transition) -> dict[str, Any]:
+@dataclass(frozen=True)
+class CallRecord:
+    """What the gateway recorded about one LLM call beyond the transition: the assistant message it
+    returned (content and/or ``tool_calls``) and the tool schema offered to the model."""
+
+    message: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+def _json_attr(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return None
+    return value
+
+
+def call_records(store: Any, transitions: Sequence[Transition]) -> dict[str, CallRecord]:
+    """``span_id -> CallRecord`` for the transitions' LLM calls, read from their spans in ``store``."""
+    from agl import semconv as sc
+
+    wanted: dict[tuple[str, int], set[str]] = {}
+    for t in transitions:
+        if t.span_id:
+            wanted.setdefault((t.rollout_id, t.attempt), set()).add(t.span_id)
+    out: dict[str, CallRecord] = {}
+    for (rid, attempt), ids in wanted.items():
+        for span in store.query_spans(rollout_id=rid, attempt=attempt):
+            if span.span_id not in ids:
+                continue
+            a = span.attributes
+            msgs = _json_attr(a.get(sc.GEN_AI_OUTPUT_MESSAGES))
+            if isinstance(msgs, dict):
+                msgs = [msgs]
+            choice = a.get(sc.AGL_LLM_CHOICE_INDEX, 0)
+            msg = None
+            if isinstance(msgs, list) and msgs:
+                pick = msgs[choice] if isinstance(choice, int) and 0 <= choice < len(msgs) else msgs[0]
+                msg = pick if isinstance(pick, dict) else None
+            tools = _json_attr(a.get(sc.GEN_AI_TOOL_DEFINITIONS))
+            out[span.span_id] = CallRecord(
+                message=msg,
+                tools=[x for x in tools if isinstance(x, dict)] if isinstance(tools, list) else None,
+            )
+    return out
+
+
+def _tool_calls(raw: Any) -> list[dict[str, Any]]:
+    """OpenAI ``tool_calls`` (``{"id", "type": "function", "function": {"name", "arguments"}}``, the
+    arguments a JSON string) from a recorded message's tool calls."""
+    out = []
+    for tc in raw if isinstance(raw, list) else []:
+        if not isinstance(tc, dict):
+            continue
+        fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc
+        name = fn.get("name")
+        if not isinstance(name, str):
+            continue
+        args = fn.get("arguments", {})
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        call: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
+        if isinstance(tc.get("id"), str):
+            call = {"id": tc["id"], **call}
+        out.append(call)
+    return out
+
+
+def _assistant(t: Transition, call: CallRecord | None = None) -> dict[str, Any]:
+    """The assistant turn as the agent received it: text in ``content``, tool calls in ``tool_calls``."""
+    msg = call.message if call is not None else None
+    if msg is not None:
+        calls = _tool_calls(msg.get("tool_calls"))
+        content = msg.get("content")
+        if isinstance(content, list):
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        if calls:
+            return {"role": "assistant", "content": content or None, "tool_calls": calls}
+        if isinstance(content, str):
+            return {"role": "assistant", "content": content}
     return {"role": "assistant", "content": t.response_text if t.response_text is not None else ""}
 
 
 def sft_records(
-    transitions: Sequence[Transition], *, min_reward: float | None = None, result: ExportResult | None = None
+    transitions: Sequence[Transition],
+    *,
+    min_reward: float | None = None,
+    result: ExportResult | None = None,
+    calls: dict[str, CallRecord] | None = None,
 ) -> list[dict[str, Any]]:
-    """One conversational SFT example per transition of the rollouts with final reward >= min_reward."""
+    """One conversational SFT example per transition of the rollouts with final reward >= min_reward.
+
+    ``calls`` (from :func:`call_records`) supplies each call's assistant message and tool schema;
+    without it the assistant turn is the transition's response text and no ``tools`` are written."""
+    calls = calls or {}
     out = []
     for ts in _by_rollout(transitions).values():
         if min_reward is not None and ts[0].final_reward < min_reward:
@@ -110,9 +204,13 @@ def sft_records(
                 if result is not None:
                     result.skip("no_messages")
                 continue
+            call = calls.get(t.span_id or "")
+            rec: dict[str, Any] = {"messages": [*t.messages, _assistant(t, call)]}
+            if call is not None and call.tools:
+                rec["tools"] = call.tools
             out.append(
                 {
-                    "messages": [*t.messages, _assistant(t)],
+                    **rec,
                     "prompt_ids": list(t.prompt_ids),
                     "response_ids": list(t.response_ids),
                     "rollout_id": t.rollout_id,
@@ -126,7 +224,11 @@ def sft_records(
 
 
 def dpo_records(
-    transitions: Sequence[Transition], *, min_reward: float | None = None, result: ExportResult | None = None
+    transitions: Sequence[Transition],
+    *,
+    min_reward: float | None = None,
+    result: ExportResult | None = None,
+    calls: dict[str, CallRecord] | None = None,
 ) -> list[dict[str, Any]]:
     """Per group: the best rollout's first transition (chosen) against the worst one's (rejected).
 
@@ -135,6 +237,7 @@ def dpo_records(
     skipped (and counted in ``result``).
     """
     res = result if result is not None else ExportResult()
+    calls = calls or {}
     groups: dict[str, list[list[Transition]]] = {}
     for ts in _by_rollout(transitions).values():
         gid = ts[0].group_id
@@ -159,11 +262,16 @@ def dpo_records(
         if not chosen.messages or list(chosen.messages) != list(rejected.messages):
             res.skip("prompt_mismatch")
             continue
+        rec: dict[str, Any] = {}
+        tools = getattr(calls.get(chosen.span_id or ""), "tools", None)
+        if tools:
+            rec["tools"] = tools
         out.append(
             {
                 "prompt": list(chosen.messages),
-                "chosen": [_assistant(chosen)],
-                "rejected": [_assistant(rejected)],
+                "chosen": [_assistant(chosen, calls.get(chosen.span_id or ""))],
+                "rejected": [_assistant(rejected, calls.get(rejected.span_id or ""))],
+                **rec,
                 "group_id": gid,
                 "agent": chosen.agent,
                 "chosen_rollout_id": chosen.rollout_id,
@@ -221,9 +329,13 @@ def export(
     if fmt == "transitions":
         records = transition_records(transitions, algorithm, min_reward=min_reward, result=result)
     elif fmt == "sft":
-        records = sft_records(transitions, min_reward=min_reward, result=result)
+        records = sft_records(
+            transitions, min_reward=min_reward, result=result, calls=call_records(store, transitions)
+        )
     else:
-        records = dpo_records(transitions, min_reward=min_reward, result=result)
+        records = dpo_records(
+            transitions, min_reward=min_reward, result=result, calls=call_records(store, transitions)
+        )
     _write_jsonl(records, out)
     result.records = len(records)
     return result

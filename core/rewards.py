@@ -10,6 +10,21 @@ This module decides *how much* each signal is worth (:class:`AIR`, the rule weig
 for more rules; :mod:`agl.adapter` decides *which* transition each signal lands on (the tool call's
 issuer, or the LLM call that precedes the span). The attachment rules are documented in
 docs/architecture.md §8.
+
+AIR must never be a way to score without solving the task (issue 17: a shaped penalty taught a SQL
+writer to answer every question with ``COUNT(*)``, a query that never fails). Two guards, applied per
+rollout by :meth:`AIR.shape` after the rules have fired:
+
+- **caps**: a rollout's AIR bonuses together are at most ``cap × reward_scale``, its penalties at most
+  that much in magnitude (scaled down proportionally), where ``reward_scale`` is the task reward's
+  range. With ``cap < 1`` no amount of shaping is worth as much as solving the task, and avoiding every
+  penalty is worth at most ``cap`` of it;
+- **outcome gating** (``gate="success"``): bonuses count only on rollouts whose final (task) reward
+  reaches ``success_at`` — shaping then ranks successful rollouts, never replaces success. Penalties
+  still apply everywhere: they say which call failed.
+
+:func:`reward_breakdown` splits a batch's reward into its task part and its AIR/intermediate part, so a
+run's metrics show how much of a reward gain came from each.
 """
 
 from __future__ import annotations
@@ -23,12 +38,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from agl.types import Span
 
-__all__ = ["AIR", "RULES", "plugin_rewards"]
+__all__ = ["AIR", "GATES", "RULES", "plugin_rewards", "reward_breakdown"]
 
 log = logging.getLogger(__name__)
 
 #: The built-in rules, in the order they are documented.
 RULES: tuple[str, ...] = ("tool_error", "tool_success", "exception", "malformed_tool_call")
+#: ``AIR.gate`` values: ``"none"`` (AIR counts on every rollout) or ``"success"`` (bonuses count only on
+#: rollouts whose final reward is at least ``success_at``).
+GATES: tuple[str, ...] = ("none", "success")
 
 
 @dataclass(frozen=True)
@@ -48,6 +66,12 @@ class AIR:
 
     ``enabled=False`` turns every rule off, plugins included; ``use_plugins=False`` keeps the built-in
     rules and ignores ``agl_intermediate_reward`` plugins.
+
+    Guards (see the module docstring; applied by :meth:`shape`, plugins' rewards included): ``cap``
+    bounds a rollout's total bonus, and separately its total penalty, to ``cap × reward_scale``
+    (``None``: no cap; must be below 1 so shaping is never worth a solved task); ``gate="success"``
+    keeps bonuses only on rollouts whose final reward is at least ``success_at`` (default: the top of
+    the task reward's range, ``reward_scale``).
     """
 
     tool_error: float | None = -0.1
@@ -56,17 +80,50 @@ class AIR:
     malformed_tool_call: float | None = -0.1
     enabled: bool = True
     use_plugins: bool = True
+    cap: float | None = 0.5
+    reward_scale: float = 1.0
+    gate: str = "none"
+    success_at: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in RULES:
-                if value is None:
+            if f.name in RULES or f.name in ("cap", "success_at", "reward_scale"):
+                if value is None and f.name != "reward_scale":
                     continue
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                     raise ValueError(f"AIR.{f.name} must be a finite number or None, got {value!r}")
+            elif f.name == "gate":
+                if value not in GATES:
+                    raise ValueError(f"AIR.gate must be one of {', '.join(GATES)}, got {value!r}")
             elif not isinstance(value, bool):
                 raise ValueError(f"AIR.{f.name} must be True or False, got {value!r}")
+        if self.cap is not None and not 0 <= self.cap < 1:
+            raise ValueError(
+                f"AIR.cap must be in [0, 1): shaping worth a whole task reward could replace solving it; "
+                f"got {self.cap!r}"
+            )
+        if self.reward_scale <= 0:
+            raise ValueError(f"AIR.reward_scale must be > 0, got {self.reward_scale!r}")
+
+    def shape(self, air: Sequence[float], final_reward: float) -> list[float]:
+        """One rollout's AIR rewards (one per LLM call, as the rules and plugins gave them) after the
+        outcome gate and the caps: what credit assignment adds to each call's return."""
+        out = [float(x) for x in air]
+        if not self.enabled:
+            return [0.0] * len(out)
+        if self.gate == "success":
+            threshold = self.reward_scale if self.success_at is None else self.success_at
+            if final_reward < threshold:
+                out = [min(x, 0.0) for x in out]
+        if self.cap is not None:
+            limit = self.cap * self.reward_scale
+            pos = sum(x for x in out if x > 0)
+            neg = -sum(x for x in out if x < 0)
+            fp = limit / pos if pos > limit else 1.0
+            fn = limit / neg if neg > limit else 1.0
+            out = [x * fp if x > 0 else x * fn if x < 0 else 0.0 for x in out]
+        return out
 
     def weight(self, rule: str) -> float:
         """The weight of a built-in rule, 0.0 when the rule (or AIR) is switched off."""
@@ -79,6 +136,42 @@ class AIR:
     def off(cls) -> AIR:
         """No automatic rewards at all: only what the agent emitted counts."""
         return cls(enabled=False)
+
+
+def reward_breakdown(transitions: Sequence[Any]) -> dict[str, float | None]:
+    """How a batch's reward splits between the task and AIR (per rollout, averaged over rollouts):
+    ``task_reward`` (the final reward), ``air_reward`` (the rollout's intermediate rewards summed over
+    its transitions — AIR after its guards, plus any the agent emitted), ``air_bonus``/``air_penalty``
+    (their positive and negative parts) and ``air_share`` (``|air| / (|task| + |air|)`` summed over
+    rollouts: how much of the signal is shaping). Comparing two steps' breakdowns says how much of a
+    gain came from AIR rather than from solving more tasks."""
+    by_rollout: dict[tuple[str, int], list[Any]] = {}
+    for t in transitions:
+        by_rollout.setdefault((t.rollout_id, t.attempt), []).append(t)
+    if not by_rollout:
+        return {
+            "task_reward": None,
+            "air_reward": None,
+            "air_bonus": None,
+            "air_penalty": None,
+            "air_share": None,
+        }
+    task, air, bonus, penalty = [], [], [], []
+    for ts in by_rollout.values():
+        task.append(float(ts[0].final_reward))
+        inter = [float(t.intermediate_reward) for t in ts]
+        air.append(sum(inter))
+        bonus.append(sum(x for x in inter if x > 0))
+        penalty.append(sum(x for x in inter if x < 0))
+    n = len(task)
+    mass = sum(abs(x) for x in task) + sum(abs(x) for x in air)
+    return {
+        "task_reward": sum(task) / n,
+        "air_reward": sum(air) / n,
+        "air_bonus": sum(bonus) / n,
+        "air_penalty": sum(penalty) / n,
+        "air_share": (sum(abs(x) for x in air) / mass) if mass else 0.0,
+    }
 
 
 def _hook_caller() -> Any | None:

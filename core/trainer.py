@@ -649,6 +649,7 @@ class Trainer:
                 transitions=len(train_ts),
                 exact_token_ratio=(sum(1 for t in train_ts if t.exact) / len(train_ts)) if train_ts else None,
             )
+            record.update(_reward_split(train_ts, self.history))
             record.update(self._update(train_ts))
         record.update(rollout_s=rollout_s, sync_s=sync_s, step_s=time.perf_counter() - t_step)
         return record
@@ -865,6 +866,19 @@ class _TaskOrder:
     def restore(self, state: dict[str, Any]) -> None:
         self.order = list(state.get("order", []))
         self.rng.setstate(_rng_state(state["rng"]))
+
+
+def _reward_split(transitions: Sequence[Transition], history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The step's reward split into task and AIR parts (:func:`agl.rewards.reward_breakdown`), and
+    each part's gain since the first training step: how much of a reward gain is shaping."""
+    from agl.rewards import reward_breakdown
+
+    out: dict[str, Any] = dict(reward_breakdown(transitions))
+    first = next((h for h in history if h.get("task_reward") is not None), None)
+    if first is not None and out["task_reward"] is not None:
+        out["task_reward_gain"] = out["task_reward"] - first["task_reward"]
+        out["air_reward_gain"] = out["air_reward"] - first["air_reward"]
+    return out
 
 
 def _prune(folder: Path, keep: int) -> None:

@@ -36,9 +36,25 @@ def example_parser(
     d.add_argument("-n", "--tasks", type=int, default=4, help=f"how many {item} (default 4)")
     d.add_argument("--max-tokens", type=int, default=64)
     d.add_argument("--temperature", type=float, default=0.0)
+    d.add_argument(
+        "--oracle",
+        action="store_true",
+        help="serve the example's oracle teacher (gold answers, scripted backend): demonstrations for `agl sft`",
+    )
+    d.add_argument(
+        "--store",
+        default=None,
+        help="record the rollouts in this store (e.g. sqlite:///runs/demos.db; default: in memory)",
+    )
 
     t = sub.add_parser("train", help=train_help)
     t.add_argument("--model", default=None, help="a local model path (default: embedded SmolLM2-135M)")
+    t.add_argument(
+        "--warm-start",
+        default=None,
+        metavar="SFT_DIR",
+        help="start RL from an `agl sft` output (its merged model; overrides --model)",
+    )
     t.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
     t.add_argument("--vllm-url", default=None, help="the vLLM OpenAI server (with --backend vllm)")
     t.add_argument("--model-name", default=None, help="the name the vLLM server serves the model under")
@@ -67,3 +83,18 @@ def example_parser(
 
     sub.add_parser("data", help=data_help)
     return p, sub
+
+
+def oracle_backend(args: argparse.Namespace) -> None:
+    """``dev --oracle`` is the scripted backend serving the example's oracle teacher."""
+    if getattr(args, "oracle", False):
+        args.backend = "scripted"
+
+
+def model_arg(args: argparse.Namespace) -> str | None:
+    """``train``'s model: the warm start's merged model when given, else ``--model``."""
+    if getattr(args, "warm_start", None):
+        from agl.algorithms.sft import warm_start_model
+
+        return str(warm_start_model(args.warm_start))
+    return args.model

@@ -65,7 +65,10 @@ def run_rollout(store, rollout_id: str, calls: list[tuple[str, str, list[int]]],
                 sc.GEN_AI_OPERATION_NAME: sc.OP_CHAT,
                 sc.AGL_SIDE: sc.SIDE_SERVER,
                 sc.GEN_AI_INPUT_MESSAGES: json.dumps(PROMPT),
-                sc.GEN_AI_OUTPUT_MESSAGES: json.dumps([{"role": "assistant", "content": text}]),
+                sc.GEN_AI_OUTPUT_MESSAGES: json.dumps(
+                    [kw.get("output") or {"role": "assistant", "content": text}]
+                ),
+                **({sc.GEN_AI_TOOL_DEFINITIONS: json.dumps(kw["tools"])} if kw.get("tools") else {}),
                 sc.AGL_LLM_PROMPT_TOKEN_IDS: [1, 2, 3],
                 sc.AGL_LLM_RESPONSE_TOKEN_IDS: response_ids,
                 sc.AGL_LLM_RESPONSE_LOGPROBS: [-0.5] * len(response_ids),
@@ -152,6 +155,40 @@ def test_export_sft_respects_agents_and_min_reward(db, tmp_path) -> None:
     good = next(r for r in recs if r["rollout_id"] == "ro-good")
     assert good["messages"] == [*PROMPT, {"role": "assistant", "content": "42"}]
     assert good["agent"] == "writer" and good["response_ids"] == [42, 0]
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
+
+
+def test_export_sft_writes_tool_calls_and_the_tools_schema(tmp_path) -> None:
+    """A tool-call turn is exported as OpenAI ``tool_calls`` (not JSON text in ``content``), with the
+    tools the model was offered, and the exact token ids the gateway recorded."""
+    url = f"sqlite:///{tmp_path / 'tools.db'}"
+    store = open_store(url)
+    store.enqueue([NewRollout(id="ro-tool", group_id="g")])
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": '{"expression": "6*7"}'},
+    }
+    output = {"role": "assistant", "content": None, "tool_calls": [call]}
+    run_rollout(store, "ro-tool", [("solver", "", [5, 6, 0])], 1.0, output=output, tools=TOOLS)
+    store.close()
+    out = tmp_path / "sft.jsonl"
+    assert main(["export", "--store", url, "--format", "sft", "--out", str(out)]) == 0
+    (rec,) = read(out)
+    assert rec["messages"] == [*PROMPT, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    assert rec["tools"] == TOOLS
+    assert rec["prompt_ids"] == [1, 2, 3] and rec["response_ids"] == [5, 6, 0]
 
 
 def test_export_dpo_best_vs_worst(db, tmp_path) -> None:

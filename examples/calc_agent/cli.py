@@ -9,7 +9,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from examples._cli import example_parser
+from examples._cli import example_parser, model_arg, oracle_backend
 
 __all__ = ["dev", "main", "parser", "train"]
 
@@ -122,10 +122,13 @@ def dev(
     from examples.calc_agent.agent import AGENT, make_rollout
 
     tasks = data.load_tasks(args.split, limit=args.tasks)
+    oracle_backend(args)
     if args.backend == "scripted" and script is None:
         from examples.calc_agent.scripted import ScriptedCalc
 
-        script = ScriptedCalc()
+        script = ScriptedCalc(oracle=args.oracle)
+    if args.store is not None:
+        trainer_kw.setdefault("store", args.store)
     is_path = args.model is not None and os.path.isdir(args.model)
     trainer = Trainer(
         model=model if model is not None else (args.model if is_path else None),
@@ -175,7 +178,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
     }
     trainer = Trainer(
         algorithm,
-        model=model if model is not None else args.model,
+        model=model if model is not None else model_arg(args),
         tokenizer=tokenizer,
         backend=args.backend,
         vllm_url=args.vllm_url,

@@ -7,6 +7,10 @@ It plays the solver and answers each problem in one of four ways, fixed per task
   refuses, then the right one, then answers (reward 1, one AIR penalty on the malformed call);
 - ``wrong``: answers at once, off by one, without the tool (reward 0);
 - ``direct``: answers at once, correctly, without the tool (reward 1).
+
+``ScriptedCalc(oracle=True)`` is the *oracle teacher*: every problem is solved the ``good`` way (the
+gold expression through the calculator, then its result), so ``dev --oracle`` records demonstrations
+for a supervised warm start through the same agent, gateway and store as RL rollouts.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ def _text(content: Any) -> str:
 class ScriptedCalc:
     """``script=`` for the gateway's scripted backend: ``(GenerationRequest) -> reply``."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, oracle: bool = False) -> None:
+        self.oracle = oracle
         self.tasks = {t["question"]: t for t in data.load_tasks("train") + data.load_tasks("test")}
 
     def __call__(self, request: Any) -> Any:
@@ -53,7 +58,7 @@ class ScriptedCalc:
         task = self.tasks.get(question.strip())
         if task is None or SYSTEM not in system:
             return reply("I cannot help with that.")
-        kind, expression = behaviour(task), task["expression"]
+        kind, expression = ("good" if self.oracle else behaviour(task)), task["expression"]
         results = [_text(m.get("content")) for m in messages if m.get("role") == "tool"]
         if kind == "direct":
             return reply(f"ANSWER: {task['answer']}")

@@ -9,6 +9,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from examples._cli import model_arg, oracle_backend
+
 __all__ = ["dev", "main", "parser", "train"]
 
 
@@ -39,9 +41,21 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("-n", "--tasks", type=int, default=4, help="how many tasks (default 4)")
     d.add_argument("--max-tokens", type=int, default=96)
     d.add_argument("--temperature", type=float, default=0.0)
+    d.add_argument(
+        "--oracle",
+        action="store_true",
+        help="serve the oracle teacher (gold searches and answer, scripted backend): demonstrations for `agl sft`",
+    )
+    d.add_argument("--store", default=None, help="record the rollouts in this store (default: in memory)")
 
     t = sub.add_parser("train", help="train the researcher with LightningRL")
     t.add_argument("--model", default=None, help="a local model path (default: embedded SmolLM2-135M)")
+    t.add_argument(
+        "--warm-start",
+        default=None,
+        metavar="SFT_DIR",
+        help="start RL from an `agl sft` output (overrides --model)",
+    )
     t.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
     t.add_argument("--vllm-url", default=None, help="the vLLM OpenAI server (with --backend vllm)")
     t.add_argument("--run-dir", default="runs/rag_agent")
@@ -93,10 +107,13 @@ def dev(
     from examples.rag_agent.agent import TRAINED_AGENTS, make_rollout
 
     tasks = data.load_tasks(args.split, scale=_scale(args), limit=args.tasks)
+    oracle_backend(args)
     if args.backend == "scripted" and script is None:
         from examples.rag_agent.scripted import ScriptedRAG
 
-        script = ScriptedRAG(_scale(args))
+        script = ScriptedRAG(_scale(args), oracle=args.oracle)
+    if args.store is not None:
+        trainer_kw.setdefault("store", args.store)
     _prepare_index(args)
     is_path = args.model is not None and os.path.isdir(args.model)
     trainer = Trainer(
@@ -144,7 +161,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
     }
     trainer = Trainer(
         algorithm,
-        model=model if model is not None else args.model,
+        model=model if model is not None else model_arg(args),
         tokenizer=tokenizer,
         backend=args.backend,
         vllm_url=args.vllm_url,

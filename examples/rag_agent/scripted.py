@@ -10,6 +10,10 @@ ways, fixed per question by a hash so a run is reproducible:
   format (reward ``FORMAT_WEIGHT``: format only);
 - ``unformatted``: searches, then answers in a sentence without the tags (no format score, partial
   F1).
+
+``ScriptedRAG(oracle=True)`` is the *oracle teacher*: every question is answered the ``good`` way
+(both hops searched, the gold answer in tags), so ``dev --oracle`` records demonstrations for a
+supervised warm start through the same agent, gateway and store as RL rollouts.
 """
 
 from __future__ import annotations
@@ -52,7 +56,10 @@ def _text(content: Any) -> str:
 class ScriptedRAG:
     """``script=`` for the gateway's scripted backend: ``(GenerationRequest) -> reply``."""
 
-    def __init__(self, scale: int = data.DEFAULT_SCALE, seed: int = data.SEED) -> None:
+    def __init__(
+        self, scale: int = data.DEFAULT_SCALE, seed: int = data.SEED, *, oracle: bool = False
+    ) -> None:
+        self.oracle = oracle
         tasks = data.load_tasks("train", scale=scale, seed=seed) + data.load_tasks(
             "test", scale=scale, seed=seed
         )
@@ -60,7 +67,7 @@ class ScriptedRAG:
 
     def kind(self, task: dict[str, Any], request: Any) -> str:
         """How this call's rollout behaves (the same for every call of a rollout)."""
-        return behaviour(task["question"])
+        return "good" if self.oracle else behaviour(task["question"])
 
     def __call__(self, request: Any) -> Any:
         messages = request.messages or []

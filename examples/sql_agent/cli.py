@@ -9,7 +9,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from examples._cli import example_parser
+from examples._cli import example_parser, model_arg, oracle_backend
 
 __all__ = ["dev", "main", "parser", "train"]
 
@@ -47,10 +47,13 @@ def dev(
     from examples.sql_agent.agent import TRAINED_AGENTS, make_rollout
 
     tasks = data.load_tasks(args.split, args.data_dir, limit=args.tasks)
+    oracle_backend(args)
     if args.backend == "scripted" and script is None:
         from examples.sql_agent.scripted import ScriptedSQL
 
-        script = ScriptedSQL(args.data_dir)
+        script = ScriptedSQL(args.data_dir, oracle=args.oracle)
+    if args.store is not None:
+        trainer_kw.setdefault("store", args.store)
     is_path = args.model is not None and os.path.isdir(args.model)
     trainer = Trainer(
         model=model if model is not None else (args.model if is_path else None),
@@ -100,7 +103,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
     }
     trainer = Trainer(
         algorithm,
-        model=model if model is not None else args.model,
+        model=model if model is not None else model_arg(args),
         tokenizer=tokenizer,
         backend=args.backend,
         vllm_url=args.vllm_url,

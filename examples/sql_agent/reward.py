@@ -5,6 +5,12 @@ Rows are compared as a multiset (row order ignored) unless the gold query orders
 normalised so ``3``, ``3.0`` and ``2.9999999999`` are one answer. A query that does not execute, runs
 too long, or writes is simply wrong (0.0): the agent gets no partial credit for the attempt, and the
 separate AIR penalty for the failed execution is read off the trace, not computed here.
+
+A count is only an answer to a counting question: when the predicted query answers with ``COUNT(...)``
+and the gold query does not, the reward is 0.0 even if the numbers happen to coincide (a table's row
+count often equals some other small number in these databases). ``SELECT COUNT(*) FROM t`` runs on
+every database and never fails, which made it the cheapest way to dodge AIR's failed-query penalty;
+it must never also be a way to score.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import sqlite3
 from collections import Counter
 from typing import Any
 
-__all__ = ["execute", "execution_match", "extract_sql"]
+__all__ = ["answers_with_count", "execute", "execution_match", "extract_sql"]
 
 #: SQLite VM steps a query may take before it is aborted (the databases are tiny: a correct query
 #: needs well under 10k; a runaway cross join is stopped instead of hanging the rollout)
@@ -77,8 +83,39 @@ def _ordered(sql: str) -> bool:
     return re.search(r"\bORDER\s+BY\b", sql, re.I) is not None
 
 
+_SELECT_LIST = re.compile(r"\bSELECT\s+(?:DISTINCT\s+)?(.*?)(?:\bFROM\b|\Z)", re.S | re.I)
+_BARE_COUNT = re.compile(r"COUNT\s*\([^()]*\)(?:\s+(?:AS\s+)?\w+)?", re.I)
+
+
+def _columns(select_list: str) -> list[str]:
+    """The select list's items, split at top-level commas."""
+    out, depth, cur = [], 0, []
+    for ch in select_list:
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur).strip())
+    return out
+
+
+def answers_with_count(sql: str) -> bool:
+    """Whether a column of the query's answer is a bare ``COUNT(...)`` (the outermost ``SELECT``:
+    the last one after a ``WITH``, else the first)."""
+    lists = _SELECT_LIST.findall(sql or "")
+    if not lists:
+        return False
+    outer = lists[-1] if (sql or "").lstrip()[:4].upper() == "WITH" else lists[0]
+    return any(_BARE_COUNT.fullmatch(col) for col in _columns(outer))
+
+
 def execution_match(db: str | os.PathLike[str], predicted: str, gold: str) -> float:
-    """1.0 when ``predicted`` returns the same rows as ``gold`` on ``db``, else 0.0."""
+    """1.0 when ``predicted`` returns the same rows as ``gold`` on ``db``, else 0.0 (and 0.0 for a
+    count where the gold answer is not one)."""
+    if answers_with_count(predicted) and not answers_with_count(gold):
+        return 0.0
     expected = _rows(execute(db, gold))  # a broken gold query is a bug in the data: let it raise
     try:
         got = _rows(execute(db, predicted))

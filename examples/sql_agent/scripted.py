@@ -8,6 +8,10 @@ in one of four ways, fixed per task by its number so a run is reproducible:
   the gold query (reward 1, one AIR penalty on the writer's call);
 - ``wrong``: the writer's query runs but answers something else (reward 0, no penalty);
 - ``broken``: every query fails, three turns in a row (reward 0, a penalty on each of the 3 calls).
+
+``ScriptedSQL(oracle=True)`` is the *oracle teacher*: the writer writes the gold query for every
+question, so ``dev --oracle`` records demonstrations for a supervised warm start through the same
+agent, gateway and store as RL rollouts.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ def _wrong(task: dict[str, Any]) -> str:
 class ScriptedSQL:
     """``script=`` for the gateway's scripted backend: ``(GenerationRequest) -> reply text``."""
 
-    def __init__(self, data_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, data_dir: str | os.PathLike[str] | None = None, *, oracle: bool = False) -> None:
+        self.oracle = oracle
         tasks = data.load_tasks("train", data_dir) + data.load_tasks("test", data_dir)
         self.tasks = {t["question"]: t for t in tasks}
 
@@ -57,7 +62,7 @@ class ScriptedSQL:
         task = self.tasks.get(found.group(1).strip()) if found else None
         if task is None or system not in (WRITER, REWRITER):
             return "I cannot help with that."
-        kind, gold = behaviour(task), task["gold_sql"]
+        kind, gold = ("good" if self.oracle else behaviour(task)), task["gold_sql"]
         if kind == "good" or (kind == "fixed" and system == REWRITER):
             sql = gold
         elif kind == "wrong":

@@ -199,3 +199,104 @@ def test_train_a_few_steps_with_a_tiny_model(tmp_path: Path) -> None:
         assert h["transitions"] == 4 and h["train_reward"] == 0.0
         assert h["zero_variance_groups"] == h["groups"] == 2
         assert math.isfinite(h["loss"]) or h["trained_transitions"] == 0
+
+
+# --------------------------------------------------------------------------- oracle, SFT, warm start
+
+
+def test_oracle_demonstrations_sft_and_rl_from_the_warm_start(tmp_path: Path) -> None:
+    """The recipe's data path end to end, small: the oracle teacher solves every problem through the
+    unchanged AutoGen agent (reward 1, calculator called), ``agl export --format sft`` writes the
+    tool call as ``tool_calls`` with the tools schema, ``agl sft`` trains a tiny model on the recorded
+    token ids, and ``train --warm-start`` continues with LightningRL from its merged model."""
+    pytest.importorskip("autogen_agentchat")
+    pytest.importorskip("autogen_ext.models.openai")
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    import torch
+
+    import agl.store
+    from agl import semconv as sc
+    from agl.cli import main as agl_main
+    from agl.trainer import load_tokenizer
+    from examples.calc_agent import cli
+
+    db = f"sqlite:///{tmp_path / 'demos.db'}"
+    args = cli.parser().parse_args(["dev", "--oracle", "--split", "train", "-n", "6", "--store", db])
+    transitions = cli.dev(args)
+    store = agl.store.open(db)
+    rollouts = store.query_rollouts()
+    assert len(rollouts) == 6 and all(r.status == "succeeded" for r in rollouts)
+    by: dict[str, list[Any]] = defaultdict(list)
+    for t in transitions:
+        by[t.rollout_id].append(t)
+    for r in rollouts:
+        ts = sorted(by[r.id], key=lambda t: t.index)
+        assert [t.final_reward for t in ts] == [1.0, 1.0] and all(t.exact for t in ts)
+        assert all(t.intermediate_reward == 0.0 for t in ts)
+        tools = [s for s in store.query_spans(rollout_id=r.id) if s.name == sc.SPAN_EXECUTE_TOOL]
+        assert len(tools) == 1 and tools[0].status.code != "ERROR"
+        assert json.loads(tools[0].attributes[sc.GEN_AI_TOOL_CALL_ARGUMENTS]) == {
+            "expression": r.input["expression"]
+        }
+    store.close()
+
+    out = tmp_path / "sft.jsonl"
+    rc = agl_main(
+        [
+            "export",
+            "--store",
+            db,
+            "--format",
+            "sft",
+            "--agents",
+            "solver",
+            "--min-reward",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(recs) == 12
+    first = [r for r in recs if r["index"] == 0]
+    for rec in first:
+        call = rec["messages"][-1]
+        assert call["role"] == "assistant" and not call["content"]
+        (tc,) = call["tool_calls"]
+        assert tc["type"] == "function" and tc["function"]["name"] == "calculator"
+        assert "expression" in json.loads(tc["function"]["arguments"])
+        assert [t["function"]["name"] for t in rec["tools"]] == ["calculator"]
+    second = [r for r in recs if r["index"] == 1]
+    assert all(r["messages"][-1]["content"].startswith("ANSWER: ") for r in second)
+    # the earlier tool call is in the prompt as the agent sent it: a structured call and its result
+    assert all(any(m.get("tool_calls") for m in r["messages"][:-1]) for r in second)
+
+    # agl sft on the demonstrations, from a tiny random model saved like any local model
+    model_dir = tmp_path / "tiny"
+    _tiny_model().save_pretrained(str(model_dir))
+    load_tokenizer().save_pretrained(str(model_dir))
+    threads = torch.get_num_threads()
+    try:
+        rc = agl_main(
+            ["sft", "--store", db, "--agents", "solver", "--min-reward", "1", "--model", str(model_dir),
+             "--out", str(tmp_path / "sft"), "--epochs", "2", "--learning-rate", "1e-3", "--lora-r", "4",
+             "--threads", "1"]
+        )  # fmt: skip
+        assert rc == 0
+        summary = json.loads((tmp_path / "sft" / "sft_summary.json").read_text())
+        assert summary["examples"] == 12 and summary["agents"] == ["solver"] and summary["exact"] == 12
+        assert summary["loss_after"] < summary["loss_before"]
+
+        run_dir = tmp_path / "rl"
+        targs = cli.parser().parse_args(
+            ["train", "--warm-start", str(tmp_path / "sft"), "--run-dir", str(run_dir), "--steps", "1",
+             "--tasks-per-step", "1", "--group-size", "2", "--val-tasks", "1", "--val-every", "1",
+             "--max-tokens", "6", "--runners", "2", "--lora-r", "4"]
+        )  # fmt: skip
+        result = cli.train(targs, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert [h["step"] for h in result["history"] if "train_reward" in h] == [0]
+    assert result["val_reward_before"] is not None

@@ -310,3 +310,21 @@ def test_train_a_few_steps_with_a_tiny_model(
         assert {t.agent for t in batch} == {"researcher"}
         assert {t.final_reward for t in batch} == {1.0, FORMAT_WEIGHT}  # good and wrong in each group
         assert math.isfinite(h["loss"]) and h["zero_variance_groups"] == 0
+
+
+def test_the_oracle_teacher_solves_every_question(index: Any, agents_sdk_offline: None) -> None:
+    """``dev --oracle``: the unchanged Agents SDK researcher, served the gold searches and answer by
+    the scripted backend, earns reward 1 on every question with no AIR penalty."""
+    import agl.store
+    from examples.rag_agent import cli
+
+    store = agl.store.open("memory://")
+    args = cli.parser().parse_args(
+        ["--scale", str(SCALE), "--data-dir", str(index.cache_file.parent), "dev", "--oracle", "--split",
+         "train", "-n", "6"]
+    )  # fmt: skip
+    transitions = cli.dev(args, store=store)
+    rollouts = store.query_rollouts()
+    assert len(rollouts) == 6 and all(r.status == "succeeded" for r in rollouts)
+    assert all(t.final_reward == 1.0 and t.intermediate_reward == 0.0 and t.exact for t in transitions)
+    assert len(transitions) == 3 * 6  # two searches and the answer, every time

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from examples.sql_agent import data
-from examples.sql_agent.reward import execute, execution_match, extract_sql
+from examples.sql_agent.reward import answers_with_count, execute, execution_match, extract_sql
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,19 @@ def test_execution_match(data_dir: Path) -> None:
     assert execution_match(db, "SELECT COUNT(*) FROM customers", gold) == 0.0
     assert execution_match(db, "SELECT COUNT(*) FROM customer", gold) == 0.0  # fails to run
     assert execution_match(db, "", gold) == 0.0
+    # a count answers only a counting question, even when the numbers coincide
+    n = execute(db, "SELECT COUNT(*) FROM customers")[0][0]
+    same = f"SELECT MAX(n) FROM (SELECT {n} AS n)"  # a non-count gold whose value is the row count
+    assert execute(db, same) == [(n,)]
+    assert execution_match(db, "SELECT COUNT(*) FROM customers", same) == 0.0
+    assert execution_match(db, f"SELECT {n}", same) == 1.0
+    assert execution_match(db, "SELECT city, COUNT(*) AS n FROM customers GROUP BY city",
+                           "SELECT city, COUNT(id) FROM customers GROUP BY city") == 1.0  # fmt: skip
+    for task in data.load_tasks("test", data_dir):  # COUNT(*) wins no non-count question of the split
+        if not answers_with_count(task["gold_sql"]):
+            table = task["gold_sql"].split(" FROM ")[1].split()[0]
+            task_db = data.db_path(task["db_id"], data_dir)
+            assert execution_match(task_db, f"SELECT COUNT(*) FROM {table}", task["gold_sql"]) == 0.0
     # unordered gold: row order is free; ordered gold: it is not
     names = "SELECT name FROM customers WHERE age > 30"
     assert execution_match(db, names + " ORDER BY name DESC", names) == 1.0
@@ -280,3 +293,27 @@ def test_train_a_few_steps_with_a_tiny_model(data_dir: Path, tmp_path: Path) -> 
         mine = [t for t in every if t.rollout_id == rid]
         assert sum(t.intermediate_reward for t in mine) == pytest.approx(-0.1 * len(failed))
         assert Counter(t.agent for t in mine) == Counter(writer=1, rewriter=min(len(failed), 2))
+
+
+def test_the_oracle_teacher_solves_every_question(data_dir: Path, tmp_path: Path) -> None:
+    """``dev --oracle``: the unchanged LangGraph agent, served the gold SQL by the scripted backend,
+    earns reward 1 on every question with one writer call and no AIR penalty — demonstrations for
+    ``agl sft`` recorded in a store like any rollout."""
+    pytest.importorskip("langgraph")
+    pytest.importorskip("langchain_openai")
+    pytest.importorskip("transformers")
+    import agl.store
+    from agl.algorithms.sft import SFT
+    from examples.sql_agent import cli
+
+    db = f"sqlite:///{tmp_path / 'demos.db'}"
+    args = cli.parser().parse_args(
+        ["--data-dir", str(data_dir), "dev", "--oracle", "--split", "train", "-n", "8", "--store", db]
+    )
+    transitions = cli.dev(args)
+    assert len({t.rollout_id for t in transitions}) == 8
+    assert all(t.final_reward == 1.0 and t.intermediate_reward == 0.0 and t.exact for t in transitions)
+    assert {t.agent for t in transitions} == {"writer"} and len(transitions) == 8
+    store = agl.store.open(db)
+    assert len(SFT(min_reward=1.0).read(store, agents=["writer"])) == 8
+    store.close()

@@ -1,0 +1,493 @@
+"""Supervised warm start (``agl.SFT``, ``agl sft``): train the policy on demonstrations from a store.
+
+A small model that never makes a tool call gives every GRPO group zero reward variance, so RL has
+nothing to reinforce. The practitioners' fix (DeepSeek-R1's cold start, ART's and rLLM's SFT) is a
+supervised warm start on demonstrations, then RL. Here demonstrations are ordinary rollouts — the
+unchanged agent run against a teacher (an example's oracle, ``dev --oracle``, or any OpenAI-compatible
+endpoint through the gateway, ``dev --base-url``) — so their data path is the same as RL's.
+
+What is trained on, and why:
+
+- each selected transition's **recorded token ids**: the prompt exactly as the gateway rendered it for
+  the model (chat template, tools schema, earlier tool calls in the model's own format) and the response
+  ids it produced or was scripted to produce, end-of-turn token included. The loss covers the response
+  tokens only (TRL's ``completion_mask``). Re-rendering messages with another template would teach a
+  format the gateway never shows the model;
+- selection by agent (the adapter's ``agents``), by final reward (``min_reward``) and, with
+  ``best_of_group``, only the best rollout of each group (the first on ties) — rejection sampling
+  from a teacher that is sometimes wrong.
+
+Conventions shared with LightningRL: LoRA on all linear layers (``lora_r``/``lora_alpha``, no
+dropout), TRL checkpoints under ``run_dir/checkpoints/checkpoint-<step>`` (adapter, optimizer,
+scheduler, trainer state), metrics in ``run_dir/metrics.jsonl`` (and TensorBoard under ``run_dir/tb``).
+In addition the LoRA deltas are merged into a plain model saved with its tokenizer in
+``run_dir/model``: that is what the gateway's transformers backend loads (``agl gateway serve --model
+run_dir/model``) and what RL continues from (``Trainer(model=warm_start_model(run_dir))``, the
+examples' ``train --warm-start run_dir``), with a fresh LoRA on top.
+
+torch, transformers, TRL and peft are imported only when training starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from agl.types import Transition
+
+__all__ = ["SFT", "register_cli", "select_transitions", "warm_start_model"]
+
+log = logging.getLogger("agl.sft")
+
+
+@dataclass
+class SFT:
+    """Supervised fine-tuning on selected transitions (the warm start before LightningRL).
+
+    Selection: ``min_reward`` (keep rollouts whose final reward is at least this; None keeps all) and
+    ``best_of_group`` (keep only each group's best rollout). Agents are chosen when the transitions are
+    read (``fit(store, agents=...)`` or ``Adapter(agents=...)``). Optimisation: ``epochs`` over the
+    data, ``batch_size`` sequences per optimizer step, ``learning_rate`` (constant after
+    ``warmup_ratio``), LoRA as in :class:`~agl.algorithms.lightning_rl.LightningRL`, or full
+    fine-tuning with ``lora=False``.
+    """
+
+    min_reward: float | None = None
+    best_of_group: bool = False
+    epochs: int = 2
+    batch_size: int = 4
+    learning_rate: float = 2e-4
+    warmup_ratio: float = 0.0
+    lora: bool = True
+    lora_r: int = 16
+    lora_alpha: int = 32
+    max_grad_norm: float = 1.0
+    max_length: int | None = None
+    eval_examples: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "lora_r", "lora_alpha", "eval_examples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SFT.{name} must be an integer >= 1, got {value!r}")
+        for name, lo_open in (("learning_rate", True), ("max_grad_norm", True), ("warmup_ratio", False)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"SFT.{name} must be a finite number, got {value!r}")
+            if value < 0 or (lo_open and value == 0):
+                raise ValueError(f"SFT.{name} must be {'> 0' if lo_open else '>= 0'}, got {value!r}")
+        if self.warmup_ratio >= 1:
+            raise ValueError(f"SFT.warmup_ratio must be < 1, got {self.warmup_ratio!r}")
+        if self.min_reward is not None and (
+            isinstance(self.min_reward, bool)
+            or not isinstance(self.min_reward, (int, float))
+            or not math.isfinite(self.min_reward)
+        ):
+            raise ValueError(f"SFT.min_reward must be a finite number or None, got {self.min_reward!r}")
+        if self.max_length is not None and (
+            isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 2
+        ):
+            raise ValueError(f"SFT.max_length must be an integer >= 2 or None, got {self.max_length!r}")
+        for name in ("best_of_group", "lora"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SFT.{name} must be True or False, got {getattr(self, name)!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    # ------------------------------------------------------------------------------ data
+    def select(self, transitions: Sequence[Transition]) -> list[Transition]:
+        """The transitions to train on (see :func:`select_transitions`)."""
+        return select_transitions(transitions, min_reward=self.min_reward, best_of_group=self.best_of_group)
+
+    def read(
+        self,
+        store: Any,
+        *,
+        agents: Any = None,
+        mode: str | None = None,
+        rollout_ids: Sequence[str] | None = None,
+        tokenizer: Any = None,
+        progress: bool = False,
+    ) -> list[Transition]:
+        """Every finished rollout's transitions of ``agents`` in ``store`` (or of ``rollout_ids``)."""
+        from agl.adapter import Adapter, finishing_attempt
+
+        if isinstance(store, str):
+            import agl.store
+
+            store = agl.store.open(store)
+        if rollout_ids is None:
+            rollouts = store.query_rollouts(status=["succeeded", "failed"], mode=mode)
+            rollout_ids = [r.id for r in rollouts if finishing_attempt(r) is not None]
+        adapter = Adapter(agents=agents, tokenizer=tokenizer)
+        return adapter.from_store(store, rollout_ids, progress=progress)
+
+    # ------------------------------------------------------------------------------ training
+    def fit(
+        self,
+        data: Any,
+        model: Any = None,
+        *,
+        tokenizer: Any = None,
+        run_dir: str | os.PathLike[str] = "runs/sft",
+        agents: Any = None,
+        mode: str | None = None,
+        seed: int = 0,
+        merge: bool = True,
+        progress: bool = True,
+    ) -> dict[str, Any]:
+        """Train ``model`` (a local path, a loaded model, or None for the embedded SmolLM2-135M) on
+        ``data`` — a store (or its URL), or transitions — and save it under ``run_dir``.
+
+        Returns a summary: ``examples``, ``rollouts``, ``response_tokens``, ``loss_before`` and
+        ``loss_after`` (mean response-token NLL on up to ``eval_examples`` of the training demonstrations,
+        spread over them), ``steps``,
+        ``seconds``, ``checkpoint`` and ``model_dir`` (the merged model, when ``merge``).
+        """
+        if isinstance(data, (str, os.PathLike)) or hasattr(data, "query_rollouts"):
+            transitions = self.read(data, agents=agents, mode=mode, progress=progress)
+        else:
+            transitions = list(data)
+            if agents is not None:
+                from agl.adapter import _agent_matcher
+
+                match = _agent_matcher(agents)
+                transitions = [t for t in transitions if match(t.agent)]
+        chosen = self.select(transitions)
+        rows = [t for t in chosen if t.response_ids]
+        if not rows:
+            raise ValueError(
+                f"no demonstrations to train on: {len(transitions)} transitions read, none left after "
+                f"selection (min_reward={self.min_reward}, best_of_group={self.best_of_group}"
+                + (f", agents={agents!r}" if agents is not None else "")
+                + ")"
+            )
+        return _train(self, rows, model, tokenizer, Path(run_dir), seed, merge, progress)
+
+
+def select_transitions(
+    transitions: Sequence[Transition], *, min_reward: float | None = None, best_of_group: bool = False
+) -> list[Transition]:
+    """Transitions of the rollouts whose final reward is at least ``min_reward``; with
+    ``best_of_group``, only those of the best rollout in each group (the first of equals, in input
+    order; rollouts without a group are their own group). Order is kept."""
+    by_rollout: dict[tuple[str, int], list[Transition]] = {}
+    for t in transitions:
+        by_rollout.setdefault((t.rollout_id, t.attempt), []).append(t)
+    keep = [k for k, ts in by_rollout.items() if min_reward is None or ts[0].final_reward >= min_reward]
+    if best_of_group:
+        best: dict[str, tuple[str, int]] = {}
+        for k in keep:
+            ts = by_rollout[k]
+            gid = ts[0].group_id or f"rollout:{k[0]}"
+            cur = best.get(gid)
+            if cur is None or ts[0].final_reward > by_rollout[cur][0].final_reward:
+                best[gid] = k
+        keep = list(best.values())
+    kept = set(keep)
+    return [t for t in transitions if (t.rollout_id, t.attempt) in kept]
+
+
+def warm_start_model(path: str | os.PathLike[str]) -> Path:
+    """The merged model of an ``agl sft`` run directory (``run_dir/model``), or ``path`` itself when it
+    is a model directory; a clear error otherwise."""
+    p = Path(path)
+    for candidate in (p / "model", p):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"{p} is not an agl sft output nor a model directory (no model/config.json or config.json); "
+        "run `agl sft ... --out DIR` first"
+    )
+
+
+# ------------------------------------------------------------------------------------ training
+
+
+def _dataset(rows: Sequence[Transition], max_length: int | None) -> tuple[Any, int]:
+    """``input_ids`` = prompt + response ids as recorded, ``completion_mask`` marks the response.
+    Over-long rows keep their response and lose the start of the prompt (what the model sees last)."""
+    from datasets import Dataset
+
+    records = []
+    n_resp = 0
+    for t in rows:
+        prompt, resp = list(t.prompt_ids), list(t.response_ids)
+        if max_length is not None and len(prompt) + len(resp) > max_length:
+            resp = resp[: max_length - 1]
+            prompt = prompt[len(prompt) - (max_length - len(resp)) :]
+        n_resp += len(resp)
+        records.append({"input_ids": prompt + resp, "completion_mask": [0] * len(prompt) + [1] * len(resp)})
+    return Dataset.from_list(records), n_resp
+
+
+def _load(model: Any, tokenizer: Any, progress: bool) -> tuple[Any, Any, str | None]:
+    from transformers import AutoModelForCausalLM
+
+    from agl.trainer import load_tokenizer
+
+    source: str | None = None
+    if model is None:
+        from agl.gateway.models import prepare_default_model
+
+        model = str(prepare_default_model(progress=progress))
+    if isinstance(model, (str, os.PathLike)):
+        source = str(model)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype="float32")
+    tok = tokenizer if tokenizer is not None else load_tokenizer(source if source is not None else model)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok, source
+
+
+class _MetricsLog:
+    """metrics.jsonl + TensorBoard, as the Trainer writes them (one record per logging step)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.run_dir = run_dir
+        self._tb: Any = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+            except Exception:  # noqa: BLE001 - TensorBoard is optional
+                self._tb = False
+        if self._tb:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                    self._tb.add_scalar(key, value, record["step"])
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb:
+            self._tb.close()
+
+
+def _train(
+    cfg: SFT,
+    rows: Sequence[Transition],
+    model: Any,
+    tokenizer: Any,
+    run_dir: Path,
+    seed: int,
+    merge: bool,
+    progress: bool,
+) -> dict[str, Any]:
+    import torch
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics_file = run_dir / "metrics.jsonl"
+    if metrics_file.exists():
+        metrics_file.unlink()
+    torch.manual_seed(seed)
+    model, tok, source = _load(model, tokenizer, progress)
+    dataset, n_resp = _dataset(rows, cfg.max_length)
+    metrics = _MetricsLog(run_dir)
+
+    class _Log(TrainerCallback):  # type: ignore[misc]
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            logs = dict(logs or {})
+            if "loss" not in logs:
+                return
+            metrics.write(
+                {
+                    "step": int(state.global_step),
+                    "sft_loss": float(logs["loss"]),
+                    "learning_rate": float(logs.get("learning_rate", cfg.learning_rate)),
+                    "grad_norm": float(logs["grad_norm"]) if logs.get("grad_norm") is not None else None,
+                    "epoch": float(logs.get("epoch", 0.0)),
+                }
+            )
+
+    use_cuda = torch.cuda.is_available()
+    args = SFTConfig(
+        output_dir=str(run_dir / "checkpoints"),
+        report_to=[],
+        num_train_epochs=cfg.epochs,
+        per_device_train_batch_size=cfg.batch_size,
+        per_device_eval_batch_size=cfg.batch_size,
+        learning_rate=cfg.learning_rate,
+        lr_scheduler_type="constant_with_warmup" if cfg.warmup_ratio else "constant",
+        warmup_steps=cfg.warmup_ratio,
+        max_grad_norm=cfg.max_grad_norm,
+        completion_only_loss=True,
+        max_length=None,
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        seed=seed,
+        use_cpu=not use_cuda,
+        bf16=use_cuda and torch.cuda.is_bf16_supported(),
+        disable_tqdm=not progress,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        # Recomputing activations trades compute for memory: worth it on a GPU, a loss on a CPU.
+        gradient_checkpointing=use_cuda,
+    )
+    peft_config = None
+    if cfg.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+        peft_config=peft_config,
+        callbacks=[_Log()],
+    )
+    # the loss before/after on (a spread sample of) the demonstrations themselves: did it learn them?
+    step = max(1, len(dataset) // cfg.eval_examples)
+    probe = dataset.select(range(0, len(dataset), step)[: cfg.eval_examples])
+    t0 = time.perf_counter()
+    before = float(trainer.evaluate(probe)["eval_loss"])
+    trainer.train()
+    after = float(trainer.evaluate(probe)["eval_loss"])
+    seconds = time.perf_counter() - t0
+    trainer._save_checkpoint(trainer.model, trial=None)
+    checkpoint = run_dir / "checkpoints" / f"checkpoint-{trainer.state.global_step}"
+    rollouts = len({(t.rollout_id, t.attempt) for t in rows})
+    summary: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "examples": len(rows),
+        "rollouts": rollouts,
+        "agents": sorted({t.agent or "" for t in rows}),
+        "exact": sum(1 for t in rows if t.exact),
+        "response_tokens": n_resp,
+        "loss_before": before,
+        "loss_after": after,
+        "steps": int(trainer.state.global_step),
+        "seconds": seconds,
+        "checkpoint": str(checkpoint),
+        "base_model": source,
+        "config": cfg.to_dict(),
+    }
+    metrics.write(
+        {"step": int(trainer.state.global_step), "sft_loss_before": before, "sft_loss_after": after}
+    )
+    metrics.close()
+    if merge:
+        summary["model_dir"] = str(_save_merged(trainer.model, tok, source, run_dir / "model"))
+    (run_dir / "sft_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _save_merged(model: Any, tok: Any, source: str | None, target: Path) -> Path:
+    """The LoRA deltas merged into a plain model, saved with the tokenizer (and chat template) to
+    ``target`` atomically: the gateway and the Trainer load it like any local model."""
+    from agl.algorithms.update import _is_peft
+
+    plain = model.merge_and_unload() if _is_peft(model) else model
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    template = getattr(tok, "chat_template", None)
+    if isinstance(template, str) and not (tmp / "chat_template.jinja").exists():
+        (tmp / "chat_template.jinja").write_text(template)
+    if source is not None:
+        src = Path(source) / "generation_config.json"
+        if src.is_file():
+            shutil.copy(src, tmp / "generation_config.json")
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+
+def register_cli(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--store", required=True, help="store URL with the demonstrations (sqlite:///… or http://…)"
+    )
+    sel = parser.add_mutually_exclusive_group()
+    sel.add_argument("--agents", help="comma-separated agent names to train on (default: all)")
+    sel.add_argument("--agents-regex", help="agents whose name fully matches this regular expression")
+    parser.add_argument("--min-reward", type=float, help="keep rollouts whose final reward is >= this")
+    parser.add_argument(
+        "--best-of-group", action="store_true", help="keep only the best rollout of each group"
+    )
+    parser.add_argument("--mode", choices=("train", "val", "test"), help="only rollouts of this mode")
+    parser.add_argument("--model", help="a local model directory (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--out", required=True, help="run directory: checkpoints, metrics, the merged model")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
+    parser.add_argument("--max-length", type=int, help="truncate longer sequences (prompt start first)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--no-merge", action="store_true", help="keep only the LoRA checkpoint")
+    parser.set_defaults(func=_cmd_sft)
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    agents: Any = None
+    if args.agents is not None:
+        agents = [a.strip() for a in args.agents.split(",") if a.strip()]
+    elif args.agents_regex is not None:
+        agents = args.agents_regex
+    if args.model is not None and not Path(args.model).is_dir():
+        raise FileNotFoundError(f"--model {args.model}: not a local model directory")
+    cfg = SFT(
+        min_reward=args.min_reward,
+        best_of_group=args.best_of_group,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        lora=not args.full,
+        lora_r=args.lora_r,
+        lora_alpha=2 * args.lora_r,
+        max_length=args.max_length,
+    )
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    import agl.store
+
+    store = agl.store.open(args.store)
+    try:
+        transitions = cfg.read(store, agents=agents, mode=args.mode, progress=sys.stderr.isatty())
+    finally:
+        store.close()
+    summary = cfg.fit(
+        transitions,
+        args.model,
+        run_dir=args.out,
+        seed=args.seed,
+        merge=not args.no_merge,
+        progress=sys.stderr.isatty(),
+    )
+    print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+    return 0

@@ -1,0 +1,141 @@
+"""agl.SFT: selection, supervised training on recorded token ids with a tiny random model, and the
+checkpoint served by the gateway's transformers backend through the real OpenAI client."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agl.algorithms.sft import SFT, select_transitions, warm_start_model
+from agl.types import Transition
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+QUESTION, ANSWER = "What is 6 times 7?", "ANSWER: 42"
+
+
+def tiny_model() -> Any:
+    from agl.gateway.tokenizer import load_default_tokenizer
+
+    tok = load_default_tokenizer()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=tok._tok.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def demo(rid: str, question: str, answer: str, *, reward: float = 1.0, group: str = "g") -> Transition:
+    """A transition as the gateway records it: the chat rendered by the shipped SmolLM2 template, the
+    response ids ending with the end-of-turn token."""
+    from agl.gateway.tokenizer import load_default_tokenizer
+
+    tok = load_default_tokenizer()
+    messages = [{"role": "user", "content": question}]
+    _, prompt_ids = tok.encode_chat(messages, None)
+    return Transition(
+        rollout_id=rid,
+        attempt=1,
+        group_id=group,
+        agent="solver",
+        index=0,
+        prompt_ids=tuple(prompt_ids),
+        response_ids=(*tok.encode(answer), tok.eos_token_id),
+        messages=tuple(messages),
+        response_text=answer,
+        final_reward=reward,
+        reward=reward,
+    )
+
+
+def test_selection_by_reward_and_best_of_group() -> None:
+    ts = [
+        demo("a", "q", "x", reward=0.2, group="g1"),
+        demo("b", "q", "y", reward=0.9, group="g1"),
+        demo("c", "q", "z", reward=0.9, group="g1"),
+        demo("d", "q", "w", reward=0.5, group="g2"),
+    ]
+    assert [t.rollout_id for t in select_transitions(ts)] == ["a", "b", "c", "d"]
+    assert [t.rollout_id for t in select_transitions(ts, min_reward=0.9)] == ["b", "c"]
+    assert [t.rollout_id for t in select_transitions(ts, best_of_group=True)] == ["b", "d"]
+    assert [t.rollout_id for t in select_transitions(ts, min_reward=0.6, best_of_group=True)] == ["b"]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"epochs": 0}, {"learning_rate": 0}, {"min_reward": float("nan")}, {"lora": "yes"}, {"max_length": 1}],
+)
+def test_bad_settings_are_refused(kw: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        SFT(**kw)
+
+
+def test_nothing_to_train_on_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no demonstrations"):
+        SFT(min_reward=1.0).fit([demo("a", "q", "x", reward=0.0)], tiny_model(), run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # nothing half-written
+    with pytest.raises(FileNotFoundError, match="agl sft"):
+        warm_start_model(tmp_path)
+
+
+def test_sft_learns_its_demonstrations_and_the_gateway_serves_the_result(tmp_path: Path) -> None:
+    from agl.gateway.backends.transformers import TransformersBackend
+    from agl.gateway.testing import serve_gateway
+    from agl.trainer import load_tokenizer
+
+    openai = pytest.importorskip("openai")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    # the rewarded demonstration, and a wrong one (reward 0) that min_reward leaves out
+    demos = [demo("good", QUESTION, ANSWER), demo("bad", QUESTION, "ANSWER: 41", reward=0.0)]
+    try:
+        # full fine-tuning: a random 32-wide model's logits move too little under LoRA to be greedy-decoded
+        # back; LoRA (the default) is exercised on the recipe's data in tests/examples/test_calc_agent.py
+        summary = SFT(min_reward=1.0, epochs=30, batch_size=2, learning_rate=2e-2, lora=False).fit(
+            demos, tiny_model(), tokenizer=load_tokenizer(), run_dir=tmp_path / "sft", progress=False
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+    # trained on the rewarded demonstration only, loss on its response tokens only
+    assert summary["examples"] == 1 and summary["rollouts"] == 1
+    assert summary["response_tokens"] == len(demos[0].response_ids)
+    assert summary["loss_after"] < 0.25 * summary["loss_before"], summary
+    records = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["sft_loss"] for r in records if "sft_loss" in r]
+    assert len(losses) == summary["steps"] == 30 and losses[-1] < losses[0]
+    # LightningRL's checkpoint layout (TRL: weights + optimizer + trainer state) ...
+    ckpt = Path(summary["checkpoint"])
+    assert (ckpt / "model.safetensors").is_file() and (ckpt / "trainer_state.json").is_file()
+    assert (ckpt / "optimizer.pt").is_file()
+    # ... and a merged plain model the gateway loads like any local model
+    model_dir = warm_start_model(tmp_path / "sft")
+    assert model_dir == tmp_path / "sft" / "model" and warm_start_model(model_dir) == model_dir
+
+    backend = TransformersBackend(str(model_dir), model_name="warm", default_max_tokens=12)
+    try:
+        with serve_gateway(backend) as url:
+            client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+            out = client.chat.completions.create(
+                model="warm", messages=[{"role": "user", "content": QUESTION}], temperature=0
+            )
+            assert out.choices[0].message.content == ANSWER  # greedy: the demonstration, end of turn included
+            assert out.choices[0].finish_reason == "stop"
+    finally:
+        backend._executor.shutdown(wait=False)
