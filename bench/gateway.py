@@ -229,7 +229,9 @@ def serve_real(port: int, backend_name: str, upstream: str, store_url: str) -> N
     else:
         backend = OpenAIBackend(upstream + "/v1", api_key="sk-bench", models=[UPSTREAM_MODEL])
     store = None if store_url == "none" else agl.store.open(store_url)
-    app = create_app(backend, store)
+    # the figures in bench/README.md were measured with spans stored just after the reply (the
+    # gateway's default is now before_reply: see docs/architecture.md §7)
+    app = create_app(backend, store, span_writes=os.environ.get("AGL_BENCH_SPAN_WRITES", "after_reply"))
     if os.environ.get("AGL_BENCH_PROFILE"):  # cProfile of the gateway process, dumped at shutdown
         import cProfile
 

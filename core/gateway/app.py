@@ -11,9 +11,11 @@ chunk is forwarded as it arrives (content and tool-call deltas; token ids and lo
 asks), while the backend collects ids and logprobs for the span, which is recorded when the stream
 ends. Other backends' replies (and the completions / Responses routes) are streamed after generation
 finishes as real SSE chunks. A client that disconnects cancels the generation and leaves an ERROR
-span. Spans are stored by a writer thread just after the reply (``span_writes="after_reply"``,
-batched; ``POST /agl/v1/flush`` waits for them, shutdown drains them) or before it
-(``span_writes="before_reply"``), see :mod:`agl.gateway.spans`.
+span. Spans are stored by a writer thread before the reply is sent (``span_writes="before_reply"``,
+the default: a runner finishes its attempt as soon as the agent returns, and training reads the
+finished attempt's spans, so the last call's span must already be there) or just after it
+(``span_writes="after_reply"``, batched; ``POST /agl/v1/flush`` waits for them, shutdown drains
+them), see :mod:`agl.gateway.spans`.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class Gateway:
         *,
         api_key: str | None = None,
         max_body_bytes: int = 32 * 1024 * 1024,
-        span_writes: str = "after_reply",
+        span_writes: str = "before_reply",
     ) -> None:
         if span_writes not in ("after_reply", "before_reply"):
             raise ValueError(f"span_writes must be 'after_reply' or 'before_reply', got {span_writes!r}")

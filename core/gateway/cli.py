@@ -79,6 +79,13 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         help=f"the bearer token itself; prefer ${API_KEY_ENV} or --api-key-file: a value given here is "
         f"visible to every user of the machine in the process list (default: ${API_KEY_ENV})",
     )
+    p.add_argument(
+        "--span-writes",
+        choices=["before-reply", "after-reply"],
+        default="before-reply",
+        help="store each call's span before its reply is sent (default; a runner may finish its attempt "
+        "right after) or just after it, batched (lower latency; readers must POST /agl/v1/flush first)",
+    )
     p.add_argument("--max-batch-size", type=int, default=8, help="transformers: requests generated together")
     p.add_argument("--threads", type=int, help="transformers: torch CPU threads (default: torch's choice)")
     HttpLimits.add_arguments(p)
@@ -164,7 +171,7 @@ def _serve(args: Any) -> int:
         store = agl.store.open(args.store)
     else:
         print("agl gateway: no --store given: calls are served but no spans are recorded")
-    app = create_app(backend, store, api_key=api_key)
+    app = create_app(backend, store, api_key=api_key, span_writes=args.span_writes.replace("-", "_"))
     print(f"agl gateway: {args.backend} backend on http://{args.host}:{args.port}/v1", flush=True)
     print(
         f"  per-rollout base URL: http://{args.host}:{args.port}/rollouts/{{rollout_id}}/attempts/{{n}}/v1",

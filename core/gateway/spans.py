@@ -2,12 +2,12 @@
 
 The gateway builds :class:`agl.types.Span` objects directly (``model_construct`` on values it made or
 checked itself) instead of going through an OTel ``TracerProvider``: no per-span validation, no span
-processors. By default (``span_writes="after_reply"``) the reply leaves first and the span follows
-within milliseconds: a :class:`SpanWriter` thread stores everything that arrived while it was busy in
+processors. By default (``span_writes="before_reply"``) each span is stored before its reply is sent,
+so a runner that finishes its attempt right after the agent returns never loses the last call's span.
+With ``span_writes="after_reply"`` the reply leaves first and the span follows within milliseconds: a :class:`SpanWriter` thread stores everything that arrived while it was busy in
 one ``add_spans`` call, so a busy gateway makes few store round trips and no request waits for a
 commit; ``POST /agl/v1/flush`` (or ``Gateway.flush()``) waits until every span of the calls answered
-so far is stored, and shutdown drains the queue. ``span_writes="before_reply"`` stores each span before
-its reply is sent (the client then finds it in the store as soon as it has the answer). The parent
+so far is stored, and shutdown drains the queue; whoever reads the spans must flush first. The parent
 comes from the incoming W3C ``traceparent`` (parsed by OTel's own propagator); rollout and attempt
 from the URL path or the W3C ``baggage`` header.
 

@@ -180,7 +180,9 @@ def test_no_span_lost_at_clean_shutdown(tmp_path: Path) -> None:
     store = agl.store.open(f"sqlite:///{tmp_path / 'spans.db'}")
     ros = [start_rollout(store, f"ro-{i}") for i in range(4)]
     calls = 0
-    with serve_gateway(ScriptedBackend(["ok"], on_exhausted="repeat"), store) as url:
+    with serve_gateway(
+        ScriptedBackend(["ok"], on_exhausted="repeat"), store, span_writes="after_reply"
+    ) as url:
         assert url.gateway.span_writes == "after_reply"
 
         def agent(r: tuple[str, int]) -> None:
@@ -212,7 +214,7 @@ def test_flush_endpoint_waits_for_queued_spans(tmp_path: Path) -> None:
         return slow_add(spans, **kw)
 
     store.add_spans = add_spans  # type: ignore[method-assign]
-    with serve_gateway(ScriptedBackend(["ok"]), store) as url:
+    with serve_gateway(ScriptedBackend(["ok"]), store, span_writes="after_reply") as url:
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x", max_retries=0)
         client.chat.completions.create(model="scripted", messages=MSG)
         assert server_spans(store, rollout[0]) == []  # replied before the span was stored
