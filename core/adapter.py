@@ -273,6 +273,176 @@ class _Call:
     agent: str | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class _Target:
+    """The attempt one adapter call turns into transitions, and what its transitions are labelled with."""
+
+    rollout_id: str
+    attempt: int
+    group_id: str | None
+
+
+def _target(
+    spans: list[Span], rollout: Rollout | None, attempt: int | None, st: AdapterStats
+) -> _Target | None:
+    """Which attempt to read: ``attempt`` if given, else the rollout's finishing attempt, else the
+    highest attempt among the spans. None when the rollout has attempts but none finished."""
+    if rollout is not None:
+        rid = rollout.id
+        if attempt is None:
+            attempt = finishing_attempt(rollout)
+            if attempt is None and rollout.attempts:
+                st.no_finished_attempt += 1
+                return None
+    else:
+        rids = {s.rollout_id for s in spans}
+        if len(rids) > 1:
+            raise ValueError(
+                f"spans of {len(rids)} rollouts given ({', '.join(sorted(rids)[:3])}, ...); "
+                "Adapter.transitions takes one attempt's spans — pass rollout= to pick one"
+            )
+        rid = next(iter(rids)) if rids else ""
+    if attempt is None:
+        attempt = max((s.attempt for s in spans if not s.stale and s.rollout_id == rid), default=1)
+    group_id = None if rollout is None else (rollout.group_id or rollout.task_id)
+    return _Target(rid, attempt, group_id)
+
+
+def _live_spans(spans: list[Span], target: _Target, st: AdapterStats) -> list[Span]:
+    """The target attempt's non-stale spans, one copy of each (:func:`_preferred` picks the copy)."""
+    rid, attempt = target.rollout_id, target.attempt
+    uniq: dict[tuple[str, str], Span] = {}
+    for s in spans:
+        if s.stale:
+            st.stale += 1
+            continue
+        if s.attempt != attempt or s.rollout_id != rid:
+            st.other_attempt += 1
+            continue
+        key = (s.trace_id, s.span_id)
+        prev = uniq.get(key)
+        if prev is None:
+            uniq[key] = s
+        else:
+            st.duplicates += 1
+            if _preferred(s, prev):
+                uniq[key] = s
+    return list(uniq.values())
+
+
+@dataclass(slots=True)
+class _Tree:
+    """One attempt's spans as a repaired tree over parallel arrays: ``S[i]`` is span ``i``, ``kind[i]``
+    its class, ``parent[i]`` its parent's index (-1 for a root), ``server[i]`` whether an LLM span was
+    recorded by the gateway. ``llm``/``rewards``/``notable`` index the spans later steps look at."""
+
+    S: list[Span]
+    kind: list[int]
+    server: bytearray
+    parent: list[int]
+    llm: list[int]
+    rewards: list[int]
+    #: tools, exception spans and ERROR spans: what AIR looks at
+    notable: list[int]
+    #: nearest agent name per span index, filled lazily by :meth:`agent_of`
+    agent_at: dict[int, str | None] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, S: list[Span], st: AdapterStats) -> _Tree:
+        """Classify every span (one pass), then link parents: orphans go to their trace's root, parent
+        cycles are broken, and parentless server chat spans are relinked to their client span."""
+        n = len(S)
+        kind = [_OTHER] * n
+        server = bytearray(n)
+        llm: list[int] = []
+        rewards: list[int] = []
+        notable: list[int] = []
+        index: dict[tuple[str, str], int] = {}
+        roots: dict[str, int] = {}
+        for i, s in enumerate(S):
+            a = s.attributes
+            index[(s.trace_id, s.span_id)] = i
+            op = a.get(_OP)
+            if op is None or type(op) is not str:
+                name = s.name
+                sp = name.find(" ")
+                op = name if sp < 0 else name[:sp]
+            if op in _LLM_OPS or _PROMPT_IDS in a:
+                kind[i] = _LLM
+                llm.append(i)
+                side = a.get(_SIDE)
+                if side == _SERVER or (side is None and _PROMPT_IDS in a):
+                    server[i] = 1
+                if s.status.code == "ERROR":
+                    notable.append(i)
+            elif op == _OP_AGENT:
+                kind[i] = _AGENT
+                if s.status.code == "ERROR":
+                    notable.append(i)
+            elif op == _OP_TOOL:
+                kind[i] = _TOOL
+                notable.append(i)
+            elif op == _OP_REWARD:
+                kind[i] = _REWARD
+                rewards.append(i)
+            elif op == _OP_EXC:
+                kind[i] = _EXC
+                notable.append(i)
+            elif s.status.code == "ERROR":
+                notable.append(i)
+            if s.parent_id is None:
+                r = roots.get(s.trace_id)
+                if r is None or (s.start_ns, _seq(s)) < (S[r].start_ns, _seq(S[r])):
+                    roots[s.trace_id] = i
+        parent = [-1] * n
+        for i, s in enumerate(S):
+            pid = s.parent_id
+            if pid is None:
+                continue
+            p = index.get((s.trace_id, pid), -1)
+            if p < 0:
+                st.orphans += 1
+                p = roots.get(s.trace_id, -1)
+            if p != i:
+                parent[i] = p
+        st.cycles += _break_cycles(parent)
+        tree = cls(S, kind, server, parent, llm, rewards, notable)
+        tree.relink(st)
+        return tree
+
+    def agent_of(self, i: int) -> str | None:
+        """The name of span ``i``'s nearest ``invoke_agent`` ancestor (itself included), or None."""
+        return _agent_of(i, self.S, self.kind, self.parent, self.agent_at)
+
+    def relink(self, st: AdapterStats) -> None:
+        """Join a parentless server chat span (a framework dropped ``traceparent``) to the client chat
+        span with the same response id, so it is attributed and not counted twice."""
+        S, server, parent, llm = self.S, self.server, self.parent, self.llm
+        loose = [i for i in llm if server[i] and parent[i] < 0]
+        if not loose:
+            return
+        clients: dict[str, int] = {}
+        for i in llm:
+            if not server[i]:
+                rid = S[i].attributes.get(sc.GEN_AI_RESPONSE_ID)
+                if isinstance(rid, str) and rid:
+                    clients.setdefault(rid, i)
+        if not clients:
+            return
+        for i in loose:
+            rid = S[i].attributes.get(sc.GEN_AI_RESPONSE_ID)
+            c = clients.get(rid) if isinstance(rid, str) else None
+            if c is None:
+                continue
+            j = c  # never make a span its own ancestor
+            while j >= 0 and j != i:
+                j = parent[j]
+            if j == i:
+                continue
+            parent[i] = c
+            st.relinked += 1
+
+
 # ------------------------------------------------------------------------------------ the adapter
 
 
@@ -388,117 +558,45 @@ class Adapter:
     def _transitions(
         self, spans: list[Span], rollout: Rollout | None, attempt: int | None, st: AdapterStats
     ) -> list[Transition]:
+        """The pipeline, one named step per phase: which attempt -> its live spans -> the span tree ->
+        the LLM calls -> rewards (final, emitted, AIR) -> selected transitions with credit."""
         st.spans = len(spans)
-        if rollout is not None:
-            rid = rollout.id
-            if attempt is None:
-                attempt = finishing_attempt(rollout)
-                if attempt is None and rollout.attempts:
-                    st.no_finished_attempt += 1
-                    return []
-        else:
-            rids = {s.rollout_id for s in spans}
-            if len(rids) > 1:
-                raise ValueError(
-                    f"spans of {len(rids)} rollouts given ({', '.join(sorted(rids)[:3])}, ...); "
-                    "Adapter.transitions takes one attempt's spans — pass rollout= to pick one"
-                )
-            rid = next(iter(rids)) if rids else ""
-        if attempt is None:
-            attempt = max((s.attempt for s in spans if not s.stale and s.rollout_id == rid), default=1)
-        group_id = None if rollout is None else (rollout.group_id or rollout.task_id)
-
-        # 1. keep the attempt's live spans, one copy of each
-        uniq: dict[tuple[str, str], Span] = {}
-        for s in spans:
-            if s.stale:
-                st.stale += 1
-                continue
-            if s.attempt != attempt or s.rollout_id != rid:
-                st.other_attempt += 1
-                continue
-            key = (s.trace_id, s.span_id)
-            prev = uniq.get(key)
-            if prev is None:
-                uniq[key] = s
-            else:
-                st.duplicates += 1
-                if _preferred(s, prev):
-                    uniq[key] = s
-        S = list(uniq.values())
-        n = len(S)
-        if n == 0:
+        target = _target(spans, rollout, attempt, st)
+        if target is None:
+            return []
+        live = _live_spans(spans, target, st)
+        if not live:
             return []
         st.attempts = 1
+        tree = _Tree.build(live, st)
+        calls = self._calls(tree, st)
+        locate = _Locator(calls, tree.S)
+        inter, big_r = self._rewards(tree, calls, locate, st)
+        if self.air.enabled and calls:
+            air = [0.0] * len(calls)
+            self._air(tree, calls, locate, air, st)
+            # the guards (caps, outcome gate: agl.rewards.AIR.shape) see the whole rollout's AIR
+            for k, value in enumerate(self.air.shape(air, big_r)):
+                inter[k] += value
+        return self._emit(tree, calls, inter, big_r, target, st)
 
-        # 2. classify, index, and collect what later passes need (one pass over the spans)
-        kind = [_OTHER] * n
-        server = bytearray(n)
-        llm: list[int] = []
-        rewards: list[int] = []
-        notable: list[int] = []  # tools, exception spans and ERROR spans: what AIR looks at
-        index: dict[tuple[str, str], int] = {}
-        roots: dict[str, int] = {}
-        for i, s in enumerate(S):
-            a = s.attributes
-            index[(s.trace_id, s.span_id)] = i
-            op = a.get(_OP)
-            if op is None or type(op) is not str:
-                name = s.name
-                sp = name.find(" ")
-                op = name if sp < 0 else name[:sp]
-            if op in _LLM_OPS or _PROMPT_IDS in a:
-                kind[i] = _LLM
-                llm.append(i)
-                side = a.get(_SIDE)
-                if side == _SERVER or (side is None and _PROMPT_IDS in a):
-                    server[i] = 1
-                if s.status.code == "ERROR":
-                    notable.append(i)
-            elif op == _OP_AGENT:
-                kind[i] = _AGENT
-                if s.status.code == "ERROR":
-                    notable.append(i)
-            elif op == _OP_TOOL:
-                kind[i] = _TOOL
-                notable.append(i)
-            elif op == _OP_REWARD:
-                kind[i] = _REWARD
-                rewards.append(i)
-            elif op == _OP_EXC:
-                kind[i] = _EXC
-                notable.append(i)
-            elif s.status.code == "ERROR":
-                notable.append(i)
-            if s.parent_id is None:
-                r = roots.get(s.trace_id)
-                if r is None or (s.start_ns, _seq(s)) < (S[r].start_ns, _seq(S[r])):
-                    roots[s.trace_id] = i
+    # .................................................................. pipeline steps
 
-        # 3. the tree: parents, orphans re-attached to their trace's root, cycles broken
-        parent = [-1] * n
-        for i, s in enumerate(S):
-            pid = s.parent_id
-            if pid is None:
-                continue
-            p = index.get((s.trace_id, pid), -1)
-            if p < 0:
-                st.orphans += 1
-                p = roots.get(s.trace_id, -1)
-            if p != i:
-                parent[i] = p
-        st.cycles += _break_cycles(parent)
-        self._relink(S, kind, server, parent, llm, st)
+    def _calls(self, tree: _Tree, st: AdapterStats) -> list[_Call]:
+        """The LLM spans that are calls, in call order, each with its anchor, agent and parsed output.
 
-        # 4. which LLM spans are calls; their anchors
-        has_llm_below = bytearray(n)
-        for i in llm:
+        A client span with an LLM span below it is the same call as that (server) span and is dropped;
+        a server span is anchored at its client span (the agent's clock) when there is one. A call that
+        errored without any response is counted in ``failed_calls`` and skipped."""
+        S, kind, parent, server = tree.S, tree.kind, tree.parent, tree.server
+        has_llm_below = bytearray(len(S))
+        for i in tree.llm:
             j = parent[i]
             while j >= 0 and not has_llm_below[j]:
                 has_llm_below[j] = 1
                 j = parent[j]
         calls: list[_Call] = []
-        for i in llm:
+        for i in tree.llm:
             if not server[i] and has_llm_below[i]:
                 continue
             s = S[i]
@@ -517,11 +615,8 @@ class Adapter:
             calls.append(_Call(i, anchor, a.start_ns, a.end_ns, _seq(s), bool(server[i])))
         st.llm_calls = len(calls)
         calls.sort(key=lambda c: (c.start, S[c.idx].start_ns, c.seq, S[c.idx].span_id))
-
-        # agents of the calls (nearest invoke_agent ancestor), memoised over the tree
-        agent_at: dict[int, str | None] = {}
-        for c in calls:
-            c.agent = _agent_of(c.idx, S, kind, parent, agent_at)
+        for c in calls:  # agents: the nearest invoke_agent ancestor, memoised over the tree
+            c.agent = tree.agent_of(c.idx)
             st.agents[c.agent or ""] = st.agents.get(c.agent or "", 0) + 1
             self._parse_output(S, c, st)
         if (
@@ -531,13 +626,19 @@ class Adapter:
             and _agent_framework_instrumented()
         ):
             st.unattributed_calls += len(calls)
+        return calls
 
-        # 5. rewards: the final one, and earlier ones attached to the call before them
+    def _rewards(
+        self, tree: _Tree, calls: list[_Call], locate: _Locator, st: AdapterStats
+    ) -> tuple[list[float], float]:
+        """(intermediate reward per call, final reward). The final reward is the primary reward span
+        that ended last (:func:`_reward_key`); every other reward is intermediate, attached to the call
+        before it (same agent preferred). No primary reward: ``missing_reward``."""
+        S = tree.S
         inter = [0.0] * len(calls)
-        locate = _Locator(calls, S)
         primary: list[tuple[tuple[int, int, int, str], float, int]] = []
         emitted: list[tuple[float, int]] = []
-        for i in rewards:
+        for i in tree.rewards:
             s = S[i]
             st.reward_spans += 1
             value = s.attributes.get(sc.AGL_REWARD_VALUE)
@@ -551,7 +652,7 @@ class Adapter:
         final = max(primary, key=lambda p: p[0]) if primary else None
         emitted.extend((value, i) for key, value, i in primary if final is not None and key != final[0])
         for value, i in emitted:
-            k = locate.before(S[i].start_ns, _agent_of(i, S, kind, parent, agent_at))
+            k = locate.before(S[i].start_ns, tree.agent_of(i))
             if k < 0:
                 st.unattached_rewards += 1
                 continue
@@ -559,18 +660,19 @@ class Adapter:
             st.intermediate_rewards += 1
         if final is None:
             st.missing_final_reward += 1
-            big_r = self.missing_reward
-        else:
-            big_r = final[1]
+            return inter, self.missing_reward
+        return inter, final[1]
 
-        # 6. AIR, then its guards (caps, outcome gate: agl.rewards.AIR.shape) over the whole rollout
-        if self.air.enabled and calls:
-            air = [0.0] * len(calls)
-            self._air(S, kind, parent, notable, calls, locate, agent_at, air, st)
-            for k, value in enumerate(self.air.shape(air, big_r)):
-                inter[k] += value
-
-        # 7. selection and transitions
+    def _emit(
+        self,
+        tree: _Tree,
+        calls: list[_Call],
+        inter: list[float],
+        big_r: float,
+        target: _Target,
+        st: AdapterStats,
+    ) -> list[Transition]:
+        """The selected agents' calls as transitions (token ids, rewards, credited return), in order."""
         selected = [k for k, c in enumerate(calls) if self._match(c.agent)]
         st.unselected = len(calls) - len(selected)
         sel_set = set(selected)
@@ -579,7 +681,7 @@ class Adapter:
                 st.unselected_rewards += 1
         built: list[tuple[int, dict[str, Any]]] = []
         for k in selected:
-            data = self._build(S, calls[k], st)
+            data = self._build(tree.S, calls[k], st)
             if data is not None:
                 built.append((k, data))
         returns = credit_returns(
@@ -591,9 +693,9 @@ class Adapter:
         out: list[Transition] = []
         for j, ((k, data), g) in enumerate(zip(built, returns, strict=True)):
             data.update(
-                rollout_id=rid,
-                attempt=attempt,
-                group_id=group_id,
+                rollout_id=target.rollout_id,
+                attempt=target.attempt,
+                group_id=target.group_id,
                 agent=calls[k].agent,
                 index=j,
                 reward=g,
@@ -603,43 +705,6 @@ class Adapter:
             out.append(Transition.model_construct(**data))
         st.transitions = len(out)
         return out
-
-    # .................................................................. tree repair
-
-    def _relink(
-        self,
-        S: list[Span],
-        kind: list[int],
-        server: bytearray,
-        parent: list[int],
-        llm: list[int],
-        st: AdapterStats,
-    ) -> None:
-        """Join a parentless server chat span (a framework dropped ``traceparent``) to the client chat
-        span with the same response id, so it is attributed and not counted twice."""
-        loose = [i for i in llm if server[i] and parent[i] < 0]
-        if not loose:
-            return
-        clients: dict[str, int] = {}
-        for i in llm:
-            if not server[i]:
-                rid = S[i].attributes.get(sc.GEN_AI_RESPONSE_ID)
-                if isinstance(rid, str) and rid:
-                    clients.setdefault(rid, i)
-        if not clients:
-            return
-        for i in loose:
-            rid = S[i].attributes.get(sc.GEN_AI_RESPONSE_ID)
-            c = clients.get(rid) if isinstance(rid, str) else None
-            if c is None:
-                continue
-            j = c  # never make a span its own ancestor
-            while j >= 0 and j != i:
-                j = parent[j]
-            if j == i:
-                continue
-            parent[i] = c
-            st.relinked += 1
 
     # .................................................................. calls
 
@@ -751,18 +816,11 @@ class Adapter:
     # .................................................................. AIR
 
     def _air(
-        self,
-        S: list[Span],
-        kind: list[int],
-        parent: list[int],
-        notable: list[int],
-        calls: list[_Call],
-        locate: _Locator,
-        agent_at: dict[int, str | None],
-        inter: list[float],
-        st: AdapterStats,
+        self, tree: _Tree, calls: list[_Call], locate: _Locator, inter: list[float], st: AdapterStats
     ) -> None:
+        """Automatic intermediate rewards (:class:`agl.rewards.AIR`) added into ``inter``, per call."""
         air = self.air
+        S, kind, parent, notable, agent_of = tree.S, tree.kind, tree.parent, tree.notable, tree.agent_of
         by_tool_id: dict[str, int] = {}
         for k, c in enumerate(calls):
             for tid in c.tool_call_ids:
@@ -779,7 +837,7 @@ class Adapter:
             tid = S[i].attributes.get(sc.GEN_AI_TOOL_CALL_ID)
             if isinstance(tid, str) and tid in by_tool_id:
                 return by_tool_id[tid]
-            return locate.before(S[i].start_ns, _agent_of(i, S, kind, parent, agent_at))
+            return locate.before(S[i].start_ns, agent_of(i))
 
         # error-bearing spans and the exception signatures found below each span
         sig_below: dict[int, set[Any]] = {}
@@ -821,7 +879,7 @@ class Adapter:
                         continue  # raised below and propagated up: already counted there
                 ev = _exception_event(S[i])
                 t = ev.time_ns if ev is not None else S[i].start_ns
-                add(locate.before(t, _agent_of(i, S, kind, parent, agent_at)), w_exc, "exception")
+                add(locate.before(t, agent_of(i)), w_exc, "exception")
 
         w_bad = air.weight("malformed_tool_call")
         if w_bad:
@@ -854,7 +912,7 @@ class Adapter:
                         if kind[i] == _TOOL:
                             k = issuer(i)
                         else:
-                            k = locate.before(S[i].end_ns, _agent_of(i, S, kind, parent, agent_at))
+                            k = locate.before(S[i].end_ns, agent_of(i))
                     add(k, value, "plugin")
 
 

@@ -47,10 +47,13 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agl import semconv
 from agl.types import LLM, AttemptError, Claim, Mode, Resources
+
+if TYPE_CHECKING:
+    from agl.store.base import Store
 
 __all__ = [
     "RolloutFunction",
@@ -267,7 +270,7 @@ class Runner:
     def __init__(
         self,
         agent: AgentFn | RolloutFunction,
-        store: Any,
+        store: Store,
         *,
         concurrency: int = 1,
         worker_id: str | None = None,

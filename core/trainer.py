@@ -34,10 +34,13 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agl.config import RunConfig
 from agl.types import LLM, NewRollout, Rollout, RolloutConfig, Task, Transition
+
+if TYPE_CHECKING:
+    from agl.store.base import Store
 
 __all__ = ["Trainer", "load_tokenizer"]
 
@@ -94,7 +97,7 @@ class _ServedGateway:
     """The gateway app under uvicorn in a daemon thread with its own event loop, so the trainer can
     run backend coroutines (weight swaps) on the loop that serves requests."""
 
-    def __init__(self, backend: Any, store: Any, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, backend: Any, store: Store | None, *, host: str = "127.0.0.1", port: int = 0) -> None:
         import uvicorn
 
         from agl.gateway.app import create_app
@@ -189,7 +192,7 @@ class Trainer:
         algorithm: Any = None,
         model: Any = None,
         backend: Any = "transformers",
-        store: Any = None,
+        store: Store | str | None = None,
         runners: int = 4,
         *,
         run_dir: str | os.PathLike[str] = "runs/agl",
@@ -292,7 +295,7 @@ class Trainer:
         self._warned_off_policy = False
         self._warned_unattributed = False
         self.policy: Any = None
-        self.store: Any = None
+        self.store: Store | None = None
         self._gateway: _ServedGateway | None = None
         self._runner: _RunnerThread | None = None
         self._tb: Any = None
@@ -305,7 +308,7 @@ class Trainer:
         return self.config.sampling
 
     # ------------------------------------------------------------------------------ setup
-    def _open_store(self) -> Any:
+    def _open_store(self) -> Store:
         import agl.store
 
         if self.store_arg is None:
