@@ -288,6 +288,37 @@ def test_chunked_logprobs_equal_the_full_log_softmax_with_gradients() -> None:
     assert torch.allclose(g1, g2, atol=1e-5)
 
 
+def test_gradient_checkpointing_recomputes_the_layers_and_keeps_the_gradient(
+    tok, tmp_path, monkeypatch
+) -> None:
+    """``gradient_checkpointing=True`` must reach the decoder layers (transformers only turns it on in
+    ``Trainer.train()``, which agl never calls): each layer then runs twice per micro-batch (forward,
+    and again in the backward pass) instead of keeping its activations, for the same gradient."""
+    batch = [tr(tok, f"question {i}", "Answer: " + "7" * (i + 1), f"r{i}") for i in range(3)]
+    advantages = [1.0, -0.5, 0.25]
+    runs: dict[bool, tuple[int, float]] = {}
+    for on in (False, True):
+        up = make(tok, tmp_path / f"gc{on}", gradient_checkpointing=on)
+        assert up.gradient_checkpointing is on
+        calls: list[int] = []
+        # counted in the MLP's forward: module hooks do not fire when checkpointing recomputes a layer
+        mlp = up.model.get_base_model().model.layers[0].mlp
+        forward = type(mlp).forward
+
+        def counting(self, *args, _mlp=mlp, _forward=forward, _calls=calls, **kwargs):
+            if self is _mlp:
+                _calls.append(1)
+            return _forward(self, *args, **kwargs)
+
+        monkeypatch.setattr(type(mlp), "forward", counting)
+        metrics = up.step(batch, advantages)
+        monkeypatch.undo()
+        assert metrics["micro_batches"] == 1
+        runs[on] = (len(calls), metrics["grad_norm"])
+    assert runs[False][0] == 1 and runs[True][0] == 2
+    assert runs[True][1] == pytest.approx(runs[False][1], rel=1e-4)
+
+
 def test_push_shares_the_base_weights_and_copies_only_the_adapter(tok, tmp_path) -> None:
     up = make(tok, tmp_path)
     engine = TransformersBackend.for_policy(up, tokenizer=tok, model_name="tiny")
