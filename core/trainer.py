@@ -589,6 +589,9 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.resume and (self.run_dir / "metrics.jsonl").exists():
             (self.run_dir / "metrics.jsonl").unlink()
+        from agl import malloc
+
+        malloc.tune()  # freed activations leave the process instead of fragmenting the heap (agl.malloc)
         self._start(agent, training=True)
         order = _TaskOrder(len(train_tasks), self.seed)
         try:
@@ -610,6 +613,7 @@ class Trainer:
                     break
                 batch = [] if final else [train_tasks[i] for i in order.take(self.tasks_per_step)]
                 record = self._step(step, batch, val_tasks if do_val else [], bar)
+                malloc.trim()
                 self._log(record)
                 if not final:
                     self._show_progress(bar, record)
