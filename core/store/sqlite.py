@@ -42,8 +42,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
 from agl.store._common import (
     BACKOFF_MAX_S,
     Backoff,
@@ -76,6 +74,7 @@ from agl.types import (
     SpanEvent,
     SpanStatus,
     Task,
+    _construct,
     new_id,
 )
 
@@ -184,27 +183,6 @@ def _std_dumps(value: Any) -> str:
         return json.dumps(value, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidInputError(f"value is not JSON-serialisable: {exc}") from None
-
-
-def _construct(cls: type, values: dict[str, Any]) -> Any:
-    """Build a model from trusted, already-valid data without re-validating it (the hot read path).
-
-    ``values`` must hold every field. This is what ``model_construct`` does, minus its per-field
-    default handling, which costs more than the rest of a read.
-    """
-    obj = _new(cls)
-    _setattr(obj, "__dict__", values)
-    _set_fields_set(obj, set(values))
-    _set_extra(obj, None)
-    _set_private(obj, None)
-    return obj
-
-
-_new = object.__new__
-_setattr = object.__setattr__
-_set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
-_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
-_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
 
 
 def _attempt(rollout_id: str, d: dict[str, Any]) -> Attempt:
