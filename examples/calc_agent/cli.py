@@ -58,7 +58,6 @@ def apo(args: argparse.Namespace, **setup: Any) -> Any:
     candidates are chosen on held-back training problems, and the initial and best prompts are
     compared on held-out test problems. Every problem is decoded greedily."""
     from agl import APO, Trainer
-    from agl.algorithms.apo import _Setup
     from examples.calc_agent import data
     from examples.calc_agent.agent import AGENT, make_rollout
 
@@ -94,7 +93,7 @@ def apo(args: argparse.Namespace, **setup: Any) -> Any:
     train = data.load_tasks("train")
     val, train = train[-args.val_tasks :], train[: -args.val_tasks]
     test = data.load_tasks("test", limit=args.test_tasks)
-    summary = algorithm.optimize(make_rollout(), train, val, test=test, setup=_Setup.from_trainer(trainer))
+    summary = algorithm.fit(trainer, make_rollout(), train, val, test=test)
     keys = (
         "run_dir", "rounds", "val_reward_before", "val_reward_after", "test_reward_before",
         "test_reward_after", "best_prompts", "candidates", "optimizer_calls", "optimizer_tokens",
