@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 from agl.algorithms.apo.algorithm import APO
 
 __all__ = ["load_jsonl", "register_cli"]
+
+log = logging.getLogger("agl.apo")
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[Any]:
@@ -76,6 +79,11 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--run-dir", default="runs/apo")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--no-progress", action="store_true")
+    r.add_argument(
+        "--no-instrument",
+        action="store_true",
+        help="do not instrument the integrations of the frameworks the agent's module imports",
+    )
     parser.set_defaults(func=_cli)
 
 
@@ -112,6 +120,11 @@ def _cli(args: argparse.Namespace) -> int:
     train, val = load_jsonl(args.train), load_jsonl(args.val)
     test = load_jsonl(args.test) if args.test else None
     agent = load_agent(args.agent)
+    if not args.no_instrument and args.runners > 0:  # as `agl runner` does for the agents it runs
+        from agl.runner import _instrument_imported_frameworks
+
+        names = _instrument_imported_frameworks()
+        log.info("agl apo: instrumented %s", ", ".join(names) or "nothing (no framework imported)")
     backend = "openai" if args.base_url else ("vllm" if args.vllm_url else "transformers")
     trainer = Trainer(
         apo,
