@@ -77,19 +77,19 @@ def apo(args: argparse.Namespace, **setup: Any) -> Any:
         max_failures=3,
         trace_chars=800,
     )
-    trainer = Trainer(
-        algorithm,
-        model=args.model if args.base_url is None else None,
-        backend="openai" if args.base_url else "transformers",
-        base_url=args.base_url,
-        api_key=args.api_key or (os.environ.get("OPENAI_API_KEY") if args.base_url else None),
-        model_name=args.model if args.base_url else None,
-        runners=args.runners,
-        run_dir=args.run_dir,
-        sampling={"max_tokens": args.max_tokens, "temperature": 0.0},
-        seed=args.seed,
-        **setup,
-    )
+    kw: dict[str, Any] = {
+        "model": args.model if args.base_url is None else None,
+        "backend": "openai" if args.base_url else "transformers",
+        "base_url": args.base_url,
+        "api_key": args.api_key or (os.environ.get("OPENAI_API_KEY") if args.base_url else None),
+        "model_name": args.model if args.base_url else None,
+        "runners": args.runners,
+        "run_dir": args.run_dir,
+        "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0},
+        "seed": args.seed,
+        **setup,  # the tests' overrides (a scripted backend, no progress bar)
+    }
+    trainer = Trainer(algorithm, **kw)
     train = data.load_tasks("train")
     val, train = train[-args.val_tasks :], train[: -args.val_tasks]
     test = data.load_tasks("test", limit=args.test_tasks)
