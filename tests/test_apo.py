@@ -378,6 +378,11 @@ def test_cli_runs_apo_against_openai_compatible_endpoints(
         == 2
     )
     assert "bad.jsonl:1 is not JSON" in capsys.readouterr().err
+    args = ["apo", "--agent", "test_apo:writer", "--train", str(train), "--val", str(val)]
+    assert main([*args, "--prompt", "writer=" + str(tmp_path / "missing.txt")]) == 2
+    assert "--prompt writer: no such file" in capsys.readouterr().err
+    assert main([*args, "--beam-width", "0"]) == 2
+    assert "beam_width must be an integer >= 1" in capsys.readouterr().err
 
 
 def _agl(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -538,3 +543,8 @@ def test_apo_validates_its_settings() -> None:
         APO(prompts={"w": "broken {"})
     with pytest.raises(ValueError, match="validation tasks"):
         APO().optimize(writer, _tasks(2), None)
+    with pytest.raises(TypeError, match="unknown APO run settings"):
+        APO().optimize(writer, _tasks(2), _tasks(2), run_dri="typo")
+    with pytest.raises(ValueError, match="optimizer_base_url or optimizer_backend"):
+        APO(optimizer_base_url="http://x/v1", optimizer_backend=ScriptedBackend(["x"]))
+    assert APO(agents="writer").agents == ["writer"]
