@@ -19,6 +19,7 @@ rollout); they are counted in ``Gateway.stats["unattributed_calls"]``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -310,7 +311,8 @@ class SpanWriter:
       finished in one loop iteration are written by one callback at the end of that iteration. No
       thread hop, no GIL hand-off, no cross-thread wake-up per request — for SQLite (WAL, no fsync per
       commit) that costs less CPU than handing the batch to a thread, which was the gateway's largest
-      cost per stored span;
+      cost per stored span. When another thread is inside the store just then, the batch goes to the
+      writer thread instead: the loop never waits on the store's lock;
     - **from a writer thread** for stores behind a network round trip (the HTTP store server,
       PostgreSQL): the loop never waits on the network; everything queued while the thread was busy
       goes in one ``add_spans`` call.
@@ -378,6 +380,14 @@ class SpanWriter:
     def _write_pending(self) -> None:
         self._scheduled = False
         batch, self._pending = self._pending, []
+        lock = getattr(self.store, "_lock", None)  # the in-process stores' own lock
+        if lock is not None:
+            if not lock.acquire(blocking=False):
+                # another thread is inside the store (e.g. a trainer reading spans in this process):
+                # the loop must not wait for it, so the writer thread takes this batch
+                self._hand_over(batch)
+                return
+            lock.release()  # a probe only: add_spans takes the lock itself
         try:
             self._add([s for group, _ in batch for s in group], batch)
         finally:
@@ -387,6 +397,14 @@ class SpanWriter:
             with self._cond:
                 self._done += len(batch)
                 self._cond.notify_all()
+
+    def _hand_over(self, batch: list[tuple[list[Span], asyncio.Future[None] | None]]) -> None:
+        loop = asyncio.get_running_loop()
+        with self._cond:  # re-queued atomically: flush() never sees these groups as done or missing
+            for spans, fut in batch:
+                self._queued -= 1  # counted again by _put
+                done = None if fut is None else functools.partial(loop.call_soon_threadsafe, _resolve, fut)
+                self._put(spans, done)
 
     # ------------------------------------------------------------------------ writer thread
     def _put(self, spans: list[Span], done: Callable[[], None] | None) -> None:

@@ -217,6 +217,46 @@ def test_no_span_lost_at_clean_shutdown(tmp_path: Path, in_loop: bool) -> None:
     store.close()
 
 
+def test_busy_store_does_not_block_the_event_loop(tmp_path: Path) -> None:
+    """SQLite spans are written on the loop, but not while another thread holds the store: then the
+    writer thread takes the batch, the loop keeps serving, and the span is still stored before the reply."""
+    store = agl.store.open(f"sqlite:///{tmp_path / 'spans.db'}")
+    rollout = start_rollout(store, "ro-busy")
+    with serve_gateway(ScriptedBackend(["ok"], on_exhausted="repeat"), store) as url:
+        client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x", max_retries=0)
+        client.chat.completions.create(model="scripted", messages=MSG)  # written on the loop
+        assert url.gateway.writer._thread is None
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with store._lock:  # type: ignore[attr-defined]  # e.g. a long query from a trainer thread
+                held.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert held.wait(5)
+        answered: list[float] = []
+
+        def call() -> None:
+            client.chat.completions.create(model="scripted", messages=MSG)
+            answered.append(time.monotonic())
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        time.sleep(0.5)  # the call's span waits for the store; the loop must not
+        t0 = time.monotonic()
+        r = httpx.get(url.root + "/v1/models", timeout=5)
+        assert r.status_code == 200 and time.monotonic() - t0 < 2.0
+        assert not answered  # before_reply: no answer while its span cannot be stored
+        release.set()
+        holder.join(5)
+        caller.join(10)
+        assert answered and url.gateway.writer._thread is not None
+        assert len(server_spans(store, rollout[0])) == 2
+    store.close()
+
+
 def test_flush_endpoint_waits_for_queued_spans(tmp_path: Path) -> None:
     store = agl.store.open(f"sqlite:///{tmp_path / 'spans.db'}")
     rollout = start_rollout(store, "ro-flush")
