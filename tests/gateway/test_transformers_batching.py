@@ -272,3 +272,25 @@ def test_concurrent_clients_over_http_mix_streams_and_replies(store: Any) -> Non
     )
     assert max(backend.batch_sizes) > 1
     backend._executor.shutdown(wait=False)
+
+
+async def test_the_models_own_processors_apply_per_row() -> None:
+    """A repetition penalty in the model's generation config applies to each row over its own ids,
+    as ``generate`` applies it: batched or alone, the greedy tokens are ``generate``'s."""
+    model = tiny("llama")
+    plain = TransformersBackend(model, model_name="tiny")
+    spec = {"content": "Say something.", "temperature": 0, "max_tokens": 10}
+    unpenalised = await plain.generate(make(spec))
+    plain._executor.shutdown(wait=False)
+    model.generation_config.repetition_penalty = 1.5
+    backend = TransformersBackend(model, model_name="tiny")
+    other = {"content": "word " * 7, "temperature": 0.9, "seed": 3, "max_tokens": 10}
+    alone = await backend.generate(make(spec))
+    together, _ = await asyncio.gather(backend.generate(make(spec)), backend.generate(make(other)))
+    assert_same(together, alone)
+    ids = torch.tensor([alone.prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, max_new_tokens=10, do_sample=False, eos_token_id=TOK.eos_token_id)
+    assert alone.choices[0].response_ids == out[0, ids.shape[1] :].tolist()
+    assert alone.choices[0].response_ids != unpenalised.choices[0].response_ids  # the penalty mattered
+    backend._executor.shutdown(wait=False)

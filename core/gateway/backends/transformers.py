@@ -1,7 +1,7 @@
 """The embedded default backend: any Hugging Face causal LM, in-process, on CPU or GPU.
 
 Token ids are the ids the model actually consumed and produced: the prompt ids are the rendered chat
-template encoded once (the same ids fed to ``generate``), the response ids are the generated ids
+template encoded once (the same ids fed to the model), the response ids are the generated ids
 (EOS included: the model chose to stop). Nothing is re-tokenised.
 
 The logprobs are those of the distribution each token was actually drawn from (the behaviour policy):
@@ -174,7 +174,7 @@ class TransformersBackend(Backend):
         self._queue: list[_Job] = []  # guarded by _queue_lock: the worker thread takes from it
         self._queue_lock = threading.Lock()
         self._swaps_waiting = 0
-        self._processors_cache: dict[int, Any] = {}
+        self._processors_cache: dict[Any, Any] = {}  # per prompt length (min_length rules)
         self._wakeup: asyncio.Event | None = None
         self._lock: asyncio.Lock | None = None
         self._worker: asyncio.Task[None] | None = None
@@ -550,8 +550,10 @@ class TransformersBackend(Backend):
         getter = getattr(model, "_get_logits_processor", None)
         if config is None or getter is None:
             return None
-        if id(model) in self._processors_cache and prompt_len in self._processors_cache[id(model)]:
-            return self._processors_cache[id(model)][prompt_len]
+        if self._processors_cache.get("model") is not model:  # a swapped model: start afresh
+            self._processors_cache = {"model": model}
+        if prompt_len in self._processors_cache:
+            return self._processors_cache[prompt_len]
         try:
             config = copy.deepcopy(config)
             config.do_sample = False
@@ -560,9 +562,8 @@ class TransformersBackend(Backend):
             procs = procs if len(procs) else None
         except Exception:  # noqa: BLE001 - a private transformers API: without it, none
             procs = None
-        per_len = self._processors_cache.setdefault(id(model), {})
-        if len(per_len) < 4096:
-            per_len[prompt_len] = procs
+        if len(self._processors_cache) < 4096:
+            self._processors_cache[prompt_len] = procs
         return procs
 
     def _finish(self, row: Row) -> None:
