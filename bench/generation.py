@@ -11,8 +11,9 @@ the load of a shared machine moves much less than absolute figures):
 - the gateway over HTTP (openai client in threads, no store): 1 request, then 8 concurrent requests
   (the 8 prompts), tokens counted up to EOS as the gateway reports them;
 - time to first token (streamed; the client stops reading after the first token, which cancels the
-  rest): one request alone, 8 started together (median), and one request arriving while 7 others
-  are decoding (it joins their batch; before continuous batching it waited for them to finish).
+  rest): one request alone, 8 started together (median), and one request arriving once 7 streamed
+  others have their first token, i.e. are decoding (it joins their batch between two decode steps;
+  before continuous batching it waited for them to finish).
 
 Target (issue 18): 8 concurrent through the gateway >= 1.0x HF ``generate`` at batch 8.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -116,6 +118,22 @@ def run(threads: int, new_tokens: int, rounds: int) -> list[dict[str, dict[str, 
                 stream.close()  # a disconnect: the gateway cancels the rest
             return float("nan")
 
+        def stream_all(i: int, decoding: threading.Barrier) -> None:
+            """A streamed request read to its end; meets the others at ``decoding`` after its first token."""
+            stream = client.chat.completions.create(
+                model=name,
+                messages=[{"role": "user", "content": PROMPTS[i % 8]}],
+                max_tokens=new_tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"return_token_ids": True},
+            )
+            waiting = True
+            for chunk in stream:
+                if waiting and chunk.choices and (chunk.choices[0].model_extra or {}).get("token_ids"):
+                    waiting = False
+                    decoding.wait()
+
         def gateway(c: int) -> dict[str, Any]:
             t, cpu = time.perf_counter(), time.process_time()
             with ThreadPoolExecutor(c) as pool:
@@ -135,9 +153,10 @@ def run(threads: int, new_tokens: int, rounds: int) -> list[dict[str, dict[str, 
             row["ttft1"] = {"s": first_token(0)}
             with ThreadPoolExecutor(8) as pool:
                 row["ttft8"] = {"s": statistics.median(pool.map(first_token, range(8)))}
-            with ThreadPoolExecutor(8) as pool:  # one request arrives while 7 others decode
-                busy = [pool.submit(call, i) for i in range(1, 8)]
-                time.sleep(1.0)
+            decoding = threading.Barrier(8)
+            with ThreadPoolExecutor(7) as pool:  # one request arrives once 7 others are decoding
+                busy = [pool.submit(stream_all, i, decoding) for i in range(1, 8)]
+                decoding.wait()
                 row["ttft_join"] = {"s": first_token(0)}
                 for f in busy:
                     f.result()
