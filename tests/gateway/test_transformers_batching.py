@@ -294,3 +294,41 @@ async def test_the_models_own_processors_apply_per_row() -> None:
     assert alone.choices[0].response_ids == out[0, ids.shape[1] :].tolist()
     assert alone.choices[0].response_ids != unpenalised.choices[0].response_ids  # the penalty mattered
     backend._executor.shutdown(wait=False)
+
+
+async def test_a_sliding_window_model_batches_without_joining() -> None:
+    """A cache that cannot be left-padded and concatenated (sliding-window layers): requests admitted
+    together still share the batch, a later one waits for it to drain, and each gets what it gets alone."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=TOK._tok.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        eos_token_id=TOK.eos_token_id,
+        pad_token_id=TOK.eos_token_id,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=0,
+    )
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    steps = Steps(model, delay_s=0.01)
+    backend = TransformersBackend(model, model_name="tiny")
+    specs = [
+        {"content": "Say something.", "temperature": 0, "max_tokens": 12},
+        {"content": "word " * 6, "temperature": 0.8, "seed": 9, "max_tokens": 12},
+    ]
+    alone = [await backend.generate(make(s)) for s in specs]
+    steps.shapes.clear()
+    first = asyncio.create_task(backend.generate(make(specs[0])))
+    while len(steps.shapes) < 4:
+        await asyncio.sleep(0.005)
+    second = await backend.generate(make(specs[1]))
+    assert first.done()  # it could not join: it waited for the running batch
+    assert_same(first.result(), alone[0])
+    assert_same(second, alone[1])
+    assert 2 not in steps.decode_batches()
+    backend._executor.shutdown(wait=False)

@@ -287,7 +287,10 @@ class Batch:
         return gone
 
     def _trim(self) -> None:
-        """Cut the leading cache columns that are padding in every row."""
+        """Cut the leading cache columns that are padding in every row (plain layers only: a
+        sliding-window layer keeps fewer columns than the mask has)."""
+        if not self.joinable():
+            return
         used = self.mask.any(dim=0).nonzero()
         first = int(used[0, 0]) if used.numel() else 0
         if first > 0:
