@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from agl.config import RunConfig
+from agl.trajectories import BREAK_CAUSES
 from agl.types import LLM, NewRollout, Rollout, RolloutConfig, Task, Transition
 
 __all__ = ["Trainer", "load_tokenizer"]
@@ -676,11 +677,13 @@ class Trainer:
             "trained_transitions": update["transitions"],
             "behaviour_ratio_dev": update.get("behaviour_ratio_dev"),
             # multi-turn merging (agl.trajectories): sequences trained, tokens encoded, share of
-            # calls that extended a sequence, tokens saved
+            # calls that extended a sequence, tokens saved, and the calls that could not extend their
+            # agent's sequence by cause (retokenised, rerendered, truncated, diverged)
             "sequences": update.get("sequences"),
             "update_tokens": update.get("tokens"),
             "merge_rate": update.get("merge_rate"),
             "tokens_saved": update.get("tokens_saved"),
+            **{f"breaks_{cause}": update.get(f"breaks_{cause}") for cause in BREAK_CAUSES},
         }
 
     def _resume(self, order: _TaskOrder) -> int:

@@ -245,6 +245,11 @@ def test_fit_trains_the_selected_agent_and_skips_stale_spans(
             and r["train_reward"] == pytest.approx(0.5, abs=0.26)
         )
         assert {"loss", "kl", "clip_fraction", "tokens_per_s", "zero_variance_groups", "grad_norm"} <= set(r)
+        # merging diagnostics: the writer makes one call per rollout, so each is its own sequence,
+        # nothing merges, nothing is saved and no prefix broke
+        assert r["sequences"] <= r["transitions"] and r["update_tokens"] > 0
+        assert (r["merge_rate"], r["tokens_saved"]) == (0.0, 0.0)
+        assert all(r[f"breaks_{c}"] == 0.0 for c in ("retokenised", "rerendered", "truncated", "diverged"))
     versions = [r["resources_version"] for r in records]
     assert versions == sorted(set(versions))  # bumps every step
     for r in store.query_rollouts(status="succeeded"):
