@@ -96,7 +96,7 @@ class AdapterStats:
     tokens_per_call: int = 0
     tokens_merged: int = 0
     #: calls that started a new sequence although their agent had one open, by cause
-    #: (agl.trajectories.BREAK_CAUSES: retokenised, rerendered, truncated, diverged)
+    #: (agl.trajectories.BREAK_CAUSES: retokenised, edited, rerendered, truncated, diverged)
     prefix_breaks: dict[str, int] = field(default_factory=dict)
     air: dict[str, int] = field(default_factory=dict)  #: AIR events per rule
     #: LLM calls per agent name ("" for calls with no agent span), before selection

@@ -678,7 +678,7 @@ class Trainer:
             "behaviour_ratio_dev": update.get("behaviour_ratio_dev"),
             # multi-turn merging (agl.trajectories): sequences trained, tokens encoded, share of
             # calls that extended a sequence, tokens saved, and the calls that could not extend their
-            # agent's sequence by cause (retokenised, rerendered, truncated, diverged)
+            # agent's sequence by cause (retokenised, edited, rerendered, truncated, diverged)
             "sequences": update.get("sequences"),
             "update_tokens": update.get("tokens"),
             "merge_rate": update.get("merge_rate"),

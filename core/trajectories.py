@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 #: why a call did not extend an open sequence of its agent (see :func:`_break_cause`)
-BREAK_CAUSES = ("retokenised", "rerendered", "truncated", "diverged")
+BREAK_CAUSES = ("retokenised", "edited", "rerendered", "truncated", "diverged")
 
 
 class Segment(_Model):
@@ -220,9 +220,12 @@ def _break_cause(open_seqs: list[_Open], t: Transition) -> str:
     """Why ``t`` extends none of its agent's open sequences, as far as the recorded calls show:
 
     - ``retokenised``: its ids (or a sequence's) were re-tokenised from messages, not the engine's;
-    - ``rerendered``: its messages re-send a sequence's last call unchanged followed by the assistant's
-      reply (and more), but the ids differ: the chat template renders the earlier turns differently from how they were
-      sampled (a template that drops reasoning or reformats tool calls, a changed template);
+    - ``edited``: its messages re-send a sequence's last call unchanged followed by the assistant's
+      reply and more, but the reply's text is not what the model produced (the framework appended an
+      observation, stripped whitespace or reasoning);
+    - ``rerendered``: as ``edited`` but the reply re-sent as produced, and still the ids differ: the
+      chat template renders the earlier turns differently from how they were sampled (a template
+      that drops reasoning or reformats tool calls, a changed template);
     - ``truncated``: it opens like a sequence's conversation (same system prompt and first user
       message; without messages, the same first prompt ids) but no longer carries its whole history
       (cut or summarised);
@@ -239,7 +242,9 @@ def _break_cause(open_seqs: list[_Open], t: Transition) -> str:
                 and keys[: len(prev)] == prev
                 and keys[len(prev)][0] == "assistant"
             ):
-                return "rerendered"
+                _, text, calls = keys[len(prev)]
+                sampled = s.last.response_text
+                return "edited" if not calls and sampled is not None and text != sampled else "rerendered"
         opening = _opening(t.messages)
         if any(s.first.messages and _opening(s.first.messages) == opening for s in open_seqs):
             return "truncated"

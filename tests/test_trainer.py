@@ -249,7 +249,9 @@ def test_fit_trains_the_selected_agent_and_skips_stale_spans(
         # nothing merges, nothing is saved and no prefix broke
         assert r["sequences"] <= r["transitions"] and r["update_tokens"] > 0
         assert (r["merge_rate"], r["tokens_saved"]) == (0.0, 0.0)
-        assert all(r[f"breaks_{c}"] == 0.0 for c in ("retokenised", "rerendered", "truncated", "diverged"))
+        assert all(
+            r[f"breaks_{c}"] == 0.0 for c in ("retokenised", "edited", "rerendered", "truncated", "diverged")
+        )
     versions = [r["resources_version"] for r in records]
     assert versions == sorted(set(versions))  # bumps every step
     for r in store.query_rollouts(status="succeeded"):

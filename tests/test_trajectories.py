@@ -103,6 +103,11 @@ def test_break_causes_from_the_messages() -> None:
     fresh = _with_messages(tr(3, [1, 2, 3, 10], [8]), sys_, ("user", "Another question"))
     _, stats = merge_transitions([first, rerendered])
     assert stats.breaks == {"rerendered": 1}
+    # with the sampled text known: the reply re-sent as sampled is a re-render, changed is an edit
+    said = first.model_copy(update={"response_text": "x"})
+    edited = _with_messages(rerendered, sys_, q, ("assistant", "x\nObservation: 3"), ("user", "go on"))
+    assert merge_transitions([said, rerendered])[1].breaks == {"rerendered": 1}
+    assert merge_transitions([said, edited])[1].breaks == {"edited": 1}
     _, stats = merge_transitions([first, truncated])
     assert stats.breaks == {"truncated": 1}
     trajs, stats = merge_transitions([first, fresh])
