@@ -227,9 +227,10 @@ def _break_cause(open_seqs: list[_Open], t: Transition) -> str:
       chat template renders the earlier turns differently from how they were sampled (a template
       that drops reasoning or reformats tool calls, a changed template);
     - ``truncated``: it opens like a sequence's conversation (same system prompt and first user
-      message; without messages, the same first prompt ids) but no longer carries its whole history
-      (cut or summarised);
-    - ``diverged``: anything else, a new conversation (a fresh prompt, another system prompt)."""
+      message; without messages, the same first prompt ids) and goes on, but no longer carries its
+      whole history (cut or summarised);
+    - ``diverged``: anything else, a new conversation (a fresh prompt, another system prompt, the
+      same prompt asked again)."""
     if not t.exact or any(not s.exact for s in open_seqs):
         return "retokenised"
     if t.messages:
@@ -246,7 +247,9 @@ def _break_cause(open_seqs: list[_Open], t: Transition) -> str:
                 sampled = s.last.response_text
                 return "edited" if not calls and sampled is not None and text != sampled else "rerendered"
         opening = _opening(t.messages)
-        if any(s.first.messages and _opening(s.first.messages) == opening for s in open_seqs):
+        if len(opening) < len(keys) and any(
+            s.first.messages and _opening(s.first.messages) == opening for s in open_seqs
+        ):
             return "truncated"
         return "diverged"
     if any(tuple(t.prompt_ids[: len(s.prompt)]) == tuple(s.prompt) for s in open_seqs):

@@ -110,6 +110,8 @@ def test_break_causes_from_the_messages() -> None:
     assert merge_transitions([said, edited])[1].breaks == {"edited": 1}
     _, stats = merge_transitions([first, truncated])
     assert stats.breaks == {"truncated": 1}
+    again = _with_messages(tr(4, [1, 2, 3], [8]), sys_, q)  # the same prompt asked again: a fresh start
+    assert merge_transitions([first, again])[1].breaks == {"diverged": 1}
     trajs, stats = merge_transitions([first, fresh])
     assert stats.breaks == {"diverged": 1}
     assert [seg.break_cause for t in trajs for seg in t.segments] == [None, "diverged"]
