@@ -242,7 +242,9 @@ def test_merged_update_equals_the_per_call_update(tmp_path) -> None:
                 tie_word_embeddings=True,
             )
         )
-        algo = LightningRL(learning_rate=5e-3, lora_r=8, lora_alpha=16, micro_batch_tokens=64)
+        algo = LightningRL(
+            learning_rate=5e-3, lora_r=8, lora_alpha=16, micro_batch_tokens=64, mixed_precision="no"
+        )
         return PolicyUpdate(model, tok, RunConfig.resolve(algo), output_dir=tmp_path / sub, seed=0)
 
     merged_up, per_call_up = make("a"), make("b")
