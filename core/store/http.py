@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import json
 import os
 import random
@@ -926,10 +927,17 @@ class _Core:
 
 
 def _named(method: Any, op: Callable[..., Any]) -> Any:
-    """Name, docstring and (for ``inspect.signature``) parameters of ``op``, under its public name."""
+    """Name, docstring and signature (for ``help()`` and ``inspect``) of ``op``, under its public name
+    and with the result its ``_Op`` yields as the return annotation."""
     functools.update_wrapper(method, op)
+    del method.__wrapped__  # the signature below is the one to show, not the generator's
     method.__name__ = op.__name__.lstrip("_")
     method.__qualname__ = method.__name__
+    sig = inspect.signature(op)
+    ret = sig.return_annotation
+    if isinstance(ret, str) and ret.startswith("_Op[") and ret.endswith("]"):
+        sig = sig.replace(return_annotation=ret[4:-1])
+    method.__signature__ = sig
     return method
 
 
