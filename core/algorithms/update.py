@@ -48,7 +48,13 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import pad, use_adapter
 
 from agl.config import RunConfig
-from agl.trajectories import Trajectory, merge_transitions, per_call_trajectories, token_advantages
+from agl.trajectories import (
+    BREAK_CAUSES,
+    Trajectory,
+    merge_transitions,
+    per_call_trajectories,
+    token_advantages,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -767,7 +773,7 @@ def _ratio_deviation(logps: torch.Tensor | None, inputs: dict[str, Any]) -> floa
 
 
 #: the merge statistics a step reports (agl.trajectories.MergeStats.as_dict keys)
-_MERGE_METRICS = ("merge_rate", "tokens_saved", "breaks_retokenised", "breaks_truncated", "breaks_diverged")
+_MERGE_METRICS = ("merge_rate", "tokens_saved", *(f"breaks_{cause}" for cause in BREAK_CAUSES))
 
 
 def _train_mask(seq: Trajectory, trained: set[int]) -> list[int]:
