@@ -10,7 +10,8 @@ each fragmenting separately.
 
 :func:`tune` fixes the mmap threshold at 1 MB (a larger block is mapped on allocation and unmapped on
 free, so freed activations leave the process) and caps the arenas at 2. Cost: page faults on every
-large allocation, ~15 s more system time per update of that micro-batch on a 2-core machine.
+large allocation: 2 -> 18 s of system time per update of that micro-batch (user time ~24 s), which
+the 2x smaller peak pays for on a small machine; opt out as below.
 :func:`trim` returns the heaps' free pages after a step.
 
 Both are no-ops off glibc, and :func:`tune` leaves alone what the user set: ``MALLOC_ARENA_MAX`` /
