@@ -415,6 +415,12 @@ def test_micro_batch_budget_is_picked_per_device_when_unset(monkeypatch) -> None
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (80 * 2**30, 80 * 2**30))
     assert upd.auto_micro_batch_tokens(small, use_cuda=True) == 65536
     assert upd.auto_micro_batch_tokens(big, use_cuda=True) == 16384
+    deep = tiny_model()
+    deep.config.num_hidden_layers, deep.config.hidden_size = 28, 1536
+    # without checkpointing every layer keeps its activations: a smaller budget for the same memory
+    assert upd.auto_micro_batch_tokens(deep, use_cuda=True, checkpointing=False) < (
+        upd.auto_micro_batch_tokens(deep, use_cuda=True)
+    )
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2 * 2**30, 80 * 2**30))
     assert upd.auto_micro_batch_tokens(big, use_cuda=True) == 4096  # never below the CPU budget
     assert RunConfig(micro_batch_tokens=None).micro_batch_tokens is None

@@ -315,7 +315,9 @@ class PolicyUpdate:
         self.micro_batch_tokens = (
             int(config.micro_batch_tokens)
             if config.micro_batch_tokens is not None
-            else auto_micro_batch_tokens(model, use_cuda=use_cuda)
+            else auto_micro_batch_tokens(
+                model, use_cuda=use_cuda, checkpointing=gradient_checkpointing is not False
+            )
         )
         if gradient_checkpointing is None:
             gradient_checkpointing = use_cuda or _activations_bytes(model, self.micro_batch_tokens) > (
@@ -728,14 +730,15 @@ CPU_MICRO_BATCH_TOKENS = 4096
 GPU_MICRO_BATCH_TOKENS_MAX = 65536
 
 
-def auto_micro_batch_tokens(model: Any, *, use_cuda: bool) -> int:
+def auto_micro_batch_tokens(model: Any, *, use_cuda: bool, checkpointing: bool = True) -> int:
     """The micro-batch token budget when the run config leaves it unset (None).
 
     CPU: 4096 (activations stay small; the CPU is compute-bound, so bigger batches buy nothing). GPU:
     the largest power of two up to 65536 whose estimated memory fits in half the free GPU memory. Per
     token that is the logits, their log-softmax and gradient in float32 (3 x vocab x 4 bytes) plus the
-    checkpointed layer inputs in bf16. A small model on a GPU is launch-bound, so fewer, bigger
-    micro-batches run faster (docs/architecture.md §9)."""
+    checkpointed layer inputs in bf16 (without checkpointing: every layer's ~16 bf16 hidden-sized
+    activations). A small model on a GPU is launch-bound, so fewer, bigger micro-batches run faster
+    (docs/architecture.md §9)."""
     if not use_cuda:
         return CPU_MICRO_BATCH_TOKENS
     cfg = getattr(model, "config", None)
@@ -743,7 +746,7 @@ def auto_micro_batch_tokens(model: Any, *, use_cuda: bool) -> int:
     vocab = int(getattr(text, "vocab_size", 0) or 0)
     layers = int(getattr(text, "num_hidden_layers", 0) or 0)
     hidden = int(getattr(text, "hidden_size", 0) or 0)
-    per_token = 12 * vocab + 2 * layers * hidden + 40 * hidden
+    per_token = 12 * vocab + (2 if checkpointing else 32) * layers * hidden + 40 * hidden
     free, _total = torch.cuda.mem_get_info()
     budget = CPU_MICRO_BATCH_TOKENS
     while budget * 2 <= GPU_MICRO_BATCH_TOKENS_MAX and budget * 2 * per_token <= free // 2:
