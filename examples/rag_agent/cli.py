@@ -69,7 +69,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--learning-rate", type=float, default=1e-4)
     t.add_argument("--lora-r", type=int, default=16)
     t.add_argument(
-        "--kl-coef", type=float, default=0.0, help="KL penalty to the starting policy (keeps RL near the warm start)"
+        "--kl-coef",
+        type=float,
+        default=0.0,
+        help="KL penalty to the starting policy (keeps RL near the warm start)",
     )
     t.add_argument("--runners", type=int, default=8, help="rollouts run at once")
     t.add_argument("--seed", type=int, default=0)
