@@ -229,9 +229,8 @@ def serve_real(port: int, backend_name: str, upstream: str, store_url: str) -> N
     else:
         backend = OpenAIBackend(upstream + "/v1", api_key="sk-bench", models=[UPSTREAM_MODEL])
     store = None if store_url == "none" else agl.store.open(store_url)
-    # the figures in bench/README.md were measured with spans stored just after the reply (the
-    # gateway's default is now before_reply: see docs/architecture.md §7)
-    app = create_app(backend, store, span_writes=os.environ.get("AGL_BENCH_SPAN_WRITES", "after_reply"))
+    # the gateway's default (before_reply) unless --span-writes after-reply asks for the other mode
+    app = create_app(backend, store, span_writes=os.environ.get("AGL_BENCH_SPAN_WRITES", "before_reply"))
     if os.environ.get("AGL_BENCH_PROFILE"):  # cProfile of the gateway process, dumped at shutdown
         import cProfile
 
@@ -708,6 +707,12 @@ def main() -> None:
         help="real-path gateways: BACKEND+STORE (STORE: sqlite, http or none), comma-separated",
     )
     parser.add_argument(
+        "--span-writes",
+        choices=["before-reply", "after-reply"],
+        default="before-reply",
+        help="when agl's gateways store a span: before its reply (the default) or just after it",
+    )
+    parser.add_argument(
         "--baseline-python",
         help="python of a venv with agentlightning==1.0.2 (its agl-server proxy joins the real-path runs)",
     )
@@ -723,7 +728,8 @@ def main() -> None:
     if args.serve_real:
         serve_real(args.serve_real, args.backend, args.upstream, args.store)
         return
-    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    os.environ["AGL_BENCH_SPAN_WRITES"] = args.span_writes.replace("-", "_")  # the gateway processes read it
+    print(f"load average before: {os.getloadavg()[0]:.2f}; spans stored {args.span_writes}")
     if not args.skip_real:
         configs = [c.strip() for c in args.configs.split(",") if c.strip()]
         report_real(bench_real(args.requests, args.concurrency, args.rounds, args.baseline_python, configs))

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 from tqdm import tqdm
 
 from agl.store.http import AsyncHttpStore, HttpStore
@@ -238,12 +239,22 @@ def bench_agl(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
         for batch in batches[: max(1, n_batches // 10)]:  # warm-up
             store.add_spans([s.model_copy(update={"span_id": os.urandom(8).hex()}) for s in batch])
         lat = []
+        c0 = time.process_time()
         with Meter(pid) as m:
             for batch in tqdm(batches, desc="agl spans", unit="batch", leave=False):
                 t = time.perf_counter()
                 store.add_spans(batch)
                 lat.append(time.perf_counter() - t)
+        out["spans_client_cpu_ms"] = (time.process_time() - c0) / n_batches * 1e3
         record(out, "spans_per_s", n_batches * BATCH, m)
+        # the same batches through httpx's own transport (the client's alternative to its hand-written one)
+        with HttpStore(url, transport=httpx.HTTPTransport()) as via_httpx:
+            c0 = time.process_time()
+            with Meter(pid) as m:
+                for batch in tqdm(batches, desc="agl spans (httpx)", unit="batch", leave=False):
+                    via_httpx.add_spans(batch)
+            out["spans_httpx_client_cpu_ms"] = (time.process_time() - c0) / n_batches * 1e3
+            record(out, "spans_httpx_per_s", n_batches * BATCH, m)
         out["batch_p50_ms"], out["batch_p99_ms"] = pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
 
         # spans, OTLP protobuf batches of 100 (stdlib client: the same poster for both servers)
@@ -281,16 +292,19 @@ def bench_agl(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
 
         # claim + span + finish, sequential
         n = args.rollouts
-        for i in range(0, n, 1000):
-            store.enqueue([NewRollout(input={"q": "what is 2+2?"}) for _ in range(min(1000, n - i))])
-        with Meter(pid) as m:
-            for _ in tqdm(range(n), desc="agl rollouts", unit="rollout", leave=False):
-                c = store.claim("bench")
-                assert c is not None
-                store.add_spans([make_span(c.rollout.id)])
-                store.finish_attempt(c.rollout.id, c.attempt.number, "succeeded")
-        record(out, "rollouts_seq_per_s", n, m)
-        store.close()
+        for suffix, client in (("", store), ("_httpx", HttpStore(url, transport=httpx.HTTPTransport()))):
+            for i in range(0, n, 1000):
+                client.enqueue([NewRollout(input={"q": "what is 2+2?"}) for _ in range(min(1000, n - i))])
+            c0 = time.process_time()
+            with Meter(pid) as m:
+                for _ in tqdm(range(n), desc=f"agl rollouts{suffix}", unit="rollout", leave=False):
+                    c = client.claim("bench")
+                    assert c is not None
+                    client.add_spans([make_span(c.rollout.id)])
+                    client.finish_attempt(c.rollout.id, c.attempt.number, "succeeded")
+            out[f"rollouts_seq{suffix}_client_cpu_ms"] = (time.process_time() - c0) / n * 1e3
+            record(out, f"rollouts_seq{suffix}_per_s", n, m)
+            client.close()
 
         # claim + span + finish, 32 concurrent asyncio clients
         n = args.concurrent_rollouts
@@ -524,6 +538,13 @@ ROWS = [
     ("query300_p50_ms", "query 300 spans, p50 (ms)", "lower"),
     ("query300_p99_ms", "query 300 spans, p99 (ms)", "lower"),
     ("query300_cpu_ms", "  CPU per query, client + server (ms)", "lower"),
+    # agl's HTTP client: its hand-written HTTP/1.1 transport (above) against httpx's, same server
+    ("spans_client_cpu_ms", "client CPU per batch of 100, own transport (ms)", "lower"),
+    ("spans_httpx_per_s", "spans/s through httpx.HTTPTransport", "higher"),
+    ("spans_httpx_client_cpu_ms", "client CPU per batch of 100, httpx (ms)", "lower"),
+    ("rollouts_seq_client_cpu_ms", "client CPU per rollout, own transport (ms)", "lower"),
+    ("rollouts_seq_httpx_per_s", "claim + span + finish through httpx (/s)", "higher"),
+    ("rollouts_seq_httpx_client_cpu_ms", "client CPU per rollout, httpx (ms)", "lower"),
 ]
 
 

@@ -3,6 +3,8 @@
     python bench/trainer.py                       # tiny random Llama (seconds)
     python bench/trainer.py --model smollm2       # the embedded SmolLM2-135M-Instruct (LoRA)
     python bench/trainer.py --model /path/to/hf   # any local model (on a GPU when there is one)
+    python bench/trainer.py --model qwen0.5b-random   # a model's shape with random weights: no files
+                                                      # needed (smollm2-random, qwen0.5b-/qwen1.5b-random)
 
 Both sides train the same LoRA model on the same transitions (prompt + response token ids, one
 advantage each, engine log-probs as the behaviour policy) for ``--iters`` optimizer steps:
@@ -50,6 +52,52 @@ def _model(name: str, seed: int):
             tie_word_embeddings=True,
         )
         return LlamaForCausalLM(cfg)
+    shapes = {
+        "smollm2-random": dict(
+            kind="llama",
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=8192,
+            rope_theta=100000.0,
+            tie_word_embeddings=True,
+        ),
+        "qwen0.5b-random": dict(
+            kind="qwen2",
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            tie_word_embeddings=True,
+        ),
+        "qwen1.5b-random": dict(
+            kind="qwen2",
+            vocab_size=151936,
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            tie_word_embeddings=True,
+        ),
+    }
+    if name in shapes:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        spec = dict(shapes[name])
+        kind = spec.pop("kind")
+        if kind == "llama":
+            m = LlamaForCausalLM(LlamaConfig(**spec))
+        else:
+            m = Qwen2ForCausalLM(Qwen2Config(**spec))
+        return m.to(torch.bfloat16) if torch.cuda.is_available() else m
     if name == "smollm2":
         from agl.gateway.models import prepare_default_model
 
@@ -88,6 +136,7 @@ def bench_agl(args, transitions, adv, tok) -> float:
         learning_rate=1e-5, micro_batch_tokens=args.micro_batch_tokens, lora_r=16, lora_alpha=32
     )
     up = PolicyUpdate(_model(args.model, 0), tok, algo, output_dir="/tmp/agl-bench-trainer/agl")
+    args.used_micro_batch_tokens = up.micro_batch_tokens
     up.step(transitions, adv)  # warm-up
     rates = []
     for _ in range(args.iters):
@@ -191,19 +240,29 @@ def _child(args: argparse.Namespace, side: str) -> dict:
         "iters",
         "threads",
     ):
-        argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    out = subprocess.run(argv, check=True, capture_output=True, text=True)
+        if getattr(args, key) is not None:
+            argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    out = subprocess.run(argv, capture_output=True, text=True)
+    if out.returncode:
+        print(out.stderr[-3000:], file=sys.stderr)
+        out.check_returncode()
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--side", choices=("agl", "trl"), help=argparse.SUPPRESS)
-    p.add_argument("--model", default="tiny", help="tiny | smollm2 | a local HF model directory")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny | smollm2 | smollm2-random | qwen0.5b-random | qwen1.5b-random | a local HF model dir",
+    )
     p.add_argument("--transitions", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=96)
     p.add_argument("--response-len", type=int, default=16)
-    p.add_argument("--micro-batch-tokens", type=int, default=4096)
+    p.add_argument(
+        "--micro-batch-tokens", type=int, default=None, help="default: agl's per-device pick (RunConfig)"
+    )
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args()
@@ -213,7 +272,9 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    tok = load_tokenizer(None if args.model in ("tiny", "smollm2") else args.model)
+    tok = load_tokenizer(
+        None if args.model in ("tiny", "smollm2") or args.model.endswith("-random") else args.model
+    )
     transitions, adv = _batch(args.transitions, args.prompt_len, args.response_len, seed=0)
     tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in transitions)
     if args.side is not None:
@@ -221,7 +282,8 @@ def main() -> None:
 
         run = bench_agl if args.side == "agl" else bench_trl
         rate = run(args, transitions, adv, tok)
-        print(json.dumps({"tokens_per_s": rate, "peak_rss_mb": _peak_rss_mb()}))
+        budget = getattr(args, "used_micro_batch_tokens", None)
+        print(json.dumps({"tokens_per_s": rate, "peak_rss_mb": _peak_rss_mb(), "micro_batch_tokens": budget}))
         return
     mine, theirs = _child(args, "agl"), _child(args, "trl")
     ours, trl = mine["tokens_per_s"], theirs["tokens_per_s"]
@@ -231,7 +293,10 @@ def main() -> None:
         else f"CPU ({torch.get_num_threads()} threads)"
     )
     print(f"\nLightningRL update vs TRL GRPOTrainer — {args.model}, {device}")
-    print(f"{len(transitions)} transitions, {tokens} tokens, median of {args.iters} steps\n")
+    print(
+        f"{len(transitions)} transitions, {tokens} tokens, median of {args.iters} steps, "
+        f"agl micro_batch_tokens {mine.get('micro_batch_tokens')}\n"
+    )
     print("| update | tokens/s | vs TRL | peak RSS (MB) |")
     print("|---|---:|---:|---:|")
     print(f"| TRL GRPOTrainer.training_step | {trl:,.0f} | 1.00 | {theirs['peak_rss_mb']:,.0f} |")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Union
 from agl import semconv as sc
 from agl.algorithms.lightning_rl import LightningRL, credit_returns
 from agl.rewards import AIR, plugin_rewards
+from agl.trajectories import merge_stats
 from agl.types import Rollout, Span, Transition
 
 if TYPE_CHECKING:
@@ -87,6 +88,16 @@ class AdapterStats:
     #: LLM calls of attempts where no call had an agent span although an agent framework was
     #: instrumented: its hooks were bypassed or removed (see :data:`AGENT_FRAMEWORKS`)
     unattributed_calls: int = 0
+    #: multi-turn merging of the transitions (agl.trajectories, what the update trains on): the
+    #: sequences they make (one per agent conversation whose calls extend exactly), the calls that
+    #: extended a sequence, and the tokens the per-call and the merged forms encode
+    sequences: int = 0
+    merged_calls: int = 0
+    tokens_per_call: int = 0
+    tokens_merged: int = 0
+    #: calls that started a new sequence although their agent had one open, by cause
+    #: (agl.trajectories.BREAK_CAUSES: retokenised, edited, rerendered, truncated, diverged)
+    prefix_breaks: dict[str, int] = field(default_factory=dict)
     air: dict[str, int] = field(default_factory=dict)  #: AIR events per rule
     #: LLM calls per agent name ("" for calls with no agent span), before selection
     agents: dict[str, int] = field(default_factory=dict)
@@ -101,10 +112,25 @@ class AdapterStats:
             elif value:
                 mine[name] += value
 
+    @property
+    def merge_rate(self) -> float:
+        """Share of the calls that could extend their agent's sequence (every call after an agent's
+        first) that did; 0.0 when there were none."""
+        could = self.merged_calls + sum(self.prefix_breaks.values())
+        return self.merged_calls / could if could else 0.0
+
+    @property
+    def tokens_saved(self) -> int:
+        """Tokens the merged form does not encode again (``tokens_per_call - tokens_merged``)."""
+        return self.tokens_per_call - self.tokens_merged
+
     def as_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["prefix_breaks"] = dict(self.prefix_breaks)
         out["air"] = dict(self.air)
         out["agents"] = dict(self.agents)
+        out["merge_rate"] = self.merge_rate
+        out["tokens_saved"] = self.tokens_saved
         return out
 
     def copy(self) -> AdapterStats:
@@ -602,6 +628,11 @@ class Adapter:
             )
             out.append(Transition.model_construct(**data))
         st.transitions = len(out)
+        if out:
+            ms = merge_stats(out)
+            st.sequences, st.merged_calls = ms.sequences, ms.merged_calls
+            st.tokens_per_call, st.tokens_merged = ms.tokens_per_call, ms.tokens_merged
+            st.prefix_breaks = dict(ms.breaks)
         return out
 
     # .................................................................. tree repair

@@ -59,6 +59,10 @@ class UpdateSettings:
 
     ``gradient_checkpointing``: None picks per device (on: it cuts activation memory several-fold for a
     few tens of percent more compute). ``mixed_precision``: None is bf16 on a GPU that has it, else off.
+    ``micro_batch_tokens``: None is 4096 on CPU and, on a GPU, the largest power of two up to 65536 whose
+    estimated activations and logits fit in half the free GPU memory: a small model on a GPU is bound
+    by kernel launches, so one big micro-batch beats several small ones (measured on an H100:
+    SmolLM2-135M at 16384 tokens ran at 0.61x TRL's one-batch step, at 65536 at 0.93x).
     """
 
     clip_eps: float = 0.2
@@ -68,7 +72,7 @@ class UpdateSettings:
     lora: bool = True
     lora_r: int = 16
     lora_alpha: int = 32
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int | None = None
     epochs_per_step: int = 1
     max_grad_norm: float = 1.0
     gradient_checkpointing: bool | None = None
@@ -84,8 +88,10 @@ class UpdateSettings:
         check_number(owner, "kl_coef", self.kl_coef, lo=0.0)
         check_number(owner, "learning_rate", self.learning_rate, lo=0.0, lo_open=True)
         check_number(owner, "max_grad_norm", self.max_grad_norm, lo=0.0, lo_open=True)
-        for name in ("lora_r", "lora_alpha", "micro_batch_tokens", "epochs_per_step"):
+        for name in ("lora_r", "lora_alpha", "epochs_per_step"):
             _check_int(owner, name, getattr(self, name))
+        if self.micro_batch_tokens is not None:
+            _check_int(owner, "micro_batch_tokens", self.micro_batch_tokens)
         _check_bool(owner, "lora", self.lora)
         _check_bool(owner, "merge_turns", self.merge_turns)
         _check_bool(owner, "gradient_checkpointing", self.gradient_checkpointing, optional=True)

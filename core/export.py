@@ -4,7 +4,12 @@
 line (definitions in docs/architecture.md §8):
 
 - ``transitions``: every transition (``agl.types.Transition`` fields) plus its ``advantage`` under
-  the default LightningRL settings (or ``--credit``/``--gamma``/``--advantage-level``);
+  the default LightningRL settings (or ``--credit``/``--gamma``/``--advantage-level``). With
+  ``--form trajectories`` the same calls are written merged, one record per agent conversation
+  (``agl.trajectories.Trajectory`` fields: ``prompt_ids``, ``completion_ids``, ``loss_mask`` 1 on the
+  model's tokens, per-token ``logprobs``, and ``segments`` — each call's ``start``/``end`` in
+  ``completion_ids``, span id, rewards and ``break_cause``) plus ``advantages``, one per segment: what
+  the update trains on by default;
 - ``sft``: one chat per LLM call of the selected agents, from rollouts whose final reward is at
   least ``--min-reward``: ``{"messages": [...prompt, assistant], "tools": [...]}`` in TRL's
   conversational SFT format. The assistant turn is the message the gateway returned to the agent —
@@ -35,21 +40,26 @@ from typing import Any, TextIO
 from agl.adapter import Adapter, finishing_attempt
 from agl.algorithms.lightning_rl import LightningRL, compute_advantages
 from agl.rewards import AIR
+from agl.trajectories import MergeStats, merge_transitions
 from agl.types import Rollout, Transition
 
 __all__ = [
     "CallRecord",
     "ExportResult",
     "call_records",
+    "check_format",
     "dpo_records",
     "export",
     "load_tokenizer",
     "register_cli",
     "sft_records",
+    "trajectory_records",
     "transition_records",
 ]
 
 FORMATS = ("transitions", "sft", "dpo")
+#: the two forms of ``--format transitions``: one record per LLM call, or per merged agent conversation
+FORMS = ("transitions", "trajectories")
 
 
 @dataclass
@@ -58,6 +68,8 @@ class ExportResult:
     rollouts: int = 0
     transitions: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
+    #: what merging did (``form="trajectories"`` only)
+    merge: MergeStats | None = None
 
     def skip(self, why: str, n: int = 1) -> None:
         self.skipped[why] = self.skipped.get(why, 0) + n
@@ -94,6 +106,39 @@ def transition_records(
         rec = t.model_dump(mode="json")
         rec["advantage"] = adv
         out.append(rec)
+    return out
+
+
+def trajectory_records(
+    transitions: Sequence[Transition],
+    cfg: LightningRL | None = None,
+    *,
+    min_reward: float | None = None,
+    result: ExportResult | None = None,
+) -> list[dict[str, Any]]:
+    """The transitions merged per agent conversation (:func:`agl.trajectories.merge_transitions`, one
+    attempt at a time), as JSON objects with ``advantages``: one per segment, computed over all given
+    transitions as :func:`transition_records` does. A segment's ``transition`` is the call's
+    ``Transition.index`` in its attempt. Without ``advantages`` a record validates as a
+    :class:`~agl.trajectories.Trajectory`."""
+    advantages, _ = compute_advantages(transitions, cfg)
+    adv_of = {id(t): a for t, a in zip(transitions, advantages, strict=True)}
+    stats = MergeStats()
+    out = []
+    for ts in _by_rollout(transitions).values():
+        trajs, _ = merge_transitions(ts, stats)
+        if min_reward is not None and ts[0].final_reward < min_reward:
+            if result is not None:
+                result.skip("below_min_reward", len(trajs))
+            continue
+        for tr in trajs:
+            rec = tr.model_dump(mode="json")
+            for seg in rec["segments"]:
+                seg["transition"] = ts[seg["transition"]].index
+            rec["advantages"] = [adv_of[id(ts[seg.transition])] for seg in tr.segments]
+            out.append(rec)
+    if result is not None:
+        result.merge = stats
     return out
 
 
@@ -314,10 +359,11 @@ def export(
     min_reward: float | None = None,
     algorithm: LightningRL | None = None,
     progress: bool = False,
+    form: str = "transitions",
 ) -> ExportResult:
-    """Export the finished rollouts of ``store`` (or the given ones) as JSONL in ``fmt``."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+    """Export the finished rollouts of ``store`` (or the given ones) as JSONL in ``fmt``; ``form``
+    (``transitions`` or ``trajectories``) picks per-call or merged records for ``fmt="transitions"``."""
+    check_format(fmt, form)
     adapter = adapter or Adapter(algorithm=algorithm)
     if rollout_ids is None:
         rollouts = store.query_rollouts(status=["succeeded", "failed"], mode=mode)
@@ -326,7 +372,9 @@ def export(
         ids = list(rollout_ids)
     transitions = adapter.from_store(store, ids, progress=progress)
     result = ExportResult(rollouts=len(ids), transitions=len(transitions))
-    if fmt == "transitions":
+    if fmt == "transitions" and form == "trajectories":
+        records = trajectory_records(transitions, algorithm, min_reward=min_reward, result=result)
+    elif fmt == "transitions":
         records = transition_records(transitions, algorithm, min_reward=min_reward, result=result)
     elif fmt == "sft":
         records = sft_records(
@@ -339,6 +387,18 @@ def export(
     _write_jsonl(records, out)
     result.records = len(records)
     return result
+
+
+def check_format(fmt: str, form: str) -> None:
+    """One clear error for a format or form that does not exist or a form the format has not."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if form not in FORMS:
+        raise ValueError(f"unknown export form {form!r}; use one of {', '.join(FORMS)}")
+    if form == "trajectories" and fmt != "transitions":
+        raise ValueError(
+            f"--form trajectories applies to --format transitions only ({fmt} records are one per LLM call)"
+        )
 
 
 # ------------------------------------------------------------------------------------ tokenizer
@@ -396,6 +456,13 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         parser.set_defaults(func=_cmd_transitions)
     else:
         parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
+        parser.add_argument(
+            "--form",
+            choices=FORMS,
+            default="transitions",
+            help="for --format transitions: one record per LLM call (default) or per merged agent "
+            "conversation (trajectories: what the update trains on)",
+        )
         parser.add_argument("--out", required=True, help="output JSONL file ('-' for stdout)")
         parser.add_argument("--min-reward", type=float, help="keep rollouts whose final reward is >= this")
         parser.add_argument(
@@ -430,6 +497,7 @@ def _open(args: argparse.Namespace) -> Any:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    check_format(args.fmt, args.form)  # before the store is opened or anything written
     adapter = _adapter_from_args(args)
     store = _open(args)
     try:
@@ -444,15 +512,25 @@ def _cmd_export(args: argparse.Namespace) -> int:
             min_reward=args.min_reward,
             algorithm=adapter.algorithm,
             progress=sys.stderr.isatty(),
+            form=args.form,
         )
     finally:
         store.close()
     skipped = ", ".join(f"{k}={v}" for k, v in sorted(result.skipped.items())) or "none"
+    what = "trajectories" if args.form == "trajectories" else args.fmt
     print(
-        f"wrote {result.records} {args.fmt} record(s) to {args.out} from {result.rollouts} rollout(s), "
+        f"wrote {result.records} {what} record(s) to {args.out} from {result.rollouts} rollout(s), "
         f"{result.transitions} transition(s); skipped: {skipped}",
         file=sys.stderr,
     )
+    if result.merge is not None:
+        m = result.merge
+        breaks = ", ".join(f"{c}={n}" for c, n in sorted(m.breaks.items())) or "none"
+        print(
+            f"merged {m.calls} call(s) into {m.sequences} sequence(s): merge rate {m.merge_rate:.2f}, "
+            f"{m.tokens_saved} token(s) saved; prefix breaks: {breaks}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -524,11 +602,24 @@ def print_transitions(
             "--tokenizer default (or a local tokenizer directory) to re-tokenise them",
             file=file,
         )
-    tok = adapter.tokenizer
-    for t in ts:
+    seq_of: dict[int, tuple[int, str | None]] = {}
+    if ts:
+        trajs, _ = merge_transitions(ts)
+        seq_of = {seg.transition: (k, seg.break_cause) for k, tr in enumerate(trajs) for seg in tr.segments}
+        breaks = ", ".join(f"{c}={n}" for c, n in sorted(st.prefix_breaks.items())) or "none"
         print(
-            f"#{t.index:<3} agent={t.agent}  exact={'yes' if t.exact else 'no'}  "
-            f"prompt={len(t.prompt_ids)} tok  response={len(t.response_ids)} tok  "
+            f"  merged: {st.transitions} call(s) -> {st.sequences} sequence(s), merge rate "
+            f"{st.merge_rate:.2f}, {st.tokens_saved} token(s) saved "
+            f"({st.tokens_per_call} per call -> {st.tokens_merged}); prefix breaks: {breaks}",
+            file=file,
+        )
+    tok = adapter.tokenizer
+    for pos, t in enumerate(ts):
+        seq, cause = seq_of.get(pos, (None, None))
+        print(
+            f"#{t.index:<3} agent={t.agent}  exact={'yes' if t.exact else 'no'}  seq={seq}"
+            + (f" (break: {cause})" if cause else "")
+            + f"  prompt={len(t.prompt_ids)} tok  response={len(t.response_ids)} tok  "
             f"intermediate={t.intermediate_reward:+.3f}  final={t.final_reward:+.3f}  return={t.reward:+.3f}  "
             f"span={t.span_id}",
             file=file,

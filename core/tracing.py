@@ -2,13 +2,14 @@
 
 agl rides on the application's OpenTelemetry setup instead of replacing it: ``setup_tracing`` uses
 the global SDK ``TracerProvider`` when the application has one (and only creates and sets one when it
-does not), then *adds* two span processors, once per provider:
+does not), then *adds* one span processor, once per provider, which does two jobs:
 
 - ``RolloutSpanProcessor`` stamps ``agl.rollout.id`` / ``agl.attempt`` on every span at start, from
   the current ``rollout_context`` (a contextvar) or from OTel baggage (a remote caller's context);
-- ``StoreSpanProcessor`` hands finished spans of a rollout to a worker thread that writes them to the
-  Store in batches: off the agent's hot path, bounded in memory; spans that do not fit are dropped,
-  counted (``stats()``) and logged once. ``flush()`` waits until every ended span is stored.
+- with a store, its ``StoreSpanProcessor`` hands finished spans of a rollout to a worker thread that
+  writes them to the Store in batches: off the agent's hot path, bounded in memory; spans that do not
+  fit are dropped, counted (``stats()``) and logged once. ``flush()`` waits until every ended span is
+  stored, and the provider's shutdown (at interpreter exit too) drains the queue.
 
 The user's own processors and exporters (Jaeger, Phoenix, Langfuse...) are never removed or replaced,
 so they keep receiving every span, agl's included.
@@ -17,6 +18,7 @@ so they keep receiving every span, agl's included.
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import math
 import os
@@ -33,10 +35,10 @@ from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agl import semconv
-from agl.types import _ID_RE, Span, SpanEvent, SpanStatus
+from agl.types import _ID_RE, Span, SpanEvent, SpanStatus, _construct
 
 if TYPE_CHECKING:
     from agl.store.base import Store
@@ -185,7 +187,12 @@ class MissingRolloutError(ValueError):
 
 
 def _attr_value(value: Any) -> Any:
-    """OTel attribute values as JSON-friendly ones: tuples become lists, NaN/inf become strings."""
+    """An OTel attribute value as one the store accepts (``agl.types.Span``'s attribute rule).
+
+    Tuples become lists, NaN/inf and integers beyond 64 bits become strings, and what newer OTel
+    SDKs also allow but the store does not — bytes, mappings, sequences holding them — becomes text
+    (bytes decoded as UTF-8, mappings as JSON), so a span is never refused for one attribute.
+    """
     kind = type(value)
     if kind is str or kind is bool:
         return value
@@ -193,18 +200,48 @@ def _attr_value(value: Any) -> Any:
         return value if -(2**63) <= value < 2**63 else str(value)  # the store keeps 64-bit ints
     if kind is float:
         return value if math.isfinite(value) else repr(value)
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
     if isinstance(value, (tuple, list)):
         items = list(value)
-        if any(type(v) is float and not math.isfinite(v) for v in items):
-            return [repr(v) for v in items]  # one type per list: all as strings
-        return items
-    return value
+        if all(_is_plain(v) for v in items):
+            return items
+        return [v if type(v) is str else _as_text(v) for v in items]  # one type per list: all text
+    return _as_text(value)
+
+
+def _is_plain(v: Any) -> bool:
+    kind = type(v)
+    if kind is str or kind is bool:
+        return True
+    if kind is int:
+        return -(2**63) <= v < 2**63
+    return kind is float and math.isfinite(v)
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
+    if type(value) is float:
+        return repr(value)
+    try:
+        return json.dumps(value, default=str, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def _attrs(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
     if not attributes:
         return {}
-    return {k: _attr_value(v) for k, v in attributes.items() if v is not None}
+    # strings (most GenAI attributes) pass as they are; everything else through _attr_value
+    return {k: v if type(v) is str else _attr_value(v) for k, v in attributes.items() if v is not None}
+
+
+def _raw_attributes(span: Any) -> Mapping[str, Any] | None:
+    """A finished SDK span's attributes without the per-access read-only proxy and its lock-guarded
+    iteration: the plain dict inside the SDK's ``BoundedAttributes``, else the public property."""
+    inner = getattr(getattr(span, "_attributes", None), "_dict", None)
+    return inner if type(inner) is dict else span.attributes
 
 
 def _rollout_of(attributes: Mapping[str, Any]) -> tuple[str, int] | None:
@@ -219,7 +256,9 @@ def _rollout_of(attributes: Mapping[str, Any]) -> tuple[str, int] | None:
 
 
 _UNSET = SpanStatus()
-_KINDS = frozenset({"INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER"})
+# keyed by id(): the enum members are singletons, and Enum.__hash__ runs in Python
+_KINDS = {id(k): k.name for k in SpanKind}
+_CODES = {id(c): c.name for c in StatusCode}
 _MAX_NS = 2**63 - 1
 
 
@@ -230,13 +269,14 @@ def span_from_otel(span: ReadableSpan, *, rollout_id: str | None = None, attempt
     given; a span with neither raises ``MissingRolloutError`` (a ``ValueError``). Status (ERROR with
     its description), events (exceptions included) and the resource are kept; ids are lowercase hex.
 
-    The span is built without pydantic's per-field validation: every value is either formatted here
-    (hex ids from the SDK's integers, kind and status from its enums) or an attribute the OTel SDK
-    already restricted to str/bool/int/float and homogeneous sequences of them (non-finite floats
-    become strings). What is left to check — the rollout id, the attempt, the name, the times — is
-    checked here; a store server still validates every span it receives over HTTP.
+    The span is built without pydantic's per-field validation (this runs for every span agl
+    exports): every value is either formatted here (hex ids from the SDK's integers, kind and status
+    from its enums) or an attribute the OTel SDK already restricted to str/bool/int/float and
+    homogeneous sequences of them (non-finite floats become strings, out-of-range ints strings). What
+    is left to check — the rollout id, the attempt, the name, the times — is checked here; a store
+    server still validates every span it receives over HTTP.
     """
-    attributes = _attrs(span.attributes)
+    attributes = _attrs(_raw_attributes(span))
     if rollout_id is None or attempt is None:
         found = _rollout_of(attributes)
         if found is None:
@@ -253,45 +293,55 @@ def span_from_otel(span: ReadableSpan, *, rollout_id: str | None = None, attempt
     if not 1 <= attempt <= 2**31:
         raise ValueError(f"span {span.name!r}: invalid attempt {attempt!r}")
     name = span.name
-    if not isinstance(name, str) or not 1 <= len(name) <= 1024:
+    if type(name) is not str or not 1 <= len(name) <= 1024:
         raise ValueError(f"invalid span name {name!r}: 1-1024 characters")
-    if not ctx.trace_id or not ctx.span_id:
+    trace_id, span_id = ctx.trace_id, ctx.span_id
+    if not trace_id or not span_id:
         raise ValueError(f"span {name!r} has an invalid (all-zero) trace or span id")
     parent = span.parent
     start = span.start_time or 0
     end = span.end_time if span.end_time is not None else start
     if not 0 <= start <= end <= _MAX_NS:
         raise ValueError(f"span {name!r}: invalid times start={start} end={end}")
-    kind = span.kind.name
-    if kind not in _KINDS:  # pragma: no cover - OTel's enum has exactly these
-        raise ValueError(f"span {name!r}: unknown kind {kind!r}")
+    kind = _KINDS.get(id(span.kind))
+    if kind is None:  # pragma: no cover - OTel's enum has exactly these
+        raise ValueError(f"span {name!r}: unknown kind {span.kind!r}")
     status = span.status
-    code = status.status_code.name
+    code = _CODES[id(status.status_code)]
     st = (
         _UNSET
         if code == "UNSET" and not status.description
-        else SpanStatus.model_construct(code=code, message=status.description or None)
+        else _construct(SpanStatus, {"code": code, "message": status.description or None})
     )
-    events = tuple(
-        SpanEvent.model_construct(name=e.name, time_ns=e.timestamp or 0, attributes=_attrs(e.attributes))
-        for e in span.events
-    )
-    return Span.model_construct(
-        trace_id=format(ctx.trace_id, "032x"),
-        span_id=format(ctx.span_id, "016x"),
-        parent_id=format(parent.span_id, "016x") if parent is not None and parent.span_id else None,
-        name=name,
-        kind=kind,
-        start_ns=start,
-        end_ns=end,
-        status=st,
-        attributes=attributes,
-        events=events,
-        resource=_resource(span.resource),
-        rollout_id=rollout_id,
-        attempt=attempt,
-        seq=None,
-        stale=False,
+    raw_events = getattr(span, "_events", None)  # the SDK's list: the property copies it under a lock
+    events = span.events if raw_events is None or len(raw_events) else ()
+    return _construct(
+        Span,
+        {
+            "trace_id": f"{trace_id:032x}",
+            "span_id": f"{span_id:016x}",
+            "parent_id": f"{parent.span_id:016x}" if parent is not None and parent.span_id else None,
+            "name": name,
+            "kind": kind,
+            "start_ns": start,
+            "end_ns": end,
+            "status": st,
+            "attributes": attributes,
+            "events": tuple(
+                _construct(
+                    SpanEvent,
+                    {"name": e.name, "time_ns": e.timestamp or 0, "attributes": _attrs(e.attributes)},
+                )
+                for e in events
+            )
+            if events
+            else (),
+            "resource": _resource(span.resource),
+            "rollout_id": rollout_id,
+            "attempt": attempt,
+            "seq": None,
+            "stale": False,
+        },
     )
 
 
@@ -424,32 +474,47 @@ class StoreSpanExporter(SpanExporter):
 
 
 class RolloutSpanProcessor(SpanProcessor):
-    """Stamps ``agl.rollout.id``/``agl.attempt`` on every span when it starts.
+    """Stamps ``agl.rollout.id``/``agl.attempt`` on every span when it starts; with ``export`` set,
+    also hands every finished span to that ``StoreSpanProcessor``.
 
     The rollout comes from the parent context's baggage when one is given explicitly (a span started
     from an extracted remote context), else from the current ``rollout_context``, else from the
     current baggage. Spans that already carry a rollout keep it.
+
+    ``setup_tracing`` registers this one processor per provider and attaches the store export to it,
+    rather than adding a second processor: the SDK calls every processor's ``on_start`` and
+    ``on_end`` for every span, and one processor doing both is the cheaper hot path.
     """
 
+    def __init__(self, export: StoreSpanProcessor | None = None) -> None:
+        self.export = export
+
     def on_start(self, span: Any, parent_context: otel_context.Context | None = None) -> None:
+        attributes = getattr(span, "_attributes", None)  # the SDK span's own mapping: no proxy per span
+        if attributes is None:
+            attributes = span.attributes
+        if attributes is not None and _ROLLOUT_KEY in attributes:
+            return  # instrumentation that knows the rollout set it already (the openai wrapper does)
         found = _rollout_from_baggage(parent_context) if parent_context is not None else None
         if found is None:
             found = _ROLLOUT.get() or _rollout_from_baggage(None)
         if found is None:
             return
-        attributes = span.attributes
-        if attributes is not None and _ROLLOUT_KEY in attributes:
-            return
         span.set_attributes({_ROLLOUT_KEY: found[0], _ATTEMPT_KEY: found[1]})
 
     def on_end(self, span: ReadableSpan) -> None:
-        pass
+        export = self.export
+        if export is not None:
+            export.on_end(span)
 
     def shutdown(self) -> None:
-        pass
+        export = self.export
+        if export is not None:
+            export.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
+        export = self.export
+        return export.force_flush(timeout_millis) if export is not None else True
 
 
 class StoreSpanProcessor(SpanProcessor):
@@ -504,7 +569,7 @@ class StoreSpanProcessor(SpanProcessor):
         pass
 
     def on_end(self, span: ReadableSpan) -> None:
-        attributes = span.attributes
+        attributes = _raw_attributes(span)
         if not attributes or _ROLLOUT_KEY not in attributes:
             self.skipped += 1
             return
@@ -659,7 +724,7 @@ def setup_tracing(
                     max_batch_size=max_batch_size,
                     schedule_delay_s=schedule_delay_s,
                 )
-                provider.add_span_processor(pipeline.export)
+                pipeline.rollout.export = pipeline.export  # one processor per span, not two
             else:
                 pipeline.export.set_store(store)
         _provider = provider
@@ -726,6 +791,7 @@ def reset_tracing() -> None:
     with _lock:
         for pipeline in list(_pipelines.values()):
             if pipeline.export is not None:
+                pipeline.rollout.export = None
                 pipeline.export.shutdown()
                 pipeline.export = None
         _provider = None

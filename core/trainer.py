@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from agl.config import RunConfig
+from agl.trajectories import BREAK_CAUSES
 from agl.types import LLM, NewRollout, Rollout, RolloutConfig, Task, Transition
 
 __all__ = ["Trainer", "load_tokenizer"]
@@ -94,13 +95,21 @@ class _ServedGateway:
     """The gateway app under uvicorn in a daemon thread with its own event loop, so the trainer can
     run backend coroutines (weight swaps) on the loop that serves requests."""
 
-    def __init__(self, backend: Any, store: Any, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        backend: Any,
+        store: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+    ) -> None:
         import uvicorn
 
         from agl.gateway.app import create_app
 
         self.backend = backend
-        self.app = create_app(backend, store)
+        self.app = create_app(backend, store, api_key=api_key)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -179,7 +188,9 @@ class Trainer:
     (default: SQLite in ``run_dir``). ``runners``: in-process concurrency (0: rollouts are run by
     ``agl runner`` processes against ``store``). The in-process gateway binds ``gateway_bind``
     (``"127.0.0.1:0"``: a free local port; ``"0.0.0.0:8765"`` for runners on other hosts, published as
-    ``gateway_advertise`` or this host's name). With ``gateway_url`` the trainer uses a gateway started
+    ``gateway_advertise`` or this host's name; a non-loopback bind needs ``gateway_api_key`` or
+    ``AGL_GATEWAY_API_KEY``, which the published ``LLM`` resource carries to the agents). With
+    ``gateway_url`` the trainer uses a gateway started
     elsewhere (``agl gateway serve``) and sends it new weights through its ``/agl/v1`` endpoints (the
     saved files must be readable there).
     """
@@ -211,6 +222,7 @@ class Trainer:
         gateway_url: str | None = None,
         gateway_bind: str = "127.0.0.1:0",
         gateway_advertise: str | None = None,
+        gateway_api_key: str | None = None,
         vllm_url: str | None = None,
         base_url: str | None = None,
         api_key: str | None = None,
@@ -278,6 +290,13 @@ class Trainer:
         if not host or not port.isdigit():
             raise ValueError(f"gateway_bind must be HOST:PORT (port 0 for a free one), got {gateway_bind!r}")
         self.gateway_bind = (host, int(port))
+        # The in-process gateway follows `agl gateway serve`'s rule: a public bind needs a key, which
+        # the published LLM resource then carries to the runners' agents.
+        from agl.gateway.cli import API_KEY_ENV, check_public_bind
+
+        self.gateway_api_key = gateway_api_key or os.environ.get(API_KEY_ENV) or None
+        if gateway_url is None:
+            check_public_bind(host, self.gateway_api_key)
         self.gateway_advertise = gateway_advertise
         self.vllm_url = vllm_url
         self.base_url = base_url
@@ -384,7 +403,9 @@ class Trainer:
         if self.gateway_url is None or base_url is not None:
             backend = self._make_backend(source, for_training=training, base_url=base_url)
             host, port = self.gateway_bind
-            self._gateway = _ServedGateway(backend, self.store, host=host, port=port)
+            self._gateway = _ServedGateway(
+                backend, self.store, host=host, port=port, api_key=self.gateway_api_key
+            )
             gw_url = self._gateway.url
             if self.gateway_advertise:
                 gw_url = self.gateway_advertise.rstrip("/")
@@ -471,8 +492,12 @@ class Trainer:
             path, route = policy.save_adapter(target), "/agl/v1/adapters"
         else:
             path, route = policy.save_weights(target), "/agl/v1/weights"
+        headers = {"Authorization": f"Bearer {self.gateway_api_key}"} if self.gateway_api_key else {}
         resp = httpx.post(
-            root + route, json={"path": str(Path(path).resolve()), "version": version}, timeout=600
+            root + route,
+            json={"path": str(Path(path).resolve()), "version": version},
+            headers=headers,
+            timeout=600,
         )
         if resp.status_code >= 400:
             raise RuntimeError(f"the gateway refused the new weights: {resp.text[:300]}")
@@ -480,7 +505,10 @@ class Trainer:
     # ------------------------------------------------------------------------------ rollouts
     def _publish(self) -> int:
         llm = LLM(
-            base_url=self._gateway_v1, model=self._served_model_name or "model", sampling=self.config.sampling
+            base_url=self._gateway_v1,
+            model=self._served_model_name or "model",
+            sampling=self.config.sampling,
+            api_key=self.gateway_api_key,
         )
         return self.store.add_resources({"main": llm}).version
 
@@ -676,11 +704,13 @@ class Trainer:
             "trained_transitions": update["transitions"],
             "behaviour_ratio_dev": update.get("behaviour_ratio_dev"),
             # multi-turn merging (agl.trajectories): sequences trained, tokens encoded, share of
-            # calls that extended a sequence, tokens saved
+            # calls that extended a sequence, tokens saved, and the calls that could not extend their
+            # agent's sequence by cause (retokenised, edited, rerendered, truncated, diverged)
             "sequences": update.get("sequences"),
             "update_tokens": update.get("tokens"),
             "merge_rate": update.get("merge_rate"),
             "tokens_saved": update.get("tokens_saved"),
+            **{f"breaks_{cause}": update.get(f"breaks_{cause}") for cause in BREAK_CAUSES},
         }
 
     def _resume(self, order: _TaskOrder) -> int:

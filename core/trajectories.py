@@ -29,13 +29,14 @@ __all__ = [
     "MergeStats",
     "Segment",
     "Trajectory",
+    "merge_stats",
     "merge_transitions",
     "per_call_trajectories",
     "token_advantages",
 ]
 
-#: why a call did not extend an open sequence of its agent
-BREAK_CAUSES = ("retokenised", "truncated", "diverged")
+#: why a call did not extend an open sequence of its agent (see :func:`_break_cause`)
+BREAK_CAUSES = ("retokenised", "edited", "rerendered", "truncated", "diverged")
 
 
 class Segment(_Model):
@@ -48,6 +49,9 @@ class Segment(_Model):
     reward: float = 0.0
     intermediate_reward: float = 0.0
     final_reward: float = 0.0
+    #: why this call started a new sequence although its agent had one open (one of
+    #: :data:`BREAK_CAUSES`); None when it extended a sequence or was its agent's first call
+    break_cause: str | None = None
 
 
 class Trajectory(_Model):
@@ -127,6 +131,7 @@ class _Open:
     segments: list[Segment]
     exact: bool
     first: Transition
+    last: Transition
 
     def full_len(self) -> int:
         return len(self.prompt) + len(self.completion)
@@ -141,7 +146,7 @@ class _Open:
         )
 
 
-def _segment(t: Transition, index: int, start: int) -> Segment:
+def _segment(t: Transition, index: int, start: int, cause: str | None = None) -> Segment:
     return Segment(
         transition=index,
         start=start,
@@ -150,19 +155,21 @@ def _segment(t: Transition, index: int, start: int) -> Segment:
         reward=t.reward,
         intermediate_reward=t.intermediate_reward,
         final_reward=t.final_reward,
+        break_cause=cause,
     )
 
 
-def _start(t: Transition, index: int) -> _Open:
+def _start(t: Transition, index: int, cause: str | None = None) -> _Open:
     lps = list(t.response_logprobs) if t.response_logprobs is not None else None
     return _Open(
         prompt=list(t.prompt_ids),
         completion=list(t.response_ids),
         mask=[1] * len(t.response_ids),
         logprobs=lps,
-        segments=[_segment(t, index, 0)],
+        segments=[_segment(t, index, 0, cause)],
         exact=t.exact,
         first=t,
+        last=t,
     )
 
 
@@ -180,14 +187,71 @@ def _extend(seq: _Open, t: Transition, index: int) -> None:
         seq.logprobs = None
     seq.segments.append(_segment(t, index, start))
     seq.exact = seq.exact and t.exact
+    seq.last = t
+
+
+def _message_key(m: dict[str, Any]) -> tuple[Any, ...]:
+    """What identifies a chat message when a framework re-sends it: role, text, tool calls (name and
+    arguments; ids and empty fields vary between clients)."""
+    content = m.get("content")
+    if isinstance(content, list):
+        content = "".join(str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content)
+    calls = m.get("tool_calls")
+    calls_key = tuple(
+        (str(fn.get("name")), str(fn.get("arguments")))
+        for tc in (calls if isinstance(calls, list) else [])
+        if isinstance(tc, dict)
+        for fn in [tc.get("function") if isinstance(tc.get("function"), dict) else tc]
+    )
+    return (m.get("role"), content or "", calls_key)
+
+
+def _opening(messages: Sequence[dict[str, Any]]) -> tuple[tuple[Any, ...], ...]:
+    """A conversation's opening: its messages up to and including the first user message."""
+    out = []
+    for m in messages:
+        out.append(_message_key(m))
+        if m.get("role") == "user":
+            break
+    return tuple(out)
 
 
 def _break_cause(open_seqs: list[_Open], t: Transition) -> str:
-    """``retokenised``: ids not recorded by the engine; ``truncated``: the call starts like a
-    conversation of the agent but no longer carries its whole history (cut or summarised);
-    ``diverged``: anything else (another system prompt or template, an independent conversation)."""
+    """Why ``t`` extends none of its agent's open sequences, as far as the recorded calls show:
+
+    - ``retokenised``: its ids (or a sequence's) were re-tokenised from messages, not the engine's;
+    - ``edited``: its messages re-send a sequence's last call unchanged followed by the assistant's
+      reply and more, but the reply's text is not what the model produced (the framework appended an
+      observation, stripped whitespace or reasoning);
+    - ``rerendered``: as ``edited`` but the reply re-sent as produced, and still the ids differ: the
+      chat template renders the earlier turns differently from how they were sampled (a template
+      that drops reasoning or reformats tool calls, a changed template);
+    - ``truncated``: it opens like a sequence's conversation (same system prompt and first user
+      message; without messages, the same first prompt ids) and goes on, but no longer carries its
+      whole history (cut or summarised);
+    - ``diverged``: anything else, a new conversation (a fresh prompt, another system prompt, the
+      same prompt asked again)."""
     if not t.exact or any(not s.exact for s in open_seqs):
         return "retokenised"
+    if t.messages:
+        keys = [_message_key(m) for m in t.messages]
+        for s in open_seqs:
+            prev = [_message_key(m) for m in s.last.messages]
+            if (
+                prev
+                and len(keys) > len(prev)
+                and keys[: len(prev)] == prev
+                and keys[len(prev)][0] == "assistant"
+            ):
+                _, text, calls = keys[len(prev)]
+                sampled = s.last.response_text
+                return "edited" if not calls and sampled is not None and text != sampled else "rerendered"
+        opening = _opening(t.messages)
+        if len(opening) < len(keys) and any(
+            s.first.messages and _opening(s.first.messages) == opening for s in open_seqs
+        ):
+            return "truncated"
+        return "diverged"
     if any(tuple(t.prompt_ids[: len(s.prompt)]) == tuple(s.prompt) for s in open_seqs):
         return "truncated"
     return "diverged"
@@ -209,15 +273,10 @@ def _finish(seq: _Open) -> Trajectory:
     )
 
 
-def merge_transitions(
-    transitions: Sequence[Transition], stats: MergeStats | None = None
-) -> tuple[list[Trajectory], MergeStats]:
-    """Merge each (rollout, attempt, agent)'s calls, in call order, into as few sequences as exact
-    prefix extension allows. A call extends the open sequence of its agent whose ids it continues
-    (the longest, when an agent runs several conversations); otherwise it starts a new sequence.
-    Every transition lands in exactly one segment. Returns the trajectories (in order of their first
-    call) and the statistics."""
-    stats = stats if stats is not None else MergeStats()
+def _group(transitions: Sequence[Transition], stats: MergeStats) -> list[_Open]:
+    """The merge itself (shared by :func:`merge_transitions` and :func:`merge_stats`): each call, in
+    call order, extends the longest open sequence of its (rollout, attempt, agent) whose ids it
+    continues, else starts a new one (a break, counted by cause, when the agent had one open)."""
     order = sorted(range(len(transitions)), key=lambda i: (transitions[i].index, i))
     open_by_key: dict[tuple[str, int, str | None], list[_Open]] = {}
     all_seqs: list[_Open] = []
@@ -232,16 +291,36 @@ def merge_transitions(
             _extend(target, t, i)
             stats.merged_calls += 1
             continue
+        cause = None
         if seqs:
             cause = _break_cause(seqs, t)
             stats.breaks[cause] = stats.breaks.get(cause, 0) + 1
-        seq = _start(t, i)
+        seq = _start(t, i, cause)
         seqs.append(seq)
         all_seqs.append(seq)
-    out = [_finish(s) for s in all_seqs]
-    stats.sequences += len(out)
-    stats.tokens_merged += sum(tr.tokens for tr in out)
-    return out, stats
+    stats.sequences += len(all_seqs)
+    stats.tokens_merged += sum(s.full_len() for s in all_seqs)
+    return all_seqs
+
+
+def merge_transitions(
+    transitions: Sequence[Transition], stats: MergeStats | None = None
+) -> tuple[list[Trajectory], MergeStats]:
+    """Merge each (rollout, attempt, agent)'s calls, in call order, into as few sequences as exact
+    prefix extension allows. A call extends the open sequence of its agent whose ids it continues
+    (the longest, when an agent runs several conversations); otherwise it starts a new sequence.
+    Every transition lands in exactly one segment. Returns the trajectories (in order of their first
+    call) and the statistics."""
+    stats = stats if stats is not None else MergeStats()
+    return [_finish(s) for s in _group(transitions, stats)], stats
+
+
+def merge_stats(transitions: Sequence[Transition], stats: MergeStats | None = None) -> MergeStats:
+    """What :func:`merge_transitions` would do (merge rate, tokens saved, breaks by cause), without
+    building the trajectories: cheap enough for the adapter to count on every attempt."""
+    stats = stats if stats is not None else MergeStats()
+    _group(transitions, stats)
+    return stats
 
 
 def per_call_trajectories(

@@ -10,7 +10,10 @@ knows which candidate should win.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +24,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 import agl  # noqa: E402
+import agl.store  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl import tracing  # noqa: E402
 from agl.algorithms.apo import (  # noqa: E402
@@ -79,6 +83,13 @@ def writer(task: dict[str, Any], resources: agl.Resources) -> float:
         max_tokens=16,
     )
     return 1.0 if (out.choices[0].message.content or "").strip() == task["a"] else 0.0
+
+
+@agl.rollout
+def two_prompts(task: dict[str, Any], resources: agl.Resources) -> float:
+    """A second agent's prompt beside the writer's (read, not used: only the writer's moves the reward)."""
+    agl.prompt("checker", default="You check answers.")
+    return writer.fn(task, resources)
 
 
 class Optimiser:
@@ -311,11 +322,6 @@ def test_optimiser_failures_cost_a_child_not_the_round(tmp_path: Path) -> None:
 def test_selected_agents_only(tmp_path: Path) -> None:
     """Two prompts; agents=["writer"] rewrites only the writer's."""
 
-    @agl.rollout
-    def two_prompts(task: dict[str, Any], resources: agl.Resources) -> float:
-        agl.prompt("checker", default="You check answers.")
-        return writer.fn(task, resources)
-
     opt = Optimiser(["LEVEL 2", "LEVEL 3"])
     apo = APO(
         rounds=1,
@@ -357,7 +363,7 @@ def test_cli_runs_apo_against_openai_compatible_endpoints(
                 "--test", str(test), "--base-url", agent_url, "--model", "scripted",
                 "--optimizer-base-url", opt_url, "--optimizer-model", "opt", "--rounds", "1",
                 "--beam-width", "1", "--branch-factor", "1", "--rollouts-per-candidate", "2",
-                "--run-dir", str(tmp_path / "run"), "--no-progress",
+                "--run-dir", str(tmp_path / "run"), "--no-progress", "--no-instrument",
             ]
         )  # fmt: skip
     assert rc == 0
@@ -372,6 +378,133 @@ def test_cli_runs_apo_against_openai_compatible_endpoints(
         == 2
     )
     assert "bad.jsonl:1 is not JSON" in capsys.readouterr().err
+    args = ["apo", "--agent", "test_apo:writer", "--train", str(train), "--val", str(val)]
+    assert main([*args, "--prompt", "writer=" + str(tmp_path / "missing.txt")]) == 2
+    assert "--prompt writer: no such file" in capsys.readouterr().err
+    assert main([*args, "--beam-width", "0"]) == 2
+    assert "beam_width must be an integer >= 1" in capsys.readouterr().err
+
+
+def _agl(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """``agl ARGS`` in a fresh interpreter, the way a user runs it (tests/ on the path for the agent)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from agl.cli import main; raise SystemExit(main())", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_agl_apo_command_end_to_end_then_agl_plot(tmp_path: Path) -> None:
+    """The whole loop through the ``agl apo`` command in its own process: the agent's model and a
+    "hosted" optimiser are scripted gateways here, reached over HTTP like any OpenAI-compatible
+    endpoint; then ``agl plot`` draws the run."""
+    train, val, test = tmp_path / "train.jsonl", tmp_path / "val.jsonl", tmp_path / "test.jsonl"
+    for path, tasks in ((train, _tasks(8)), (val, _tasks(4, 100)), (test, _tasks(4, 200))):
+        path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    (tmp_path / "writer.txt").write_text(BASE + "\n")
+    run = tmp_path / "run"
+    opt = Optimiser(["Answer carefully. LEVEL 2", "Think step by step, then answer."])
+    with (
+        serve_gateway(ScriptedBackend(agent_model, accept_any_model=True)) as agent_url,
+        serve_gateway(ScriptedBackend(opt, accept_any_model=True)) as opt_url,
+    ):
+        proc = _agl(
+            "apo", "--agent", "test_apo:two_prompts", "--train", str(train), "--val", str(val),
+            "--test", str(test), "--prompt", f"writer={tmp_path / 'writer.txt'}",
+            "--prompt", f"checker={tmp_path / 'writer.txt'}", "--agents", "writer",
+            "--base-url", agent_url, "--model", "scripted",
+            "--optimizer-base-url", opt_url, "--optimizer-model", "hosted-optimiser",
+            "--rounds", "1", "--beam-width", "1", "--branch-factor", "2", "--rollouts-per-candidate", "4",
+            "--run-dir", str(run),
+        )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["best_prompts"] == {"writer": "Think step by step, then answer.", "checker": BASE}
+    assert (out["val_reward_before"], out["val_reward_after"]) == (0.0, 1.0)
+    assert (out["test_reward_before"], out["test_reward_after"]) == (0.0, 1.0)
+    assert "agl apo" in proc.stderr and "round" in proc.stderr  # the progress bar
+
+    # the optimiser was reached through APO's own gateway: each call a recorded rollout with its chat span
+    assert [m[0]["content"] for m in opt.requests] == [CRITIQUE_SYSTEM, REWRITE_SYSTEM] * 2
+    opt_store = agl.store.open(f"sqlite:///{run / 'optimizer.db'}")
+    calls = sorted(opt_store.query_rollouts(), key=lambda r: r.created_at)
+    assert [r.metadata["apo"]["optimizer"] for r in calls] == ["critique", "rewrite"] * 2
+    assert all(r.metadata["apo"]["prompt"] == "writer" for r in calls)
+    for r in calls:
+        (chat,) = opt_store.query_spans(rollout_id=r.id, name=sc.SPAN_CHAT)
+        assert json.loads(chat.attributes[sc.GEN_AI_INPUT_MESSAGES])[0]["content"] in (
+            CRITIQUE_SYSTEM,
+            REWRITE_SYSTEM,
+        )
+        assert chat.attributes[sc.GEN_AI_REQUEST_MODEL] == "hosted-optimiser"
+    assert out["optimizer_calls"] == 4
+
+    # the agent's rollouts name the prompt versions they ran with, in metadata and in their prompt spans
+    store = agl.store.open(f"sqlite:///{run / 'store.db'}")
+    cands = {c["id"]: c for c in _lines(run / "candidates.jsonl")}
+    best = cands[out["best_candidate"]]
+    assert best["versions"] == out["best_versions"] and best["edited"] == "writer"
+    final = store.query_rollouts(mode="test")
+    assert len(final) == 8
+    for r in final:
+        versions = r.metadata["apo"]["prompt_versions"]
+        assert versions in (cands["c0"]["versions"], best["versions"])
+        spans = {
+            s.attributes[sc.AGL_PROMPT_NAME]: s
+            for s in store.query_spans(rollout_id=r.id, name=sc.SPAN_PROMPT)
+        }
+        assert {n: s.attributes[sc.AGL_PROMPT_VERSION] for n, s in spans.items()} == versions
+
+    # the run directory: metrics per round, best prompt per round, the summary; agl plot draws it
+    assert [m["round"] for m in _lines(run / "metrics.jsonl")] == [0, 1]
+    for rnd, prompt in ((0, BASE), (1, "Think step by step, then answer.")):
+        assert json.loads((run / "prompts" / f"round-{rnd}.json").read_text())["prompts"]["writer"] == prompt
+    assert json.loads((run / "best_prompts.json").read_text())["best_candidate"] == out["best_candidate"]
+    plot = _agl("plot", str(run), "--out", str(tmp_path / "apo.png"), timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    assert plot.stdout.strip() == str(tmp_path / "apo.png") and (tmp_path / "apo.png").stat().st_size > 10_000
+
+
+def test_default_optimiser_is_the_agents_model_and_every_prompt_takes_turns(tmp_path: Path) -> None:
+    """No optimiser given: the agent's own model critiques and rewrites (the SmolLM2 example's
+    set-up), through a gateway that records the calls in run_dir/optimizer.db; with no agents=
+    selection every prompt the agent reads is rewritten in turn."""
+    opt = Optimiser(["You check answers twice.", "LEVEL 2"])
+
+    def one_model(request: Any) -> Any:
+        system = (request.messages or [{}])[0].get("content")
+        return opt(request) if system in (CRITIQUE_SYSTEM, REWRITE_SYSTEM) else agent_model(request)
+
+    apo = APO(rounds=1, beam_width=1, branch_factor=2, rollouts_per_candidate=4)
+    trainer = agl.Trainer(
+        apo,
+        backend=ScriptedBackend(one_model, accept_any_model=True),
+        store=MemoryStore(),
+        runners=4,
+        run_dir=tmp_path / "run",
+        progress=False,
+    )
+    summary = trainer.fit(two_prompts, _tasks(8), _tasks(4, offset=100))
+    cands = _lines(tmp_path / "run" / "candidates.jsonl")
+    assert [(c["id"], c["edited"]) for c in cands] == [("c0", None), ("c1", "checker"), ("c2", "writer")]
+    assert [c["val_reward"] for c in cands] == [0.0, 0.0, 0.5]
+    assert summary["best_prompts"] == {"writer": "LEVEL 2", "checker": "You check answers."}
+    assert len(opt.requests) == 4 and summary["optimizer_calls"] == 4
+    opt_store = agl.store.open(f"sqlite:///{tmp_path / 'run' / 'optimizer.db'}")
+    calls = opt_store.query_rollouts()
+    assert sorted(r.metadata["apo"]["optimizer"] for r in calls) == [
+        "critique",
+        "critique",
+        "rewrite",
+        "rewrite",
+    ]
+    assert all(opt_store.query_spans(rollout_id=r.id, name=sc.SPAN_CHAT) for r in calls)
 
 
 def test_prompt_resolution_outside_and_inside_resources() -> None:
@@ -410,3 +543,8 @@ def test_apo_validates_its_settings() -> None:
         APO(prompts={"w": "broken {"})
     with pytest.raises(ValueError, match="validation tasks"):
         APO().optimize(writer, _tasks(2), None)
+    with pytest.raises(TypeError, match="unknown APO run settings"):
+        APO().optimize(writer, _tasks(2), _tasks(2), run_dri="typo")
+    with pytest.raises(ValueError, match="optimizer_base_url or optimizer_backend"):
+        APO(optimizer_base_url="http://x/v1", optimizer_backend=ScriptedBackend(["x"]))
+    assert APO(agents="writer").agents == ["writer"]

@@ -266,7 +266,7 @@ def test_transitions_command_prints_each_transition(db, capsys) -> None:
     assert main(["transitions", "ro-bad", "--store", db]) == 0
     text = capsys.readouterr().out
     assert "rollout ro-bad" in text and "status=succeeded" in text
-    assert "#0   agent=writer  exact=yes  prompt=3 tok  response=2 tok" in text
+    assert "#0   agent=writer  exact=yes  seq=0  prompt=3 tok  response=2 tok" in text
     assert "#1   agent=checker" in text and "intermediate=-0.100" in text and "return=-0.100" in text
     assert "response 41" in text and "[user] What is 6*7?" in text
     assert "tool_error" in text

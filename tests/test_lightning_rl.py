@@ -65,7 +65,7 @@ def test_fields_are_exactly_the_contract() -> None:
         "lora": True,
         "lora_r": 16,
         "lora_alpha": 32,
-        "micro_batch_tokens": 4096,
+        "micro_batch_tokens": None,
         "epochs_per_step": 1,
         "max_grad_norm": 1.0,
         "gradient_checkpointing": None,

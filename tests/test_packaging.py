@@ -44,6 +44,13 @@ def test_wheel_maps_core_and_integrations(wheel: zipfile.ZipFile) -> None:
     for integration in ("openai", "langchain", "openai_agents", "autogen", "crewai"):
         assert f"agl/integrations/{integration}/__init__.py" in names
     assert not any(n.startswith(("core/", "integrations/", "tests/")) for n in names)
+    # every package in the tree is in the wheel: [tool.setuptools] packages is an explicit list
+    for src, dest in ((ROOT / "core", "agl"), (ROOT / "integrations", "agl/integrations")):
+        for init in src.rglob("__init__.py"):
+            rel = init.relative_to(src).as_posix()
+            if "__pycache__" not in rel:
+                assert f"{dest}/{rel}" in names, f"{init.parent} is missing from pyproject's packages"
+    assert "agl/algorithms/apo/loop.py" in names
 
 
 def test_wheel_metadata_has_extras_entry_points_and_script(wheel: zipfile.ZipFile) -> None:

@@ -379,6 +379,69 @@ def test_span_from_otel_checks_what_the_sdk_does_not(provider, user) -> None:
     assert Span.model_validate(ok.model_dump()) == ok  # one type per list, 64-bit ints: storable
 
 
+def test_span_from_otel_turns_what_the_store_refuses_into_text(provider, user) -> None:
+    """Newer OTel SDKs keep bytes and mappings as attribute values; the store takes only scalars and
+    lists of them, so the trusted (unvalidated) conversion must not let them through as they are."""
+    tracing.setup_tracing(tracer_provider=provider)
+    with rollout_context("ro-odd", 1, span=False):
+        span = _tracer().start_span(
+            "s", attributes={"raw": b"caf\xc3\xa9", "obj": {"a": 1, "b": [1, 2]}, "mixed": ("x", 2, True)}
+        )
+        span.set_attribute("items", ({"k": 1}, "v"))  # type: ignore[arg-type]
+        span.end()
+    (otel,) = user.get_finished_spans()
+    converted = span_from_otel(otel)
+    attrs = converted.attributes
+    assert attrs["raw"] == "café"
+    assert attrs["obj"] == '{"a":1,"b":[1,2]}'
+    assert attrs["mixed"] == ["x", 2, True]
+    assert attrs["items"] == ['{"k":1}', "v"]
+    assert Span.model_validate(converted.model_dump()) == converted
+
+
+_SHUTDOWN_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import agl
+    from agl import tracing
+    from agl.store.sqlite import SQLiteStore
+    from agl.types import NewRollout
+
+    store = SQLiteStore(sys.argv[1])
+    store.enqueue([NewRollout(id="ro-exit")])
+    store.claim("w")
+    # a long delay and large batches: nothing is written before the interpreter exits
+    tracing.setup_tracing(store, max_batch_size=100_000, schedule_delay_s=3600)
+    tracer = tracing.get_tracer("exit-test")
+    with agl.rollout_context("ro-exit", 1):
+        for i in range(int(sys.argv[2])):
+            tracer.start_span(f"s{i}").end()
+    assert tracing.stats()["exported"] == 0, tracing.stats()
+    print("EXITING", flush=True)
+    # no flush(), no reset_tracing(): the provider's shutdown at exit must drain the queue
+    """
+)
+
+
+def test_no_span_lost_at_clean_shutdown(tmp_path) -> None:
+    """Batched export keeps spans in memory; a process that exits normally still stores every one."""
+    from agl.store.sqlite import SQLiteStore
+
+    db = tmp_path / "exit.db"
+    n = 2500
+    result = subprocess.run(
+        [sys.executable, "-c", _SHUTDOWN_SCRIPT, str(db), str(n)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "EXITING" in result.stdout
+    store = SQLiteStore(db)
+    try:
+        names = {s.name for s in store.query_spans(rollout_id="ro-exit")}
+    finally:
+        store.close()
+    assert names == {f"s{i}" for i in range(n)} | {semconv.SPAN_ROLLOUT}
+
+
 def test_span_without_rollout_is_skipped_by_the_exporter(provider, user, store) -> None:
     tracing.setup_tracing(tracer_provider=provider)
     _tracer().start_span("lonely").end()

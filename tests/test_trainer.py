@@ -112,7 +112,7 @@ def two_agent_app(task: dict, resources: agl.Resources, *, dying: bool = False) 
     """A writer answers (trained); a checker reviews (not selected for training)."""
     llm = resources.llm
     assert llm is not None
-    client = openai.OpenAI(base_url=llm.base_url, api_key="x")
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key or "x")
     with _agent_span("writer"):
         answer = _ask(client, llm.model, "dying writer" if dying else "You are the writer.", task["q"])
     with _agent_span("checker"):
@@ -245,6 +245,13 @@ def test_fit_trains_the_selected_agent_and_skips_stale_spans(
             and r["train_reward"] == pytest.approx(0.5, abs=0.26)
         )
         assert {"loss", "kl", "clip_fraction", "tokens_per_s", "zero_variance_groups", "grad_norm"} <= set(r)
+        # merging diagnostics: the writer makes one call per rollout, so each is its own sequence,
+        # nothing merges, nothing is saved and no prefix broke
+        assert r["sequences"] <= r["transitions"] and r["update_tokens"] > 0
+        assert (r["merge_rate"], r["tokens_saved"]) == (0.0, 0.0)
+        assert all(
+            r[f"breaks_{c}"] == 0.0 for c in ("retokenised", "edited", "rerendered", "truncated", "diverged")
+        )
     versions = [r["resources_version"] for r in records]
     assert versions == sorted(set(versions))  # bumps every step
     for r in store.query_rollouts(status="succeeded"):
@@ -287,6 +294,42 @@ def test_resume_continues_from_the_checkpoint(tmp_path: Path) -> None:
     assert steps == [0, 1]  # the first run's step 0 from its metrics, then the resumed step 1
     ckpt = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
     assert ckpt["step"] == 2 and Path(ckpt["checkpoint"]).name == "checkpoint-2"
+
+
+def test_a_public_gateway_bind_needs_a_key_which_the_agents_receive(tmp_path: Path) -> None:
+    """`agl gateway serve`'s rule holds for the trainer's own gateway: no key, no public bind. With a
+    key, the gateway refuses callers without it and the published LLM resource carries it."""
+    with pytest.raises(ValueError, match="refusing to listen on '0.0.0.0' without an API key"):
+        Trainer(backend="scripted", script=Script(), gateway_bind="0.0.0.0:0", run_dir=tmp_path / "a")
+    store = MemoryStore()
+    trainer = Trainer(
+        backend="scripted",
+        script=Script(),
+        store=store,
+        runners=1,
+        run_dir=tmp_path / "b",
+        agents=["writer"],
+        progress=False,
+        gateway_api_key="sekret",
+    )
+    out = trainer.dev(two_agent_app, [{"q": "What is 6 * 7?"}], show=False)
+    assert len(out) == 1  # the agent used the published key; the gateway accepted it
+    llm = store.get_resources().llm
+    assert llm is not None and llm.api_key == "sekret"
+
+    def wrong_key_app(task: dict, resources: agl.Resources) -> float:
+        client = openai.OpenAI(base_url=resources.llm.base_url, api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            client.chat.completions.create(
+                model=resources.llm.model, messages=[{"role": "user", "content": "hi"}]
+            )
+        return 0.0
+
+    trainer.dev(wrong_key_app, [{"q": "x"}], show=False)
+    # both rollouts succeeded: the wrong key was refused with a 401 (else the agent raised)
+    assert [r.status for r in store.query_rollouts()] == ["succeeded", "succeeded"]
+    gw = Trainer(backend="scripted", script=Script(), run_dir=tmp_path / "c", gateway_api_key="k")
+    assert gw.gateway_api_key == "k"
 
 
 def test_dev_prints_transitions_and_rewards(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

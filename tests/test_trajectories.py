@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl.trajectories import merge_transitions, token_advantages
+from agl.trajectories import merge_stats, merge_transitions, token_advantages
 from agl.types import Transition
 
 
@@ -85,6 +85,45 @@ def test_retokenised_break_is_named() -> None:
     b = tr(1, [9, 9, 9, 9], [5])
     _, stats = merge_transitions([a, b])
     assert stats.breaks == {"retokenised": 1}
+
+
+def _with_messages(t: Transition, *messages: tuple[str, str]) -> Transition:
+    return t.model_copy(update={"messages": tuple({"role": r, "content": c} for r, c in messages)})
+
+
+def test_break_causes_from_the_messages() -> None:
+    """With the calls' messages the cause is named from them: the same conversation re-sent with
+    other ids is a template re-render; the same opening with history cut is truncation; another
+    system prompt or first question is a new conversation."""
+    sys_, q = ("system", "You write SQL."), ("user", "How many rows?")
+    first = _with_messages(tr(0, [1, 2, 3], [4, 5]), sys_, q)
+    # the history re-sent unchanged plus a tool result, but the ids do not continue [1, 2, 3, 4, 5]
+    rerendered = _with_messages(tr(1, [1, 2, 3, 4, 6, 7], [8]), sys_, q, ("assistant", "x"), ("tool", "3"))
+    truncated = _with_messages(tr(2, [1, 2, 3, 9], [8]), sys_, q, ("user", "summary so far"))
+    fresh = _with_messages(tr(3, [1, 2, 3, 10], [8]), sys_, ("user", "Another question"))
+    _, stats = merge_transitions([first, rerendered])
+    assert stats.breaks == {"rerendered": 1}
+    # with the sampled text known: the reply re-sent as sampled is a re-render, changed is an edit
+    said = first.model_copy(update={"response_text": "x"})
+    edited = _with_messages(rerendered, sys_, q, ("assistant", "x\nObservation: 3"), ("user", "go on"))
+    assert merge_transitions([said, rerendered])[1].breaks == {"rerendered": 1}
+    assert merge_transitions([said, edited])[1].breaks == {"edited": 1}
+    _, stats = merge_transitions([first, truncated])
+    assert stats.breaks == {"truncated": 1}
+    again = _with_messages(tr(4, [1, 2, 3], [8]), sys_, q)  # the same prompt asked again: a fresh start
+    assert merge_transitions([first, again])[1].breaks == {"diverged": 1}
+    trajs, stats = merge_transitions([first, fresh])
+    assert stats.breaks == {"diverged": 1}
+    assert [seg.break_cause for t in trajs for seg in t.segments] == [None, "diverged"]
+
+
+def test_merge_stats_counts_what_merge_transitions_does() -> None:
+    ts = [*conversation(4), *conversation(2, agent="checker", start=4, seed=3)]
+    ts.append(tr(6, [1, 2], [3], agent="checker"))
+    _, full = merge_transitions(ts)
+    assert merge_stats(ts).as_dict() == full.as_dict()
+    assert (full.merged_calls, full.sequences, full.breaks) == (4, 3, {"diverged": 1})
+    assert full.merge_rate == pytest.approx(4 / 5)
 
 
 def test_two_agents_never_share_a_sequence() -> None:
@@ -242,7 +281,9 @@ def test_merged_update_equals_the_per_call_update(tmp_path) -> None:
                 tie_word_embeddings=True,
             )
         )
-        algo = LightningRL(learning_rate=5e-3, lora_r=8, lora_alpha=16, micro_batch_tokens=64)
+        algo = LightningRL(
+            learning_rate=5e-3, lora_r=8, lora_alpha=16, micro_batch_tokens=64, mixed_precision="no"
+        )
         return PolicyUpdate(model, tok, RunConfig.resolve(algo), output_dir=tmp_path / sub, seed=0)
 
     merged_up, per_call_up = make("a"), make("b")

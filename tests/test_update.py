@@ -54,7 +54,11 @@ def tiny_model(seed: int = 0) -> LlamaForCausalLM:
 
 
 def make(tok, tmp_path, *, seed: int = 0, temperature: float = 1.0, **cfg) -> PolicyUpdate:
-    algo = LightningRL(**{"learning_rate": 5e-3, "lora_r": 8, "lora_alpha": 16, **cfg})
+    # float32 on every device: the equalities below are exact up to float32 error, which bf16 autocast
+    # (the GPU default) is not
+    algo = LightningRL(
+        **{"learning_rate": 5e-3, "lora_r": 8, "lora_alpha": 16, "mixed_precision": "no", **cfg}
+    )
     config = RunConfig.resolve(algo, sampling={"temperature": temperature})
     return PolicyUpdate(tiny_model(seed), tok, config, output_dir=tmp_path / "ckpt", seed=seed)
 
@@ -226,9 +230,9 @@ def test_merged_weights_reproduce_the_lora_policy_in_a_plain_model(tok, tmp_path
     ts = [tr(tok, "q", "Answer: 7", "r1"), tr(tok, "q", "no", "r2")]
     for _ in range(2):
         up.step(ts, [1.0, -1.0])
-    plain = tiny_model(seed=123)
+    plain = tiny_model(seed=123).to(up.device)
     plain.load_state_dict(up.merged_state_dict(), strict=True)
-    ids = torch.tensor([list(ts[0].prompt_ids + ts[0].response_ids)])
+    ids = torch.tensor([list(ts[0].prompt_ids + ts[0].response_ids)], device=up.device)
     with torch.no_grad():
         a = plain(ids).logits
         b = up.model(ids).logits
@@ -301,7 +305,7 @@ def test_push_shares_the_base_weights_and_copies_only_the_adapter(tok, tmp_path)
     assert all(served[n] is policy[n] for n in frozen)
     assert all(served[n].data_ptr() != policy[n].data_ptr() for n in lora)
     ts = [tr(tok, "q", "Answer: 7", "r1"), tr(tok, "q", "no", "r2")]
-    ids = torch.tensor([list(ts[0].prompt_ids + ts[0].response_ids)])
+    ids = torch.tensor([list(ts[0].prompt_ids + ts[0].response_ids)], device=up.device)
     with torch.no_grad():
         out0 = engine.model(ids).logits
     for _ in range(2):
@@ -367,3 +371,19 @@ def test_run_config_refuses_bad_values_with_clear_messages() -> None:
     base = RunConfig(temperature=0.5, lora_r=4)
     cfg = RunConfig.resolve(LightningRL(), base=base, update={"kl_coef": 0.1})
     assert (cfg.temperature, cfg.lora_r, cfg.kl_coef) == (0.5, 4, 0.1)
+
+
+def test_micro_batch_budget_is_picked_per_device_when_unset(monkeypatch) -> None:
+    """None means 4096 on CPU; on a GPU, the largest power of two up to 65536 whose estimated
+    memory fits in half the free memory (bigger vocabularies get smaller budgets)."""
+    from agl.algorithms import update as upd
+
+    small, big = tiny_model(), tiny_model()
+    big.config.vocab_size = 151936
+    assert upd.auto_micro_batch_tokens(small, use_cuda=False) == 4096
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (80 * 2**30, 80 * 2**30))
+    assert upd.auto_micro_batch_tokens(small, use_cuda=True) == 65536
+    assert upd.auto_micro_batch_tokens(big, use_cuda=True) == 16384
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2 * 2**30, 80 * 2**30))
+    assert upd.auto_micro_batch_tokens(big, use_cuda=True) == 4096  # never below the CPU budget
+    assert RunConfig(micro_batch_tokens=None).micro_batch_tokens is None

@@ -48,7 +48,13 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import pad, use_adapter
 
 from agl.config import RunConfig
-from agl.trajectories import Trajectory, merge_transitions, per_call_trajectories, token_advantages
+from agl.trajectories import (
+    BREAK_CAUSES,
+    Trajectory,
+    merge_transitions,
+    per_call_trajectories,
+    token_advantages,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -306,8 +312,13 @@ class PolicyUpdate:
             tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
         if mixed_precision is None:
             mixed_precision = "bf16" if use_cuda and torch.cuda.is_bf16_supported() else "no"
+        self.micro_batch_tokens = (
+            int(config.micro_batch_tokens)
+            if config.micro_batch_tokens is not None
+            else auto_micro_batch_tokens(model, use_cuda=use_cuda)
+        )
         if gradient_checkpointing is None:
-            gradient_checkpointing = use_cuda or _activations_bytes(model, config.micro_batch_tokens) > (
+            gradient_checkpointing = use_cuda or _activations_bytes(model, self.micro_batch_tokens) > (
                 CHECKPOINT_ABOVE_BYTES
             )
         self.kl_coef = float(config.kl_coef)
@@ -505,7 +516,7 @@ class PolicyUpdate:
         skipped = len(transitions) - n_calls
         if acc.num_processes > 1:
             keep = keep[acc.process_index :: acc.num_processes]
-        mbs = pack_micro_batches(seqs, int(self.config.micro_batch_tokens), indices=keep)
+        mbs = pack_micro_batches(seqs, self.micro_batch_tokens, indices=keep)
         n_resp_local = sum(sum(train_masks[k]) for k in keep)
         n_tok_local = sum(seqs[k].tokens for k in keep)
         counts = torch.tensor([float(n_resp_local), float(n_tok_local), float(len(mbs))], device=self.device)
@@ -607,7 +618,7 @@ class PolicyUpdate:
         temperature): what the tests use to check that rewarded responses became more likely."""
         out: list[list[float]] = [[] for _ in transitions]
         seqs, _ = per_call_trajectories(transitions)
-        mbs = pack_micro_batches(seqs, int(self.config.micro_batch_tokens))
+        mbs = pack_micro_batches(seqs, self.micro_batch_tokens)
         was_training = self._wrapped.training
         self._wrapped.eval()
         try:
@@ -708,6 +719,32 @@ class PolicyUpdate:
 #: on a CPU, gradient checkpointing is turned on when a full micro-batch's saved activations would
 #: exceed this: below it the recomputation (~30% more compute) buys little memory
 CHECKPOINT_ABOVE_BYTES = 256 * 2**20
+#: the micro-batch token budget on CPU, and the bounds of the one picked on a GPU
+CPU_MICRO_BATCH_TOKENS = 4096
+GPU_MICRO_BATCH_TOKENS_MAX = 65536
+
+
+def auto_micro_batch_tokens(model: Any, *, use_cuda: bool) -> int:
+    """The micro-batch token budget when the run config leaves it unset (None).
+
+    CPU: 4096 (activations stay small; the CPU is compute-bound, so bigger batches buy nothing). GPU:
+    the largest power of two up to 65536 whose estimated memory fits in half the free GPU memory. Per
+    token that is the logits, their log-softmax and gradient in float32 (3 x vocab x 4 bytes) plus the
+    checkpointed layer inputs in bf16. A small model on a GPU is launch-bound, so fewer, bigger
+    micro-batches run faster (docs/architecture.md §9)."""
+    if not use_cuda:
+        return CPU_MICRO_BATCH_TOKENS
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    vocab = int(getattr(text, "vocab_size", 0) or 0)
+    layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    per_token = 12 * vocab + 2 * layers * hidden + 40 * hidden
+    free, _total = torch.cuda.mem_get_info()
+    budget = CPU_MICRO_BATCH_TOKENS
+    while budget * 2 <= GPU_MICRO_BATCH_TOKENS_MAX and budget * 2 * per_token <= free // 2:
+        budget *= 2
+    return budget
 
 
 def _activations_bytes(model: Any, tokens: int) -> int:
@@ -736,7 +773,7 @@ def _ratio_deviation(logps: torch.Tensor | None, inputs: dict[str, Any]) -> floa
 
 
 #: the merge statistics a step reports (agl.trajectories.MergeStats.as_dict keys)
-_MERGE_METRICS = ("merge_rate", "tokens_saved", "breaks_retokenised", "breaks_truncated", "breaks_diverged")
+_MERGE_METRICS = ("merge_rate", "tokens_saved", *(f"breaks_{cause}" for cause in BREAK_CAUSES))
 
 
 def _train_mask(seq: Trajectory, trained: set[int]) -> list[int]:

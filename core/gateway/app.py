@@ -11,7 +11,8 @@ chunk is forwarded as it arrives (content and tool-call deltas; token ids and lo
 asks), while the backend collects ids and logprobs for the span, which is recorded when the stream
 ends. Other backends' replies (and the completions / Responses routes) are streamed after generation
 finishes as real SSE chunks. A client that disconnects cancels the generation and leaves an ERROR
-span. Spans are stored by a writer thread before the reply is sent (``span_writes="before_reply"``,
+span. Spans are stored in batches (on the event loop for SQLite/memory, by a writer thread for
+network stores) before the reply is sent (``span_writes="before_reply"``,
 the default: a runner finishes its attempt as soon as the agent returns, and training reads the
 finished attempt's spans, so the last call's span must already be there) or just after it
 (``span_writes="after_reply"``, batched; ``POST /agl/v1/flush`` waits for them, shutdown drains

@@ -7,8 +7,8 @@ where they change the meaning of the call (``previous_response_id``: the gateway
 
 from __future__ import annotations
 
+import random
 import time
-import uuid
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -356,9 +356,10 @@ def responses_to_generation(req: ResponsesRequest, rollout: tuple[str, int] | No
 
 
 def new_id(prefix: str) -> str:
-    return (
-        f"{prefix}-{uuid.uuid4().hex}" if prefix in ("chatcmpl", "cmpl") else f"{prefix}_{uuid.uuid4().hex}"
-    )
+    """A response/item id. Unique, not secret: drawn like OTel's span ids (``random``, reseeded in a
+    forked child), not from ``os.urandom`` — a syscall per id was a visible share of a request."""
+    sep = "-" if prefix in ("chatcmpl", "cmpl") else "_"
+    return f"{prefix}{sep}{random.getrandbits(128):032x}"
 
 
 def _usage(result: GenerationResult) -> dict[str, int]:

@@ -1,13 +1,14 @@
-"""Server-side ``chat`` spans: built per call, stored by a writer thread off the request path.
+"""Server-side ``chat`` spans: built per call, stored in batches (``SpanWriter``).
 
-The gateway builds :class:`agl.types.Span` objects directly (``model_construct`` on values it made or
+The gateway builds :class:`agl.types.Span` objects directly (without validation, from values it made or
 checked itself) instead of going through an OTel ``TracerProvider``: no per-span validation, no span
 processors. By default (``span_writes="before_reply"``) each span is stored before its reply is sent,
 so a runner that finishes its attempt right after the agent returns never loses the last call's span.
-With ``span_writes="after_reply"`` the reply leaves first and the span follows within milliseconds: a :class:`SpanWriter` thread stores everything that arrived while it was busy in
-one ``add_spans`` call, so a busy gateway makes few store round trips and no request waits for a
-commit; ``POST /agl/v1/flush`` (or ``Gateway.flush()``) waits until every span of the calls answered
-so far is stored, and shutdown drains the queue; whoever reads the spans must flush first. The parent
+With ``span_writes="after_reply"`` the reply leaves first and the span follows within milliseconds.
+Either way the spans of calls that finish together are written in one ``add_spans`` call: on the event
+loop for in-process stores (SQLite, memory), from a writer thread for stores behind a network round
+trip. ``POST /agl/v1/flush`` (or ``Gateway.flush()``) waits until every span of the calls answered so
+far is stored, and shutdown drains the queue; whoever reads the spans must flush first. The parent
 comes from the incoming W3C ``traceparent`` (parsed by OTel's own propagator); rollout and attempt
 from the URL path or the W3C ``baggage`` header.
 
@@ -18,10 +19,11 @@ rollout); they are counted in ``Gateway.stats["unattributed_calls"]``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
-import os
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -31,7 +33,7 @@ from typing import Any
 from agl import semconv as sc
 from agl.gateway.backends.base import Choice, GenerationRequest, GenerationResult
 from agl.gateway.chat_format import flatten_content
-from agl.types import Span, SpanEvent, SpanStatus
+from agl.types import Span, SpanEvent, SpanStatus, _construct
 
 __all__ = ["DriftTracker", "SpanWriter", "build_chat_spans", "parse_trace_headers"]
 
@@ -39,10 +41,13 @@ log = logging.getLogger("agl.gateway")
 
 
 def _random_hex(nbytes: int) -> str:
+    """A non-zero random trace/span id, drawn the way OTel's own id generator draws them (``random``,
+    reseeded in a forked child): ids must be unique, not secret, and ``os.urandom`` is a syscall."""
+    bits = nbytes * 8
     while True:
-        value = os.urandom(nbytes).hex()
-        if value.strip("0"):
-            return value
+        value = random.getrandbits(bits)
+        if value:
+            return f"{value:0{nbytes * 2}x}"
 
 
 def parse_trace_headers(
@@ -254,22 +259,25 @@ def build_chat_spans(
         # generated or parsed by OTel, attribute values of OTel types, logprobs checked finite), so the
         # per-value validation of the model is skipped on this hot path
         spans.append(
-            Span.model_construct(
-                trace_id=trace_id,
-                span_id=_random_hex(8),
-                parent_id=parent_id,
-                name=sc.SPAN_CHAT,
-                kind="SERVER",
-                start_ns=start_ns,
-                end_ns=end_ns,
-                status=_STATUS_UNSET,
-                attributes=attrs,
-                events=(),
-                resource={},
-                rollout_id=rollout[0],
-                attempt=rollout[1],
-                seq=None,
-                stale=False,
+            _construct(
+                Span,
+                {
+                    "trace_id": trace_id,
+                    "span_id": _random_hex(8),
+                    "parent_id": parent_id,
+                    "name": sc.SPAN_CHAT,
+                    "kind": "SERVER",
+                    "start_ns": start_ns,
+                    "end_ns": end_ns,
+                    "status": _STATUS_UNSET,
+                    "attributes": attrs,
+                    "events": (),
+                    "resource": {},
+                    "rollout_id": rollout[0],
+                    "attempt": rollout[1],
+                    "seq": None,
+                    "stale": False,
+                },
             )
         )
     return spans
@@ -289,44 +297,63 @@ def _choice_attrs(attrs: dict[str, Any], choice: Choice) -> None:
             log.warning("agl gateway: dropped non-finite response logprobs")
 
 
-class SpanWriter:
-    """Stores the gateway's spans from one writer thread, batching what arrives while it writes.
+#: stores that live in this process and answer in microseconds: written on the event loop itself
+_LOCAL_STORES = frozenset({"MemoryStore", "SQLiteStore"})
 
-    ``submit(spans)`` queues and returns at once: the reply is not held back by the store (a SQLite
-    commit or an HTTP round trip), and everything queued while the thread was busy goes to the store in
-    one ``add_spans`` call. ``await write(spans)`` queues and returns once the spans are stored (the
-    ``before_reply`` mode). ``flush()`` waits until everything queued so far is stored; ``close()``
-    flushes and stops the thread — the gateway calls it at shutdown, after the last request, so a clean
-    shutdown loses no span. Failures are logged and counted, never turned into an error for the client
-    (the agent's run must not break because a span could not be stored, e.g. for an unknown rollout).
-    The memory store is written in line: in-process and lock-protected, that is cheaper than a hop.
+
+class SpanWriter:
+    """Stores the gateway's spans in batches: one ``add_spans`` call for every span that finished in the
+    same moment, instead of one per request.
+
+    Two ways to write, chosen by the store:
+
+    - **in the event loop** for in-process stores (memory, SQLite): the spans of every request that
+      finished in one loop iteration are written by one callback at the end of that iteration. No
+      thread hop, no GIL hand-off, no cross-thread wake-up per request — for SQLite (WAL, no fsync per
+      commit) that costs less CPU than handing the batch to a thread, which was the gateway's largest
+      cost per stored span. When another thread is inside the store just then, the batch goes to the
+      writer thread instead: the loop never waits on the store's lock;
+    - **from a writer thread** for stores behind a network round trip (the HTTP store server,
+      PostgreSQL): the loop never waits on the network; everything queued while the thread was busy
+      goes in one ``add_spans`` call.
+
+    ``submit(spans)`` queues and returns at once (``after_reply``); ``await write(spans)`` returns
+    once the spans are stored (``before_reply``). ``flush()`` waits until everything queued so far is
+    stored; ``close()`` flushes and stops the thread — the gateway calls it at shutdown, after the last
+    request, so a clean shutdown loses no span. Failures are logged and counted, never turned into an
+    error for the client (the agent's run must not break because a span could not be stored, e.g. for
+    an unknown rollout).
     """
 
-    def __init__(self, store: Any, stats: dict[str, int]) -> None:
+    def __init__(self, store: Any, stats: dict[str, int], *, in_loop: bool | None = None) -> None:
         self.store = store
         self.stats = stats
-        self.inline = type(store).__name__ == "MemoryStore"
+        self.in_loop = type(store).__name__ in _LOCAL_STORES if in_loop is None else in_loop
         self._cond = threading.Condition()
         self._queue: list[tuple[list[Span], Callable[[], None] | None]] = []
-        self._queued = 0  # spans accepted so far
-        self._done = 0  # spans handled (stored or failed) so far
+        self._pending: list[tuple[list[Span], asyncio.Future[None] | None]] = []  # in-loop batch
+        self._scheduled = False
+        self._queued = 0  # groups of spans accepted so far
+        self._done = 0  # groups handled (stored or failed) so far
         self._closed = False
         self._thread: threading.Thread | None = None
 
     def submit(self, spans: list[Span]) -> None:
-        """Queue spans for the writer thread; returns immediately."""
-        if self.inline:
-            self._add(spans)
+        """Queue spans; returns immediately."""
+        if self.in_loop:
+            self._pend(spans, wait=False)
             return
         self._put(spans, None)
 
     async def write(self, spans: list[Span]) -> None:
         """Queue spans and wait until they are stored (or their write failed)."""
-        if self.inline:
-            self._add(spans)
+        if self.in_loop:
+            fut = self._pend(spans, wait=True)
+            if fut is not None:
+                await asyncio.shield(fut)
             return
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
+        fut = loop.create_future()
 
         def done() -> None:
             loop.call_soon_threadsafe(_resolve, fut)
@@ -334,6 +361,52 @@ class SpanWriter:
         self._put(spans, done)
         await asyncio.shield(fut)
 
+    # ----------------------------------------------------------------------------- in the loop
+    def _pend(self, spans: list[Span], *, wait: bool) -> asyncio.Future[None] | None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called outside the server's loop: write now
+            self._add(spans)
+            return None
+        with self._cond:
+            self._queued += 1
+        fut = loop.create_future() if wait else None
+        self._pending.append((spans, fut))
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._write_pending)  # runs after this iteration's other callbacks
+        return fut
+
+    def _write_pending(self) -> None:
+        self._scheduled = False
+        batch, self._pending = self._pending, []
+        lock = getattr(self.store, "_lock", None)  # the in-process stores' own lock
+        if lock is not None:
+            if not lock.acquire(blocking=False):
+                # another thread is inside the store (e.g. a trainer reading spans in this process):
+                # the loop must not wait for it, so the writer thread takes this batch
+                self._hand_over(batch)
+                return
+            lock.release()  # a probe only: add_spans takes the lock itself
+        try:
+            self._add([s for group, _ in batch for s in group], batch)
+        finally:
+            for _, fut in batch:
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+            with self._cond:
+                self._done += len(batch)
+                self._cond.notify_all()
+
+    def _hand_over(self, batch: list[tuple[list[Span], asyncio.Future[None] | None]]) -> None:
+        loop = asyncio.get_running_loop()
+        with self._cond:  # re-queued atomically: flush() never sees these groups as done or missing
+            for spans, fut in batch:
+                self._queued -= 1  # counted again by _put
+                done = None if fut is None else functools.partial(loop.call_soon_threadsafe, _resolve, fut)
+                self._put(spans, done)
+
+    # ------------------------------------------------------------------------ writer thread
     def _put(self, spans: list[Span], done: Callable[[], None] | None) -> None:
         with self._cond:
             if self._closed:  # after close (should not happen): write in line rather than lose them
@@ -367,13 +440,22 @@ class SpanWriter:
                     self._cond.notify_all()
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Block until every span queued before the call is handled; False on timeout."""
+        """Block until every span queued before the call is handled; False on timeout.
+
+        Called from a thread other than the event loop's (``asyncio.to_thread``): in-loop batches are
+        written by the loop meanwhile.
+        """
         with self._cond:
             target = self._queued
             return self._cond.wait_for(lambda: self._done >= target, timeout=timeout_s)
 
     def close(self, timeout_s: float | None = 60.0) -> None:
-        """Store what is queued, then stop the writer thread."""
+        """Store what is queued, then stop the writer thread (called off the loop, at shutdown)."""
+        if self.in_loop:
+            if not self.flush(timeout_s):
+                log.warning("agl gateway: spans still queued after %s s at shutdown", timeout_s)
+            self._closed = True
+            return
         with self._cond:
             self._closed = True
             self._cond.notify_all()

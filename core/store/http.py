@@ -1,7 +1,8 @@
 """HTTP client of ``agl store serve``: the Store protocol for runners and agents in other processes or hosts.
 
-``HttpStore`` (sync) and ``AsyncHttpStore`` build the same requests (``_Requests``) and differ only in
-how they send them. What a caller can rely on:
+``HttpStore`` (sync) and ``AsyncHttpStore`` share one sans-IO core (``_Core``): every store call is
+written once, as a generator that yields the requests to send (bytes, no I/O) and the backoff sleeps
+of its retries; each client drives it with its own sockets and sleeps. What a caller can rely on:
 
 - Same behaviour as an in-process store: arguments are checked with the same helpers the stores use,
   server errors come back as the same ``StoreError`` subclasses with the server's message.
@@ -16,16 +17,19 @@ how they send them. What a caller can rely on:
 - Answers are trusted: spans, rollouts and claims from the server (which validated them before storing)
   are rebuilt without running the models' validators again, several times cheaper than validating.
 
-Plain ``http://`` requests go through small httpx transports over sockets (one keep-alive connection
-per thread; an asyncio pool for the async client) that send each request in one write: httpcore and
-``http.client`` write headers and body separately, and on loopback each write wakes the server, which
-measured here cost a third of a small store call. ``https://`` uses httpx's own transports.
+Plain ``http://`` requests go through a small HTTP/1.1 transport over sockets (one keep-alive
+connection per thread; an asyncio pool for the async client): the core hands it each request as one
+buffer and it parses the answer with one shared parser (``_Answer``), with no httpx request or response
+objects on the way. It halves the client's CPU per store call against httpx's transport (figures in
+bench/README.md). ``https://``, and a ``transport=`` passed in, use httpx.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import json
 import os
 import random
@@ -34,9 +38,9 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Generator, Sequence
-from typing import Any, NamedTuple
-from urllib.parse import urlsplit
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeAlias, TypeVar
+from urllib.parse import quote, urlsplit
 
 import httpx
 import pydantic_core
@@ -219,21 +223,42 @@ def _check_path_id(value: Any, what: str) -> str:
     return value
 
 
+def _check_key(key: Any, header: bool = False) -> str | None:
+    """A caller's idempotency key; one sent in a header must be printable ASCII (no CR/LF)."""
+    if key is None:
+        return None
+    if not isinstance(key, str):
+        raise InvalidInputError(f"idempotency_key must be a string, got {key!r}")
+    if header and key and not (key.isascii() and key.isprintable()):
+        raise InvalidInputError(f"idempotency_key must be printable ASCII, got {key!r}")
+    return key
+
+
 class _Req(NamedTuple):
+    """One HTTP request of a store call, before it is sent (no I/O, no transport objects)."""
+
     method: str
-    url: httpx.URL
+    path: str
     body: bytes | None
     parse: Callable[[bytes], Any]
     idempotency_key: str | None = None
     read_timeout: float | None = None
     prefer_minimal: bool = False
-    #: after a retried write meets ConflictError: (lookup request, check -> result or None)
-    reconcile: tuple[_Req, Callable[[Any], Any]] | None = None
+    #: after a retried write meets ConflictError: (build the lookup request, check -> result or None)
+    reconcile: tuple[Callable[[], _Req], Callable[[Any], Any]] | None = None
+
+
+R = TypeVar("R")
+P = ParamSpec("P")
+#: A store call without I/O: yields a ``_Req`` to send (answered with ``(status, body)`` or a string
+#: naming the transport failure) or a float of seconds to sleep (answered with None); returns the result.
+_Op: TypeAlias = Generator["_Req | float", Any, R]
 
 
 # ----------------------------------------------------------------------------------------- transport
 
 _MAX_HEAD = 64 * 1024
+_RECV = 256 * 1024
 _NO_BODY_STATUSES = frozenset({204, 304})
 
 
@@ -243,15 +268,6 @@ class _Closed(Exception):
 
 class _Malformed(Exception):
     pass
-
-
-def _request_bytes(request: httpx.Request, body: bytes) -> bytes:
-    """The whole request in one buffer: one send, one wake-up of the server (not headers, then body)."""
-    parts = [b"%s %s HTTP/1.1" % (request.method.encode("ascii"), request.url.raw_path)]
-    parts.extend(k + b": " + v for k, v in request.headers.raw if k.lower() != b"accept-encoding")
-    parts.append(b"")
-    parts.append(body)
-    return b"\r\n".join(parts)
 
 
 def _parse_head(lines: list[bytes]) -> tuple[int, bool, list[tuple[bytes, bytes]]]:
@@ -291,71 +307,101 @@ def _framing(status: int, method: str, headers: list[tuple[bytes, bytes]]) -> tu
     return ("length", length) if length >= 0 else ("eof", 0)
 
 
-class _SyncConn:
-    __slots__ = ("reader", "sock")
+class _Answer:
+    """One HTTP/1.1 response, parsed from whatever the socket delivers (sans-IO: the sync and the
+    async transport both just feed it). Interim 1xx answers are skipped; bodies are delimited by
+    Content-Length, chunked encoding or the end of the connection."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.reader = sock.makefile("rb")
+    __slots__ = ("_buf", "_chunks", "_method", "_need", "_state", "body", "headers", "keep", "status")
 
-    def close(self) -> None:
-        try:
-            self.reader.close()
-        finally:
-            self.sock.close()
+    def __init__(self, method: str) -> None:
+        self._buf = bytearray()
+        self._method = method
+        self._state = "head"
+        self._need = 0
+        self._chunks: list[bytes] = []
+        self.status = 0
+        self.keep = True
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body = b""
 
-    def _line(self) -> bytes:
-        line = self.reader.readline(_MAX_HEAD + 1)
-        if len(line) > _MAX_HEAD:
-            raise _Malformed("response header line too long")
-        return line
-
-    def read_response(self, method: str) -> tuple[int, bool, list[tuple[bytes, bytes]], bytes]:
-        while True:
-            first = self._line()
-            if not first:
-                raise _Closed("connection closed before the answer")
-            lines = [first.rstrip(b"\r\n")]
-            while True:
-                line = self._line()
-                if not line:
-                    raise _Malformed("connection closed inside the answer's headers")
-                if line in (b"\r\n", b"\n"):
-                    break
-                lines.append(line.rstrip(b"\r\n"))
-            status, keep, headers = _parse_head(lines)
+    def feed(self, data: bytes) -> bool:
+        """Add what was read (``b""`` at the end of the connection); True once the answer is whole."""
+        buf = self._buf
+        buf += data
+        while self._state == "head":
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > _MAX_HEAD:
+                    raise _Malformed("answer headers too long")
+                if not data:
+                    if buf:
+                        raise _Malformed("connection closed inside the answer's headers")
+                    raise _Closed("connection closed before the answer")
+                return False
+            status, keep, headers = _parse_head(bytes(buf[:end]).split(b"\r\n"))
+            del buf[: end + 4]
             if 100 <= status < 200:
                 continue  # an interim answer (100 Continue): the real one follows
-            break
-        kind, length = _framing(status, method, headers)
-        if kind == "none":
-            body = b""
-        elif kind == "length":
-            body = self.reader.read(length)
-            if len(body) != length:
-                raise _Malformed(f"answer cut short: {len(body)} of {length} bytes")
-        elif kind == "chunked":
-            chunks = []
-            while True:
-                size = int(self._line().split(b";")[0].strip() or b"x", 16)
-                if size == 0:
-                    while self._line() not in (b"\r\n", b"\n", b""):
-                        pass
-                    break
-                chunks.append(self.reader.read(size))
-                self.reader.read(2)
-            body = b"".join(chunks)
-        else:
-            body, keep = self.reader.read(), False
-        return status, keep, headers, body
+            self.status, self.keep, self.headers = status, keep, headers
+            self._state, self._need = _framing(status, self._method, headers)
+        state = self._state
+        if state == "none":
+            return True
+        if state == "length":
+            if len(buf) >= self._need:
+                self.body = bytes(buf[: self._need])
+                return True
+        elif state == "eof":
+            if not data:
+                self.body, self.keep = bytes(buf), False
+                return True
+            return False
+        elif self._chunked(buf):
+            return True
+        if not data:
+            raise _Malformed("answer cut short")
+        return False
+
+    def _chunked(self, buf: bytearray) -> bool:
+        while True:
+            if self._state == "chunk":
+                if len(buf) < self._need + 2:
+                    return False
+                self._chunks.append(bytes(buf[: self._need]))
+                del buf[: self._need + 2]
+                self._state = "chunked"
+                continue
+            nl = buf.find(b"\r\n")
+            if nl < 0:
+                return False
+            line = bytes(buf[:nl])
+            del buf[: nl + 2]
+            if self._state == "trailer":
+                if not line:
+                    self.body = b"".join(self._chunks)
+                    return True
+                continue
+            size = int(line.split(b";")[0].strip() or b"x", 16)
+            self._state, self._need = ("trailer", 0) if size == 0 else ("chunk", size)
+
+
+def _request_bytes(request: httpx.Request, body: bytes) -> bytes:
+    """An httpx request as one buffer, for the transports' ``handle_request`` (tests, wrappers)."""
+    parts = [b"%s %s HTTP/1.1" % (request.method.encode("ascii"), request.url.raw_path)]
+    parts.extend(k + b": " + v for k, v in request.headers.raw if k.lower() != b"accept-encoding")
+    parts.append(b"")
+    parts.append(body)
+    return b"\r\n".join(parts)
 
 
 class _StdlibTransport(httpx.BaseTransport):
     """Plain-HTTP transport over sockets: one keep-alive connection per thread, one send per request.
 
-    httpcore (and ``http.client``) send a request's headers and body in two writes; on loopback each
-    write wakes the server, and measured here the pair cost a third of a small store call. This sends
-    one buffer and parses the answer head itself (status line, headers, Content-Length or chunked).
+    The client hands it a whole request as bytes (``exchange``), without building httpx request and
+    response objects; ``handle_request`` is the same for code that wraps it as an httpx transport.
+    httpcore sends a request's headers and body in two writes; on loopback each write wakes the
+    server. bench/README.md has the figures against httpx's own transport.
     """
 
     def __init__(self, host: str, port: int) -> None:
@@ -363,10 +409,10 @@ class _StdlibTransport(httpx.BaseTransport):
         self._port = port
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._conns: list[_SyncConn] = []
+        self._socks: list[socket.socket] = []
         self._closed = False
 
-    def _connect(self, timeout: float | None) -> _SyncConn:
+    def _connect(self, timeout: float | None) -> socket.socket:
         if self._closed:
             raise httpx.ConnectError("the transport is closed")
         try:
@@ -376,110 +422,78 @@ class _StdlibTransport(httpx.BaseTransport):
         except OSError as exc:
             raise httpx.ConnectError(f"cannot connect to {self._host}:{self._port}: {exc}") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _SyncConn(sock)
         with self._lock:
-            self._conns.append(conn)
-        return conn
+            self._socks.append(sock)
+        return sock
 
-    def _drop(self, conn: _SyncConn) -> None:
-        conn.close()
-        self._local.conn = None
+    def _drop(self, sock: socket.socket) -> None:
+        sock.close()
+        self._local.sock = None
         with self._lock:
-            if conn in self._conns:
-                self._conns.remove(conn)
+            if sock in self._socks:
+                self._socks.remove(sock)
 
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        timeouts = request.extensions.get("timeout", {})
-        data = _request_bytes(request, request.read())
+    def exchange(self, data: bytes, method: str, connect: float | None, read: float | None) -> _Answer:
+        where = f"{self._host}:{self._port}"
         for _ in range(2):
-            conn: _SyncConn | None = getattr(self._local, "conn", None)
-            reused = conn is not None
-            if conn is None:
-                conn = self._local.conn = self._connect(timeouts.get("connect"))
+            sock: socket.socket | None = getattr(self._local, "sock", None)
+            reused = sock is not None
+            if sock is None:
+                sock = self._local.sock = self._connect(connect)
+            answer = _Answer(method)
             try:
-                conn.sock.settimeout(timeouts.get("read"))
-                conn.sock.sendall(data)
-                status, keep, headers, body = conn.read_response(request.method)
+                sock.settimeout(read)
+                sock.sendall(data)
+                recv = sock.recv
+                while not answer.feed(recv(_RECV)):
+                    pass
             except TimeoutError as exc:
-                self._drop(conn)
-                raise httpx.ReadTimeout(f"no answer from {self._host}:{self._port} in time") from exc
+                self._drop(sock)
+                raise httpx.ReadTimeout(f"no answer from {where} in time") from exc
             except (_Closed, ConnectionResetError, BrokenPipeError) as exc:
-                self._drop(conn)
+                self._drop(sock)
                 if reused:
                     continue  # the server closed an idle keep-alive connection: one fresh try
-                raise httpx.RemoteProtocolError(
-                    f"connection to {self._host}:{self._port} dropped: {exc}"
-                ) from exc
+                raise httpx.RemoteProtocolError(f"connection to {where} dropped: {exc}") from exc
             except (_Malformed, ValueError) as exc:
-                self._drop(conn)
-                raise httpx.RemoteProtocolError(
-                    f"malformed answer from {self._host}:{self._port}: {exc}"
-                ) from exc
+                self._drop(sock)
+                raise httpx.RemoteProtocolError(f"malformed answer from {where}: {exc}") from exc
             except OSError as exc:
-                self._drop(conn)
-                raise httpx.ReadError(f"talking to {self._host}:{self._port} failed: {exc!r}") from exc
-            if not keep:
-                self._drop(conn)
-            return httpx.Response(status, headers=headers, content=body, request=request)
-        raise httpx.RemoteProtocolError(f"connection to {self._host}:{self._port} dropped twice")
+                self._drop(sock)
+                raise httpx.ReadError(f"talking to {where} failed: {exc!r}") from exc
+            if not answer.keep:
+                self._drop(sock)
+            return answer
+        raise httpx.RemoteProtocolError(f"connection to {where} dropped twice")
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        t = request.extensions.get("timeout", {})
+        a = self.exchange(
+            _request_bytes(request, request.read()), request.method, t.get("connect"), t.get("read")
+        )
+        return httpx.Response(a.status, headers=a.headers, content=a.body, request=request)
 
     def close(self) -> None:
         """Close every connection, waking threads blocked on one (a long-poll) with an error."""
         self._closed = True
         with self._lock:
-            conns, self._conns = self._conns, []
-        for conn in conns:
+            socks, self._socks = self._socks, []
+        for sock in socks:
             with contextlib.suppress(OSError):
-                conn.sock.shutdown(socket.SHUT_RDWR)
-            conn.close()
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
 
-class _AsyncConn:
-    __slots__ = ("reader", "writer")
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-
-    def close(self) -> None:
-        self.writer.close()
-
-    async def read_response(self, method: str) -> tuple[int, bool, list[tuple[bytes, bytes]], bytes]:
-        reader = self.reader
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError as exc:
-                if not exc.partial:
-                    raise _Closed("connection closed before the answer") from None
-                raise _Malformed("connection closed inside the answer's headers") from None
-            except asyncio.LimitOverrunError:
-                raise _Malformed("answer headers too long") from None
-            status, keep, headers = _parse_head(head[:-4].split(b"\r\n"))
-            if not 100 <= status < 200:
-                break
-        kind, length = _framing(status, method, headers)
-        try:
-            if kind == "none":
-                body = b""
-            elif kind == "length":
-                body = await reader.readexactly(length)
-            elif kind == "chunked":
-                chunks = []
-                while True:
-                    size = int((await reader.readline()).split(b";")[0].strip() or b"x", 16)
-                    if size == 0:
-                        while (await reader.readline()) not in (b"\r\n", b"\n", b""):
-                            pass
-                        break
-                    chunks.append(await reader.readexactly(size))
-                    await reader.readexactly(2)
-                body = b"".join(chunks)
-            else:
-                body, keep = await reader.read(), False
-        except asyncio.IncompleteReadError:
-            raise _Malformed("answer cut short") from None
-        return status, keep, headers, body
+async def _read_answer(reader: asyncio.StreamReader, answer: _Answer, timeout: float | None) -> None:
+    if timeout is None:
+        while not answer.feed(await reader.read(_RECV)):
+            pass
+    elif sys.version_info >= (3, 11):  # no extra task per request, unlike wait_for
+        async with asyncio.timeout(timeout):
+            while not answer.feed(await reader.read(_RECV)):
+                pass
+    else:  # pragma: no cover - Python 3.10
+        await asyncio.wait_for(_read_answer(reader, answer, None), timeout)
 
 
 class _AsyncStdlibTransport(httpx.AsyncBaseTransport):
@@ -489,79 +503,72 @@ class _AsyncStdlibTransport(httpx.AsyncBaseTransport):
         self._host = host
         self._port = port
         self._max = max_connections
-        self._idle: list[_AsyncConn] = []
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._sem: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def _connect(self, timeout: float | None) -> _AsyncConn:
+    async def _connect(self, timeout: float | None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(self._host, self._port), timeout)
+            return await asyncio.wait_for(asyncio.open_connection(self._host, self._port), timeout)
         except asyncio.TimeoutError as exc:
             raise httpx.ConnectTimeout(f"connecting to {self._host}:{self._port} timed out") from exc
         except OSError as exc:
             raise httpx.ConnectError(f"cannot connect to {self._host}:{self._port}: {exc}") from exc
-        return _AsyncConn(reader, writer)
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def exchange(self, data: bytes, method: str, connect: float | None, read: float | None) -> _Answer:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # connections belong to one event loop
             self._drop_idle()
             self._loop, self._sem = loop, asyncio.Semaphore(self._max)
         assert self._sem is not None
-        timeouts = request.extensions.get("timeout", {})
-        data = _request_bytes(request, await request.aread())
+        where = f"{self._host}:{self._port}"
         async with self._sem:
             for _ in range(2):
                 conn = self._idle.pop() if self._idle else None
                 reused = conn is not None
                 if conn is None:
-                    conn = await self._connect(timeouts.get("connect"))
+                    conn = await self._connect(connect)
+                reader, writer = conn
+                answer = _Answer(method)
                 try:
-                    conn.writer.write(data)
-                    await conn.writer.drain()
-                    timeout = timeouts.get("read")
-                    if timeout is None:
-                        status, keep, headers, body = await conn.read_response(request.method)
-                    elif sys.version_info >= (3, 11):  # no extra task per request, unlike wait_for
-                        async with asyncio.timeout(timeout):
-                            status, keep, headers, body = await conn.read_response(request.method)
-                    else:  # pragma: no cover - Python 3.10
-                        status, keep, headers, body = await asyncio.wait_for(
-                            conn.read_response(request.method), timeout
-                        )
+                    writer.write(data)
+                    await writer.drain()
+                    await _read_answer(reader, answer, read)
                 except asyncio.TimeoutError as exc:
-                    conn.close()
-                    raise httpx.ReadTimeout(f"no answer from {self._host}:{self._port} in time") from exc
+                    writer.close()
+                    raise httpx.ReadTimeout(f"no answer from {where} in time") from exc
                 except (_Closed, ConnectionResetError, BrokenPipeError) as exc:
-                    conn.close()
+                    writer.close()
                     if reused:
                         continue
-                    raise httpx.RemoteProtocolError(
-                        f"connection to {self._host}:{self._port} dropped: {exc}"
-                    ) from exc
+                    raise httpx.RemoteProtocolError(f"connection to {where} dropped: {exc}") from exc
                 except (_Malformed, ValueError) as exc:
-                    conn.close()
-                    raise httpx.RemoteProtocolError(
-                        f"malformed answer from {self._host}:{self._port}: {exc}"
-                    ) from exc
+                    writer.close()
+                    raise httpx.RemoteProtocolError(f"malformed answer from {where}: {exc}") from exc
                 except OSError as exc:
-                    conn.close()
-                    raise httpx.ReadError(f"talking to {self._host}:{self._port} failed: {exc!r}") from exc
+                    writer.close()
+                    raise httpx.ReadError(f"talking to {where} failed: {exc!r}") from exc
                 except BaseException:
-                    conn.close()  # cancelled mid-exchange: the connection's state is unknown
+                    writer.close()  # cancelled mid-exchange: the connection's state is unknown
                     raise
-                if keep:
+                if answer.keep:
                     self._idle.append(conn)
                 else:
-                    conn.close()
-                return httpx.Response(status, headers=headers, content=body, request=request)
-        raise httpx.RemoteProtocolError(f"connection to {self._host}:{self._port} dropped twice")
+                    writer.close()
+                return answer
+        raise httpx.RemoteProtocolError(f"connection to {where} dropped twice")
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        t = request.extensions.get("timeout", {})
+        data = _request_bytes(request, await request.aread())
+        a = await self.exchange(data, request.method, t.get("connect"), t.get("read"))
+        return httpx.Response(a.status, headers=a.headers, content=a.body, request=request)
 
     def _drop_idle(self) -> None:
         idle, self._idle = self._idle, []
-        for conn in idle:
+        for _, writer in idle:
             try:
-                conn.close()
+                writer.close()
             except RuntimeError:  # its event loop is already closed
                 pass
 
@@ -569,11 +576,17 @@ class _AsyncStdlibTransport(httpx.AsyncBaseTransport):
         self._drop_idle()
 
 
-# ------------------------------------------------------------------------------------------ requests
+# ---------------------------------------------------------------------------------------------- core
 
 
-class _Requests:
-    """Everything but sending: argument checks (as the stores do them), URLs, bodies, parsers."""
+def _poll_chunk(deadline: float) -> float:
+    return max(0.0, min(MAX_POLL_S, deadline - time.monotonic()))
+
+
+class _Core:
+    """Everything but I/O, for both clients: argument checks (as the stores do them), request bytes,
+    parsers, the retry policy, and each store call as an ``_Op`` generator that ``HttpStore`` and
+    ``AsyncHttpStore`` drive with their own sockets and sleeps (so each call is written once)."""
 
     def __init__(
         self,
@@ -593,6 +606,7 @@ class _Requests:
         self._scheme = parts.scheme
         self._host = parts.hostname
         self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._prefix = quote(parts.path.rstrip("/"), safe="/%:@!$&'()*+,;=-._~").encode()
         self.timeout_s = float(timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self.retry_timeout_s = float(retry_timeout_s)
@@ -601,7 +615,10 @@ class _Requests:
         if token:
             headers["authorization"] = f"Bearer {token}"
         self._headers = headers
-        self._url_cache: dict[str, httpx.URL] = {}
+        netloc = parts.netloc.rpartition("@")[2]
+        self._head = b"".join(
+            b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in {"host": netloc, **headers}.items()
+        )
         self._closed = False
         #: requests re-sent after a connection error or 502/503/504 (for monitoring and tests)
         self.retries = 0
@@ -609,19 +626,30 @@ class _Requests:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
-    def _u(self, path: str) -> httpx.URL:
-        url = self._url_cache.get(path)
-        if url is None:
-            url = httpx.URL(self.url + path)
-            if len(self._url_cache) < 4096:
-                self._url_cache[path] = url
-        return url
+    def _wire(self, req: _Req) -> bytes:
+        """The whole request as one buffer: one send, one wake-up of the server."""
+        body = req.body or b""
+        extra = b""
+        if req.idempotency_key is not None:
+            extra = b"idempotency-key: " + req.idempotency_key.encode() + b"\r\n"
+        if req.prefer_minimal:
+            extra += b"prefer: return=minimal\r\n"
+        return b"%s %s%s HTTP/1.1\r\n%s%scontent-length: %d\r\n\r\n%s" % (
+            req.method.encode(),
+            self._prefix,
+            req.path.encode(),
+            self._head,
+            extra,
+            len(body),
+            body,
+        )
 
     def _timeouts(self, read: float | None) -> dict[str, float | None]:
         r = self.timeout_s if read is None else read
         return {"connect": self.connect_timeout_s, "read": r, "write": r, "pool": self.connect_timeout_s}
 
     def _build(self, req: _Req) -> httpx.Request:
+        """The request for an httpx transport (https, or one passed in)."""
         headers = self._headers
         if req.idempotency_key is not None or req.prefer_minimal:
             headers = dict(headers)
@@ -631,7 +659,7 @@ class _Requests:
                 headers["prefer"] = "return=minimal"
         return httpx.Request(
             req.method,
-            req.url,
+            self.url + req.path,
             content=req.body,
             headers=headers,
             extensions={"timeout": self._timeouts(req.read_timeout)},
@@ -642,7 +670,7 @@ class _Requests:
             return req.parse(body)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StoreError(
-                f"unexpected answer from {self.url} to {req.method} {req.url.path}: {exc!r} in {body[:200]!r}"
+                f"unexpected answer from {self.url} to {req.method} {req.path}: {exc!r} in {body[:200]!r}"
             ) from None
 
     def _check_open(self) -> None:
@@ -653,17 +681,14 @@ class _Requests:
     def _backoff(attempt: int) -> float:
         return min(_BACKOFF_MAX_S, _BACKOFF_MIN_S * 2**attempt) * (0.5 + random.random() / 2)
 
-    def _exchange(self, req: _Req) -> Generator[tuple[str, Any], Any, Any]:
-        """One call's retry policy, written once for the sync and the async client.
-
-        Yields what to do and is sent its outcome: ``("send", request)`` → ``(status, body)``, or a
-        string naming the transport failure; ``("sleep", seconds)`` → None; ``("call", lookup_req)``
-        → that request's result (a reconciling lookup). Returns the call's result or raises its error.
-        """
+    def _call(self, req: _Req) -> _Op[Any]:
+        """One request under the retry policy: connection errors and 502/503/504 are re-sent with
+        capped exponential backoff for up to ``retry_timeout_s``; a retried write that meets
+        ConflictError asks the server whether its own earlier try did it (``reconcile``)."""
         attempt = 0
         give_up_at: float | None = None
         while True:
-            outcome = yield ("send", self._build(req))
+            outcome = yield req
             if isinstance(outcome, tuple):
                 status, body = outcome
                 if status < 400:
@@ -672,7 +697,7 @@ class _Requests:
                     error = _error_from(status, body)
                     if attempt and req.reconcile is not None and isinstance(error, ConflictError):
                         lookup, check = req.reconcile
-                        result = check((yield ("call", lookup)))
+                        result = check((yield from self._call(lookup())))
                         if result is not None:
                             return result
                     raise error
@@ -689,48 +714,60 @@ class _Requests:
                     f"store server {self.url} unreachable for {self.retry_timeout_s:.0f}s "
                     f"({attempt + 1} tries); last error: {failure}"
                 )
-            yield ("sleep", min(self._backoff(attempt), max(0.0, give_up_at - now)))
+            yield min(self._backoff(attempt), max(0.0, give_up_at - now))
             attempt += 1
             self.retries += 1
 
     # ---------------------------------------------------------------- tasks
-    def _add_tasks(self, tasks: Sequence[Task]) -> _Req:
+    def _add_tasks(self, tasks: Sequence[Task]) -> _Op[list[Task]]:
         items = coerce_many(Task, tasks, "task")
-        return _Req("POST", self._u("/tasks"), _to_json({"tasks": items}), _P_TASKS)
+        return (yield from self._call(_Req("POST", "/tasks", _to_json({"tasks": items}), _P_TASKS)))
 
-    def _get_task(self, task_id: str) -> _Req:
+    def _get_task(self, task_id: str) -> _Op[Task]:
         if not isinstance(task_id, str) or not _ID_RE.match(task_id):
             raise NotFoundError(f"task {task_id!r} not found")
-        return _Req("GET", self._u(f"/tasks/{task_id}"), None, _P_TASK)
+        return (yield from self._call(_Req("GET", f"/tasks/{task_id}", None, _P_TASK)))
 
-    def _query_tasks(self, mode: Mode | None, limit: int | None) -> _Req:
+    def _query_tasks(self, *, mode: Mode | None = None, limit: int | None = None) -> _Op[list[Task]]:
         check_mode(mode)
         check_limit(limit)
-        return _Req("POST", self._u("/tasks/query"), _to_json({"mode": mode, "limit": limit}), _P_TASKS)
+        body = _to_json({"mode": mode, "limit": limit})
+        return (yield from self._call(_Req("POST", "/tasks/query", body, _P_TASKS)))
 
     # ------------------------------------------------------------- rollouts
-    def _enqueue(self, rollouts: Sequence[NewRollout], idempotency_key: str | None) -> _Req:
+    def _enqueue(
+        self, rollouts: Sequence[NewRollout], *, idempotency_key: str | None = None
+    ) -> _Op[list[Rollout]]:
         items = coerce_many(NewRollout, rollouts, "rollout")
-        if idempotency_key is not None and not isinstance(idempotency_key, str):
-            raise InvalidInputError(f"idempotency_key must be a string, got {idempotency_key!r}")
-        key = idempotency_key or uuid.uuid4().hex
+        key = _check_key(idempotency_key) or uuid.uuid4().hex
         body = _to_json({"rollouts": items, "idempotency_key": key})
-        return _Req("POST", self._u("/rollouts"), body, _P_ROLLOUTS)
+        return (yield from self._call(_Req("POST", "/rollouts", body, _P_ROLLOUTS)))
 
-    def _claim(self, worker_id: str, timeout_s: float, modes: Sequence[Mode] | None) -> _Req:
+    def _claim(
+        self, worker_id: str, *, timeout_s: float = 0.0, modes: Sequence[Mode] | None = None
+    ) -> _Op[Claim | None]:
+        """Waits longer than the server's cap are consecutive long-polls, never a polling interval."""
+        deadline = time.monotonic() + check_timeout(timeout_s)
         if worker_id is not None and not isinstance(worker_id, str):
             raise InvalidInputError(f"worker_id must be a string, got {worker_id!r}")
         mode_list = check_modes(modes)
-        body = _to_json({"worker_id": worker_id, "timeout_s": timeout_s, "modes": mode_list})
-        read = None if timeout_s <= 0 else timeout_s + _POLL_MARGIN_S
-        return _Req("POST", self._u("/claim"), body, _P_CLAIM, read_timeout=read)
+        while True:
+            wait = _poll_chunk(deadline)
+            body = _to_json({"worker_id": worker_id, "timeout_s": wait, "modes": mode_list})
+            read = None if wait <= 0 else wait + _POLL_MARGIN_S
+            claim = yield from self._call(_Req("POST", "/claim", body, _P_CLAIM, read_timeout=read))
+            if claim is not None or time.monotonic() >= deadline:
+                return claim  # type: ignore[no-any-return]
 
-    def _heartbeat(self, rollout_id: str, attempt: int) -> _Req:
+    def _heartbeat(self, rollout_id: str, attempt: int) -> _Op[Attempt]:
         check_attempt_number(attempt)
         rid = _check_path_id(rollout_id, "rollout")
-        return _Req("POST", self._u(f"/rollouts/{rid}/attempts/{attempt}/heartbeat"), b"", _P_ATTEMPT)
+        path = f"/rollouts/{rid}/attempts/{attempt}/heartbeat"
+        return (yield from self._call(_Req("POST", path, b"", _P_ATTEMPT)))
 
-    def _finish(self, rollout_id: str, attempt: int, status: str, error: Any) -> _Req:
+    def _finish_attempt(
+        self, rollout_id: str, attempt: int, status: str, *, error: Any = None
+    ) -> _Op[Rollout]:
         check_finish_status(status)
         check_attempt_number(attempt)
         err = check_error(error)
@@ -740,80 +777,92 @@ class _Requests:
             att = rollout.attempts[attempt - 1] if len(rollout.attempts) >= attempt else None
             return rollout if att is not None and att.status == status and att.error == err else None
 
-        return _Req(
-            "POST",
-            self._u(f"/rollouts/{rid}/attempts/{attempt}/finish"),
-            _to_json({"status": status, "error": err}),
-            _P_ROLLOUT,
-            uuid.uuid4().hex,
-            reconcile=(self._get_rollout(rid), done_by_us),
+        return (
+            yield from self._call(
+                _Req(
+                    "POST",
+                    f"/rollouts/{rid}/attempts/{attempt}/finish",
+                    _to_json({"status": status, "error": err}),
+                    _P_ROLLOUT,
+                    uuid.uuid4().hex,
+                    reconcile=(lambda: self._rollout_req(rid), done_by_us),
+                )
+            )
         )
 
-    def _cancel(self, rollout_id: str) -> _Req:
+    def _cancel(self, rollout_id: str) -> _Op[Rollout]:
         rid = _check_path_id(rollout_id, "rollout")
 
         def done_by_us(rollout: Rollout) -> Rollout | None:
             return rollout if rollout.status == "cancelled" else None
 
-        return _Req(
+        req = _Req(
             "POST",
-            self._u(f"/rollouts/{rid}/cancel"),
+            f"/rollouts/{rid}/cancel",
             b"",
             _P_ROLLOUT,
             uuid.uuid4().hex,
-            reconcile=(self._get_rollout(rid), done_by_us),
+            reconcile=(lambda: self._rollout_req(rid), done_by_us),
         )
+        return (yield from self._call(req))
 
-    def _get_rollout(self, rollout_id: str) -> _Req:
-        rid = _check_path_id(rollout_id, "rollout")
-        return _Req("GET", self._u(f"/rollouts/{rid}"), None, _P_ROLLOUT)
+    def _rollout_req(self, rid: str) -> _Req:
+        return _Req("GET", f"/rollouts/{rid}", None, _P_ROLLOUT)
+
+    def _get_rollout(self, rollout_id: str) -> _Op[Rollout]:
+        return (yield from self._call(self._rollout_req(_check_path_id(rollout_id, "rollout"))))
 
     def _query_rollouts(
         self,
-        status: str | Sequence[str] | None,
-        mode: Mode | None,
-        group_id: str | None,
-        ids: Sequence[str] | None,
-        limit: int | None,
+        *,
+        status: str | Sequence[str] | None = None,
+        mode: Mode | None = None,
+        group_id: str | None = None,
+        ids: Sequence[str] | None = None,
+        limit: int | None = None,
         offset: int | None = None,
-    ) -> _Req:
+    ) -> _Op[list[Rollout]]:
         statuses = check_statuses(status)
         check_mode(mode)
         check_limit(limit)
         skip = check_offset(offset)
         if group_id is not None and not isinstance(group_id, str):
             raise InvalidInputError(f"group_id must be a string, got {group_id!r}")
-        id_list = None if ids is None else check_ids(ids)
         query: dict[str, Any] = {
             "status": None if statuses is None else list(statuses),
             "mode": mode,
             "group_id": group_id,
-            "ids": id_list,
+            "ids": None if ids is None else check_ids(ids),
             "limit": limit,
         }
         if skip:  # sent only when used, so a query without it works against an older server too
             query["offset"] = skip
-        return _Req("POST", self._u("/rollouts/query"), _to_json(query), _P_ROLLOUTS)
+        return (yield from self._call(_Req("POST", "/rollouts/query", _to_json(query), _P_ROLLOUTS)))
 
-    def _get_attempts(self, rollout_id: str) -> _Req:
+    def _get_attempts(self, rollout_id: str) -> _Op[list[Attempt]]:
         rid = _check_path_id(rollout_id, "rollout")
-        return _Req("GET", self._u(f"/rollouts/{rid}/attempts"), None, _P_ATTEMPTS)
+        return (yield from self._call(_Req("GET", f"/rollouts/{rid}/attempts", None, _P_ATTEMPTS)))
 
-    def _wait(self, ids: list[str], timeout_s: float) -> _Req:
-        read = None if timeout_s <= 0 else timeout_s + _POLL_MARGIN_S
-        body = _to_json({"ids": ids, "timeout_s": timeout_s})
-        return _Req("POST", self._u("/rollouts/wait"), body, _P_ROLLOUTS, read_timeout=read)
+    def _wait_for_rollouts(self, ids: Sequence[str], *, timeout_s: float) -> _Op[list[Rollout]]:
+        deadline = time.monotonic() + check_timeout(timeout_s)
+        id_list = check_ids(ids)
+        wanted = len(set(id_list))
+        while True:
+            wait = _poll_chunk(deadline)
+            read = None if wait <= 0 else wait + _POLL_MARGIN_S
+            body = _to_json({"ids": id_list, "timeout_s": wait})
+            done = yield from self._call(_Req("POST", "/rollouts/wait", body, _P_ROLLOUTS, read_timeout=read))
+            if len(done) >= wanted or time.monotonic() >= deadline:
+                return done  # type: ignore[no-any-return]
 
     # ---------------------------------------------------------------- spans
-    def _add_spans(self, spans: Sequence[Span], idempotency_key: str | None) -> _Req:
+    def _add_spans(self, spans: Sequence[Span], *, idempotency_key: str | None = None) -> _Op[list[Span]]:
         items = coerce_many(Span, spans, "span")
-        if idempotency_key is not None and not isinstance(idempotency_key, str):
-            raise InvalidInputError(f"idempotency_key must be a string, got {idempotency_key!r}")
-        key = json.dumps(idempotency_key or uuid.uuid4().hex).encode()
+        key = json.dumps(_check_key(idempotency_key) or uuid.uuid4().hex).encode()
         body = b'{"spans":' + dump_spans(items) + b',"idempotency_key":' + key + b"}"
         if idempotency_key is not None:
             # A caller's own key may be replayed with other spans: return exactly what the store kept.
-            return _Req("POST", self._u("/spans"), body, _P_SPANS)
+            return (yield from self._call(_Req("POST", "/spans", body, _P_SPANS)))
 
         def merge(raw: bytes) -> list[Span]:
             answer = _from_json(raw)
@@ -827,71 +876,95 @@ class _Requests:
                 out.append(_trusted(Span, _F_SPAN, d))
             return out
 
-        return _Req("POST", self._u("/spans"), body, merge, prefer_minimal=True)
+        return (yield from self._call(_Req("POST", "/spans", body, merge, prefer_minimal=True)))
 
     def _query_spans(
         self,
-        rollout_id: str | None,
-        attempt: int | None,
-        name: str | None,
-        trace_id: str | None,
-        include_stale: bool,
-        limit: int | None,
-    ) -> _Req:
+        *,
+        rollout_id: str | None = None,
+        attempt: int | None = None,
+        name: str | None = None,
+        trace_id: str | None = None,
+        include_stale: bool = True,
+        limit: int | None = None,
+    ) -> _Op[list[Span]]:
         check_limit(limit)
         if attempt is not None:
             check_attempt_number(attempt)
         for what, value in (("rollout_id", rollout_id), ("name", name), ("trace_id", trace_id)):
             if value is not None and not isinstance(value, str):
                 raise InvalidInputError(f"{what} must be a string, got {value!r}")
-        body = _to_json(
-            {
-                "rollout_id": rollout_id,
-                "attempt": attempt,
-                "name": name,
-                "trace_id": trace_id,
-                "include_stale": bool(include_stale),
-                "limit": limit,
-            }
-        )
-        return _Req("POST", self._u("/spans/query"), body, _P_SPANS)
+        query = {
+            "rollout_id": rollout_id,
+            "attempt": attempt,
+            "name": name,
+            "trace_id": trace_id,
+            "include_stale": bool(include_stale),
+            "limit": limit,
+        }
+        return (yield from self._call(_Req("POST", "/spans/query", _to_json(query), _P_SPANS)))
 
     # ------------------------------------------------------------ resources
     def _add_resources(
-        self, items: dict[str, Resource | dict[str, Any]], idempotency_key: str | None
-    ) -> _Req:
-        if idempotency_key is not None and not isinstance(idempotency_key, str):
-            raise InvalidInputError(f"idempotency_key must be a string, got {idempotency_key!r}")
+        self, items: dict[str, Resource | dict[str, Any]], *, idempotency_key: str | None = None
+    ) -> _Op[Resources]:
+        key = _check_key(idempotency_key, header=True) or uuid.uuid4().hex
         if not isinstance(items, dict):
             raise InvalidInputError(
                 f"resources must be a dict of name -> resource, got {type(items).__name__}"
             )
-        return _Req(
-            "POST",
-            self._u("/resources"),
-            _to_json({"items": items}),
-            _P_RESOURCE_SNAPSHOT,
-            idempotency_key or uuid.uuid4().hex,
-        )
+        req = _Req("POST", "/resources", _to_json({"items": items}), _P_RESOURCE_SNAPSHOT, key)
+        return (yield from self._call(req))
 
-    def _get_resources(self, version: int | None) -> _Req:
+    def _get_resources(self, version: int | None = None) -> _Op[Resources | None]:
         if version is None:
-            return _Req("GET", self._u("/resources/latest"), None, _P_RESOURCES)
+            return (yield from self._call(_Req("GET", "/resources/latest", None, _P_RESOURCES)))
         if isinstance(version, bool) or not isinstance(version, int):
             raise InvalidInputError(f"resources version must be an integer, got {version!r}")
         if version < 0:
             raise NotFoundError(f"resources version {version} not found")
-        return _Req("GET", self._u(f"/resources/{version}"), None, _P_RESOURCES)
+        return (yield from self._call(_Req("GET", f"/resources/{version}", None, _P_RESOURCES)))
 
 
-def _poll_chunk(deadline: float) -> float:
-    return max(0.0, min(MAX_POLL_S, deadline - time.monotonic()))
+def _named(method: Any, op: Callable[..., Any]) -> Any:
+    """Name, docstring and signature (for ``help()`` and ``inspect``) of ``op``, under its public name
+    and with the result its ``_Op`` yields as the return annotation."""
+    functools.update_wrapper(method, op)
+    del method.__wrapped__  # the signature below is the one to show, not the generator's
+    method.__name__ = op.__name__.lstrip("_")
+    method.__qualname__ = method.__name__
+    sig = inspect.signature(op)
+    ret = sig.return_annotation
+    if isinstance(ret, str) and ret.startswith("_Op[") and ret.endswith("]"):
+        sig = sig.replace(return_annotation=ret[4:-1])
+    method.__signature__ = sig
+    return method
+
+
+def _sync(op: Callable[Concatenate[_Core, P], _Op[R]]) -> Callable[Concatenate[HttpStore, P], R]:
+    """The blocking store method for one ``_Core`` operation."""
+
+    def method(self: HttpStore, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._run(op(self, *args, **kwargs))
+
+    return _named(method, op)
+
+
+def _async(
+    op: Callable[Concatenate[_Core, P], _Op[R]],
+) -> Callable[Concatenate[AsyncHttpStore, P], Awaitable[R]]:
+    """The coroutine store method for one ``_Core`` operation."""
+
+    async def method(self: AsyncHttpStore, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await self._run(op(self, *args, **kwargs))
+
+    return _named(method, op)
 
 
 # ---------------------------------------------------------------------------------------------- sync
 
 
-class HttpStore(_Requests):
+class HttpStore(_Core):
     """The Store protocol over HTTP (blocking). Thread-safe: each thread keeps its own connection."""
 
     def __init__(
@@ -911,133 +984,64 @@ class HttpStore(_Requests):
             connect_timeout_s=connect_timeout_s,
             retry_timeout_s=retry_timeout_s,
         )
+        self._raw: _StdlibTransport | None = None
         if transport is None:
             if self._scheme == "http":
-                transport = _StdlibTransport(self._host, self._port)
+                transport = self._raw = _StdlibTransport(self._host, self._port)
             else:
                 transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         self._transport = transport
 
-    def _send(self, req: _Req) -> Any:
-        self._check_open()
-        policy = self._exchange(req)
-        step = next(policy)
-        while True:
-            kind, arg = step
-            value: Any = None
-            if kind == "send":
-                try:
-                    response = self._transport.handle_request(arg)
-                    try:
-                        value = (response.status_code, response.read())
-                    finally:
-                        response.close()
-                except httpx.TransportError as exc:
-                    value = f"{type(exc).__name__}: {exc}"
-            elif kind == "sleep":
-                time.sleep(arg)
-            else:
-                value = self._send(arg)
+    def _send(self, req: _Req) -> tuple[int, bytes] | str:
+        try:
+            if self._transport is self._raw:
+                r = self.timeout_s if req.read_timeout is None else req.read_timeout
+                a = self._raw.exchange(self._wire(req), req.method, self.connect_timeout_s, r)
+                return a.status, a.body
+            response = self._transport.handle_request(self._build(req))
             try:
-                step = policy.send(value)
+                return response.status_code, response.read()
+            finally:
+                response.close()
+        except httpx.TransportError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    def _run(self, op: _Op[R]) -> R:
+        self._check_open()
+        value: Any = None
+        while True:
+            try:
+                step = op.send(value)
             except StopIteration as done:
-                return done.value
+                return done.value  # type: ignore[no-any-return]
+            if isinstance(step, float):
+                time.sleep(step)
+                value = None
+            else:
+                value = self._send(step)
 
-    # ---------------------------------------------------------------- tasks
-    def add_tasks(self, tasks: Sequence[Task]) -> list[Task]:
-        return self._send(self._add_tasks(tasks))
+    add_tasks = _sync(_Core._add_tasks)
+    get_task = _sync(_Core._get_task)
+    query_tasks = _sync(_Core._query_tasks)
+    enqueue = _sync(_Core._enqueue)
+    claim = _sync(_Core._claim)
+    heartbeat = _sync(_Core._heartbeat)
+    finish_attempt = _sync(_Core._finish_attempt)
+    cancel = _sync(_Core._cancel)
+    get_rollout = _sync(_Core._get_rollout)
+    query_rollouts = _sync(_Core._query_rollouts)
+    get_attempts = _sync(_Core._get_attempts)
+    wait_for_rollouts = _sync(_Core._wait_for_rollouts)
+    add_spans = _sync(_Core._add_spans)
+    query_spans = _sync(_Core._query_spans)
+    add_resources = _sync(_Core._add_resources)
+    get_resources = _sync(_Core._get_resources)
 
-    def get_task(self, task_id: str) -> Task:
-        return self._send(self._get_task(task_id))
-
-    def query_tasks(self, *, mode: Mode | None = None, limit: int | None = None) -> list[Task]:
-        return self._send(self._query_tasks(mode, limit))
-
-    # ------------------------------------------------------------- rollouts
-    def enqueue(self, rollouts: Sequence[NewRollout], *, idempotency_key: str | None = None) -> list[Rollout]:
-        return self._send(self._enqueue(rollouts, idempotency_key))
-
-    def claim(
-        self, worker_id: str, *, timeout_s: float = 0.0, modes: Sequence[Mode] | None = None
-    ) -> Claim | None:
-        deadline = time.monotonic() + check_timeout(timeout_s)
-        while True:
-            claim = self._send(self._claim(worker_id, _poll_chunk(deadline), modes))
-            if claim is not None or time.monotonic() >= deadline:
-                return claim
-
-    def heartbeat(self, rollout_id: str, attempt: int) -> Attempt:
-        return self._send(self._heartbeat(rollout_id, attempt))
-
-    def finish_attempt(self, rollout_id: str, attempt: int, status: str, *, error: Any = None) -> Rollout:
-        return self._send(self._finish(rollout_id, attempt, status, error))
-
-    def cancel(self, rollout_id: str) -> Rollout:
-        return self._send(self._cancel(rollout_id))
-
-    def get_rollout(self, rollout_id: str) -> Rollout:
-        return self._send(self._get_rollout(rollout_id))
-
-    def query_rollouts(
-        self,
-        *,
-        status: str | Sequence[str] | None = None,
-        mode: Mode | None = None,
-        group_id: str | None = None,
-        ids: Sequence[str] | None = None,
-        limit: int | None = None,
-        offset: int | None = None,
-    ) -> list[Rollout]:
-        return self._send(self._query_rollouts(status, mode, group_id, ids, limit, offset))
-
-    def get_attempts(self, rollout_id: str) -> list[Attempt]:
-        return self._send(self._get_attempts(rollout_id))
-
-    def wait_for_rollouts(self, ids: Sequence[str], *, timeout_s: float) -> list[Rollout]:
-        deadline = time.monotonic() + check_timeout(timeout_s)
-        id_list = check_ids(ids)
-        wanted = len(set(id_list))
-        while True:
-            done = self._send(self._wait(id_list, _poll_chunk(deadline)))
-            if len(done) >= wanted or time.monotonic() >= deadline:
-                return done
-
-    # ---------------------------------------------------------------- spans
-    def add_spans(self, spans: Sequence[Span], *, idempotency_key: str | None = None) -> list[Span]:
-        return self._send(self._add_spans(spans, idempotency_key))
-
-    def query_spans(
-        self,
-        *,
-        rollout_id: str | None = None,
-        attempt: int | None = None,
-        name: str | None = None,
-        trace_id: str | None = None,
-        include_stale: bool = True,
-        limit: int | None = None,
-    ) -> list[Span]:
-        return self._send(self._query_spans(rollout_id, attempt, name, trace_id, include_stale, limit))
-
-    # ------------------------------------------------------------ resources
-    def add_resources(
-        self, items: dict[str, Resource | dict[str, Any]], *, idempotency_key: str | None = None
-    ) -> Resources:
-        return self._send(self._add_resources(items, idempotency_key))
-
-    def get_resources(self, version: int | None = None) -> Resources | None:
-        return self._send(self._get_resources(version))
-
-    # ----------------------------------------------------------- lifecycle
     def health(self) -> bool:
         """True when the server answers ``/health`` (no retries, no token needed)."""
-        try:
-            response = self._transport.handle_request(
-                httpx.Request("GET", self._u("/health"), extensions={"timeout": self._timeouts(2.0)})
-            )
-            response.read()
-            return response.status_code == 200
-        except httpx.TransportError:
-            return False
+        req = _Req("GET", "/health", None, bytes, read_timeout=2.0)
+        outcome = self._send(req)
+        return isinstance(outcome, tuple) and outcome[0] == 200
 
     def close(self) -> None:
         self._closed = True
@@ -1053,7 +1057,7 @@ class HttpStore(_Requests):
 # --------------------------------------------------------------------------------------------- async
 
 
-class AsyncHttpStore(_Requests):
+class AsyncHttpStore(_Core):
     """The Store protocol over HTTP for asyncio code: the same methods, as coroutines."""
 
     def __init__(
@@ -1074,9 +1078,10 @@ class AsyncHttpStore(_Requests):
             connect_timeout_s=connect_timeout_s,
             retry_timeout_s=retry_timeout_s,
         )
+        self._raw: _AsyncStdlibTransport | None = None
         if transport is None:
             if self._scheme == "http":
-                transport = _AsyncStdlibTransport(self._host, self._port, max_connections)
+                transport = self._raw = _AsyncStdlibTransport(self._host, self._port, max_connections)
             else:
                 transport = httpx.AsyncHTTPTransport(
                     limits=httpx.Limits(
@@ -1087,120 +1092,51 @@ class AsyncHttpStore(_Requests):
                 )
         self._transport = transport
 
-    async def _send(self, req: _Req) -> Any:
-        self._check_open()
-        policy = self._exchange(req)
-        step = next(policy)
-        while True:
-            kind, arg = step
-            value: Any = None
-            if kind == "send":
-                try:
-                    response = await self._transport.handle_async_request(arg)
-                    try:
-                        value = (response.status_code, await response.aread())
-                    finally:
-                        await response.aclose()
-                except httpx.TransportError as exc:
-                    value = f"{type(exc).__name__}: {exc}"
-            elif kind == "sleep":
-                await asyncio.sleep(arg)
-            else:
-                value = await self._send(arg)
+    async def _send(self, req: _Req) -> tuple[int, bytes] | str:
+        try:
+            if self._transport is self._raw:
+                r = self.timeout_s if req.read_timeout is None else req.read_timeout
+                a = await self._raw.exchange(self._wire(req), req.method, self.connect_timeout_s, r)
+                return a.status, a.body
+            response = await self._transport.handle_async_request(self._build(req))
             try:
-                step = policy.send(value)
+                return response.status_code, await response.aread()
+            finally:
+                await response.aclose()
+        except httpx.TransportError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    async def _run(self, op: _Op[R]) -> R:
+        self._check_open()
+        value: Any = None
+        while True:
+            try:
+                step = op.send(value)
             except StopIteration as done:
-                return done.value
+                return done.value  # type: ignore[no-any-return]
+            if isinstance(step, float):
+                await asyncio.sleep(step)
+                value = None
+            else:
+                value = await self._send(step)
 
-    # ---------------------------------------------------------------- tasks
-    async def add_tasks(self, tasks: Sequence[Task]) -> list[Task]:
-        return await self._send(self._add_tasks(tasks))
+    add_tasks = _async(_Core._add_tasks)
+    get_task = _async(_Core._get_task)
+    query_tasks = _async(_Core._query_tasks)
+    enqueue = _async(_Core._enqueue)
+    claim = _async(_Core._claim)
+    heartbeat = _async(_Core._heartbeat)
+    finish_attempt = _async(_Core._finish_attempt)
+    cancel = _async(_Core._cancel)
+    get_rollout = _async(_Core._get_rollout)
+    query_rollouts = _async(_Core._query_rollouts)
+    get_attempts = _async(_Core._get_attempts)
+    wait_for_rollouts = _async(_Core._wait_for_rollouts)
+    add_spans = _async(_Core._add_spans)
+    query_spans = _async(_Core._query_spans)
+    add_resources = _async(_Core._add_resources)
+    get_resources = _async(_Core._get_resources)
 
-    async def get_task(self, task_id: str) -> Task:
-        return await self._send(self._get_task(task_id))
-
-    async def query_tasks(self, *, mode: Mode | None = None, limit: int | None = None) -> list[Task]:
-        return await self._send(self._query_tasks(mode, limit))
-
-    # ------------------------------------------------------------- rollouts
-    async def enqueue(
-        self, rollouts: Sequence[NewRollout], *, idempotency_key: str | None = None
-    ) -> list[Rollout]:
-        return await self._send(self._enqueue(rollouts, idempotency_key))
-
-    async def claim(
-        self, worker_id: str, *, timeout_s: float = 0.0, modes: Sequence[Mode] | None = None
-    ) -> Claim | None:
-        deadline = time.monotonic() + check_timeout(timeout_s)
-        while True:
-            claim = await self._send(self._claim(worker_id, _poll_chunk(deadline), modes))
-            if claim is not None or time.monotonic() >= deadline:
-                return claim
-
-    async def heartbeat(self, rollout_id: str, attempt: int) -> Attempt:
-        return await self._send(self._heartbeat(rollout_id, attempt))
-
-    async def finish_attempt(
-        self, rollout_id: str, attempt: int, status: str, *, error: Any = None
-    ) -> Rollout:
-        return await self._send(self._finish(rollout_id, attempt, status, error))
-
-    async def cancel(self, rollout_id: str) -> Rollout:
-        return await self._send(self._cancel(rollout_id))
-
-    async def get_rollout(self, rollout_id: str) -> Rollout:
-        return await self._send(self._get_rollout(rollout_id))
-
-    async def query_rollouts(
-        self,
-        *,
-        status: str | Sequence[str] | None = None,
-        mode: Mode | None = None,
-        group_id: str | None = None,
-        ids: Sequence[str] | None = None,
-        limit: int | None = None,
-        offset: int | None = None,
-    ) -> list[Rollout]:
-        return await self._send(self._query_rollouts(status, mode, group_id, ids, limit, offset))
-
-    async def get_attempts(self, rollout_id: str) -> list[Attempt]:
-        return await self._send(self._get_attempts(rollout_id))
-
-    async def wait_for_rollouts(self, ids: Sequence[str], *, timeout_s: float) -> list[Rollout]:
-        deadline = time.monotonic() + check_timeout(timeout_s)
-        id_list = check_ids(ids)
-        wanted = len(set(id_list))
-        while True:
-            done = await self._send(self._wait(id_list, _poll_chunk(deadline)))
-            if len(done) >= wanted or time.monotonic() >= deadline:
-                return done
-
-    # ---------------------------------------------------------------- spans
-    async def add_spans(self, spans: Sequence[Span], *, idempotency_key: str | None = None) -> list[Span]:
-        return await self._send(self._add_spans(spans, idempotency_key))
-
-    async def query_spans(
-        self,
-        *,
-        rollout_id: str | None = None,
-        attempt: int | None = None,
-        name: str | None = None,
-        trace_id: str | None = None,
-        include_stale: bool = True,
-        limit: int | None = None,
-    ) -> list[Span]:
-        return await self._send(self._query_spans(rollout_id, attempt, name, trace_id, include_stale, limit))
-
-    # ------------------------------------------------------------ resources
-    async def add_resources(
-        self, items: dict[str, Resource | dict[str, Any]], *, idempotency_key: str | None = None
-    ) -> Resources:
-        return await self._send(self._add_resources(items, idempotency_key))
-
-    async def get_resources(self, version: int | None = None) -> Resources | None:
-        return await self._send(self._get_resources(version))
-
-    # ----------------------------------------------------------- lifecycle
     async def aclose(self) -> None:
         self._closed = True
         await self._transport.aclose()

@@ -52,32 +52,29 @@ from agl.store._common import (
     coerce_many,
     make_resources,
 )
-from agl.store.base import ConflictError, InvalidInputError, NotFoundError, StoreError
-from agl.store.sqlite import (
-    _ATTEMPTS,
-    _ENDED,
+from agl.store._rows import (
     _ID,
-    _LEASE_S,
-    _MAX,
+    _INF,
     _N,
-    _N_ATT,
-    _PINNED,
     _ROLLOUT_COLS,
     _SPAN_CHUNK_COLS,
     _STATUS,
-    _TIMEOUT_AT,
-    _TIMEOUT_S,
-    _UPDATED,
-    _VERSION,
-    _attempt,
-    _construct,
+    End,
+    SpanBatch,
+    Start,
     _dumps,
-    _error_dict,
     _loads,
     _rollout,
-    _span_record,
     _spans_from_chunk,
+    cancelled_queued,
+    expiry,
+    insert_rows,
+    queued,
+    renew,
+    running_attempt,
+    spans_of,
 )
+from agl.store.base import ConflictError, InvalidInputError, NotFoundError, StoreError
 from agl.types import (
     Attempt,
     AttemptError,
@@ -97,10 +94,7 @@ __all__ = ["LocalPostgres", "PostgresStore", "find_postgres_bin"]
 #: The NOTIFY channel. Topics: ``queue`` (something became claimable), ``done`` (a rollout ended),
 #: ``lease`` (a running deadline appeared or moved earlier: waiters re-read the earliest).
 CHANNEL = "agl_store"
-_STALE_ENDINGS = ("lost", "timed_out")
 _TERMINAL = ("succeeded", "failed", "cancelled")
-_INF = float("inf")
-_LEASE_COALESCE = 0.1
 _MIGRATE_LOCK = 0x61676C31  # "agl1": advisory lock id for migrations
 _RESOURCES_LOCK = 0x61676C32  # serialises resource versions
 
@@ -298,12 +292,8 @@ class PostgresStore:
             (now,),
         ).fetchall()
         for row in rows:
-            if row[_TIMEOUT_AT] is not None and row[_TIMEOUT_AT] <= now:
-                err = AttemptError(type="timeout", message="the rollout ran past timeout_s")
-                self._end_attempt(c, row, "timed_out", now, err)
-            else:
-                err = AttemptError(type="lease_expired", message="no heartbeat before the lease expired")
-                self._end_attempt(c, row, "lost", now, err)
+            status, err = expiry(row, now)
+            self._end_attempt(c, row, status, now, err)
         nd = c.execute("SELECT MIN(deadline) FROM rollouts WHERE status = 'running'").fetchone()[0]
         # a deadline announced meanwhile may be missing from that snapshot: then check again next call
         self._min_deadline = -_INF if gen != self._lease_gen else (_INF if nd is None else nd)
@@ -317,37 +307,19 @@ class PostgresStore:
         now: float,
         err: AttemptError | None,
         rollout_status: str | None = None,
-    ) -> tuple[list[Any], list[dict[str, Any]]]:
-        attempts = _loads(row[_ATTEMPTS])
-        cur = attempts[-1]
-        cur.update(status=status, ended_at=now, error=_error_dict(err), lease_expires_at=None)
-        if rollout_status is None:
-            if status == "succeeded":
-                rollout_status = "succeeded"
-            else:
-                rollout_status = "queued" if row[_N_ATT] < row[_MAX] else "failed"
-        ended = None if rollout_status == "queued" else now
+    ) -> Rollout:
+        e = End(row, status, now, err, rollout_status)
         c.execute(
             "WITH u AS (UPDATE rollouts SET status = %s, attempts = %s, updated_at = %s, ended_at = %s, "
             "deadline = NULL, timeout_at = NULL WHERE n = %s RETURNING 1) SELECT pg_notify(%s, %s) FROM u",
-            (
-                rollout_status,
-                _dumps(attempts),
-                now,
-                ended,
-                row[_N],
-                CHANNEL,
-                "queue" if ended is None else "done",
-            ),
+            (e.status, e.attempts, now, e.ended, row[_N], CHANNEL, "queue" if e.ended is None else "done"),
         )
-        if status in _STALE_ENDINGS:
+        if e.stale:
             c.execute(
                 "UPDATE span_chunks SET stale = TRUE WHERE rollout_id = %s AND attempt = %s",
-                (row[_ID], cur["number"]),
+                (row[_ID], e.number),
             )
-        new = list(row)
-        new[_STATUS], new[_UPDATED], new[_ENDED], new[_TIMEOUT_AT] = rollout_status, now, ended, None
-        return new, attempts
+        return e.rollout
 
     def _reap_now(self) -> None:
         with self._txn() as c:
@@ -448,28 +420,7 @@ class PostgresStore:
         items = coerce_many(NewRollout, rollouts, "rollout")
         now = time.time()
         ids = [nr.id or new_id("ro") for nr in items]
-        if len(set(ids)) != len(ids):
-            seen: set[str] = set()
-            dup = next(i for i in ids if i in seen or seen.add(i))  # type: ignore[func-returns-value]
-            raise ConflictError(f"rollout {dup!r} appears twice in the batch; nothing was enqueued")
-        rows = [
-            (
-                rid,
-                nr.task_id,
-                None if nr.input is None else _dumps(nr.input),
-                nr.mode,
-                nr.group_id,
-                nr.resources_version,
-                nr.resources_version,
-                nr.config.timeout_s,
-                nr.config.lease_s,
-                nr.config.max_attempts,
-                _dumps(nr.metadata) if nr.metadata else None,
-                now,
-                now,
-            )
-            for rid, nr in zip(ids, items, strict=True)
-        ]
+        rows = insert_rows(ids, items, now)
         key = None if idempotency_key is None else f"enqueue:{idempotency_key}"
         with self._txn() as c:
             if key is not None:
@@ -501,27 +452,7 @@ class PostgresStore:
             if key is not None:
                 self._store_key(c, key, ids)
             c.execute("SELECT pg_notify(%s, 'queue')", (CHANNEL,))
-        return [
-            _construct(
-                Rollout,
-                {
-                    "id": rid,
-                    "task_id": nr.task_id,
-                    "input": nr.input,
-                    "mode": nr.mode,
-                    "group_id": nr.group_id,
-                    "resources_version": nr.resources_version,
-                    "status": "queued",
-                    "config": nr.config,
-                    "metadata": nr.metadata,
-                    "created_at": now,
-                    "updated_at": now,
-                    "ended_at": None,
-                    "attempts": (),
-                },
-            )
-            for rid, nr in zip(ids, items, strict=True)
-        ]
+        return queued(ids, items, now)
 
     def _try_claim(self, worker_id: str | None, modes: tuple[str, ...] | None) -> Claim | None:
         where, args = "status = 'queued'", []
@@ -538,47 +469,25 @@ class PostgresStore:
             ).fetchone()
             if got is None:
                 return None
-            row, latest = got[:-1], got[-1]
-            version = row[_PINNED] if row[_PINNED] is not None else latest
-            number = row[_N_ATT] + 1
-            lease = now + row[_LEASE_S]
-            timeout_at = None if row[_TIMEOUT_S] is None else now + row[_TIMEOUT_S]
-            deadline = lease if timeout_at is None else min(lease, timeout_at)
-            attempts = _loads(row[_ATTEMPTS])
-            attempts.append(
-                {
-                    "number": number,
-                    "worker_id": worker_id,
-                    "status": "running",
-                    "resources_version": version,
-                    "started_at": now,
-                    "last_heartbeat": now,
-                    "lease_expires_at": lease,
-                    "ended_at": None,
-                    "error": None,
-                }
-            )
+            st = Start(got[:-1], worker_id, now, got[-1])
             c.execute(
                 "WITH u AS (UPDATE rollouts SET status = 'running', updated_at = %s, resources_version = %s, "
                 "n_attempts = %s, attempts = %s, timeout_at = %s, deadline = %s WHERE n = %s RETURNING 1) "
                 "SELECT pg_notify(%s, %s) FROM u",
                 (
                     now,
-                    version,
-                    number,
-                    _dumps(attempts),
-                    timeout_at,
-                    deadline,
-                    row[_N],
+                    st.version,
+                    st.number,
+                    st.attempts,
+                    st.timeout_at,
+                    st.deadline,
+                    got[_N],
                     CHANNEL,
-                    f"lease:{deadline!r}",
+                    f"lease:{st.deadline!r}",
                 ),
             )
-        self._lower_deadline(deadline)
-        r = list(row)
-        r[_VERSION], r[_STATUS], r[_UPDATED] = version, "running", now
-        rollout = _rollout(r, attempts)
-        return _construct(Claim, {"rollout": rollout, "attempt": rollout.attempts[-1]})
+        self._lower_deadline(st.deadline)
+        return st.claim
 
     def claim(
         self, worker_id: str, *, timeout_s: float = 0.0, modes: Sequence[Mode] | None = None
@@ -595,35 +504,19 @@ class PostgresStore:
                 return got
             self._wait(generation, deadline)
 
-    @staticmethod
-    def _running_attempt(row: Sequence[Any], attempt: int, verb: str) -> list[dict[str, Any]]:
-        attempts = _loads(row[_ATTEMPTS])
-        if not 1 <= attempt <= len(attempts):
-            raise NotFoundError(f"attempt {attempt} of rollout {row[_ID]!r} not found")
-        status = attempts[attempt - 1]["status"]
-        if status != "running":
-            raise ConflictError(
-                f"cannot {verb} attempt {attempt} of rollout {row[_ID]!r}: it already ended {status} "
-                f"(rollout is {row[_STATUS]})"
-            )
-        return attempts
-
     def heartbeat(self, rollout_id: str, attempt: int) -> Attempt:
         check_attempt_number(attempt)
         now = time.time()
         with self._txn() as c:
             self._reap(c, now)
             row = self._row(c, rollout_id, lock=True)
-            attempts = self._running_attempt(row, attempt, "heartbeat")
-            cur = attempts[attempt - 1]
-            lease = now + row[_LEASE_S]
-            cur["last_heartbeat"], cur["lease_expires_at"] = now, lease
-            deadline = lease if row[_TIMEOUT_AT] is None else min(lease, row[_TIMEOUT_AT])
+            attempts = running_attempt(row, attempt, "heartbeat")
+            renewed, deadline = renew(row, attempts, attempt, now)
             c.execute(
                 "UPDATE rollouts SET attempts = %s, deadline = %s WHERE n = %s",
                 (_dumps(attempts), deadline, row[_N]),
             )
-        return _attempt(rollout_id, cur)
+        return renewed
 
     def finish_attempt(
         self, rollout_id: str, attempt: int, status: str, *, error: AttemptError | None = None
@@ -635,9 +528,8 @@ class PostgresStore:
         with self._txn() as c:
             self._reap(c, now)
             row = self._row(c, rollout_id, lock=True)
-            self._running_attempt(row, attempt, "finish")
-            new, attempts = self._end_attempt(c, row, status, now, err)
-        return _rollout(new, attempts)
+            running_attempt(row, attempt, "finish")
+            return self._end_attempt(c, row, status, now, err)
 
     def cancel(self, rollout_id: str) -> Rollout:
         now = time.time()
@@ -646,18 +538,15 @@ class PostgresStore:
             row = self._row(c, rollout_id, lock=True)
             if row[_STATUS] == "running":
                 err = AttemptError(type="cancelled", message="the rollout was cancelled")
-                new, attempts = self._end_attempt(c, row, "failed", now, err, rollout_status="cancelled")
-            elif row[_STATUS] == "queued":
+                return self._end_attempt(c, row, "failed", now, err, rollout_status="cancelled")
+            if row[_STATUS] == "queued":
                 c.execute(
                     "UPDATE rollouts SET status = 'cancelled', updated_at = %s, ended_at = %s WHERE n = %s",
                     (now, now, row[_N]),
                 )
                 c.execute("SELECT pg_notify(%s, 'done')", (CHANNEL,))
-                new, attempts = list(row), _loads(row[_ATTEMPTS])
-                new[_STATUS], new[_UPDATED], new[_ENDED] = "cancelled", now, now
-            else:
-                raise ConflictError(f"cannot cancel rollout {rollout_id!r}: it is already {row[_STATUS]}")
-        return _rollout(new, attempts)
+                return cancelled_queued(row, now)
+            raise ConflictError(f"cannot cancel rollout {rollout_id!r}: it is already {row[_STATUS]}")
 
     def get_rollout(self, rollout_id: str) -> Rollout:
         with self._txn() as c:
@@ -740,11 +629,7 @@ class PostgresStore:
         if not items:
             self._check_open()
             return []
-        groups: dict[tuple[str, int], list[int]] = {}
-        for i, s in enumerate(items):
-            groups.setdefault((s.__dict__["rollout_id"], s.__dict__["attempt"]), []).append(i)
-        bodies = [_dumps([_span_record(items[i]) for i in idx]) for idx in groups.values()]
-        traces = [{items[i].__dict__["trace_id"] for i in idx} for idx in groups.values()]
+        batch = SpanBatch(items)
         key = None if idempotency_key is None else f"spans:{idempotency_key}"
         now = time.time()
         with self._txn() as c:
@@ -753,60 +638,45 @@ class PostgresStore:
                 if prev is not None:
                     return self._spans_of_chunks(c, prev)
             self._reap(c, now)
-            plan = []
+            targets = {}
             # lock the rollouts in id order (no deadlock between two batches touching the same ones)
-            for rid, number in sorted(groups):
-                row = c.execute(
+            for rid, number in sorted(batch.groups):
+                target = c.execute(
                     "SELECT n, n_attempts, lease_s, timeout_at, attempts FROM rollouts WHERE id = %s FOR UPDATE",
                     (rid,),
                 ).fetchone()
-                if row is None or not 1 <= number <= row[1]:
-                    what = f"rollout {rid!r}" if row is None else f"attempt {number} of rollout {rid!r}"
-                    sid = items[groups[(rid, number)][0]].span_id
-                    raise NotFoundError(f"span {sid}: {what} not found; no span was stored")
-                plan.append(row)
-            rows_by_key = dict(zip(sorted(groups), plan, strict=True))
+                error = batch.missing(rid, number, target)
+                if error is not None:
+                    raise error
+                targets[(rid, number)] = target
             chunk_ns: list[int] = []
-            placed: list[tuple[int, bool]] = []
-            for ((rid, number), idx), body, tr in zip(groups.items(), bodies, traces, strict=True):
-                n, _, lease_s, timeout_at, attempts_json = rows_by_key[(rid, number)]
+            placed: list[tuple[int, bool]] = []  # (first seq, stale) per group
+            for ((rid, number), idx), body, traces in zip(
+                batch.groups.items(), batch.bodies, batch.traces, strict=True
+            ):
+                target = targets[(rid, number)]
                 last = c.execute(
                     "SELECT MAX(last_seq) FROM span_chunks WHERE rollout_id = %s AND attempt = %s",
                     (rid, number),
                 ).fetchone()[0]
                 first = (last or 0) + 1
-                attempts = _loads(attempts_json)
-                cur = attempts[number - 1]
-                stale = cur["status"] in _STALE_ENDINGS
+                stale, extend = batch.placement(target, number, now)
                 chunk = c.execute(
                     "WITH c AS (INSERT INTO span_chunks (rollout_id, attempt, first_seq, last_seq, stale, body) "
                     "VALUES (%s, %s, %s, %s, %s, %s) RETURNING n), "
                     "t AS (INSERT INTO span_traces (trace_id, chunk) SELECT x, c.n FROM c, unnest(%s::text[]) AS x "
                     "ON CONFLICT DO NOTHING) SELECT n FROM c",
-                    (rid, number, first, first + len(idx) - 1, stale, body, sorted(tr)),
+                    (rid, number, first, first + len(idx) - 1, stale, body, traces),
                 ).fetchone()[0]
                 chunk_ns.append(chunk)
-                if (
-                    cur["status"] == "running"
-                    and now - (cur["lease_expires_at"] - lease_s) > lease_s * _LEASE_COALESCE
-                ):
-                    cur["lease_expires_at"] = lease = now + lease_s
-                    deadline = lease if timeout_at is None else min(lease, timeout_at)
+                if extend is not None:  # a span arrival is a sign of life: extend the lease
                     c.execute(
-                        "UPDATE rollouts SET attempts = %s, deadline = %s WHERE n = %s",
-                        (_dumps(attempts), deadline, n),
+                        "UPDATE rollouts SET attempts = %s, deadline = %s WHERE n = %s", (*extend, target[0])
                     )
                 placed.append((first, stale))
             if key is not None:
                 self._store_key(c, key, chunk_ns)
-        stored: list[Any] = [None] * len(items)
-        for idx, (first, stale) in zip(groups.values(), placed, strict=True):
-            for k, i in enumerate(idx):
-                d = dict(items[i].__dict__)
-                d["seq"] = first + k
-                d["stale"] = stale
-                stored[i] = _construct(Span, d)
-        return stored
+        return batch.stored(placed)
 
     @staticmethod
     def _spans_of_chunks(c: Any, chunk_ns: list[int]) -> list[Span]:
@@ -850,14 +720,7 @@ class PostgresStore:
         with self._txn() as c:
             self._reap(c, time.time())
             rows = c.execute(sql, args).fetchall()
-        out: list[Span] = []
-        if limit == 0:
-            return out
-        for row in rows:
-            out.extend(_spans_from_chunk(row, name, trace_id))
-            if limit is not None and len(out) >= limit:
-                return out[:limit]
-        return out
+        return spans_of(rows, name, trace_id, limit)
 
     # ------------------------------------------------------------ resources
     def add_resources(

@@ -33,7 +33,6 @@ are what a commit costs):
 
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
 import threading
@@ -41,8 +40,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-from pydantic import BaseModel
 
 from agl.store._common import (
     BACKOFF_MAX_S,
@@ -61,6 +58,29 @@ from agl.store._common import (
     coerce_many,
     make_resources,
 )
+from agl.store._rows import (
+    _ID,
+    _INF,
+    _N,
+    _PINNED,
+    _ROLLOUT_COLS,
+    _SPAN_CHUNK_COLS,
+    _STATUS,
+    End,
+    SpanBatch,
+    Start,
+    _dumps,
+    _loads,
+    _rollout,
+    _spans_from_chunk,
+    cancelled_queued,
+    expiry,
+    insert_rows,
+    queued,
+    renew,
+    running_attempt,
+    spans_of,
+)
 from agl.store.base import ConflictError, InvalidInputError, NotFoundError, StoreError
 from agl.types import (
     Attempt,
@@ -71,30 +91,10 @@ from agl.types import (
     Resource,
     Resources,
     Rollout,
-    RolloutConfig,
     Span,
-    SpanEvent,
-    SpanStatus,
     Task,
     new_id,
 )
-
-try:  # orjson is optional: several times faster on span attributes
-    import orjson
-
-    def _dumps(value: Any) -> str:
-        try:
-            return orjson.dumps(value).decode()
-        except TypeError:  # e.g. ints beyond 64 bits: the stdlib handles them
-            return _std_dumps(value)
-
-    _loads = orjson.loads
-except ImportError:  # pragma: no cover - exercised in envs without orjson
-
-    def _dumps(value: Any) -> str:
-        return _std_dumps(value)
-
-    _loads = json.loads
 
 __all__ = ["SQLiteStore"]
 
@@ -157,167 +157,13 @@ CREATE TABLE IF NOT EXISTS idempotency (
 ) WITHOUT ROWID;
 """
 
-# column positions in _ROLLOUT_COLS
-_N, _ID, _TASK, _INPUT, _MODE, _GROUP, _VERSION, _STATUS, _TIMEOUT_S, _LEASE_S, _MAX = range(11)
-_META, _CREATED, _UPDATED, _ENDED, _N_ATT, _PINNED, _ATTEMPTS, _TIMEOUT_AT = range(11, 19)
-_ROLLOUT_COLS = (
-    "n, id, task_id, input, mode, group_id, resources_version, status, timeout_s, lease_s, max_attempts, "
-    "metadata, created_at, updated_at, ended_at, n_attempts, pinned_version, attempts, timeout_at"
-)
-_SPAN_CHUNK_COLS = "n, rollout_id, attempt, first_seq, stale, body"
 _SPAN_TARGET_SQL = "SELECT n, n_attempts, lease_s, timeout_at, attempts FROM rollouts WHERE id = ?"
 _LAST_SEQ_SQL = "SELECT MAX(last_seq) FROM span_chunks WHERE rollout_id = ? AND attempt = ?"
 _INSERT_CHUNK_SQL = "INSERT INTO span_chunks (rollout_id, attempt, first_seq, last_seq, stale, body) VALUES (?, ?, ?, ?, ?, ?)"
 _INSERT_TRACE_SQL = "INSERT OR IGNORE INTO span_traces (trace_id, chunk) VALUES (?, ?)"
 _EXTEND_SQL = "UPDATE rollouts SET attempts = ?, deadline = ? WHERE n = ?"
 _TERMINAL_SQL = "('succeeded', 'failed', 'cancelled')"
-_STALE_ENDINGS = ("lost", "timed_out")
-_INF = float("inf")
 _UNKNOWN = object()
-_DEFAULT_STATUS = SpanStatus()
-#: a span arrival rewrites the lease only when it would move by more than this fraction of lease_s
-_LEASE_COALESCE = 0.1
-
-
-def _std_dumps(value: Any) -> str:
-    try:
-        return json.dumps(value, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise InvalidInputError(f"value is not JSON-serialisable: {exc}") from None
-
-
-def _construct(cls: type, values: dict[str, Any]) -> Any:
-    """Build a model from trusted, already-valid data without re-validating it (the hot read path).
-
-    ``values`` must hold every field. This is what ``model_construct`` does, minus its per-field
-    default handling, which costs more than the rest of a read.
-    """
-    obj = _new(cls)
-    _setattr(obj, "__dict__", values)
-    _set_fields_set(obj, set(values))
-    _set_extra(obj, None)
-    _set_private(obj, None)
-    return obj
-
-
-_new = object.__new__
-_setattr = object.__setattr__
-_set_fields_set = BaseModel.__dict__["__pydantic_fields_set__"].__set__
-_set_extra = BaseModel.__dict__["__pydantic_extra__"].__set__
-_set_private = BaseModel.__dict__["__pydantic_private__"].__set__
-
-
-def _attempt(rollout_id: str, d: dict[str, Any]) -> Attempt:
-    err = d["error"]
-    return _construct(
-        Attempt,
-        {
-            "rollout_id": rollout_id,
-            "number": d["number"],
-            "worker_id": d["worker_id"],
-            "status": d["status"],
-            "resources_version": d["resources_version"],
-            "started_at": d["started_at"],
-            "last_heartbeat": d["last_heartbeat"],
-            "lease_expires_at": d["lease_expires_at"],
-            "ended_at": d["ended_at"],
-            "error": None if err is None else _construct(AttemptError, dict(err)),
-        },
-    )
-
-
-def _error_dict(err: AttemptError | None) -> dict[str, Any] | None:
-    return None if err is None else {"type": err.type, "message": err.message, "traceback": err.traceback}
-
-
-def _rollout(row: Sequence[Any], attempts: list[dict[str, Any]] | None = None) -> Rollout:
-    rid = row[_ID]
-    atts = _loads(row[_ATTEMPTS]) if attempts is None else attempts
-    return _construct(
-        Rollout,
-        {
-            "id": rid,
-            "task_id": row[_TASK],
-            "input": None if row[_INPUT] is None else _loads(row[_INPUT]),
-            "mode": row[_MODE],
-            "group_id": row[_GROUP],
-            "resources_version": row[_VERSION],
-            "status": row[_STATUS],
-            "config": _construct(
-                RolloutConfig,
-                {"timeout_s": row[_TIMEOUT_S], "lease_s": row[_LEASE_S], "max_attempts": row[_MAX]},
-            ),
-            "metadata": {} if row[_META] is None else _loads(row[_META]),
-            "created_at": row[_CREATED],
-            "updated_at": row[_UPDATED],
-            "ended_at": row[_ENDED],
-            "attempts": tuple(_attempt(rid, d) for d in atts),
-        },
-    )
-
-
-def _span_record(s: Span) -> list[Any]:
-    """A span as a compact JSON array (the chunk body); rollout/attempt/seq/stale live in the row."""
-    d = s.__dict__
-    st = d["status"]
-    events = d["events"]
-    return [
-        d["trace_id"],
-        d["span_id"],
-        d["parent_id"],
-        d["name"],
-        d["kind"],
-        d["start_ns"],
-        d["end_ns"],
-        st.code,
-        st.message,
-        d["attributes"],
-        [e.__dict__ for e in events] if events else None,
-        d["resource"],
-    ]
-
-
-def _spans_from_chunk(row: Sequence[Any], name: str | None, trace_id: str | None) -> list[Span]:
-    _, rid, attempt, first_seq, stale, body = row
-    stale = bool(stale)
-    out = []
-    for i, rec in enumerate(_loads(body)):
-        if (name is not None and rec[3] != name) or (trace_id is not None and rec[0] != trace_id):
-            continue
-        code, message, events = rec[7], rec[8], rec[10]
-        out.append(
-            _construct(
-                Span,
-                {
-                    "trace_id": rec[0],
-                    "span_id": rec[1],
-                    "parent_id": rec[2],
-                    "name": rec[3],
-                    "kind": rec[4],
-                    "start_ns": rec[5],
-                    "end_ns": rec[6],
-                    "status": _DEFAULT_STATUS
-                    if code == "UNSET" and message is None
-                    else _construct(SpanStatus, {"code": code, "message": message}),
-                    "attributes": rec[9],
-                    "events": ()
-                    if not events
-                    else tuple(
-                        _construct(
-                            SpanEvent,
-                            {"name": e["name"], "time_ns": e["time_ns"], "attributes": e["attributes"]},
-                        )
-                        for e in events
-                    ),
-                    "resource": rec[11],
-                    "rollout_id": rid,
-                    "attempt": attempt,
-                    "seq": first_seq + i,
-                    "stale": stale,
-                },
-            )
-        )
-    return out
 
 
 class SQLiteStore:
@@ -406,16 +252,7 @@ class SQLiteStore:
             f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE status = 'running' AND deadline <= ?", (now,)
         ).fetchall()
         for row in rows:
-            if row[_TIMEOUT_AT] is not None and row[_TIMEOUT_AT] <= now:
-                status, err = (
-                    "timed_out",
-                    AttemptError(type="timeout", message="the rollout ran past timeout_s"),
-                )
-            else:
-                status, err = (
-                    "lost",
-                    AttemptError(type="lease_expired", message="no heartbeat before the lease expired"),
-                )
+            status, err = expiry(row, now)
             self._end_attempt(row, status, now, err)
         row = self._conn.execute("SELECT MIN(deadline) FROM rollouts WHERE status = 'running'").fetchone()
         self._min_deadline = _INF if row[0] is None else row[0]
@@ -429,30 +266,19 @@ class SQLiteStore:
         now: float,
         err: AttemptError | None,
         rollout_status: str | None = None,
-    ) -> tuple[list[Any], list[dict[str, Any]]]:
-        """End the running attempt of ``row`` and move the rollout on; returns the new row and attempts."""
-        attempts = _loads(row[_ATTEMPTS])
-        cur = attempts[-1]
-        cur.update(status=status, ended_at=now, error=_error_dict(err), lease_expires_at=None)
-        if rollout_status is None:
-            if status == "succeeded":
-                rollout_status = "succeeded"
-            else:
-                rollout_status = "queued" if row[_N_ATT] < row[_MAX] else "failed"
-        ended = None if rollout_status == "queued" else now
+    ) -> Rollout:
+        """End the running attempt of ``row`` and move the rollout on; returns the rollout."""
+        e = End(row, status, now, err, rollout_status)
         self._conn.execute(
             "UPDATE rollouts SET status = ?, attempts = ?, updated_at = ?, ended_at = ?, deadline = NULL, "
             "timeout_at = NULL WHERE n = ?",
-            (rollout_status, _dumps(attempts), now, ended, row[_N]),
+            (e.status, e.attempts, now, e.ended, row[_N]),
         )
-        if status in _STALE_ENDINGS:
+        if e.stale:
             self._conn.execute(
-                "UPDATE span_chunks SET stale = 1 WHERE rollout_id = ? AND attempt = ?",
-                (row[_ID], cur["number"]),
+                "UPDATE span_chunks SET stale = 1 WHERE rollout_id = ? AND attempt = ?", (row[_ID], e.number)
             )
-        new = list(row)
-        new[_STATUS], new[_UPDATED], new[_ENDED], new[_TIMEOUT_AT] = rollout_status, now, ended, None
-        return new, attempts
+        return e.rollout
 
     def _reap(self, now: float) -> None:
         """Lazy expiry for read paths: only opens a write transaction when something is due."""
@@ -537,30 +363,7 @@ class SQLiteStore:
         items = coerce_many(NewRollout, rollouts, "rollout")
         now = time.time()
         ids = [nr.id or new_id("ro") for nr in items]
-        rows = []
-        for rid, nr in zip(ids, items, strict=True):
-            cfg = nr.config
-            rows.append(
-                (
-                    rid,
-                    nr.task_id,
-                    None if nr.input is None else _dumps(nr.input),
-                    nr.mode,
-                    nr.group_id,
-                    nr.resources_version,
-                    nr.resources_version,
-                    cfg.timeout_s,
-                    cfg.lease_s,
-                    cfg.max_attempts,
-                    _dumps(nr.metadata) if nr.metadata else None,
-                    now,
-                    now,
-                )
-            )
-        if len(set(ids)) != len(ids):
-            seen: set[str] = set()
-            dup = next(i for i in ids if i in seen or seen.add(i))  # type: ignore[func-returns-value]
-            raise ConflictError(f"rollout {dup!r} appears twice in the batch; nothing was enqueued")
+        rows = insert_rows(ids, items, now)
         with self._lock:
             self._check_open()
             with self._write() as c:
@@ -590,27 +393,7 @@ class SQLiteStore:
                         (f"enqueue:{idempotency_key}", _dumps(ids)),
                     )
             self._notify()
-        return [
-            _construct(
-                Rollout,
-                {
-                    "id": rid,
-                    "task_id": nr.task_id,
-                    "input": nr.input,
-                    "mode": nr.mode,
-                    "group_id": nr.group_id,
-                    "resources_version": nr.resources_version,
-                    "status": "queued",
-                    "config": nr.config,
-                    "metadata": nr.metadata,
-                    "created_at": now,
-                    "updated_at": now,
-                    "ended_at": None,
-                    "attempts": (),
-                },
-            )
-            for rid, nr in zip(ids, items, strict=True)
-        ]
+        return queued(ids, items, now)
 
     def _try_claim(self, worker_id: str | None, modes: tuple[str, ...] | None, now: float) -> Claim | None:
         c = self._conn
@@ -636,41 +419,21 @@ class SQLiteStore:
                 self._maybe_queued = False
                 return None
             self._maybe_queued = True
-            version = row[_PINNED]
-            if version is None:
+            version = None
+            if row[_PINNED] is None:
                 if self._latest_version is _UNKNOWN:
                     self._latest_version = c.execute("SELECT MAX(version) FROM resources").fetchone()[0]
                 version = self._latest_version
-            number = row[_N_ATT] + 1
-            lease = now + row[_LEASE_S]
-            timeout_at = None if row[_TIMEOUT_S] is None else now + row[_TIMEOUT_S]
-            deadline = lease if timeout_at is None else min(lease, timeout_at)
-            attempts = _loads(row[_ATTEMPTS])
-            attempts.append(
-                {
-                    "number": number,
-                    "worker_id": worker_id,
-                    "status": "running",
-                    "resources_version": version,
-                    "started_at": now,
-                    "last_heartbeat": now,
-                    "lease_expires_at": lease,
-                    "ended_at": None,
-                    "error": None,
-                }
-            )
+            st = Start(row, worker_id, now, version)
             c.execute(
                 "UPDATE rollouts SET status = 'running', updated_at = ?, resources_version = ?, n_attempts = ?, "
                 "attempts = ?, timeout_at = ?, deadline = ? WHERE n = ?",
-                (now, version, number, _dumps(attempts), timeout_at, deadline, row[_N]),
+                (now, st.version, st.number, st.attempts, st.timeout_at, st.deadline, row[_N]),
             )
-        if deadline < self._min_deadline:
-            self._min_deadline = deadline
+        if st.deadline < self._min_deadline:
+            self._min_deadline = st.deadline
             self.changes.notify("lease")
-        r = list(row)
-        r[_VERSION], r[_STATUS], r[_UPDATED] = version, "running", now
-        rollout = _rollout(r, attempts)
-        return _construct(Claim, {"rollout": rollout, "attempt": rollout.attempts[-1]})
+        return st.claim
 
     def claim(
         self, worker_id: str, *, timeout_s: float = 0.0, modes: Sequence[Mode] | None = None
@@ -690,18 +453,6 @@ class SQLiteStore:
                     return got
                 self._wait(deadline, backoff)
 
-    def _running_attempt(self, row: Sequence[Any], attempt: int, verb: str) -> list[dict[str, Any]]:
-        attempts = _loads(row[_ATTEMPTS])
-        if not 1 <= attempt <= len(attempts):
-            raise NotFoundError(f"attempt {attempt} of rollout {row[_ID]!r} not found")
-        status = attempts[attempt - 1]["status"]
-        if status != "running":
-            raise ConflictError(
-                f"cannot {verb} attempt {attempt} of rollout {row[_ID]!r}: it already ended {status} "
-                f"(rollout is {row[_STATUS]})"
-            )
-        return attempts
-
     def heartbeat(self, rollout_id: str, attempt: int) -> Attempt:
         check_attempt_number(attempt)
         with self._lock:
@@ -710,16 +461,13 @@ class SQLiteStore:
             with self._write() as c:
                 self._reap_in_txn(now)
                 row = self._row(rollout_id)
-                attempts = self._running_attempt(row, attempt, "heartbeat")
-                cur = attempts[attempt - 1]
-                lease = now + row[_LEASE_S]
-                cur["last_heartbeat"], cur["lease_expires_at"] = now, lease
-                deadline = lease if row[_TIMEOUT_AT] is None else min(lease, row[_TIMEOUT_AT])
+                attempts = running_attempt(row, attempt, "heartbeat")
+                renewed, deadline = renew(row, attempts, attempt, now)
                 c.execute(
                     "UPDATE rollouts SET attempts = ?, deadline = ? WHERE n = ?",
                     (_dumps(attempts), deadline, row[_N]),
                 )
-        return _attempt(rollout_id, cur)
+        return renewed
 
     def finish_attempt(
         self, rollout_id: str, attempt: int, status: str, *, error: AttemptError | None = None
@@ -733,10 +481,10 @@ class SQLiteStore:
             with self._write():
                 self._reap_in_txn(now)
                 row = self._row(rollout_id)
-                self._running_attempt(row, attempt, "finish")
-                new, attempts = self._end_attempt(row, status, now, err)
+                running_attempt(row, attempt, "finish")
+                rollout = self._end_attempt(row, status, now, err)
             self._notify()
-        return _rollout(new, attempts)
+        return rollout
 
     def cancel(self, rollout_id: str) -> Rollout:
         with self._lock:
@@ -747,18 +495,17 @@ class SQLiteStore:
                 row = self._row(rollout_id)
                 if row[_STATUS] == "running":
                     err = AttemptError(type="cancelled", message="the rollout was cancelled")
-                    new, attempts = self._end_attempt(row, "failed", now, err, rollout_status="cancelled")
+                    rollout = self._end_attempt(row, "failed", now, err, rollout_status="cancelled")
                 elif row[_STATUS] == "queued":
                     c.execute(
                         "UPDATE rollouts SET status = 'cancelled', updated_at = ?, ended_at = ? WHERE n = ?",
                         (now, now, row[_N]),
                     )
-                    new, attempts = list(row), _loads(row[_ATTEMPTS])
-                    new[_STATUS], new[_UPDATED], new[_ENDED] = "cancelled", now, now
+                    rollout = cancelled_queued(row, now)
                 else:
                     raise ConflictError(f"cannot cancel rollout {rollout_id!r}: it is already {row[_STATUS]}")
             self._notify()
-        return _rollout(new, attempts)
+        return rollout
 
     def get_rollout(self, rollout_id: str) -> Rollout:
         with self._lock:
@@ -852,17 +599,7 @@ class SQLiteStore:
         items = coerce_many(Span, spans, "span")
         if not items:
             return []
-        # group by attempt (one chunk row each), keeping arrival order within each group
-        d0 = items[0].__dict__
-        key0 = (d0["rollout_id"], d0["attempt"])
-        groups: dict[tuple[str, int], list[int]] = {}
-        if all(s.__dict__["rollout_id"] == key0[0] and s.__dict__["attempt"] == key0[1] for s in items):
-            groups[key0] = list(range(len(items)))
-        else:
-            for i, s in enumerate(items):
-                groups.setdefault((s.__dict__["rollout_id"], s.__dict__["attempt"]), []).append(i)
-        bodies = [_dumps([_span_record(items[i]) for i in idx]) for idx in groups.values()]
-        traces = [{items[i].__dict__["trace_id"] for i in idx} for idx in groups.values()]
+        batch = SpanBatch(items)
         with self._lock:
             self._check_open()
             now = time.time()
@@ -873,53 +610,34 @@ class SQLiteStore:
                         return self._spans_of_chunks(prev)
                 self._reap_in_txn(now)
                 # every (rollout, attempt) is checked before anything is written
-                plan = []
-                for (rid, number), idx in groups.items():
-                    row = c.execute(_SPAN_TARGET_SQL, (rid,)).fetchone()
-                    if row is None or not 1 <= number <= row[1]:
-                        what = f"rollout {rid!r}" if row is None else f"attempt {number} of rollout {rid!r}"
-                        sid = items[idx[0]].span_id
-                        raise NotFoundError(f"span {sid}: {what} not found; no span was stored")
-                    plan.append(row)
+                targets = []
+                for rid, number in batch.groups:
+                    target = c.execute(_SPAN_TARGET_SQL, (rid,)).fetchone()
+                    error = batch.missing(rid, number, target)
+                    if error is not None:
+                        raise error
+                    targets.append(target)
                 chunk_ns: list[int] = []
                 placed: list[tuple[int, bool]] = []  # (first seq, stale) per group
-                for ((rid, number), idx), row, body, tr in zip(
-                    groups.items(), plan, bodies, traces, strict=True
+                for ((rid, number), idx), target, body, traces in zip(
+                    batch.groups.items(), targets, batch.bodies, batch.traces, strict=True
                 ):
-                    n, _, lease_s, timeout_at, attempts_json = row
-                    last = c.execute(_LAST_SEQ_SQL, (rid, number)).fetchone()[0]
-                    first = (last or 0) + 1
-                    attempts = _loads(attempts_json)
-                    cur = attempts[number - 1]
-                    stale = cur["status"] in _STALE_ENDINGS
+                    first = (c.execute(_LAST_SEQ_SQL, (rid, number)).fetchone()[0] or 0) + 1
+                    stale, extend = batch.placement(target, number, now)
                     chunk = c.execute(
                         _INSERT_CHUNK_SQL, (rid, number, first, first + len(idx) - 1, stale, body)
                     ).lastrowid
                     chunk_ns.append(chunk)  # type: ignore[arg-type]
-                    for t in tr:
-                        c.execute(_INSERT_TRACE_SQL, (t, chunk))
-                    # a span arrival is a sign of life: extend the lease (coalesced)
-                    if (
-                        cur["status"] == "running"
-                        and now - (cur["lease_expires_at"] - lease_s) > lease_s * _LEASE_COALESCE
-                    ):
-                        cur["lease_expires_at"] = lease = now + lease_s
-                        deadline = lease if timeout_at is None else min(lease, timeout_at)
-                        c.execute(_EXTEND_SQL, (_dumps(attempts), deadline, n))
+                    c.executemany(_INSERT_TRACE_SQL, [(t, chunk) for t in traces])
+                    if extend is not None:  # a span arrival is a sign of life: extend the lease
+                        c.execute(_EXTEND_SQL, (*extend, target[0]))
                     placed.append((first, stale))
                 if idempotency_key is not None:
                     c.execute(
                         "INSERT INTO idempotency (key, result) VALUES (?, ?)",
                         (f"spans:{idempotency_key}", _dumps(chunk_ns)),
                     )
-        stored: list[Any] = [None] * len(items)
-        for idx, (first, stale) in zip(groups.values(), placed, strict=True):
-            for k, i in enumerate(idx):
-                d = dict(items[i].__dict__)
-                d["seq"] = first + k
-                d["stale"] = stale
-                stored[i] = _construct(Span, d)
-        return stored
+        return batch.stored(placed)
 
     def _spans_of_chunks(self, chunk_ns: list[int]) -> list[Span]:
         out: list[Span] = []
@@ -962,14 +680,7 @@ class SQLiteStore:
             self._check_open()
             self._reap(time.time())
             rows = self._conn.execute(sql, args).fetchall()
-        out: list[Span] = []
-        if limit == 0:
-            return out
-        for row in rows:
-            out.extend(_spans_from_chunk(row, name, trace_id))
-            if limit is not None and len(out) >= limit:
-                return out[:limit]
-        return out
+        return spans_of(rows, name, trace_id, limit)
 
     # ------------------------------------------------------------ resources
     def add_resources(

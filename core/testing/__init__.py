@@ -14,9 +14,10 @@ available in any test suite without an import:
 - ``agl_tracer`` — a private tracer provider with spans kept in memory; ``agl_tracer.instrument(...)``
   instruments integrations onto it, and everything is uninstrumented and reset afterwards.
 
-Helpers: :func:`assert_agent_spans` (``assert_agent_spans(store, rollout_id, ["writer", "checker"])``)
-and :class:`SpanTree`. Test-only store-server routes (a fresh store per test on one server process)
-live in :mod:`agl.testing.store_server`.
+Helpers: :func:`assert_agent_spans` (``assert_agent_spans(store, rollout_id, ["writer", "checker"])``),
+:class:`SpanTree`, and :func:`assert_merged` (``assert_merged(transitions, {"writer": 1})``: what
+multi-turn merging makes of each agent's calls, checked). Test-only store-server routes (a fresh
+store per test on one server process) live in :mod:`agl.testing.store_server`.
 """
 
 from __future__ import annotations
@@ -28,15 +29,19 @@ __all__ = [
     "AgentSpans",
     "Call",
     "InstrumentedTracer",
+    "Merged",
     "RecordingModel",
     "SpanTree",
     "assert_agent_spans",
+    "assert_merged",
 ]
 
 _LAZY = {
     "AgentSpans": "agl.testing.spans",
     "SpanTree": "agl.testing.spans",
     "assert_agent_spans": "agl.testing.spans",
+    "Merged": "agl.testing.merging",
+    "assert_merged": "agl.testing.merging",
     "Call": "agl.testing.fixtures",
     "InstrumentedTracer": "agl.testing.fixtures",
     "RecordingModel": "agl.testing.fixtures",

@@ -58,7 +58,6 @@ def apo(args: argparse.Namespace, **setup: Any) -> Any:
     candidates are chosen on held-back training problems, and the initial and best prompts are
     compared on held-out test problems. Every problem is decoded greedily."""
     from agl import APO, Trainer
-    from agl.algorithms.apo import _Setup
     from examples.calc_agent import data
     from examples.calc_agent.agent import AGENT, make_rollout
 
@@ -78,23 +77,23 @@ def apo(args: argparse.Namespace, **setup: Any) -> Any:
         max_failures=3,
         trace_chars=800,
     )
-    trainer = Trainer(
-        algorithm,
-        model=args.model if args.base_url is None else None,
-        backend="openai" if args.base_url else "transformers",
-        base_url=args.base_url,
-        api_key=args.api_key or (os.environ.get("OPENAI_API_KEY") if args.base_url else None),
-        model_name=args.model if args.base_url else None,
-        runners=args.runners,
-        run_dir=args.run_dir,
-        sampling={"max_tokens": args.max_tokens, "temperature": 0.0},
-        seed=args.seed,
-        **setup,
-    )
+    kw: dict[str, Any] = {
+        "model": args.model if args.base_url is None else None,
+        "backend": "openai" if args.base_url else "transformers",
+        "base_url": args.base_url,
+        "api_key": args.api_key or (os.environ.get("OPENAI_API_KEY") if args.base_url else None),
+        "model_name": args.model if args.base_url else None,
+        "runners": args.runners,
+        "run_dir": args.run_dir,
+        "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0},
+        "seed": args.seed,
+        **setup,  # the tests' overrides (a scripted backend, no progress bar)
+    }
+    trainer = Trainer(algorithm, **kw)
     train = data.load_tasks("train")
     val, train = train[-args.val_tasks :], train[: -args.val_tasks]
     test = data.load_tasks("test", limit=args.test_tasks)
-    summary = algorithm.optimize(make_rollout(), train, val, test=test, setup=_Setup.from_trainer(trainer))
+    summary = algorithm.fit(trainer, make_rollout(), train, val, test=test)
     keys = (
         "run_dir", "rounds", "val_reward_before", "val_reward_after", "test_reward_before",
         "test_reward_after", "best_prompts", "candidates", "optimizer_calls", "optimizer_tokens",

@@ -31,6 +31,7 @@ from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.trace import SpanKind
+from pydantic import BaseModel
 
 from agl import semconv
 from agl.instrumentation import Instrumentor, guarded
@@ -153,8 +154,11 @@ def _with_headers(options: Any, ctx: otel_context.Context, client: Any) -> Any:
     extra = {k: v for k, v in carrier.items() if k.lower() not in present}
     if not extra:
         return options
-    copy = options.model_copy() if hasattr(options, "model_copy") else options.copy()
-    copy.headers = {**existing, **extra}
+    headers = {**existing, **extra}
+    if hasattr(options, "model_copy"):  # one shallow copy with the field replaced, no __setattr__
+        return options.model_copy(update={"headers": headers})
+    copy = options.copy()
+    copy.headers = headers
     return copy
 
 
@@ -207,6 +211,11 @@ class _Call:
     def _on_result(self, result: Any) -> None:
         state = self.state
         if state is None:
+            return
+        if not self.stream and isinstance(result, BaseModel):
+            # the common case, a parsed completion: skip the probes below, which on a pydantic
+            # model each cost a failed __getattr__ (an exception) per call
+            state.finish_response(result)
             return
         if _is_raw(result):
             response = result.http_response

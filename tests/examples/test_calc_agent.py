@@ -139,6 +139,58 @@ def test_dev_with_the_scripted_model(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert len(Adapter(agents=["solver"]).from_store(store, list(rollouts))) == len(transitions)
 
 
+# --------------------------------------------------------------------------- APO, scripted model
+
+
+def test_apo_with_the_scripted_model_and_a_hosted_style_optimiser(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m examples.calc_agent apo`` on the real AutoGen agent: the scripted model plays the
+    solver, a scripted optimiser behind its own gateway plays the hosted one. Its rewrite drops the
+    solver's instructions (the scripted solver then refuses), so APO must keep the initial prompt."""
+    pytest.importorskip("autogen_agentchat")
+    pytest.importorskip("autogen_ext.models.openai")
+    from agl.algorithms.apo import CRITIQUE_SYSTEM, REWRITE_SYSTEM
+    from agl.gateway.testing import ScriptedBackend, reply, serve_gateway
+    from examples.calc_agent import cli
+    from examples.calc_agent.agent import AGENT, SYSTEM
+    from examples.calc_agent.scripted import ScriptedCalc
+
+    seen: list[list[dict[str, Any]]] = []
+
+    def optimiser(request: Any) -> Any:
+        seen.append(request.messages)
+        if request.messages[0]["content"] == CRITIQUE_SYSTEM:
+            return reply("The solver answers from memory instead of using the calculator.")
+        assert request.messages[0]["content"] == REWRITE_SYSTEM
+        return reply(json.dumps({"prompt": "Answer from memory."}))
+
+    run = tmp_path / "run"
+    with serve_gateway(ScriptedBackend(optimiser, accept_any_model=True)) as url:
+        args = cli.parser().parse_args(
+            [
+                "apo", "--optimizer-base-url", url, "--optimizer-model", "hosted", "--rounds", "1",
+                "--beam-width", "1", "--branch-factor", "1", "--rollouts-per-candidate", "8",
+                "--val-tasks", "8", "--test-tasks", "8", "--runners", "4", "--run-dir", str(run), "--seed", "1",
+            ]
+        )  # fmt: skip
+        summary = cli.apo(args, backend="scripted", script=ScriptedCalc(), progress=False)
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["best_prompts"] == summary["best_prompts"] == {AGENT: SYSTEM}
+    # any 8 consecutive problems hold 2 the scripted solver gets wrong (seed 1 draws 2 of them for
+    # training too); the rewrite is refused on all
+    assert (summary["val_reward_before"], summary["val_reward_after"]) == (0.75, 0.75)
+    assert (summary["test_reward_before"], summary["test_reward_after"]) == (0.75, 0.75)
+    cands = [json.loads(x) for x in (run / "candidates.jsonl").read_text().splitlines()]
+    assert [(c["id"], c["val_reward"]) for c in cands] == [("c0", 0.75), ("c1", 0.0)]
+    assert cands[1]["prompts"] == {AGENT: "Answer from memory."}
+    # the critique saw the solver's prompt and its failing AutoGen traces: agent name, wrong answers
+    critique = seen[0][1]["content"]
+    assert SYSTEM in critique and f"[{AGENT}] assistant: ANSWER:" in critique
+    assert critique.count("### Failure") == 2 and summary["optimizer_calls"] == 2
+    assert (run / "optimizer.db").exists() and (run / "reward_curve.png").exists()
+
+
 # --------------------------------------------------------------------------- train, tiny model
 
 

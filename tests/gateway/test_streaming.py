@@ -175,8 +175,10 @@ def test_openai_backend_streams_text_only(store: Any, rollout: tuple[str, int]) 
 # ------------------------------------------------------------------------------- span writer
 
 
-def test_no_span_lost_at_clean_shutdown(tmp_path: Path) -> None:
-    """Spans written after the reply by the writer thread are all stored once the gateway stops."""
+@pytest.mark.parametrize("in_loop", [True, False], ids=["in-loop", "writer-thread"])
+def test_no_span_lost_at_clean_shutdown(tmp_path: Path, in_loop: bool) -> None:
+    """Spans written after the reply, batched (on the event loop for SQLite, or by the writer thread
+    that network stores use), are all stored once the gateway stops."""
     store = agl.store.open(f"sqlite:///{tmp_path / 'spans.db'}")
     ros = [start_rollout(store, f"ro-{i}") for i in range(4)]
     calls = 0
@@ -184,6 +186,17 @@ def test_no_span_lost_at_clean_shutdown(tmp_path: Path) -> None:
         ScriptedBackend(["ok"], on_exhausted="repeat"), store, span_writes="after_reply"
     ) as url:
         assert url.gateway.span_writes == "after_reply"
+        assert url.gateway.writer.in_loop  # SQLite is written on the loop by default
+        url.gateway.writer.in_loop = in_loop  # before the first request: the other path
+        writes = 0
+        add_spans = store.add_spans
+
+        def counting(spans: Any, **kw: Any) -> Any:
+            nonlocal writes
+            writes += 1
+            return add_spans(spans, **kw)
+
+        store.add_spans = counting  # type: ignore[method-assign]
 
         def agent(r: tuple[str, int]) -> None:
             nonlocal calls
@@ -200,7 +213,47 @@ def test_no_span_lost_at_clean_shutdown(tmp_path: Path) -> None:
     assert calls == 100
     stored = sum(len(server_spans(store, r[0])) for r in ros)
     assert stored == 100 and url.gateway.stats["spans_stored"] == 100
-    # the writer batched concurrent requests' spans: fewer store writes than spans
+    assert 1 <= writes <= 100
+    store.close()
+
+
+def test_busy_store_does_not_block_the_event_loop(tmp_path: Path) -> None:
+    """SQLite spans are written on the loop, but not while another thread holds the store: then the
+    writer thread takes the batch, the loop keeps serving, and the span is still stored before the reply."""
+    store = agl.store.open(f"sqlite:///{tmp_path / 'spans.db'}")
+    rollout = start_rollout(store, "ro-busy")
+    with serve_gateway(ScriptedBackend(["ok"], on_exhausted="repeat"), store) as url:
+        client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x", max_retries=0)
+        client.chat.completions.create(model="scripted", messages=MSG)  # written on the loop
+        assert url.gateway.writer._thread is None
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with store._lock:  # type: ignore[attr-defined]  # e.g. a long query from a trainer thread
+                held.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert held.wait(5)
+        answered: list[float] = []
+
+        def call() -> None:
+            client.chat.completions.create(model="scripted", messages=MSG)
+            answered.append(time.monotonic())
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        time.sleep(0.5)  # the call's span waits for the store; the loop must not
+        t0 = time.monotonic()
+        r = httpx.get(url.root + "/v1/models", timeout=5)
+        assert r.status_code == 200 and time.monotonic() - t0 < 2.0
+        assert not answered  # before_reply: no answer while its span cannot be stored
+        release.set()
+        holder.join(5)
+        caller.join(10)
+        assert answered and url.gateway.writer._thread is not None
+        assert len(server_spans(store, rollout[0])) == 2
     store.close()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import socket
 import threading
 import time
@@ -230,3 +231,79 @@ async def test_async_client_retries_until_the_server_comes_up(tmp_path: Path) ->
             assert (await asyncio.wait_for(task, 60))[0].id == "ro-a"
         finally:
             server.stop()
+
+
+def test_both_clients_have_the_store_protocols_signatures() -> None:
+    """The sync and async methods are generated from one core: each must still take exactly the
+    parameters of the Store protocol (names, kinds, defaults), as callers and type checkers expect."""
+    from agl.store.base import Store
+
+    names = [n for n, v in vars(Store).items() if callable(v) and not n.startswith("_") and n != "close"]
+    assert len(names) == 16
+    for name in names:
+        want = [
+            (p.name, p.kind, p.default) for p in inspect.signature(getattr(Store, name)).parameters.values()
+        ]
+        for cls in (HttpStore, AsyncHttpStore):
+            method = getattr(cls, name)
+            got = [(p.name, p.kind, p.default) for p in inspect.signature(method).parameters.values()]
+            assert got == want, (cls.__name__, name)
+            assert method.__name__ == name
+        assert inspect.iscoroutinefunction(AsyncHttpStore.claim) and not inspect.iscoroutinefunction(
+            HttpStore.claim
+        )
+
+
+def test_a_key_that_cannot_travel_in_a_header_is_refused(served: tuple[MemoryStore, str]) -> None:
+    store, url = served
+    client = HttpStore(url)
+    for bad in ("k\r\nx-evil: 1", "clé"):
+        with pytest.raises(InvalidInputError, match="printable ASCII"):
+            client.add_resources({}, idempotency_key=bad)
+    assert store.get_resources() is None  # nothing was published
+    assert client.add_resources({}, idempotency_key="fine-key.1").version == 1
+    client.close()
+
+
+@pytest.mark.parametrize("step", [1, 7, 10_000])
+def test_answer_parser_reads_every_framing_whatever_the_reads(step: int) -> None:
+    """The one response parser both transports feed: Content-Length, chunked (extensions, trailers),
+    interim 100 answers, and bodies delimited by the end of the connection, split at any byte."""
+    from agl.store.http import _Answer, _Closed, _Malformed
+
+    def parse(raw: bytes, method: str = "POST") -> _Answer:
+        answer = _Answer(method)
+        chunks = [raw[i : i + step] for i in range(0, len(raw), step)] + [b""]
+        for chunk in chunks:
+            if answer.feed(chunk):
+                return answer
+        raise AssertionError("never complete")
+
+    a = parse(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello")
+    assert (a.status, a.body, a.keep) == (200, b"hello", True)
+    a = parse(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok")
+    assert (a.status, a.body) == (201, b"ok")
+    a = parse(
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"4;ext=1\r\nwiki\r\n5\r\npedia\r\n0\r\nx-trailer: 1\r\n\r\n"
+    )
+    assert a.body == b"wikipedia" and a.keep
+    a = parse(b"HTTP/1.0 200 OK\r\n\r\nuntil the end")
+    assert (a.body, a.keep) == (b"until the end", False)
+    a = parse(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+    assert (a.body, a.keep) == (b"", False)
+    assert parse(b"HTTP/1.1 204 No Content\r\n\r\n").body == b""
+    assert parse(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n", method="HEAD").body == b""
+    with pytest.raises(_Closed):
+        parse(b"")
+    for broken in (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort",
+        b"HTTP/1.1 200 OK\r\nContent-Le",
+        b"NOT HTTP\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab",
+    ):
+        with pytest.raises(_Malformed):
+            parse(broken)
+    with pytest.raises(ValueError):  # the transports report it as a malformed answer
+        parse(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")

@@ -404,7 +404,7 @@ function Merged({ data }) {
   const ms = data.merge_stats;
   return html`<div id="merged">
     <p class="muted">${ms.calls} call(s) → ${ms.sequences} sequence(s); ${ms.merged_calls} merged, ${ms.tokens_saved} token(s) not re-encoded
-      ${["retokenised", "truncated", "diverged"].filter((c) => ms[`breaks_${c}`]).map((c) => html` <span class="badge retok">break: ${c}=${ms[`breaks_${c}`]}</span>`)}</p>
+      ${["retokenised", "edited", "rerendered", "truncated", "diverged"].filter((c) => ms[`breaks_${c}`]).map((c) => html` <span class="badge retok">break: ${c}=${ms[`breaks_${c}`]}</span>`)}</p>
     ${data.trajectories.map((tr, k) => {
       const starts = new Map(tr.segments.map((s) => [s.start, s]));
       return html`<div class="card trajectory" data-k=${k}>

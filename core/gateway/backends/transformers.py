@@ -1,28 +1,29 @@
 """The embedded default backend: any Hugging Face causal LM, in-process, on CPU or GPU.
 
 Token ids are the ids the model actually consumed and produced: the prompt ids are the rendered chat
-template encoded once (the same ids fed to ``generate``), the response ids are the generated ids
+template encoded once (the same ids fed to the model), the response ids are the generated ids
 (EOS included: the model chose to stop). Nothing is re-tokenised.
 
 The logprobs are those of the distribution each token was actually drawn from (the behaviour policy):
 ``log_softmax(logits / temperature)`` after any processors the model's generation config adds, and,
 when the request sets ``top_p < 1`` (or a ``top_k``), of the truncated, renormalised distribution. A
-greedy request (``temperature=0``) records ``log_softmax(logits)``. agl samples itself (a final
-:class:`_Sampler` logits processor that draws the token, records its logprob and leaves ``generate``
-only the argmax to take), so this holds by construction, costs no ``batch x steps x vocab`` buffer, and
-draws from the backend's own ``torch.Generator`` — a request's ``seed`` seeds a fresh local generator;
-the process-wide RNG that a trainer in the same process uses is never touched.
+greedy request (``temperature=0``) records ``log_softmax(logits)``. agl samples itself
+(:func:`agl.gateway.backends._batching.sample`), so this holds by construction, and each request
+draws from a ``torch.Generator`` of its own when it sets a ``seed`` (else from the backend's): the
+process-wide RNG that a trainer in the same process uses is never touched.
 
 Weights: :meth:`TransformersBackend.push` serves a training policy without a second copy of its frozen
 base weights (see its docstring); ``load_weights``/``load_adapter`` take files.
 
-Concurrency: requests wait in a queue; one worker thread runs the model. Waiting requests with the
-same sampling settings are generated together as one left-padded batch (``max_batch_size``), so
-throughput grows with concurrency while one request's rows never mix with another's. Weight swaps
-take the same lock as generation: they happen between batches, never during one.
+Concurrency: continuous batching (:mod:`agl.gateway.backends._batching`). One worker thread owns the
+model and runs one batch: a request arriving while it runs is prefilled and joins the batch before
+the next decode step, a finished one leaves it at once, and every row keeps its own temperature,
+top_p, top_k, max_tokens, stop strings and seed (``max_batch_size`` rows at most; the others wait).
+Weight swaps take the same lock as generation: a waiting swap stops new rows from joining, lets the
+running ones finish, and happens between batches, never during one.
 
-A client that disconnects cancels its request: a queued request is dropped, a running one stops at
-the next token (a per-row stopping criterion).
+A client that disconnects cancels its request: a queued request is dropped, a running one leaves the
+batch before the next step.
 
 Not enforced: ``response_format`` (no constrained decoding; the request is served as plain text) and
 ``tool_choice`` other than ``"none"`` (which hides the tools); the scripted, vllm and openai
@@ -32,6 +33,7 @@ backends cover those where it matters.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 from collections import deque
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agl.gateway.backends._batching import Batch, Row
 from agl.gateway.backends.base import (
     Backend,
     BackendError,
@@ -65,15 +68,13 @@ class _Job:
     prompt_text: str
     max_new: int
     future: asyncio.Future[GenerationResult]
+    loop: asyncio.AbstractEventLoop
     cancel: threading.Event = field(default_factory=threading.Event)
     #: streamed jobs: (token id, logprob) per generated token, then None when the job is done
     tokens: asyncio.Queue[tuple[int, float] | None] | None = None
-    loop: asyncio.AbstractEventLoop | None = None
-
-    def batch_key(self) -> tuple[Any, ...]:
-        r = self.request
-        seeded = r.seed is not None
-        return (r.temperature, r.top_p, _top_k(r), seeded, id(self) if seeded else None)
+    #: the choices of one seeded request share one generator (else each would repeat the first)
+    generator: Any = None
+    weight_version: int = 0
 
 
 _TOOL_TAG = "<tool_call>"
@@ -112,63 +113,6 @@ def _top_k(request: GenerationRequest) -> int | None:
     return value
 
 
-class _Sampler:
-    """The last logits processor of a generation: draws each row's next token itself and records the
-    logprob of that token under the distribution it was drawn from.
-
-    ``generate`` runs greedily (``do_sample=False``) over the scores this returns, which are ``-inf``
-    everywhere but the drawn token, so the token ``generate`` appends is the one drawn here. Scores
-    arrive after the model's own processors (e.g. a repetition penalty in its generation config).
-    """
-
-    def __init__(
-        self, temperature: float, top_p: float, top_k: int | None, generator: Any, on_token: Any = None
-    ) -> None:
-        self.temperature = temperature
-        self.top_p = top_p
-        self.top_k = top_k
-        self.generator = generator
-        self.on_token = on_token  # called with (tokens, logprobs) tensors per step: streaming
-        self.logprobs: list[Any] = []  # one (batch,) tensor per generated position
-
-    def __call__(self, input_ids: Any, scores: Any) -> Any:
-        import torch
-
-        scores = scores.float()
-        if self.temperature <= 0:  # greedy: the model's own distribution, argmax taken
-            logp = torch.log_softmax(scores, dim=-1)
-            token = logp.argmax(dim=-1)
-        else:
-            logp = torch.log_softmax(scores / self.temperature, dim=-1)
-            logp = _truncate(logp, self.top_p, self.top_k)
-            token = torch.multinomial(logp.exp(), 1, generator=self.generator)[:, 0]
-        self.logprobs.append(logp.gather(1, token[:, None])[:, 0])
-        if self.on_token is not None:
-            self.on_token(token, self.logprobs[-1])
-        out = torch.full_like(scores, float("-inf"))
-        out.scatter_(1, token[:, None], 0.0)
-        return out
-
-
-def _truncate(logp: Any, top_p: float, top_k: int | None) -> Any:
-    """Restrict log-probs to the top-k and the nucleus ``top_p`` tokens and renormalise them."""
-    import torch
-
-    if top_k is not None and top_k < logp.size(-1):
-        kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]
-        logp = logp.masked_fill(logp < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_lp, order = torch.sort(logp, dim=-1, descending=True)
-        cum = sorted_lp.exp().cumsum(dim=-1)
-        # keep a token when the mass before it is below top_p (the top token always stays)
-        drop_sorted = (cum - sorted_lp.exp()) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        logp = logp.masked_fill(drop, float("-inf"))
-    if top_p < 1.0 or top_k is not None:
-        logp = torch.log_softmax(logp, dim=-1)
-    return logp
-
-
 class TransformersBackend(Backend):
     """Serve a Hugging Face causal LM.
 
@@ -203,7 +147,7 @@ class TransformersBackend(Backend):
     ) -> None:
         super().__init__()
         self.batch_window_s = batch_window_s
-        #: sizes of the most recent batches (what concurrency actually bought)
+        #: the running batch's size after each admission of new rows (what concurrency actually bought)
         self.batch_sizes: deque[int] = deque(maxlen=256)
         if not (default_temperature >= 0 and default_temperature < float("inf")):
             raise ValueError(f"default_temperature must be a finite number >= 0, got {default_temperature!r}")
@@ -227,7 +171,10 @@ class TransformersBackend(Backend):
         self.model_name = model_name
         self.max_context: int | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agl-transformers")
-        self._queue: list[_Job] = []
+        self._queue: list[_Job] = []  # guarded by _queue_lock: the worker thread takes from it
+        self._queue_lock = threading.Lock()
+        self._swaps_waiting = 0
+        self._processors_cache: dict[Any, Any] = {}  # per prompt length (min_length rules)
         self._wakeup: asyncio.Event | None = None
         self._lock: asyncio.Lock | None = None
         self._worker: asyncio.Task[None] | None = None
@@ -365,24 +312,35 @@ class TransformersBackend(Backend):
             max_new = min(max_new, limit - len(prompt_ids))
         return prompt_text, prompt_ids, max_new
 
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
-        prompt_text, prompt_ids, max_new = await self._prepare(request)
-        self._ensure_worker()
-        jobs = []
-        for _ in range(request.n):
-            fut: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
-            job = _Job(request, prompt_ids, prompt_text, max_new, fut)
-            jobs.append(job)
+    def _submit(self, job: _Job) -> None:
+        with self._queue_lock:
             self._queue.append(job)
+        self._ensure_worker()
         assert self._wakeup is not None
         self._wakeup.set()
+
+    def _withdraw(self, job: _Job) -> None:
+        """The client went away: a queued job is dropped, a running one leaves the batch next step."""
+        job.cancel.set()
+        with self._queue_lock:
+            if job in self._queue:
+                self._queue.remove(job)
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        prompt_text, prompt_ids, max_new = await self._prepare(request)
+        loop = asyncio.get_running_loop()
+        generator = None if request.seed is None else self._generator_for(request.seed, self.device)
+        jobs = [
+            _Job(request, prompt_ids, prompt_text, max_new, loop.create_future(), loop, generator=generator)
+            for _ in range(request.n)
+        ]
+        for job in jobs:
+            self._submit(job)
         try:
             parts = await asyncio.gather(*(j.future for j in jobs))
         except asyncio.CancelledError:
             for j in jobs:
-                j.cancel.set()
-                if j in self._queue:
-                    self._queue.remove(j)
+                self._withdraw(j)
             raise
         first = parts[0]
         first.choices = [p.choices[0] for p in parts]
@@ -418,14 +376,11 @@ class TransformersBackend(Backend):
         prompt_text, prompt_ids, max_new = await self._prepare(request)
         tok = self.tokenizer
         assert tok is not None
-        self._ensure_worker()
         loop = asyncio.get_running_loop()
         job = _Job(
-            request, prompt_ids, prompt_text, max_new, loop.create_future(), tokens=asyncio.Queue(), loop=loop
+            request, prompt_ids, prompt_text, max_new, loop.create_future(), loop, tokens=asyncio.Queue()
         )
-        self._queue.append(job)
-        assert self._wakeup is not None
-        self._wakeup.set()
+        self._submit(job)
         want_lp = bool(isinstance(request.raw, dict) and request.raw.get("logprobs"))
         tools = bool(request.messages is not None and request.tools and request.tool_choice != "none")
         eos = set(self._eos_ids)
@@ -490,9 +445,7 @@ class TransformersBackend(Backend):
             yield {"type": "end", "result": result}
         finally:
             if not job.future.done():  # the client went away: stop generating this row
-                job.cancel.set()
-                if job in self._queue:
-                    self._queue.remove(job)
+                self._withdraw(job)
 
     async def _run_worker(self) -> None:
         assert self._wakeup is not None and self._lock is not None
@@ -502,8 +455,9 @@ class TransformersBackend(Backend):
             self._wakeup.clear()
             waited = 0.0
             while self.batch_window_s > 0 and 0 < len(self._queue) < self.max_batch_size and waited < 0.05:
-                # requests of concurrent clients arrive a few ms apart: let them join this batch, for
-                # as long as more keep arriving (at most 50 ms)
+                # requests of concurrent clients arrive a few ms apart: let them be prefilled together
+                # (one forward pass), for as long as more keep arriving (at most 50 ms); later ones join
+                # the running batch between decode steps
                 seen = len(self._queue)
                 await asyncio.sleep(self.batch_window_s)
                 waited += self.batch_window_s
@@ -511,158 +465,171 @@ class TransformersBackend(Backend):
                     break
             while self._queue:
                 async with self._lock:
-                    head = self._queue[0]
-                    key = head.batch_key()
-                    batch = [j for j in self._queue if j.batch_key() == key and not j.future.done()][
-                        : self.max_batch_size
-                    ]
-                    for j in batch:
-                        self._queue.remove(j)
-                    self._queue = [j for j in self._queue if not j.future.done()]
-                    if not batch:
-                        continue
-                    self.batch_sizes.append(len(batch))
                     try:
-                        results = await loop.run_in_executor(self._executor, self._generate_batch, batch)
-                    except Exception as exc:  # noqa: BLE001 - every waiting request learns of it
-                        log.exception("agl gateway: generation failed")
-                        for j in batch:
-                            if not j.future.done():
-                                j.future.set_exception(
-                                    BackendError(f"generation failed: {type(exc).__name__}: {exc}")
-                                )
-                            if j.tokens is not None:
-                                j.tokens.put_nowait(None)
-                        continue
-                    for j, res in zip(batch, results, strict=True):
-                        if not j.future.done():
-                            j.future.set_result(res)
-                    for j in batch:
-                        if j.tokens is not None:  # after the result: a streamed job ends here
-                            j.tokens.put_nowait(None)
+                        await loop.run_in_executor(self._executor, self._serve)
+                    except Exception:  # noqa: BLE001 - _serve fails its rows itself; keep serving
+                        log.exception("agl gateway: the generation loop failed")
 
-    def _generate_batch(self, batch: Sequence[_Job]) -> list[GenerationResult]:
+    def _take(self, room: int) -> list[_Job]:
+        """Up to ``room`` queued jobs (the cancelled ones are dropped)."""
+        with self._queue_lock:
+            live = [j for j in self._queue if not (j.cancel.is_set() or j.future.done())]
+            taken, self._queue = live[:room], live[room:]
+        return taken
+
+    def _serve(self) -> None:
+        """The scheduler (worker thread): admit queued jobs into the running batch between decode
+        steps until no row runs and none waits, or a weight swap waits."""
         import torch
-        from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+        if self.threads and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        batch = Batch(self.model, self._pad_id)
+        with torch.inference_mode():
+            while True:
+                admitting: list[Row] = []
+                ended: list[Row] = []
+                try:
+                    ended = batch.cancel_ended()
+                    room = self.max_batch_size - len(batch)
+                    if room > 0 and not self._swaps_waiting and batch.joinable():
+                        admitting = [self._row(j) for j in self._take(room)]
+                    if admitting:
+                        ended += batch.admit(admitting)
+                        admitting = []
+                        self.batch_sizes.append(len(batch))
+                    if not len(batch):
+                        for r in ended:
+                            self._finish(r)
+                        if self._swaps_waiting or not self._queue:
+                            return
+                        continue
+                    ended += batch.step()
+                except Exception as exc:  # noqa: BLE001 - every request in the batch learns of it
+                    log.exception("agl gateway: generation failed")
+                    error = BackendError(f"generation failed: {type(exc).__name__}: {exc}")
+                    for r in admitting + batch.fail():
+                        self._deliver(r.payload, None, error)
+                for r in ended:
+                    self._finish(r)
+
+    def _row(self, job: _Job) -> Row:
+        r = job.request
         tok = self.tokenizer
         assert tok is not None
-        model = self.model
-        version = self.weight_version
-        req = batch[0].request
-        device = self.device
-        width = max(len(j.prompt_ids) for j in batch)
-        input_ids = torch.full((len(batch), width), self._pad_id, dtype=torch.long)
-        attention = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, j in enumerate(batch):
-            n = len(j.prompt_ids)
-            input_ids[row, width - n :] = torch.tensor(j.prompt_ids, dtype=torch.long)
-            attention[row, width - n :] = 1
-        stops = [j.request.stop for j in batch]
-        max_new = max(j.max_new for j in batch)
-        ended_at: list[int | None] = [None] * len(batch)
-        eos_ids = self._eos_ids
-
-        class _PerRow(StoppingCriteria):
-            """Stop a row on its own limit, its stop strings or its cancellation."""
-
-            def __call__(self, ids: Any, scores: Any, **kwargs: Any) -> Any:
-                step = ids.shape[1] - width
-                done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-                for row, j in enumerate(batch):
-                    if ended_at[row] is not None:
-                        done[row] = True
-                        continue
-                    stop = j.cancel.is_set() or step >= j.max_new
-                    if not stop and stops[row]:
-                        tail = tok.decode(ids[row, width:].tolist()[-32:])
-                        stop = any(s in tail for s in stops[row])
-                    if stop:
-                        ended_at[row] = step
-                        done[row] = True
-                return done
-
-        temperature = req.temperature if req.temperature is not None else self.default_temperature
-        top_p = req.top_p if req.top_p is not None else self.default_top_p
-        generator = self._generator_for(req.seed, device)
+        job.weight_version = self.weight_version
         on_token = None
-        if any(j.tokens is not None for j in batch):
+        if job.tokens is not None:
+            queue, loop = job.tokens, job.loop
 
-            def on_token(tokens: Any, logprobs: Any) -> None:
-                """Hand each streamed row its token as soon as it is drawn."""
-                step_tokens, step_lps = tokens.tolist(), logprobs.tolist()
-                for row, j in enumerate(batch):
-                    if j.tokens is not None and j.loop is not None and ended_at[row] is None:
-                        j.loop.call_soon_threadsafe(j.tokens.put_nowait, (step_tokens[row], step_lps[row]))
+            def on_token(token: int, logprob: float) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, (token, logprob))
 
-        sampler = _Sampler(float(temperature), float(top_p), _top_k(req), generator, on_token)
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention.to(device),
-                max_new_tokens=max_new,
-                logits_processor=LogitsProcessorList([sampler]),
-                stopping_criteria=StoppingCriteriaList([_PerRow()]),
-                eos_token_id=eos_ids,
-                pad_token_id=self._pad_id,
-                return_dict_in_generate=True,
-                # a policy trained with gradient checkpointing has use_cache=False in its config;
-                # generating without the KV cache would recompute the whole prefix every token
-                use_cache=True,
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-            )
-        generated = out.sequences[:, width:].tolist()
-        step_logprobs = torch.stack(sampler.logprobs, dim=1).tolist() if sampler.logprobs else []
-        results = []
-        for row, j in enumerate(batch):
-            ids = generated[row]
-            n = len(ids)
-            if ended_at[row] is not None:
-                n = min(n, ended_at[row])
-            eos_pos = next((k for k, t in enumerate(ids[:n]) if t in eos_ids), None)
-            hit_eos = eos_pos is not None
-            if hit_eos:
-                n = eos_pos + 1
-            ids = ids[:n]
-            logprobs = step_logprobs[row][:n] if n else []
-            text_ids = ids[:-1] if hit_eos else ids
-            text = tok.decode(text_ids)
-            finish = "stop" if hit_eos else "length"
-            for s in j.request.stop:
-                cut = text.find(s)
-                if cut >= 0:
-                    text, finish = text[:cut], "stop"
-            if finish == "length" and j.cancel.is_set():
-                finish = "cancelled"
-            content: str | None = text
-            calls = []
-            r = j.request
-            if r.messages is not None and r.tools and r.tool_choice != "none" and finish == "stop":
-                content, calls = parse_tool_calls(text)
-                if calls:
-                    finish = "tool_calls"
-            choice = Choice(
-                text=text,
-                content=content,
-                tool_calls=calls,
-                response_ids=ids,
-                logprobs=logprobs,
-                finish_reason=finish,
-            )
-            results.append(
-                GenerationResult(
-                    model=r.model,
-                    choices=[choice],
-                    prompt_ids=list(j.prompt_ids),
-                    prompt_tokens=len(j.prompt_ids),
-                    weight_version=version,
-                    prompt_text=j.prompt_text,
-                )
-            )
-        return results
+        return Row(
+            prompt_ids=job.prompt_ids,
+            max_new=job.max_new,
+            temperature=float(r.temperature if r.temperature is not None else self.default_temperature),
+            top_p=float(r.top_p if r.top_p is not None else self.default_top_p),
+            top_k=_top_k(r),
+            generator=job.generator or self._generator_for(r.seed, self.device),
+            eos=frozenset(self._eos_ids),
+            stops=tuple(x for x in r.stop if x),
+            decode=tok.decode,
+            cancel=job.cancel,
+            processors=self._processors(len(job.prompt_ids)),
+            on_token=on_token,
+            payload=job,
+        )
+
+    def _processors(self, prompt_len: int) -> Any:
+        """The logits processors ``generate`` would add from the model's generation config (e.g. a
+        repetition penalty), sampling warpers left out (agl applies the request's own); None when
+        there are none, which is the common case."""
+        model = self.model
+        config = getattr(model, "generation_config", None)
+        getter = getattr(model, "_get_logits_processor", None)
+        if config is None or getter is None:
+            return None
+        if self._processors_cache.get("model") is not model:  # a swapped model: start afresh
+            self._processors_cache = {"model": model}
+        if prompt_len in self._processors_cache:
+            return self._processors_cache[prompt_len]
+        try:
+            config = copy.deepcopy(config)
+            config.do_sample = False
+            config.temperature = config.top_p = config.top_k = None
+            procs = getter(config, input_ids_seq_length=prompt_len, device=str(self.device), model_kwargs={})
+            procs = procs if len(procs) else None
+        except Exception:  # noqa: BLE001 - a private transformers API: without it, none
+            procs = None
+        if len(self._processors_cache) < 4096:
+            self._processors_cache[prompt_len] = procs
+        return procs
+
+    def _finish(self, row: Row) -> None:
+        job: _Job = row.payload
+        try:
+            result = self._result(job, row)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("agl gateway: building a result failed")
+            self._deliver(job, None, BackendError(f"generation failed: {type(exc).__name__}: {exc}"))
+            return
+        self._deliver(job, result, None)
+
+    @staticmethod
+    def _deliver(job: _Job, result: GenerationResult | None, error: BaseException | None) -> None:
+        """Hand a job its result (or error) on its event loop; a streamed job's token queue ends after."""
+
+        def settle() -> None:
+            if not job.future.done():
+                if error is not None:
+                    job.future.set_exception(error)
+                else:
+                    job.future.set_result(result)  # type: ignore[arg-type]
+            if job.tokens is not None:
+                job.tokens.put_nowait(None)
+
+        try:
+            job.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    def _result(self, job: _Job, row: Row) -> GenerationResult:
+        tok = self.tokenizer
+        assert tok is not None
+        ids = list(row.ids)
+        hit_eos = row.ended == "eos"
+        text = tok.decode(ids[:-1] if hit_eos else ids)
+        finish = "stop" if hit_eos else "length"
+        r = job.request
+        for s in r.stop:
+            cut = text.find(s) if s else -1
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+        if finish == "length" and row.ended == "cancelled":
+            finish = "cancelled"
+        content: str | None = text
+        calls = []
+        if r.messages is not None and r.tools and r.tool_choice != "none" and finish == "stop":
+            content, calls = parse_tool_calls(text)
+            if calls:
+                finish = "tool_calls"
+        choice = Choice(
+            text=text,
+            content=content,
+            tool_calls=calls,
+            response_ids=ids,
+            logprobs=list(row.logprobs),
+            finish_reason=finish,
+        )
+        return GenerationResult(
+            model=r.model,
+            choices=[choice],
+            prompt_ids=list(job.prompt_ids),
+            prompt_tokens=len(job.prompt_ids),
+            weight_version=job.weight_version,
+            prompt_text=job.prompt_text,
+        )
 
     def _generator_for(self, seed: int | None, device: Any) -> Any:
         """A seeded request gets a fresh generator of its own; the others share the backend's, seeded
@@ -683,8 +650,12 @@ class TransformersBackend(Backend):
         if self.model is None:
             await self.start()
         self._lock = self._lock or asyncio.Lock()
-        async with self._lock:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        self._swaps_waiting += 1  # the running batch admits no new rows: it drains, then the swap runs
+        try:
+            async with self._lock:
+                return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        finally:
+            self._swaps_waiting -= 1
 
     async def set_model(self, model: Any, *, version: int | None = None) -> int:
         """Serve ``model`` (same tokenizer) from the next request on."""

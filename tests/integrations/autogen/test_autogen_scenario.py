@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,7 +26,7 @@ import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
 from agl.rewards import AIR  # noqa: E402
-from agl.testing import assert_agent_spans  # noqa: E402
+from agl.testing import assert_agent_spans, assert_merged  # noqa: E402
 
 QUESTIONS = [
     {"question": "What is 6*7? [sloppy]", "answer": "42"},
@@ -182,3 +183,15 @@ def test_math_team_end_to_end(
         1 for task in QUESTIONS for agent, _ in expected_calls(task["question"], kind) if agent == "solver"
     )
     assert len(selected) == n_solver < len(all_transitions)
+
+    # --- multi-turn merging: the solver's and the verifier's later calls re-send the team's history
+    # exactly, so each agent's calls are one sequence per rollout; the selector builds a fresh prompt
+    # for every choice, so each of its calls is a new sequence (a break: diverged)
+    calls = Counter(agent for task in QUESTIONS for agent, _ in expected_calls(task["question"], kind))
+    n = len(ids)
+    want = {"solver": n, "verifier": n}
+    if kind == "selector":
+        want[SELECTOR] = calls[SELECTOR]
+    merged = assert_merged(all_transitions, want)
+    assert merged.stats.merged_calls == calls["solver"] + calls["verifier"] - 2 * n > 0
+    assert merged.breaks == ({SELECTOR: ["diverged"] * (calls[SELECTOR] - n)} if kind == "selector" else {})

@@ -9,6 +9,7 @@ protocol with a ``BaseTool``, and the hierarchical process.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,7 +30,7 @@ import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
 from agl.rewards import AIR  # noqa: E402
-from agl.testing import assert_agent_spans  # noqa: E402
+from agl.testing import assert_agent_spans, assert_merged  # noqa: E402
 
 TASKS = [{"country": "france", "sloppy": True}, {"country": "japan"}]
 
@@ -198,3 +199,22 @@ def test_research_crew_end_to_end(
     assert {t.agent for t in selected} == {"writer"}
     assert len(selected) == len(ids)  # one writer call per rollout
     assert [t.span_id for t in selected] == [t.span_id for t in all_transitions if t.agent == "writer"]
+
+    # --- multi-turn merging: with native tool calls the researcher's later calls re-send its tool
+    # calls and results exactly and extend its first call's sequence; with text tools (ReAct) CrewAI
+    # re-sends each reply with the tool's Observation appended, so every call starts a new sequence
+    # (a break: edited). The hierarchical manager holds one conversation per task (its delegation, the
+    # coworker's answer, its own answer merge); the second task opens a fresh one (diverged).
+    calls = Counter(agent for task in TASKS for agent in expected_calls(task, process))
+    n = len(ids)
+    want = {"researcher": calls["researcher"] if text_tools else n, "writer": n}
+    if process == "hierarchical":
+        want[MANAGER] = 2 * n  # two tasks
+    merged = assert_merged(all_transitions, want)
+    breaks = {"researcher": ["edited"] * (calls["researcher"] - n)} if text_tools else {}
+    if process == "hierarchical":
+        breaks[MANAGER] = ["diverged"] * n
+    assert merged.breaks == breaks
+    merged_manager = calls[MANAGER] - 2 * n if process == "hierarchical" else 0
+    assert merged.stats.merged_calls == (0 if text_tools else calls["researcher"] - n) + merged_manager
+    assert (merged.stats.merge_rate > 0) == (not text_tools)

@@ -23,7 +23,7 @@ from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
 from agl.rewards import AIR  # noqa: E402
 from agl.runner import Runner  # noqa: E402
-from agl.testing import assert_agent_spans  # noqa: E402
+from agl.testing import assert_agent_spans, assert_merged  # noqa: E402
 from agl.types import LLM, NewRollout, Resources, Transition  # noqa: E402
 
 VARIANTS = ["sync", "async", "stream", "astream"]
@@ -121,6 +121,16 @@ def test_sql_agent_end_to_end(traced: Traced, tmp_path: Any, variant: str) -> No
         )
         assert len(transitions) == len(record) == len(clients) == len(tree.server_chats())
         assert [t.agent for t in transitions] == agents
+
+        # --- multi-turn merging: one sequence per agent conversation, never shared between agents. The
+        # checker's second call re-sends its review (tool call + result) exactly, so it merges; after
+        # the rewriter, the checker starts a fresh review (its messages are reset): a new sequence
+        merged = assert_merged(transitions, {"writer": 1, "checker": 2, "rewriter": 1} if broken else None)
+        if not broken:
+            assert merged.sequences == {"writer": 1, "checker": 1}
+        assert merged.stats.merged_calls == agents.count("checker") - merged.sequences["checker"] > 0
+        assert merged.breaks == ({"checker": ["diverged"]} if broken else {})
+        assert merged.stats.tokens_saved > 0
         for t, (_, result) in zip(transitions, record, strict=True):
             server = tree.by_id[t.span_id]
             assert server.attributes[sc.AGL_SIDE] == sc.SIDE_SERVER and t.exact

@@ -24,7 +24,7 @@ import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
 from agl.rewards import AIR  # noqa: E402
-from agl.testing import assert_agent_spans  # noqa: E402
+from agl.testing import assert_agent_spans, assert_merged  # noqa: E402
 from agl.types import LLM, NewRollout  # noqa: E402
 
 QUESTIONS = [
@@ -187,6 +187,18 @@ def test_retrieval_qa_end_to_end(
     assert {t.agent for t in selected} == {"researcher", "answerer"}
     assert len(selected) == len(all_transitions) - len(ids)  # one triage call per rollout
     assert [t.span_id for t in selected] == [t.span_id for t in all_transitions if t.agent != "triage"]
+
+    # --- multi-turn merging: each agent's turn is one sequence per rollout, never shared between
+    # agents (the answerer sees the researcher's history, but in its own sequence); the researcher's
+    # later calls re-send its tool calls and results exactly, so they extend its first call's sequence
+    merged = assert_merged(
+        all_transitions, {"triage": len(ids), "researcher": len(ids), "answerer": len(ids)}
+    )
+    n_research = sum(
+        agent == "researcher" for task in QUESTIONS for agent, _ in expected_calls(task["question"])
+    )
+    assert merged.stats.merged_calls == n_research - len(ids) > 0
+    assert merged.breaks == {} and merged.stats.merge_rate == 1.0
 
 
 def _ancestors(span: Any, index: dict[str, Any]) -> list[str]:

@@ -1,0 +1,150 @@
+"""``agl apo``: APO from the command line — tasks from JSONL files, the agent as ``module:function``,
+the optimiser as any OpenAI-compatible endpoint. It builds an ``agl.Trainer`` with an ``agl.APO`` and
+runs it, printing the summary as JSON; bad input is a one-line error and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from agl.algorithms.apo.algorithm import APO
+
+__all__ = ["load_jsonl", "register_cli"]
+
+log = logging.getLogger("agl.apo")
+
+
+def load_jsonl(path: str | os.PathLike[str]) -> list[Any]:
+    """Task inputs, one JSON value per line (blank lines skipped); errors name the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no such task file: {p}")
+    out = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError as exc:
+            raise ValueError(f"{p}:{n} is not JSON: {exc}") from None
+    if not out:
+        raise ValueError(f"{p} holds no tasks")
+    return out
+
+
+def register_cli(parser: argparse.ArgumentParser) -> None:
+    """``agl apo``: optimise an agent's prompts (see :mod:`agl.algorithms.apo`)."""
+    a = parser.add_argument
+    a("--agent", required=True, help="the agent function as module:function (reads agl.prompt)")
+    a("--train", required=True, help="training tasks (JSONL, one task input per line)")
+    a("--val", required=True, help="validation tasks (JSONL): candidates are chosen on them")
+    a("--test", default=None, help="held-out tasks (JSONL): initial vs best prompt at the end")
+    a(
+        "--prompt",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="a starting prompt (default: the agent's own)",
+    )
+    a("--agents", action="append", default=None, metavar="NAME", help="optimise only these prompts")
+    g = parser.add_argument_group("optimiser (any OpenAI-compatible endpoint; default: the agent's model)")
+    g.add_argument("--optimizer-base-url", default=None)
+    g.add_argument("--optimizer-model", default=None)
+    g.add_argument("--optimizer-api-key", default=None, help="default: $OPENAI_API_KEY")
+    g.add_argument("--optimizer-temperature", type=float, default=1.0)
+    g.add_argument("--optimizer-max-tokens", type=int, default=1024, help="per optimiser reply")
+    g.add_argument("--rewrite-format", choices=["json", "text"], default="json")
+    b = parser.add_argument_group("budgets")
+    b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--beam-width", type=int, default=2)
+    b.add_argument("--branch-factor", type=int, default=2)
+    b.add_argument("--rollouts-per-candidate", type=int, default=8)
+    b.add_argument("--max-optimizer-tokens", type=int, default=None)
+    b.add_argument("--failure-below", type=float, default=1.0, help="a reward below this is a failure")
+    m = parser.add_argument_group("the agent's model")
+    m.add_argument("--base-url", default=None, help="an OpenAI-compatible endpoint for the agent")
+    m.add_argument("--model", default=None, help="model name at --base-url, or a local model path")
+    m.add_argument("--api-key", default=None, help="API key for --base-url (default: $OPENAI_API_KEY)")
+    m.add_argument("--vllm-url", default=None, help="a vLLM server for the agent instead")
+    m.add_argument("--temperature", type=float, default=0.0)
+    m.add_argument("--max-tokens", type=int, default=256)
+    r = parser.add_argument_group("run")
+    r.add_argument("--store", default=None, help="store URL (default: sqlite in --run-dir)")
+    r.add_argument("--runners", type=int, default=4, help="rollouts run at once (0: external agl runner)")
+    r.add_argument("--run-dir", default="runs/apo")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--no-progress", action="store_true")
+    r.add_argument(
+        "--no-instrument",
+        action="store_true",
+        help="do not instrument the integrations of the frameworks the agent's module imports",
+    )
+    parser.set_defaults(func=_cli)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    from agl.runner import load_agent
+    from agl.trainer import Trainer
+
+    prompts: dict[str, str] = {}
+    for spec in args.prompt:
+        name, sep, path = spec.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--prompt must be NAME=FILE, got {spec!r}")
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--prompt {name}: no such file: {path}")
+        prompts[name] = Path(path).read_text().strip()
+    apo = APO(
+        rounds=args.rounds,
+        beam_width=args.beam_width,
+        branch_factor=args.branch_factor,
+        rollouts_per_candidate=args.rollouts_per_candidate,
+        max_optimizer_tokens=args.max_optimizer_tokens,
+        prompts=prompts or None,
+        agents=args.agents,
+        optimizer_base_url=args.optimizer_base_url,
+        optimizer_model=args.optimizer_model,
+        optimizer_api_key=args.optimizer_api_key,
+        optimizer_sampling={
+            "temperature": args.optimizer_temperature,
+            "max_tokens": args.optimizer_max_tokens,
+        },
+        rewrite_format=args.rewrite_format,
+        failure_below=args.failure_below,
+    )
+    train, val = load_jsonl(args.train), load_jsonl(args.val)
+    test = load_jsonl(args.test) if args.test else None
+    agent = load_agent(args.agent)
+    if not args.no_instrument and args.runners > 0:  # as `agl runner` does for the agents it runs
+        from agl.runner import _instrument_imported_frameworks
+
+        names = _instrument_imported_frameworks()
+        log.info("agl apo: instrumented %s", ", ".join(names) or "nothing (no framework imported)")
+    backend = "openai" if args.base_url else ("vllm" if args.vllm_url else "transformers")
+    trainer = Trainer(
+        apo,
+        model=args.model if backend == "transformers" else None,
+        backend=backend,
+        base_url=args.base_url,
+        api_key=args.api_key,
+        vllm_url=args.vllm_url,
+        model_name=args.model if backend != "transformers" else None,
+        store=args.store,
+        runners=args.runners,
+        run_dir=args.run_dir,
+        sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    if test is None:
+        summary = trainer.fit(agent, train, val)
+    else:  # Trainer.fit has no held-out split; APO.fit is the same run with the Trainer's settings
+        summary = apo.fit(trainer, agent, train, val, test=test)
+    summary.pop("history", None)
+    print(json.dumps(summary, indent=2))
+    return 0

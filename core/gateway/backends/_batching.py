@@ -1,0 +1,321 @@
+"""Continuous batching for the transformers backend: one running batch that requests join between
+decode steps and leave when they finish.
+
+Why not ``transformers``' own continuous batching (``generate_batch`` / ``init_continuous_batching``,
+present in the installed 5.x)? It samples every row with one ``torch.multinomial`` on the process-wide
+RNG, seeded once per manager: a request's ``seed`` cannot be honoured, a seeded request's tokens depend
+on who else is in the batch, and the RNG a trainer in the same process uses is consumed. It is also
+built around a paged cache and CUDA graphs, which buy nothing on CPU. agl needs per-request generators
+and the exact logprob of each drawn token, so it keeps a small scheduler of its own over the model's
+regular forward pass:
+
+- The running batch is a left-padded ``DynamicCache`` with a 2-D attention mask and explicit per-row
+  position ids (what ``generate`` itself does for a padded batch), so a row computes what it would
+  compute alone, up to float rounding.
+- New requests are prefilled together (one left-padded forward pass), draw their first token, and
+  their cache rows are concatenated to the running batch (both left-padded to the longer one).
+- Each decode step runs the model once on every row's last token; each row then draws its next token
+  with its own sampling settings and generator (:func:`sample`); rows that end (EOS, ``max_tokens``, a
+  stop string, cancellation) leave the batch and columns no row uses any more are cut off the left.
+
+A seeded request draws from a fresh generator of its own, one ``multinomial`` on its own row per step,
+exactly as when it is alone, so batching changes its tokens only through float rounding in the model.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Batch", "Row", "sample", "truncate"]
+
+
+@dataclass
+class Row:
+    """One request's sequence in the running batch."""
+
+    prompt_ids: list[int]
+    max_new: int
+    temperature: float
+    top_p: float
+    top_k: int | None
+    generator: Any
+    eos: frozenset[int] = frozenset()
+    stops: Sequence[str] = ()
+    #: token ids -> text, to find stop strings in the tail of the reply
+    decode: Callable[[list[int]], str] | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    #: the model's own logits processors (its generation config), applied to this row alone
+    processors: Any = None
+    #: called with (token id, logprob) as each token is drawn (streaming)
+    on_token: Callable[[int, float], None] | None = None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    #: why the row left: "eos", "length", "stop" or "cancelled"; None while it runs
+    ended: str | None = None
+    #: the caller's own record (the backend's job)
+    payload: Any = None
+
+
+def truncate(logp: Any, top_p: float, top_k: int | None) -> Any:
+    """Restrict log-probs to the top-k and the nucleus ``top_p`` tokens and renormalise them."""
+    import torch
+
+    if top_k is not None and top_k < logp.size(-1):
+        kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]
+        logp = logp.masked_fill(logp < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_lp, order = torch.sort(logp, dim=-1, descending=True)
+        cum = sorted_lp.exp().cumsum(dim=-1)
+        # keep a token when the mass before it is below top_p (the top token always stays)
+        drop_sorted = (cum - sorted_lp.exp()) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logp = logp.masked_fill(drop, float("-inf"))
+    if top_p < 1.0 or top_k is not None:
+        logp = torch.log_softmax(logp, dim=-1)
+    return logp
+
+
+def sample(rows: Sequence[Row], logits: Any) -> tuple[list[int], list[float]]:
+    """Draw each row's next token from ``logits`` (rows x vocab) under the row's own settings.
+
+    The recorded logprob is that of the distribution the token was drawn from: ``log_softmax(logits /
+    temperature)`` after the model's processors, truncated and renormalised under ``top_p``/``top_k``;
+    a greedy row (``temperature == 0``) records ``log_softmax(logits)`` and takes the argmax.
+    """
+    import torch
+
+    scores = logits.float()
+    if any(r.processors for r in rows):
+        scores = scores.clone()
+        for i, r in enumerate(rows):
+            if r.processors:
+                ids = torch.tensor([r.prompt_ids + r.ids], dtype=torch.long, device=scores.device)
+                scores[i : i + 1] = r.processors(ids, scores[i : i + 1])
+    temps = [r.temperature if r.temperature > 0 else 1.0 for r in rows]
+    if all(t == 1.0 for t in temps):
+        logp = torch.log_softmax(scores, dim=-1)
+    else:
+        logp = torch.log_softmax(scores / torch.tensor(temps, device=scores.device)[:, None], dim=-1)
+    tokens: list[int] = []
+    lps: list[float] = []
+    greedy = logp.argmax(dim=-1).tolist() if any(r.temperature <= 0 for r in rows) else None
+    for i, r in enumerate(rows):
+        row = logp[i : i + 1]
+        if r.temperature <= 0:
+            assert greedy is not None
+            t = greedy[i]
+        else:
+            row = truncate(row, r.top_p, r.top_k)
+            t = int(torch.multinomial(row.exp(), 1, generator=r.generator)[0, 0])
+        tokens.append(t)
+        lps.append(float(row[0, t]))
+    return tokens, lps
+
+
+def _cache_kwarg(model: Any) -> str:
+    """The forward argument that takes the KV cache: ``cache`` in recent transformers (which warns on
+    ``past_key_values``), ``past_key_values`` before."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    try:
+        params = inspect.signature(type(base).forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _position_ids(mask: Any) -> Any:
+    """Per-row positions of a left-padded batch (as ``generate`` computes them)."""
+    pos = mask.long().cumsum(-1) - 1
+    pos.masked_fill_(mask == 0, 1)
+    return pos
+
+
+class Batch:
+    """The running batch: rows, their left-padded KV cache and attention mask, and their next input
+    token (drawn, not yet fed to the model)."""
+
+    def __init__(self, model: Any, pad_id: int) -> None:
+        self.model = model
+        self.pad_id = pad_id
+        self.rows: list[Row] = []
+        self.cache: Any = None
+        self.mask: Any = None  # (rows, cached length) long
+        self.next_tokens: list[int] = []
+        self.lengths: list[int] = []  # real tokens in each row's cache
+        self._logits_to_keep = True
+        self._cache_arg = _cache_kwarg(model)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _forward(self, input_ids: Any, mask: Any, positions: Any, cache: Any) -> Any:
+        kwargs: dict[str, Any] = {
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "position_ids": positions,
+            self._cache_arg: cache,
+            # a policy trained with gradient checkpointing has use_cache=False in its config
+            "use_cache": True,
+        }
+        if self._logits_to_keep:
+            try:
+                return self.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
+            except TypeError:  # a model without logits_to_keep: all positions, keep the last
+                self._logits_to_keep = False
+        return self.model(**kwargs).logits[:, -1, :]
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except Exception:  # noqa: BLE001 - a config the cache cannot read: plain full-attention layers
+            return DynamicCache()
+
+    def joinable(self) -> bool:
+        """Whether rows can join a running batch: every cache layer a plain full-attention layer
+        (a sliding-window or linear-attention cache cannot be left-padded and concatenated)."""
+        from transformers.cache_utils import DynamicLayer
+
+        if self.cache is None:
+            return True
+        layers = getattr(self.cache, "layers", None)
+        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+    def admit(self, rows: Sequence[Row]) -> list[Row]:
+        """Prefill ``rows`` together, draw their first token, and join the ones still running to the
+        batch. Returns the rows that ended on their first token (they never join)."""
+        import torch
+
+        device = next(self.model.parameters()).device
+        width = max(len(r.prompt_ids) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r.prompt_ids)
+            ids[i, width - n :] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            mask[i, width - n :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        cache = self._new_cache()
+        logits = self._forward(ids, mask, _position_ids(mask), cache)
+        tokens, lps = sample(rows, logits)
+        keep = [i for i, r in enumerate(rows) if not _append(r, tokens[i], lps[i])]
+        ended = [r for i, r in enumerate(rows) if i not in keep]
+        if not keep:
+            return ended
+        if len(keep) < len(rows):
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            mask = mask[index]
+        new_rows = [rows[i] for i in keep]
+        if self.rows:
+            self._concat(cache, mask)
+        else:
+            self.cache, self.mask = cache, mask
+        self.rows.extend(new_rows)
+        self.next_tokens.extend(tokens[i] for i in keep)
+        self.lengths.extend(len(r.prompt_ids) for r in new_rows)
+        self._trim()
+        return ended
+
+    def _concat(self, cache: Any, mask: Any) -> None:
+        """Append another batch's cache rows to this one, left-padding the shorter one."""
+        import torch
+        import torch.nn.functional as F
+
+        have, new = self.mask.shape[1], mask.shape[1]
+        width = max(have, new)
+        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+            for name in ("keys", "values"):
+                a, b = getattr(mine, name), getattr(theirs, name)
+                a = F.pad(a, (0, 0, width - have, 0)) if have < width else a
+                b = F.pad(b, (0, 0, width - new, 0)) if new < width else b
+                setattr(mine, name, torch.cat([a, b], dim=0))
+        self.mask = torch.cat([F.pad(self.mask, (width - have, 0)), F.pad(mask, (width - new, 0))], dim=0)
+
+    def step(self) -> list[Row]:
+        """One decode step for every row; returns the rows that ended (they have left the batch)."""
+        import torch
+
+        device = self.mask.device
+        ids = torch.tensor(self.next_tokens, dtype=torch.long, device=device)[:, None]
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
+        positions = torch.tensor(self.lengths, dtype=torch.long, device=device)[:, None]
+        logits = self._forward(ids, self.mask, positions, self.cache)
+        self.lengths = [n + 1 for n in self.lengths]
+        tokens, lps = sample(self.rows, logits)
+        done = [_append(r, t, lp) for r, t, lp in zip(self.rows, tokens, lps, strict=True)]
+        self.next_tokens = tokens
+        return self._drop([i for i, d in enumerate(done) if d])
+
+    def cancel_ended(self) -> list[Row]:
+        """Remove the rows whose request was cancelled (before spending a step on them)."""
+        gone = [i for i, r in enumerate(self.rows) if r.cancel.is_set()]
+        for i in gone:
+            self.rows[i].ended = "cancelled"
+        return self._drop(gone)
+
+    def fail(self) -> list[Row]:
+        """Empty the batch (after an error); returns the rows it held."""
+        rows, self.rows = self.rows, []
+        self.cache = self.mask = None
+        self.next_tokens, self.lengths = [], []
+        return rows
+
+    def _drop(self, indices: list[int]) -> list[Row]:
+        import torch
+
+        if not indices:
+            return []
+        gone = [self.rows[i] for i in indices]
+        keep = [i for i in range(len(self.rows)) if i not in set(indices)]
+        if not keep:
+            self.fail()
+            return gone
+        index = torch.tensor(keep, device=self.mask.device)
+        self.cache.batch_select_indices(index)
+        self.mask = self.mask[index]
+        self.rows = [self.rows[i] for i in keep]
+        self.next_tokens = [self.next_tokens[i] for i in keep]
+        self.lengths = [self.lengths[i] for i in keep]
+        self._trim()
+        return gone
+
+    def _trim(self) -> None:
+        """Cut the leading cache columns that are padding in every row (plain layers only: a
+        sliding-window layer keeps fewer columns than the mask has)."""
+        if not self.joinable():
+            return
+        used = self.mask.any(dim=0).nonzero()
+        first = int(used[0, 0]) if used.numel() else 0
+        if first > 0:
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[..., first:, :]
+                layer.values = layer.values[..., first:, :]
+            self.mask = self.mask[:, first:]
+
+
+def _append(row: Row, token: int, logprob: float) -> bool:
+    """Record a drawn token (and stream it); returns whether the row has ended."""
+    row.ids.append(token)
+    row.logprobs.append(logprob)
+    if row.on_token is not None:
+        row.on_token(token, logprob)
+    end: str | None = None
+    if token in row.eos:
+        end = "eos"
+    elif row.cancel.is_set():
+        end = "cancelled"
+    elif len(row.ids) >= row.max_new:
+        end = "length"
+    elif row.stops and row.decode is not None:
+        tail = row.decode(row.ids[-32:])
+        if any(s in tail for s in row.stops):
+            end = "stop"
+    row.ended = end
+    return end is not None
