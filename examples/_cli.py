@@ -69,6 +69,12 @@ def example_parser(
     t.add_argument("--learning-rate", type=float)
     t.add_argument("--lora-r", type=int, default=16)
     t.add_argument(
+        "--kl-coef",
+        type=float,
+        default=0.0,
+        help="KL penalty to the starting policy (keeps RL near the warm start)",
+    )
+    t.add_argument(
         "--credit",
         choices=["identical", "discounted"],
         default="identical",

@@ -161,6 +161,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         learning_rate=args.learning_rate,
         lora_r=args.lora_r,
         lora_alpha=2 * args.lora_r,
+        kl_coef=args.kl_coef,
         micro_batch_tokens=args.micro_batch_tokens,
     )
     kw: dict[str, Any] = {

@@ -68,6 +68,12 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--temperature", type=float, default=1.0)
     t.add_argument("--learning-rate", type=float, default=1e-4)
     t.add_argument("--lora-r", type=int, default=16)
+    t.add_argument(
+        "--kl-coef",
+        type=float,
+        default=0.0,
+        help="KL penalty to the starting policy (keeps RL near the warm start)",
+    )
     t.add_argument("--runners", type=int, default=8, help="rollouts run at once")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true")
@@ -146,6 +152,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         learning_rate=args.learning_rate,
         lora_r=args.lora_r,
         lora_alpha=2 * args.lora_r,
+        kl_coef=args.kl_coef,
     )
     kw: dict[str, Any] = {
         "agents": TRAINED_AGENTS,

@@ -259,7 +259,8 @@ def test_train_a_few_steps_with_a_tiny_model(data_dir: Path, tmp_path: Path) -> 
     args = cli.parser().parse_args(
         ["--data-dir", str(data_dir), "train", "--run-dir", str(run_dir), "--steps", "2", "--tasks-per-step", "2",
          "--group-size", "2", "--val-tasks", "2", "--val-every", "1", "--max-tokens", "6", "--runners", "4",
-         "--learning-rate", "1e-3", "--lora-r", "4", "--credit", "discounted", "--advantage-level", "transition"]
+         "--learning-rate", "1e-3", "--lora-r", "4", "--credit", "discounted", "--advantage-level", "transition",
+         "--kl-coef", "0.05"]
     )  # fmt: skip
     try:
         summary = cli.train(args, model=_tiny_model(), tokenizer=load_tokenizer(), progress=False)
@@ -281,6 +282,7 @@ def test_train_a_few_steps_with_a_tiny_model(data_dir: Path, tmp_path: Path) -> 
         # (writer -0.3, rewriters -0.2 and -0.1), so every step updates the policy
         assert h["transitions"] == h["trained_transitions"] > 0
         assert math.isfinite(h["loss"]) and h["zero_variance_groups"] == 0
+        assert math.isfinite(h["kl"]) and h["kl"] >= 0.0  # --kl-coef: the k3 estimate to the starting policy
     assert sum(h["transitions"] for h in steps) == len(every)
     # random tokens almost never make valid SQL; whatever ran, AIR charged each failed query (-0.1) to a
     # writer/rewriter call of the same rollout, and a rewriter ran after each failure but the third
