@@ -555,25 +555,12 @@ def report_real(results: dict[str, list[dict[str, float]]]) -> None:
             print(f"{label:46} first chunk {ttft:7.3f}   [DONE] {done:7.3f}")
 
 
-PROMPTS = [
-    "Write a short story about a robot learning to paint.",
-    "Explain how photosynthesis works.",
-    "List some tips for learning a new language.",
-    "Describe the city of Paris to a tourist.",
-    "What are the benefits of regular exercise?",
-    "Explain what a neural network is.",
-    "Write a poem about the sea.",
-    "How do airplanes stay in the air?",
-]
-
-
 def bench_smollm2(new_tokens: int, threads: int | None) -> list[dict[str, Any]]:
     """SmolLM2 through the gateway over HTTP (1 and 8 concurrent clients, streamed TTFT) and Hugging
     Face ``generate`` at batch 8 on the same prompts, model object and threads."""
     from concurrent.futures import ThreadPoolExecutor
 
     import openai
-    import torch
 
     from agl.gateway.backends.transformers import TransformersBackend
     from agl.gateway.testing import serve_gateway
@@ -583,35 +570,13 @@ def bench_smollm2(new_tokens: int, threads: int | None) -> list[dict[str, Any]]:
     name = backend.model_name or ""
     rows: list[dict[str, Any]] = []
 
-    # Hugging Face generate, batch 8, greedy, left-padded: the reference
-    tok = backend.tokenizer
-    assert tok is not None
-    encoded = [tok.encode_chat([{"role": "user", "content": p}], None)[1] for p in PROMPTS]
-    width = max(map(len, encoded))
-    ids = torch.full((8, width), backend._pad_id, dtype=torch.long)
-    mask = torch.zeros((8, width), dtype=torch.long)
-    for r, e in enumerate(encoded):
-        ids[r, width - len(e) :] = torch.tensor(e)
-        mask[r, width - len(e) :] = 1
-    with torch.inference_mode():
-        backend.model.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=2, do_sample=False)
-        t, cpu = time.perf_counter(), time.process_time()
-        out = backend.model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=backend._pad_id,
-            eos_token_id=backend._eos_ids,
-        )
-        elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
-    n = 0  # generated tokens up to each row's EOS (included), as the gateway counts them
-    for row in out[:, width:].tolist():
-        ends = [k for k, t_id in enumerate(row) if t_id in backend._eos_ids]
-        n += ends[0] + 1 if ends else len(row)
-    rows.append(
-        {"what": "HF generate, batch 8", "tokens": n, "seconds": elapsed, "cpu_s": cpu, "ttft_s": None}
-    )
+    # Hugging Face generate, batch 8, greedy, left-padded: the reference (bench/generation.py's)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.generation import PROMPTS, hf_generate
+
+    hf_generate(backend, PROMPTS[:1], 2)  # warm-up
+    ref = hf_generate(backend, PROMPTS, new_tokens)
+    rows.append({"what": "HF generate, batch 8", **ref, "ttft_s": None})
 
     with serve_gateway(backend) as url:
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=600)
