@@ -79,7 +79,14 @@ def test_selection_by_reward_and_best_of_group() -> None:
 
 @pytest.mark.parametrize(
     "kw",
-    [{"epochs": 0}, {"learning_rate": 0}, {"min_reward": float("nan")}, {"lora": "yes"}, {"max_length": 1}],
+    [
+        {"epochs": 0},
+        {"learning_rate": 0},
+        {"min_reward": float("nan")},
+        {"lora": "yes"},
+        {"max_length": 1},
+        {"merge_turns": 1},
+    ],
 )
 def test_bad_settings_are_refused(kw: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=next(iter(kw))):
@@ -139,3 +146,73 @@ def test_sft_learns_its_demonstrations_and_the_gateway_serves_the_result(tmp_pat
             assert out.choices[0].finish_reason == "stop"
     finally:
         backend._executor.shutdown(wait=False)
+
+
+def _two_turns(rid: str = "conv") -> list[Transition]:
+    """An agent's two calls where the second prompt continues the first exactly: prompt, response,
+    then a tool result the model did not write, then the second response."""
+    first = demo(rid, QUESTION, "<tool_call>6*7</tool_call>")
+    tool = (7, 8, 9)
+    second = first.model_copy(
+        update={
+            "index": 1,
+            "prompt_ids": (*first.prompt_ids, *first.response_ids, *tool),
+            "response_ids": (11, 12, first.response_ids[-1]),
+        }
+    )
+    return [first, second]
+
+
+def test_merge_turns_trains_a_conversation_as_one_sequence() -> None:
+    from agl.algorithms.sft import _dataset, _sequences
+
+    first, second = _two_turns()
+    merged, n_merged = _dataset(_sequences([first, second], True), None)
+    per_call, n_per_call = _dataset(_sequences([first, second], False), None)
+    assert len(merged) == 1 and len(per_call) == 2
+    # the same response tokens are trained on either way; the merged form encodes the history once
+    assert n_merged == n_per_call == len(first.response_ids) + len(second.response_ids)
+    row = merged[0]
+    assert row["input_ids"] == [*second.prompt_ids, *second.response_ids]
+    mask = row["completion_mask"]
+    p = len(first.prompt_ids)
+    assert mask[:p] == [0] * p
+    assert mask[p : p + len(first.response_ids)] == [1] * len(first.response_ids)
+    assert mask[p + len(first.response_ids) : p + len(first.response_ids) + 3] == [0, 0, 0]  # tool result
+    assert mask[-len(second.response_ids) :] == [1] * len(second.response_ids)
+    assert sum(len(r["input_ids"]) for r in per_call) > len(row["input_ids"])
+    # over-long: the prompt loses its start, the completion keeps its tokens
+    short, _ = _dataset(_sequences([first, second], True), len(row["input_ids"]) - 2)
+    assert short[0]["input_ids"] == row["input_ids"][2:] and short[0]["completion_mask"] == mask[2:]
+
+
+def test_sft_summary_counts_merged_sequences(tmp_path: Path) -> None:
+    from agl.trainer import load_tokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        summary = SFT(epochs=1, batch_size=1, lora=False).fit(
+            _two_turns(),
+            tiny_model(),
+            tokenizer=load_tokenizer(),
+            run_dir=tmp_path / "m",
+            progress=False,
+            merge=False,
+        )
+        per_call = SFT(epochs=1, batch_size=2, lora=False, merge_turns=False).fit(
+            _two_turns(),
+            tiny_model(),
+            tokenizer=load_tokenizer(),
+            run_dir=tmp_path / "p",
+            progress=False,
+            merge=False,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["examples"] == per_call["examples"] == 2
+    assert (summary["sequences"], summary["steps"]) == (1, 1) and per_call["sequences"] == 2
+    assert summary["response_tokens"] == per_call["response_tokens"]
+    # one forward pass on the merged sequence gives the per-call loss (both a mean over the same
+    # response tokens, the per-call pair in one batch) on the same weights
+    assert summary["loss_before"] == pytest.approx(per_call["loss_before"], rel=1e-4)

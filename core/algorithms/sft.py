@@ -15,7 +15,12 @@ What is trained on, and why:
   format the gateway never shows the model;
 - selection by agent (the adapter's ``agents``), by final reward (``min_reward``) and, with
   ``best_of_group``, only the best rollout of each group (the first on ties) — rejection sampling
-  from a teacher that is sometimes wrong.
+  from a teacher that is sometimes wrong;
+- with ``merge_turns`` (the default, as in LightningRL's update) each agent conversation whose calls
+  extend one another exactly is **one sequence** (:func:`agl.trajectories.merge_transitions`): the
+  shared history is encoded once, tool results and later user turns are context (mask 0), every
+  response is trained on with the context it was produced in. A multi-call agent's demonstrations
+  then cost 1.7–2.4× fewer tokens (the examples' merge rates), with the same per-token loss.
 
 Conventions shared with LightningRL: LoRA on all linear layers (``lora_r``/``lora_alpha``, no
 dropout), TRL checkpoints under ``run_dir/checkpoints/checkpoint-<step>`` (adapter, optimizer,
@@ -74,6 +79,7 @@ class SFT:
     max_grad_norm: float = 1.0
     max_length: int | None = None
     eval_examples: int = 16
+    merge_turns: bool = True
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "lora_r", "lora_alpha", "eval_examples"):
@@ -98,7 +104,7 @@ class SFT:
             isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 2
         ):
             raise ValueError(f"SFT.max_length must be an integer >= 2 or None, got {self.max_length!r}")
-        for name in ("best_of_group", "lora"):
+        for name in ("best_of_group", "lora", "merge_turns"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SFT.{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -215,20 +221,34 @@ def warm_start_model(path: str | os.PathLike[str]) -> Path:
 # ------------------------------------------------------------------------------------ training
 
 
-def _dataset(rows: Sequence[Transition], max_length: int | None) -> tuple[Any, int]:
-    """``input_ids`` = prompt + response ids as recorded, ``completion_mask`` marks the response.
-    Over-long rows keep their response and lose the start of the prompt (what the model sees last)."""
+def _sequences(rows: Sequence[Transition], merge_turns: bool) -> list[tuple[list[int], list[int], list[int]]]:
+    """``(prompt, completion, completion_mask)`` per training sequence: one per agent conversation with
+    ``merge_turns`` (responses masked 1, the context between them 0), else one per call."""
+    if not merge_turns:
+        return [(list(t.prompt_ids), list(t.response_ids), [1] * len(t.response_ids)) for t in rows]
+    from agl.trajectories import merge_transitions
+
+    trajectories, _ = merge_transitions(rows)
+    return [(list(tr.prompt_ids), list(tr.completion_ids), list(tr.loss_mask)) for tr in trajectories]
+
+
+def _dataset(
+    seqs: Sequence[tuple[list[int], list[int], list[int]]], max_length: int | None
+) -> tuple[Any, int]:
+    """``input_ids`` = prompt + completion ids as recorded, ``completion_mask`` marks the model's own
+    response tokens. Over-long rows keep their completion and lose the start of the prompt (what the
+    model sees last); a completion longer than ``max_length`` keeps its start."""
     from datasets import Dataset
 
     records = []
     n_resp = 0
-    for t in rows:
-        prompt, resp = list(t.prompt_ids), list(t.response_ids)
-        if max_length is not None and len(prompt) + len(resp) > max_length:
-            resp = resp[: max_length - 1]
-            prompt = prompt[len(prompt) - (max_length - len(resp)) :]
-        n_resp += len(resp)
-        records.append({"input_ids": prompt + resp, "completion_mask": [0] * len(prompt) + [1] * len(resp)})
+    for prompt, comp, mask in seqs:
+        if max_length is not None and len(prompt) + len(comp) > max_length:
+            if len(comp) >= max_length:
+                comp, mask = comp[: max_length - 1], mask[: max_length - 1]
+            prompt = prompt[len(prompt) - (max_length - len(comp)) :]
+        n_resp += sum(mask)
+        records.append({"input_ids": prompt + comp, "completion_mask": [0] * len(prompt) + mask})
     return Dataset.from_list(records), n_resp
 
 
@@ -300,7 +320,7 @@ def _train(
         metrics_file.unlink()
     torch.manual_seed(seed)
     model, tok, source = _load(model, tokenizer, progress)
-    dataset, n_resp = _dataset(rows, cfg.max_length)
+    dataset, n_resp = _dataset(_sequences(rows, cfg.merge_turns), cfg.max_length)
     metrics = _MetricsLog(run_dir)
 
     class _Log(TrainerCallback):  # type: ignore[misc]
@@ -376,6 +396,8 @@ def _train(
     summary: dict[str, Any] = {
         "run_dir": str(run_dir),
         "examples": len(rows),
+        "sequences": len(dataset),
+        "merge_turns": cfg.merge_turns,
         "rollouts": rollouts,
         "agents": sorted({t.agent or "" for t in rows}),
         "exact": sum(1 for t in rows if t.exact),
@@ -446,6 +468,11 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--no-merge", action="store_true", help="keep only the LoRA checkpoint")
+    parser.add_argument(
+        "--per-call",
+        action="store_true",
+        help="one sequence per LLM call instead of one per agent conversation (--merge-turns off)",
+    )
     parser.set_defaults(func=_cmd_sft)
 
 
@@ -469,6 +496,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         lora_r=args.lora_r,
         lora_alpha=2 * args.lora_r,
         max_length=args.max_length,
+        merge_turns=not args.per_call,
     )
     if args.threads:
         import torch
