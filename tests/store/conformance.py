@@ -350,9 +350,11 @@ def test_heartbeats_keep_lease_alive(store: Store) -> None:
 
 
 def test_span_arrivals_extend_lease(store: Store) -> None:
-    r = enqueue(store, 1, config=RolloutConfig(lease_s=0.6))[0]
+    # spans every 0.1 s for 1.5x the lease; the lease is 1 s so a starved CI machine's pauses between
+    # two spans (0.6 s seen at a load of 3 with PostgreSQL behind HTTP) do not expire it
+    r = enqueue(store, 1, config=RolloutConfig(lease_s=1.0))[0]
     store.claim("w")
-    end = time.monotonic() + 1.2
+    end = time.monotonic() + 1.5
     while time.monotonic() < end:
         time.sleep(0.1)
         store.add_spans([span(r.id)])
