@@ -6,7 +6,8 @@ One step of ``fit``:
    weight version — and push the policy's current weights to the inference backend with that version
    (in-process swap for ``transformers``; a saved LoRA adapter loaded by the gateway's ``vllm`` backend);
 2. enqueue ``group_size`` rollouts for each of ``tasks_per_step`` training tasks (one GRPO group each),
-   plus the validation tasks every ``val_every`` steps, all pinned to that resources version;
+   plus the validation tasks every ``val_every`` steps (and before the first update unless
+   ``val_before=False``, and after the last), all pinned to that resources version;
 3. runners (in-process asyncio tasks by default, or ``agl runner`` processes anywhere) run the agent;
    the gateway records every LLM call with exact token ids;
 4. the adapter turns each finished rollout's spans into transitions (only the finishing attempt, never
@@ -215,6 +216,7 @@ class Trainer:
         tasks_per_step: int = 8,
         steps: int = 20,
         val_every: int = 5,
+        val_before: bool = True,
         checkpoint_every: int = 0,
         resume: bool = False,
         seed: int = 0,
@@ -253,6 +255,8 @@ class Trainer:
             raise ValueError("tasks_per_step must be >= 1")
         if val_every < 0 or checkpoint_every < 0:
             raise ValueError("val_every and checkpoint_every must be >= 0")
+        if not isinstance(val_before, bool):
+            raise ValueError(f"val_before must be True or False, got {val_before!r}")
         if runners == 0 and gateway_url is None and backend in ("transformers", "scripted"):
             log.info("agl trainer: runners=0 — rollouts wait for external `agl runner` processes")
         if backend == "vllm" and not vllm_url:
@@ -281,6 +285,9 @@ class Trainer:
         self.tasks_per_step = tasks_per_step
         self.steps = steps
         self.val_every = val_every
+        #: validate before the first update; False skips it when the starting policy was already
+        #: measured (a second seed from the same warm start re-measures the same greedy figure)
+        self.val_before = val_before
         self.checkpoint_every = checkpoint_every
         self.resume = resume
         self.seed = seed
@@ -624,6 +631,7 @@ class Trainer:
         order = _TaskOrder(len(train_tasks), self.seed)
         try:
             start_step = self._resume(order)
+            self._start_step = start_step
             bar = tqdm(
                 total=self.steps,
                 initial=start_step,
@@ -634,9 +642,11 @@ class Trainer:
             )
             for step in range(start_step, self.steps + 1):
                 final = step == self.steps
-                do_val = bool(val_tasks) and (
-                    final or step == start_step or (self.val_every and step % self.val_every == 0)
-                )
+                if step == start_step and not final:
+                    periodic = self.val_before
+                else:
+                    periodic = bool(self.val_every and step % self.val_every == 0)
+                do_val = bool(val_tasks) and (final or periodic)
                 if final and not do_val:
                     break
                 batch = [] if final else [train_tasks[i] for i in order.take(self.tasks_per_step)]
@@ -753,10 +763,13 @@ class Trainer:
 
     def _summary(self) -> dict[str, Any]:
         vals = [(h["step"], h["val_reward"]) for h in self.history if h.get("val_reward") is not None]
+        start = getattr(self, "_start_step", 0)
+        # the held-out reward before any update (None when val_before=False skipped it)
+        before = next((v for st, v in vals if st <= start), None)
         return {
             "run_dir": str(self.run_dir),
             "steps": self.steps,
-            "val_reward_before": vals[0][1] if vals else None,
+            "val_reward_before": before,
             "val_reward_after": vals[-1][1] if vals else None,
             "history": self.history,
         }

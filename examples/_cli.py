@@ -64,6 +64,11 @@ def example_parser(
     t.add_argument("--group-size", type=int, default=8)
     t.add_argument("--val-tasks", type=int, help=f"held-out {item} evaluated (0: none)")
     t.add_argument("--val-every", type=int)
+    t.add_argument(
+        "--no-val-before",
+        action="store_true",
+        help="skip the held-out check before the first update (the warm start's figure is already known)",
+    )
     t.add_argument("--max-tokens", type=int, default=64)
     t.add_argument("--temperature", type=float, default=0.7)
     t.add_argument("--learning-rate", type=float)

@@ -296,6 +296,34 @@ def test_resume_continues_from_the_checkpoint(tmp_path: Path) -> None:
     assert ckpt["step"] == 2 and Path(ckpt["checkpoint"]).name == "checkpoint-2"
 
 
+def test_val_before_false_skips_the_first_held_out_check(tmp_path: Path) -> None:
+    """A second seed from a measured warm start need not re-measure it: val_before=False validates at
+    val_every and at the end only, and reports no 'before' figure rather than a mid-run one."""
+    tok = load_tokenizer()
+    algo = agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8)
+    trainer = Trainer(
+        algo,
+        model=tiny_model(),
+        backend="scripted",
+        script=Script(),
+        store="memory://",
+        runners=4,
+        run_dir=tmp_path / "run",
+        tokenizer=tok,
+        tasks_per_step=1,
+        steps=3,
+        val_every=2,
+        val_before=False,
+        progress=False,
+        agents=["writer"],
+    )
+    summary = trainer.fit(two_agent_app, [{"q": "a"}, {"q": "b"}], [{"q": "What is 7 * 6?"}])
+    assert [h["step"] for h in summary["history"] if h.get("val_reward") is not None] == [2, 3]
+    assert summary["val_reward_before"] is None and summary["val_reward_after"] is not None
+    with pytest.raises(ValueError, match="val_before"):
+        Trainer(algo, model=tiny_model(), backend="scripted", script=Script(), val_before=0)
+
+
 def test_a_public_gateway_bind_needs_a_key_which_the_agents_receive(tmp_path: Path) -> None:
     """`agl gateway serve`'s rule holds for the trainer's own gateway: no key, no public bind. With a
     key, the gateway refuses callers without it and the published LLM resource carries it."""

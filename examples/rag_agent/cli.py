@@ -64,6 +64,11 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--group-size", type=int, default=4)
     t.add_argument("--val-tasks", type=int, default=24, help="held-out questions evaluated (0: none)")
     t.add_argument("--val-every", type=int, default=5)
+    t.add_argument(
+        "--no-val-before",
+        action="store_true",
+        help="skip the held-out check before the first update (the warm start's figure is already known)",
+    )
     t.add_argument("--max-tokens", type=int, default=64)
     t.add_argument("--temperature", type=float, default=1.0)
     t.add_argument("--learning-rate", type=float, default=1e-4)
@@ -162,6 +167,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         "tasks_per_step": args.tasks_per_step,
         "steps": args.steps,
         "val_every": args.val_every,
+        "val_before": not args.no_val_before,
         "seed": args.seed,
         "resume": args.resume,
         **trainer_kw,
