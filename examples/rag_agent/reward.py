@@ -1,13 +1,17 @@
-"""The reward: a weighted format score plus answer F1, as in the original retrieval-QA scenario.
+"""The reward: answer F1, plus a format bonus that only a right (or partly right) answer earns.
 
-``reward = FORMAT_WEIGHT · format + (1 − FORMAT_WEIGHT) · F1``, in [0, 1]:
+``reward = FORMAT_WEIGHT · format · [F1 > 0] + (1 − FORMAT_WEIGHT) · F1``, in [0, 1]:
 
-- ``format`` is 1.0 when the final output holds exactly one non-empty ``<answer>…</answer>`` block,
-  else 0.0 — the agent is told to answer that way, and the score teaches it to;
 - ``F1`` is SQuAD's token-level F1 (lower-cased, punctuation and articles dropped) between the
   answer and the gold answer. The answer is the text inside the last ``<answer>`` block, or, with
   no block, the whole output — so a right answer in the wrong format still earns partial credit,
-  diluted by whatever else the output says.
+  diluted by whatever else the output says;
+- ``format`` is 1.0 when the final output holds exactly one non-empty ``<answer>…</answer>`` block,
+  else 0.0 — the agent is told to answer that way. It counts **only when the answer overlaps the
+  gold one** (F1 > 0). The original scenario paid it unconditionally, and LightningRL found the
+  shortcut on this CPU: after the warm start, two seeds learned to skip ``search`` and reply
+  ``<answer>any name</answer>`` at once, a sure 0.2 (held-out 0.267 → 0.200 / 0.133, see README).
+  A format score that pays without solving the task is a shaping reward to game, not a goal.
 """
 
 from __future__ import annotations
@@ -56,6 +60,5 @@ def reward(output: str | None, gold: str) -> float:
     """The rollout's reward for the agent's final ``output`` (None: the run produced none)."""
     if output is None:
         return 0.0
-    return FORMAT_WEIGHT * format_score(output) + (1 - FORMAT_WEIGHT) * answer_f1(
-        extract_answer(output), gold
-    )
+    f1 = answer_f1(extract_answer(output), gold)
+    return (FORMAT_WEIGHT * format_score(output) if f1 > 0 else 0.0) + (1 - FORMAT_WEIGHT) * f1

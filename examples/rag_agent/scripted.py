@@ -7,7 +7,7 @@ ways, fixed per question by a hash so a run is reproducible:
 - ``sloppy``: first sends an empty query, which the ``search`` tool refuses (one AIR penalty on that
   call), then behaves as ``good`` (reward 1.0);
 - ``wrong``: searches for both hops, then answers another entity of the same kind in the right
-  format (reward ``FORMAT_WEIGHT``: format only);
+  format (reward 0 when it shares no word with the gold answer: the format bonus needs F1 > 0);
 - ``unformatted``: searches, then answers in a sentence without the tags (no format score, partial
   F1).
 

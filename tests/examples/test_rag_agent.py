@@ -82,7 +82,9 @@ def test_the_split_is_by_subject_and_stable() -> None:
 def test_reward_by_hand() -> None:
     assert reward("<answer>Tessaly</answer>", "Tessaly") == 1.0
     assert reward("<answer> the Tessaly. </answer>", "Tessaly") == 1.0  # SQuAD normalisation
-    assert reward("<answer>Varnholm</answer>", "Tessaly") == pytest.approx(FORMAT_WEIGHT)
+    # the right format around a wrong answer earns nothing: format alone is not a way to score
+    assert format_score("<answer>Varnholm</answer>") == 1.0
+    assert reward("<answer>Varnholm</answer>", "Tessaly") == 0.0
     # no tags: F1 over the whole output ("it is tessaly": P=1/3, R=1 → F1=0.5), no format score
     assert reward("It is Tessaly.", "Tessaly") == pytest.approx((1 - FORMAT_WEIGHT) * 0.5)
     # half of a two-word name: P=R=1/2
@@ -308,7 +310,7 @@ def test_train_a_few_steps_with_a_tiny_model(
     for h, batch in zip(steps, trained, strict=True):
         assert h["transitions"] == h["trained_transitions"] == len(batch) == 2 * 4 * 3
         assert {t.agent for t in batch} == {"researcher"}
-        assert {t.final_reward for t in batch} == {1.0, FORMAT_WEIGHT}  # good and wrong in each group
+        assert {t.final_reward for t in batch} == {1.0, 0.0}  # good and wrong in each group
         assert math.isfinite(h["loss"]) and h["zero_variance_groups"] == 0
 
 
