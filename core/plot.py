@@ -58,9 +58,18 @@ def _smooth(ys: list[float], k: int) -> list[float]:
 
 
 def plot_runs(
-    run_dirs: Sequence[str | Path], out: str | Path, *, title: str | None = None, smooth: int = 3
+    run_dirs: Sequence[str | Path],
+    out: str | Path,
+    *,
+    title: str | None = None,
+    smooth: int = 3,
+    baselines: dict[str, float] | None = None,
 ) -> Path:
-    """One figure, two panels (train reward, validation reward), one line per run; returns ``out``."""
+    """One figure, two panels (train reward, validation reward), one line per run; returns ``out``.
+
+    ``baselines`` (label -> held-out reward) are drawn as dashed lines on the held-out panel: the
+    figure a run started from when it did not re-measure it (``--no-val-before``), e.g. the warm start.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,6 +96,9 @@ def plot_runs(
         if xs:
             axes[1].plot(xs, ys, marker="o", label=label)
             drawn += 1
+    for (name, value), style in zip((baselines or {}).items(), ("--", ":", "-.") * 10, strict=False):
+        axes[1].axhline(float(value), linestyle=style, color="grey", label=f"{name} ({float(value):.3f})")
+        axes[1].set_xlim(left=-0.5)
     if not drawn:
         plt.close(fig)
         raise ValueError(f"no train_reward or val_reward values in {', '.join(str(d) for d, _ in runs)}")
@@ -107,7 +119,7 @@ def plot_runs(
             ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("reward")
-    if len(runs) > 1:
+    if len(runs) > 1 or baselines:
         axes[1].legend(fontsize=8)
     fig.suptitle(title or ", ".join(d.name for d, _ in runs))
     fig.tight_layout()
@@ -130,11 +142,34 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/reward_curve.png)")
     parser.add_argument("--title", default=None)
     parser.add_argument("--smooth", type=int, default=3, help="moving-mean window for the train curve")
+    parser.add_argument(
+        "--baseline",
+        action="append",
+        default=[],
+        metavar="LABEL=VALUE",
+        help="a held-out figure to draw as a dashed line (repeatable), e.g. 'warm start=0.083'",
+    )
     parser.set_defaults(func=_cli)
+
+
+def _baselines(items: Sequence[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in items:
+        label, sep, value = item.rpartition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = float("nan")
+        if not sep or not label.strip() or number != number:
+            raise ValueError(f"--baseline takes LABEL=VALUE with a number, got {item!r}")
+        out[label.strip()] = number
+    return out
 
 
 def _cli(args: argparse.Namespace) -> int:
     out = args.out or str(Path(args.run_dirs[0]) / "reward_curve.png")
-    path = plot_runs(args.run_dirs, out, title=args.title, smooth=args.smooth)
+    path = plot_runs(
+        args.run_dirs, out, title=args.title, smooth=args.smooth, baselines=_baselines(args.baseline)
+    )
     print(path)
     return 0

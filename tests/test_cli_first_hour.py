@@ -187,3 +187,15 @@ def test_demo_store_is_inspectable_after_dev(tmp_path: Path, capsys: pytest.Capt
     assert main(["rollouts", "list", "--store", store_url]) == 0
     listed = capsys.readouterr().out
     assert "2 rollout(s): 2 succeeded" in listed
+
+
+def test_plot_draws_a_baseline_and_refuses_a_malformed_one(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    records = [{"step": 0, "train_reward": 0.1}, {"step": 1, "train_reward": 0.2, "val_reward": 0.4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "curve.png"
+    rc, text = run_cli("plot", str(tmp_path), "--out", str(out), "--baseline", "warm start=0.25")
+    assert rc == 0, text
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    rc, text = run_cli("plot", str(tmp_path), "--out", str(out), "--baseline", "warm start")
+    assert_one_line_error(rc, text, "LABEL=VALUE")
