@@ -10,7 +10,9 @@ Agg backend: no display needed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -96,7 +98,7 @@ def plot_runs(
         if xs:
             axes[1].plot(xs, ys, marker="o", label=label)
             drawn += 1
-    for (name, value), style in zip((baselines or {}).items(), ("--", ":", "-.") * 10, strict=False):
+    for (name, value), style in zip((baselines or {}).items(), itertools.cycle(("--", ":", "-."))):
         axes[1].axhline(float(value), linestyle=style, color="grey", label=f"{name} ({float(value):.3f})")
         axes[1].set_xlim(left=-0.5)
     if not drawn:
@@ -159,8 +161,8 @@ def _baselines(items: Sequence[str]) -> dict[str, float]:
         try:
             number = float(value)
         except ValueError:
-            number = float("nan")
-        if not sep or not label.strip() or number != number:
+            number = math.nan
+        if not sep or not label.strip() or not math.isfinite(number):
             raise ValueError(f"--baseline takes LABEL=VALUE with a number, got {item!r}")
         out[label.strip()] = number
     return out
