@@ -9,7 +9,9 @@ One step of ``fit``:
    plus the validation tasks every ``val_every`` steps (and before the first update unless
    ``val_before=False``, and after the last), all pinned to that resources version;
 3. runners (in-process asyncio tasks by default, or ``agl runner`` processes anywhere) run the agent;
-   the gateway records every LLM call with exact token ids;
+   the gateway records every LLM call with exact token ids; with ``dynamic_sampling=N`` (DAPO), while
+   fewer than ``tasks_per_step`` groups have any reward variance, up to N more rounds of fresh tasks
+   are run, and the update takes ``tasks_per_step`` informative groups;
 4. the adapter turns each finished rollout's spans into transitions (only the finishing attempt, never
    stale spans, only the selected agents); LightningRL computes advantages; ``PolicyUpdate`` updates the
    policy (TRL's GRPO loss, LoRA by default);
@@ -28,6 +30,7 @@ import contextlib
 import copy
 import json
 import logging
+import math
 import os
 import random
 import socket
@@ -217,6 +220,7 @@ class Trainer:
         steps: int = 20,
         val_every: int = 5,
         val_before: bool = True,
+        dynamic_sampling: int = 0,
         checkpoint_every: int = 0,
         resume: bool = False,
         seed: int = 0,
@@ -257,6 +261,14 @@ class Trainer:
             raise ValueError("val_every and checkpoint_every must be >= 0")
         if not isinstance(val_before, bool):
             raise ValueError(f"val_before must be True or False, got {val_before!r}")
+        if (
+            isinstance(dynamic_sampling, bool)
+            or not isinstance(dynamic_sampling, int)
+            or dynamic_sampling < 0
+        ):
+            raise ValueError(
+                f"dynamic_sampling must be an integer >= 0 (extra sampling rounds), got {dynamic_sampling!r}"
+            )
         if runners == 0 and gateway_url is None and backend in ("transformers", "scripted"):
             log.info("agl trainer: runners=0 — rollouts wait for external `agl runner` processes")
         if backend == "vllm" and not vllm_url:
@@ -288,6 +300,9 @@ class Trainer:
         #: validate before the first update; False skips it when the starting policy was already
         #: measured (a second seed from the same warm start re-measures the same greedy figure)
         self.val_before = val_before
+        #: DAPO's dynamic sampling: up to this many extra rounds of fresh tasks when a step's groups
+        #: have zero variance (no gradient), so an update is not spent on nothing (0: off)
+        self.dynamic_sampling = dynamic_sampling
         self.checkpoint_every = checkpoint_every
         self.resume = resume
         self.seed = seed
@@ -522,10 +537,13 @@ class Trainer:
         )
         return self.store.add_resources({"main": llm}).version
 
-    def _enqueue(self, tasks: Sequence[Task], version: int, step: int, repeat: int) -> list[str]:
+    def _enqueue(
+        self, tasks: Sequence[Task], version: int, step: int, repeat: int, group_suffix: str = ""
+    ) -> list[str]:
         rollouts = []
         for task in tasks:
-            group = f"{task.id}-s{step}"
+            # a task drawn again in a later sampling round of the same step is a group of its own
+            group = f"{task.id}-s{step}{group_suffix}"
             for _ in range(repeat):
                 rollouts.append(
                     NewRollout.from_task(
@@ -650,7 +668,13 @@ class Trainer:
                 if final and not do_val:
                     break
                 batch = [] if final else [train_tasks[i] for i in order.take(self.tasks_per_step)]
-                record = self._step(step, batch, val_tasks if do_val else [], bar)
+                record = self._step(
+                    step,
+                    batch,
+                    val_tasks if do_val else [],
+                    bar,
+                    draw=lambda k: [train_tasks[i] for i in order.take(k)],
+                )
                 malloc.trim()
                 self._log(record)
                 if not final:
@@ -667,9 +691,17 @@ class Trainer:
             plot_run(self.run_dir)
         return self._summary()
 
-    def _step(self, step: int, batch: list[Task], val_tasks: list[Task], bar: Any) -> dict[str, Any]:
+    def _step(
+        self,
+        step: int,
+        batch: list[Task],
+        val_tasks: list[Task],
+        bar: Any,
+        draw: Callable[[int], list[Task]] | None = None,
+    ) -> dict[str, Any]:
         """One step of the loop: publish -> push -> enqueue -> collect -> adapt -> update. Returns the
-        step's metrics record (a step with no training batch only measures the held-out reward)."""
+        step's metrics record (a step with no training batch only measures the held-out reward).
+        ``draw(k)`` gives ``k`` more training tasks, for dynamic sampling's extra rounds."""
         t_step = time.perf_counter()
         version = self._publish()
         sync_s = self.sync_weights(version)
@@ -678,6 +710,11 @@ class Trainer:
         t0 = time.perf_counter()
         stats_before = self.adapter.stats.copy()
         transitions, rewards, finished = self._collect(ids + val_ids, bar, f"step {step}")
+        sampled: dict[str, Any] = {}
+        if batch and self.dynamic_sampling and draw is not None:
+            ids, sampled = self._resample(
+                step, len(batch), version, ids, transitions, rewards, finished, bar, draw
+            )
         rollout_s = time.perf_counter() - t0
         self._check_adapted(step, self.adapter.stats.since(stats_before))
         record: dict[str, Any] = {"step": step, "resources_version": version}
@@ -695,9 +732,62 @@ class Trainer:
                 exact_token_ratio=(sum(1 for t in train_ts if t.exact) / len(train_ts)) if train_ts else None,
             )
             record.update(_reward_split(train_ts, self.history))
-            record.update(self._update(train_ts))
+            if sampled:
+                keep = set(sampled.pop("kept_groups"))
+                record.update(self._update([t for t in train_ts if t.group_id in keep]))
+                record.update(sampled)  # groups counted over every round, not only the ones trained
+            else:
+                record.update(self._update(train_ts))
         record.update(rollout_s=rollout_s, sync_s=sync_s, step_s=time.perf_counter() - t_step)
         return record
+
+    def _informative_groups(
+        self, ids: Sequence[str], transitions: dict[str, list[Transition]]
+    ) -> tuple[list[str], int]:
+        """The groups among ``ids``' rollouts whose rewards differ (in the order drawn), and how many
+        groups there are: the same statistic the advantages use, so "informative" means a gradient."""
+        from agl.algorithms.lightning_rl import group_statistics
+
+        stats = group_statistics([t for rid in ids for t in transitions.get(rid, [])], self.algorithm)
+        return [gid for gid, gs in stats.items() if not gs.zero_variance], len(stats)
+
+    def _resample(
+        self,
+        step: int,
+        want: int,
+        version: int,
+        ids: list[str],
+        transitions: dict[str, list[Transition]],
+        rewards: dict[str, float],
+        finished: list[Rollout],
+        bar: Any,
+        draw: Callable[[int], list[Task]],
+    ) -> tuple[list[str], dict[str, Any]]:
+        """Dynamic sampling (DAPO, Yu et al. 2025): while fewer than ``want`` groups have any reward
+        variance, draw fresh tasks (as many as the informative rate so far says are needed, at most
+        ``want``) for up to ``dynamic_sampling`` extra rounds. A group whose rollouts all score the same
+        has zero advantage and teaches nothing; without this, a step of such groups is a wasted update.
+        Returns every training rollout id and the sampling metrics with the groups to train on."""
+        informative, n_groups = self._informative_groups(ids, transitions)
+        rounds = 0
+        while len(informative) < want and rounds < self.dynamic_sampling:
+            rounds += 1
+            rate = max(len(informative), 1) / max(n_groups, 1)
+            k = min(want, math.ceil((want - len(informative)) / rate))
+            more = self._enqueue(draw(k), version, step, self.algorithm.group_size, group_suffix=f"r{rounds}")
+            t, r, f = self._collect(more, bar, f"step {step} round {rounds}")
+            transitions.update(t)
+            rewards.update(r)
+            finished.extend(f)
+            ids = ids + more
+            informative, n_groups = self._informative_groups(ids, transitions)
+        return ids, {
+            "kept_groups": informative[:want],
+            "groups": n_groups,
+            "zero_variance_groups": n_groups - len(informative),
+            "trained_groups": len(informative[:want]),
+            "resample_rounds": rounds,
+        }
 
     def _update(self, train_ts: list[Transition]) -> dict[str, Any]:
         """Advantages and one policy update over a step's transitions; returns their metrics."""

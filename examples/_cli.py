@@ -69,6 +69,14 @@ def example_parser(
         action="store_true",
         help="skip the held-out check before the first update (the warm start's figure is already known)",
     )
+    t.add_argument(
+        "--dynamic-sampling",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="DAPO dynamic sampling: up to ROUNDS extra rounds of fresh tasks while a step has fewer than "
+        "--tasks-per-step groups with reward variance (default 0: off)",
+    )
     t.add_argument("--max-tokens", type=int, default=64)
     t.add_argument("--temperature", type=float, default=0.7)
     t.add_argument("--learning-rate", type=float)

@@ -324,6 +324,70 @@ def test_val_before_false_skips_the_first_held_out_check(tmp_path: Path) -> None
         Trainer(algo, model=tiny_model(), backend="scripted", script=Script(), val_before=0)
 
 
+class ByQuestion:
+    """The engine for dynamic sampling: the writer always answers "easy" questions well (a group of
+    equal rewards, zero variance) and alternates good and bad on the one "mixed" question."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, request: Any) -> str:
+        system = request.messages[0]["content"] if request.messages else ""
+        if "checker" in system:
+            return CHECKED
+        if "easy" in request.messages[-1]["content"]:
+            return GOOD
+        with self.lock:
+            self.n += 1
+            return GOOD if self.n % 2 else BAD
+
+
+def test_dynamic_sampling_draws_fresh_tasks_until_a_group_has_variance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DAPO's dynamic sampling: a step whose groups all score the same draws more tasks (up to
+    dynamic_sampling extra rounds) and trains on the informative group only; the metrics count every
+    group drawn. The seed is picked so the mixed task comes last in the shuffled pass (3 extra rounds)."""
+    from agl.trainer import _TaskOrder
+
+    tok = load_tokenizer()
+    spy = Spy(tok)
+    spy.install(monkeypatch)
+    train = [{"q": "easy one"}, {"q": "easy two"}, {"q": "easy three"}, {"q": "mixed: 7 * 6?"}]
+    seed = next(s for s in range(100) if _TaskOrder(4, s).take(4)[-1] == 3)
+    algo = agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8)
+    trainer = Trainer(
+        algo,
+        model=tiny_model(),
+        backend="scripted",
+        script=ByQuestion(),
+        store="memory://",
+        runners=4,
+        run_dir=tmp_path / "run",
+        tokenizer=tok,
+        tasks_per_step=1,
+        steps=1,
+        val_every=0,
+        dynamic_sampling=3,
+        seed=seed,
+        progress=False,
+        agents=["writer"],
+    )
+    summary = trainer.fit(two_agent_app, train)
+    record = summary["history"][0]
+    assert record["resample_rounds"] == 3
+    assert record["groups"] == 4 and record["zero_variance_groups"] == 3 and record["trained_groups"] == 1
+    assert record["rollouts"] == 8 and record["train_reward"] == pytest.approx(7 / 8)
+    assert len(spy.batches) == 1
+    trained = spy.batches[0]
+    assert len(trained) == 2 and all(t.group_id.endswith("-s0r3") for t in trained)
+    assert sorted(t.final_reward for t in trained) == [0.0, 1.0]
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="dynamic_sampling"):
+            Trainer(algo, model=tiny_model(), backend="scripted", script=Script(), dynamic_sampling=bad)
+
+
 def test_a_public_gateway_bind_needs_a_key_which_the_agents_receive(tmp_path: Path) -> None:
     """`agl gateway serve`'s rule holds for the trainer's own gateway: no key, no public bind. With a
     key, the gateway refuses callers without it and the published LLM resource carries it."""

@@ -69,6 +69,14 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the held-out check before the first update (the warm start's figure is already known)",
     )
+    t.add_argument(
+        "--dynamic-sampling",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="DAPO dynamic sampling: up to ROUNDS extra rounds of fresh tasks while a step has fewer than "
+        "--tasks-per-step groups with reward variance (default 0: off)",
+    )
     t.add_argument("--max-tokens", type=int, default=64)
     t.add_argument("--temperature", type=float, default=1.0)
     t.add_argument("--learning-rate", type=float, default=1e-4)
@@ -168,6 +176,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         "steps": args.steps,
         "val_every": args.val_every,
         "val_before": not args.no_val_before,
+        "dynamic_sampling": args.dynamic_sampling,
         "seed": args.seed,
         "resume": args.resume,
         **trainer_kw,
