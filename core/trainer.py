@@ -734,7 +734,9 @@ class Trainer:
             record.update(_reward_split(train_ts, self.history))
             if sampled:
                 keep = set(sampled.pop("kept_groups"))
-                record.update(self._update([t for t in train_ts if t.group_id in keep]))
+                # nothing informative after every round: the update still runs (it skips zero
+                # advantages), so the step count, schedule and checkpoints stay in step with `step`
+                record.update(self._update([t for t in train_ts if t.group_id in keep] or train_ts))
                 record.update(sampled)  # groups counted over every round, not only the ones trained
             else:
                 record.update(self._update(train_ts))

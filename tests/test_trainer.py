@@ -383,6 +383,26 @@ def test_dynamic_sampling_draws_fresh_tasks_until_a_group_has_variance(
     trained = spy.batches[0]
     assert len(trained) == 2 and all(t.group_id.endswith("-s0r3") for t in trained)
     assert sorted(t.final_reward for t in trained) == [0.0, 1.0]
+    # only easy tasks: every round is zero-variance; the rounds stop at the cap and the step still counts
+    trainer = Trainer(
+        algo,
+        model=tiny_model(),
+        backend="scripted",
+        script=ByQuestion(),
+        store="memory://",
+        runners=4,
+        run_dir=tmp_path / "easy",
+        tokenizer=tok,
+        tasks_per_step=2,
+        steps=1,
+        val_every=0,
+        dynamic_sampling=1,
+        progress=False,
+        agents=["writer"],
+    )
+    record = trainer.fit(two_agent_app, train[:3])["history"][0]
+    assert record["resample_rounds"] == 1 and record["groups"] == 4 and record["trained_groups"] == 0
+    assert record["zero_variance_groups"] == 4 and trainer.policy.global_step == 1
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="dynamic_sampling"):
             Trainer(algo, model=tiny_model(), backend="scripted", script=Script(), dynamic_sampling=bad)
