@@ -35,6 +35,11 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("-n", "--tasks", type=int, default=4, help="how many tasks (default 4)")
     d.add_argument("--max-tokens", type=int, default=128)
     d.add_argument("--temperature", type=float, default=0.0)
+    d.add_argument(
+        "--store",
+        default=None,
+        help="record the rollouts in this store (e.g. sqlite:///runs/demos.db; default: in memory)",
+    )
 
     t = sub.add_parser("train", help="train the writer with LightningRL")
     t.add_argument("--model", default=None, help="a local model path (default: embedded SmolLM2-135M)")
@@ -127,6 +132,8 @@ def dev(
         from examples.crew_agent.scripted import ScriptedCrew
 
         script = ScriptedCrew()
+    if args.store is not None:
+        trainer_kw.setdefault("store", args.store)
     is_path = args.model is not None and os.path.isdir(args.model)
     trainer = Trainer(
         model=model if model is not None else (args.model if is_path else None),

@@ -90,16 +90,19 @@ def _expected(kind: str, task: dict[str, Any]) -> tuple[int, float]:
     return {"good": (2, 1.0), "sloppy": (3, 1.0), "partial": (2, 1 / n), "vague": (2, 0.0)}[kind]
 
 
-def test_dev_with_the_scripted_model(crew_offline: None, capsys: pytest.CaptureFixture[str]) -> None:
+def test_dev_with_the_scripted_model(
+    crew_offline: None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     import agl.store
     from agl import semconv as sc
     from agl.adapter import Adapter
     from examples.crew_agent import cli
     from examples.crew_agent.scripted import behaviour, misspelt
 
-    store = agl.store.open("memory://")
-    args = cli.parser().parse_args(["dev", "--backend", "scripted", "-n", "10"])
-    transitions = cli.dev(args, store=store)
+    url = f"sqlite:///{tmp_path / 'dev.db'}"  # `dev --store` records the rollouts where asked
+    args = cli.parser().parse_args(["dev", "--backend", "scripted", "-n", "10", "--store", url])
+    transitions = cli.dev(args)
+    store = agl.store.open(url)
     out = capsys.readouterr().out
     assert "10 rollouts, 10 transitions" in out and "agent=writer" in out
 
