@@ -59,6 +59,7 @@ __all__ = [
     "RolloutFunction",
     "Runner",
     "RunnerStats",
+    "instrument_imported_frameworks",
     "load_agent",
     "register_cli",
     "rollout",
@@ -708,7 +709,7 @@ def _warn_if_untraced() -> None:
     )
 
 
-def _instrument_imported_frameworks() -> list[str]:
+def instrument_imported_frameworks() -> list[str]:
     """Instrument the integrations whose framework the (just loaded) agent module imported, and the
     openai client's: importing every installed framework only to instrument it costs seconds each."""
     import re
@@ -797,7 +798,7 @@ def _cli(args: argparse.Namespace) -> int:
             logging.getLogger(noisy).setLevel(logging.WARNING)
     agent = load_agent(args.agent)
     if not args.no_instrument:
-        names = _instrument_imported_frameworks()
+        names = instrument_imported_frameworks()
         log.info("agl runner: instrumented %s", ", ".join(names) or "nothing (no framework imported)")
     kwargs: dict[str, Any] = {}
     if args.token and args.store.startswith(("http://", "https://")):

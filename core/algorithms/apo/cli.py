@@ -121,9 +121,9 @@ def _cli(args: argparse.Namespace) -> int:
     test = load_jsonl(args.test) if args.test else None
     agent = load_agent(args.agent)
     if not args.no_instrument and args.runners > 0:  # as `agl runner` does for the agents it runs
-        from agl.runner import _instrument_imported_frameworks
+        from agl.runner import instrument_imported_frameworks
 
-        names = _instrument_imported_frameworks()
+        names = instrument_imported_frameworks()
         log.info("agl apo: instrumented %s", ", ".join(names) or "nothing (no framework imported)")
     backend = "openai" if args.base_url else ("vllm" if args.vllm_url else "transformers")
     trainer = Trainer(
