@@ -64,19 +64,7 @@ def example_parser(
     t.add_argument("--group-size", type=int, default=8)
     t.add_argument("--val-tasks", type=int, help=f"held-out {item} evaluated (0: none)")
     t.add_argument("--val-every", type=int)
-    t.add_argument(
-        "--no-val-before",
-        action="store_true",
-        help="skip the held-out check before the first update (the warm start's figure is already known)",
-    )
-    t.add_argument(
-        "--dynamic-sampling",
-        type=int,
-        default=0,
-        metavar="ROUNDS",
-        help="DAPO dynamic sampling: up to ROUNDS extra rounds of fresh tasks while a step has fewer than "
-        "--tasks-per-step groups with reward variance (default 0: off)",
-    )
+    add_schedule_options(t)
     t.add_argument("--max-tokens", type=int, default=64)
     t.add_argument("--temperature", type=float, default=0.7)
     t.add_argument("--learning-rate", type=float)
@@ -102,6 +90,23 @@ def example_parser(
 
     sub.add_parser("data", help=data_help)
     return p, sub
+
+
+def add_schedule_options(t: argparse.ArgumentParser) -> None:
+    """``train``'s options every example shares for how a run samples and validates."""
+    t.add_argument(
+        "--no-val-before",
+        action="store_true",
+        help="skip the held-out check before the first update (the warm start's figure is already known)",
+    )
+    t.add_argument(
+        "--dynamic-sampling",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="DAPO dynamic sampling: up to ROUNDS extra rounds of fresh tasks while a step has fewer than "
+        "--tasks-per-step groups with reward variance (default 0: off)",
+    )
 
 
 def oracle_backend(args: argparse.Namespace) -> None:

@@ -9,7 +9,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from examples._cli import model_arg, oracle_backend
+from examples._cli import add_schedule_options, model_arg, oracle_backend
 
 __all__ = ["dev", "main", "parser", "train"]
 
@@ -64,19 +64,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--group-size", type=int, default=4)
     t.add_argument("--val-tasks", type=int, default=24, help="held-out questions evaluated (0: none)")
     t.add_argument("--val-every", type=int, default=5)
-    t.add_argument(
-        "--no-val-before",
-        action="store_true",
-        help="skip the held-out check before the first update (the warm start's figure is already known)",
-    )
-    t.add_argument(
-        "--dynamic-sampling",
-        type=int,
-        default=0,
-        metavar="ROUNDS",
-        help="DAPO dynamic sampling: up to ROUNDS extra rounds of fresh tasks while a step has fewer than "
-        "--tasks-per-step groups with reward variance (default 0: off)",
-    )
+    add_schedule_options(t)
     t.add_argument("--max-tokens", type=int, default=64)
     t.add_argument("--temperature", type=float, default=1.0)
     t.add_argument("--learning-rate", type=float, default=1e-4)
