@@ -9,7 +9,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from examples._cli import example_parser, model_arg, oracle_backend
+from examples._cli import checkpointing_arg, example_parser, model_arg, oracle_backend
 
 __all__ = ["dev", "main", "parser", "train"]
 
@@ -162,6 +162,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         lora_r=args.lora_r,
         lora_alpha=2 * args.lora_r,
         kl_coef=args.kl_coef,
+        gradient_checkpointing=checkpointing_arg(args),
         micro_batch_tokens=args.micro_batch_tokens,
     )
     kw: dict[str, Any] = {

@@ -9,7 +9,13 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from examples._cli import add_schedule_options, model_arg, oracle_backend
+from examples._cli import (
+    add_checkpointing_option,
+    add_schedule_options,
+    checkpointing_arg,
+    model_arg,
+    oracle_backend,
+)
 
 __all__ = ["dev", "main", "parser", "train"]
 
@@ -65,6 +71,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--val-tasks", type=int, default=24, help="held-out questions evaluated (0: none)")
     t.add_argument("--val-every", type=int, default=5)
     add_schedule_options(t)
+    add_checkpointing_option(t)
     t.add_argument("--max-tokens", type=int, default=64)
     t.add_argument("--temperature", type=float, default=1.0)
     t.add_argument("--learning-rate", type=float, default=1e-4)
@@ -154,6 +161,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         lora_r=args.lora_r,
         lora_alpha=2 * args.lora_r,
         kl_coef=args.kl_coef,
+        gradient_checkpointing=checkpointing_arg(args),
     )
     kw: dict[str, Any] = {
         "agents": TRAINED_AGENTS,
