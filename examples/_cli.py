@@ -129,7 +129,7 @@ def add_checkpointing_option(t: argparse.ArgumentParser) -> None:
 
 def checkpointing_arg(args: argparse.Namespace) -> bool | None:
     """``train --gradient-checkpointing``: None (auto) lets the update choose per device and budget."""
-    return {"auto": None, "on": True, "off": False}[getattr(args, "gradient_checkpointing", "auto")]
+    return {"auto": None, "on": True, "off": False}[args.gradient_checkpointing]
 
 
 def model_arg(args: argparse.Namespace) -> str | None:

@@ -1,4 +1,4 @@
-"""The examples' shared ``train`` options: each reaches the algorithm the example builds."""
+"""The examples' shared ``train`` options: each example's parser has them and reads them back the same way."""
 
 from __future__ import annotations
 
