@@ -649,7 +649,6 @@ class Trainer:
         order = _TaskOrder(len(train_tasks), self.seed)
         try:
             start_step = self._resume(order)
-            self._start_step = start_step
             bar = tqdm(
                 total=self.steps,
                 initial=start_step,
@@ -854,15 +853,23 @@ class Trainer:
         bar.set_postfix(post)
 
     def _summary(self) -> dict[str, Any]:
-        vals = [(h["step"], h["val_reward"]) for h in self.history if h.get("val_reward") is not None]
-        start = getattr(self, "_start_step", 0)
-        # the held-out reward before any update (None when val_before=False skipped it)
-        before = next((v for st, v in vals if st <= start), None)
+        checks = [h for h in self.history if h.get("val_reward") is not None]
+        after = checks[-1] if checks else None
+        # the held-out reward before any update: the step-0 check (None when val_before=False skipped
+        # it), and only when it measured as many held-out tasks as the last check did -- a resumed run
+        # re-checked on a larger held-out set must not be compared with the smaller set's figure
+        before = next((h for h in checks if h["step"] == 0), None)
+        if (
+            before is not None
+            and after is not None
+            and before.get("val_rollouts") != after.get("val_rollouts")
+        ):
+            before = None
         return {
             "run_dir": str(self.run_dir),
             "steps": self.steps,
-            "val_reward_before": before,
-            "val_reward_after": vals[-1][1] if vals else None,
+            "val_reward_before": before["val_reward"] if before else None,
+            "val_reward_after": after["val_reward"] if after else None,
             "history": self.history,
         }
 

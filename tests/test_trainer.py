@@ -296,6 +296,34 @@ def test_resume_continues_from_the_checkpoint(tmp_path: Path) -> None:
     assert ckpt["step"] == 2 and Path(ckpt["checkpoint"]).name == "checkpoint-2"
 
 
+def test_resume_on_a_larger_held_out_set_reports_no_stale_before(tmp_path: Path) -> None:
+    """Re-checking a finished run on more held-out tasks (--resume, larger --val-tasks) must not report
+    the first run's step-0 figure, measured on fewer tasks, as its "before"; the same set still does."""
+    common: dict[str, Any] = dict(
+        backend="scripted",
+        script=Script(),
+        store="memory://",
+        runners=4,
+        run_dir=tmp_path / "run",
+        tokenizer=load_tokenizer(),
+        tasks_per_step=1,
+        steps=1,
+        val_every=0,
+        progress=False,
+        agents=["writer"],
+    )
+    algo = agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8)
+    train = [{"q": "a"}, {"q": "b"}]
+    small, large = [{"q": "What is 7 * 6?"}], [{"q": "What is 7 * 6?"}, {"q": "c"}, {"q": "d"}]
+    first = Trainer(algo, model=tiny_model(), **common).fit(two_agent_app, train, small)
+    assert first["val_reward_before"] is not None
+    recheck = Trainer(algo, model=tiny_model(), resume=True, **common).fit(two_agent_app, train, large)
+    assert recheck["history"][-1]["val_rollouts"] == 3
+    assert recheck["val_reward_before"] is None and recheck["val_reward_after"] is not None
+    again = Trainer(algo, model=tiny_model(), resume=True, **common).fit(two_agent_app, train, small)
+    assert again["val_reward_before"] == first["val_reward_before"]
+
+
 def test_val_before_false_skips_the_first_held_out_check(tmp_path: Path) -> None:
     """A second seed from a measured warm start need not re-measure it: val_before=False validates at
     val_every and at the end only, and reports no 'before' figure rather than a mid-run one."""
