@@ -72,7 +72,9 @@ def test_a_4_mib_prompt_is_refused_before_tokenising_and_stalls_nobody() -> None
         assert "characters" in err["message"]
         assert max(seen) < 100, seen  # refused before the backend rendered or tokenised it
         assert refused_after < 5.0, refused_after  # was 3.2 s of a frozen event loop, unloaded
-        assert len(latencies) >= 3 and max(latencies) < 0.5, latencies
+        # a stall guard, not a speed target: the bug froze the loop 3.2 s unloaded; a small call took
+        # 0.58 s on this 2-core machine with CI at nice 19 beside a training run, so the bound is loose
+        assert len(latencies) >= 3 and max(latencies) < 2.0, latencies
 
 
 def test_a_body_too_large_for_the_context_window_is_413_before_parsing() -> None:
