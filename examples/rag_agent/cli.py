@@ -71,6 +71,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--val-tasks", type=int, default=24, help="held-out questions evaluated (0: none)")
     t.add_argument("--val-every", type=int, default=5)
     add_schedule_options(t)
+    t.add_argument("--micro-batch-tokens", type=int, help="tokens per forward/backward (memory bound)")
     add_checkpointing_option(t)
     t.add_argument("--max-tokens", type=int, default=64)
     t.add_argument("--temperature", type=float, default=1.0)
@@ -162,6 +163,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         lora_alpha=2 * args.lora_r,
         kl_coef=args.kl_coef,
         gradient_checkpointing=checkpointing_arg(args),
+        micro_batch_tokens=args.micro_batch_tokens,
     )
     kw: dict[str, Any] = {
         "agents": TRAINED_AGENTS,
