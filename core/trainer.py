@@ -94,6 +94,11 @@ def _as_tasks(data: Iterable[Any], mode: str) -> list[Task]:
     return tasks
 
 
+def _val_set_size(record: dict[str, Any]) -> int | None:
+    """How many held-out tasks a check was given (``val_rollouts`` for records older than ``val_tasks``)."""
+    return record.get("val_tasks", record.get("val_rollouts"))
+
+
 def _mean(xs: Sequence[float]) -> float | None:
     return float(sum(xs) / len(xs)) if xs else None
 
@@ -719,7 +724,7 @@ class Trainer:
         record: dict[str, Any] = {"step": step, "resources_version": version}
         if val_ids:
             vr = [rewards[r] for r in val_ids if r in rewards]
-            record.update(val_reward=_mean(vr), val_rollouts=len(vr))
+            record.update(val_reward=_mean(vr), val_rollouts=len(vr), val_tasks=len(val_tasks))
         if batch:
             train_ids = set(ids)
             train_ts = [t for rid in ids for t in transitions.get(rid, [])]
@@ -856,14 +861,12 @@ class Trainer:
         checks = [h for h in self.history if h.get("val_reward") is not None]
         after = checks[-1] if checks else None
         # the held-out reward before any update: the step-0 check (None when val_before=False skipped
-        # it), and only when it measured as many held-out tasks as the last check did -- a resumed run
-        # re-checked on a larger held-out set must not be compared with the smaller set's figure
+        # it), and only when it was given as many held-out tasks as the last check -- a resumed run
+        # re-checked on a larger held-out set must not be compared with the smaller set's figure. The
+        # tasks given, not the rollouts that finished with a reward: one failed rollout in either check
+        # must not hide the comparison (histories written before val_tasks existed fall back).
         before = next((h for h in checks if h["step"] == 0), None)
-        if (
-            before is not None
-            and after is not None
-            and before.get("val_rollouts") != after.get("val_rollouts")
-        ):
+        if before is not None and after is not None and _val_set_size(before) != _val_set_size(after):
             before = None
         return {
             "run_dir": str(self.run_dir),

@@ -318,10 +318,46 @@ def test_resume_on_a_larger_held_out_set_reports_no_stale_before(tmp_path: Path)
     first = Trainer(algo, model=tiny_model(), **common).fit(two_agent_app, train, small)
     assert first["val_reward_before"] is not None
     recheck = Trainer(algo, model=tiny_model(), resume=True, **common).fit(two_agent_app, train, large)
-    assert recheck["history"][-1]["val_rollouts"] == 3
+    assert recheck["history"][-1]["val_rollouts"] == recheck["history"][-1]["val_tasks"] == 3
     assert recheck["val_reward_before"] is None and recheck["val_reward_after"] is not None
     again = Trainer(algo, model=tiny_model(), resume=True, **common).fit(two_agent_app, train, small)
     assert again["val_reward_before"] == first["val_reward_before"]
+
+
+def test_a_cancelled_held_out_rollout_keeps_the_before_figure(tmp_path: Path) -> None:
+    """The "before" figure is compared by the held-out tasks given, not the rollouts that finished with a reward:
+    a held-out rollout cancelled by the step timeout in the step-0 check only (a crashed one still
+    counts, as reward 0) must not make ``val_reward_before`` None."""
+    import time
+
+    stalled: list[str] = []
+
+    def stalling_app(task: dict, resources: agl.Resources) -> float:
+        if task["q"] == "d" and not stalled:
+            stalled.append(task["q"])
+            time.sleep(25)  # past step_timeout_s: the trainer cancels it
+        return two_agent_app(task, resources)
+
+    algo = agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8)
+    summary = Trainer(
+        algo,
+        model=tiny_model(),
+        backend="scripted",
+        script=Script(),
+        store="memory://",
+        runners=4,
+        run_dir=tmp_path / "run",
+        tokenizer=load_tokenizer(),
+        tasks_per_step=1,
+        steps=1,
+        val_every=0,
+        step_timeout_s=15,
+        progress=False,
+        agents=["writer"],
+    ).fit(stalling_app, [{"q": "a"}, {"q": "b"}], [{"q": "What is 7 * 6?"}, {"q": "d"}])
+    checks = [h for h in summary["history"] if h.get("val_reward") is not None]
+    assert [(h["val_rollouts"], h["val_tasks"]) for h in checks] == [(1, 2), (2, 2)]
+    assert summary["val_reward_before"] == checks[0]["val_reward"] is not None
 
 
 def test_val_before_false_skips_the_first_held_out_check(tmp_path: Path) -> None:
