@@ -863,8 +863,8 @@ class Trainer:
         # the held-out reward before any update: the step-0 check (None when val_before=False skipped
         # it), and only when it was given as many held-out tasks as the last check -- a resumed run
         # re-checked on a larger held-out set must not be compared with the smaller set's figure. The
-        # tasks given, not the rollouts that finished with a reward: one failed rollout in either check
-        # must not hide the comparison (histories written before val_tasks existed fall back).
+        # tasks given, not the rollouts that finished with a reward: a held-out rollout the step timeout
+        # cancelled must not hide the comparison (histories written before val_tasks existed fall back).
         before = next((h for h in checks if h["step"] == 0), None)
         if before is not None and after is not None and _val_set_size(before) != _val_set_size(after):
             before = None

@@ -82,8 +82,7 @@ def example_parser(
         help="LightningRL credit assignment (discounted: AIR penalties count per call)",
     )
     t.add_argument("--advantage-level", choices=["rollout", "transition"], default="rollout")
-    t.add_argument("--micro-batch-tokens", type=int, help="tokens per forward/backward (memory bound)")
-    add_checkpointing_option(t)
+    add_update_options(t)
     t.add_argument("--runners", type=int, default=16, help="rollouts run at once")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true")
@@ -116,8 +115,10 @@ def oracle_backend(args: argparse.Namespace) -> None:
         args.backend = "scripted"
 
 
-def add_checkpointing_option(t: argparse.ArgumentParser) -> None:
-    """``train --gradient-checkpointing``, read back with :func:`checkpointing_arg`."""
+def add_update_options(t: argparse.ArgumentParser) -> None:
+    """``train``'s options for the policy update's memory and speed: ``--micro-batch-tokens`` and
+    ``--gradient-checkpointing`` (read back with :func:`checkpointing_arg`)."""
+    t.add_argument("--micro-batch-tokens", type=int, help="tokens per forward/backward (memory bound)")
     t.add_argument(
         "--gradient-checkpointing",
         choices=["auto", "on", "off"],

@@ -296,15 +296,16 @@ def test_resume_continues_from_the_checkpoint(tmp_path: Path) -> None:
     assert ckpt["step"] == 2 and Path(ckpt["checkpoint"]).name == "checkpoint-2"
 
 
-def test_resume_on_a_larger_held_out_set_reports_no_stale_before(tmp_path: Path) -> None:
-    """Re-checking a finished run on more held-out tasks (--resume, larger --val-tasks) must not report
-    the first run's step-0 figure, measured on fewer tasks, as its "before"; the same set still does."""
-    common: dict[str, Any] = dict(
+def one_task_trainer(tmp_path: Path, algo: Any = None, *, run: str = "run", **over: Any) -> Trainer:
+    """A Trainer on a fresh tiny model and the scripted engine: one training task a step, one step,
+    held-out checks at step 0 and the end only, the writer trained (``over`` changes any of it)."""
+    kw: dict[str, Any] = dict(
+        model=tiny_model(),
         backend="scripted",
         script=Script(),
         store="memory://",
         runners=4,
-        run_dir=tmp_path / "run",
+        run_dir=tmp_path / run,
         tokenizer=load_tokenizer(),
         tasks_per_step=1,
         steps=1,
@@ -312,15 +313,22 @@ def test_resume_on_a_larger_held_out_set_reports_no_stale_before(tmp_path: Path)
         progress=False,
         agents=["writer"],
     )
+    kw.update(over)
+    return Trainer(algo or agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8), **kw)
+
+
+def test_resume_on_a_larger_held_out_set_reports_no_stale_before(tmp_path: Path) -> None:
+    """Re-checking a finished run on more held-out tasks (--resume, larger --val-tasks) must not report
+    the first run's step-0 figure, measured on fewer tasks, as its "before"; the same set still does."""
     algo = agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8)
     train = [{"q": "a"}, {"q": "b"}]
     small, large = [{"q": "What is 7 * 6?"}], [{"q": "What is 7 * 6?"}, {"q": "c"}, {"q": "d"}]
-    first = Trainer(algo, model=tiny_model(), **common).fit(two_agent_app, train, small)
+    first = one_task_trainer(tmp_path, algo).fit(two_agent_app, train, small)
     assert first["val_reward_before"] is not None
-    recheck = Trainer(algo, model=tiny_model(), resume=True, **common).fit(two_agent_app, train, large)
+    recheck = one_task_trainer(tmp_path, algo, resume=True).fit(two_agent_app, train, large)
     assert recheck["history"][-1]["val_rollouts"] == recheck["history"][-1]["val_tasks"] == 3
     assert recheck["val_reward_before"] is None and recheck["val_reward_after"] is not None
-    again = Trainer(algo, model=tiny_model(), resume=True, **common).fit(two_agent_app, train, small)
+    again = one_task_trainer(tmp_path, algo, resume=True).fit(two_agent_app, train, small)
     assert again["val_reward_before"] == first["val_reward_before"]
 
 
@@ -328,8 +336,6 @@ def test_a_cancelled_held_out_rollout_keeps_the_before_figure(tmp_path: Path) ->
     """The "before" figure is compared by the held-out tasks given, not the rollouts that finished with a reward:
     a held-out rollout cancelled by the step timeout in the step-0 check only (a crashed one still
     counts, as reward 0) must not make ``val_reward_before`` None."""
-    import time
-
     stalled: list[str] = []
 
     def stalling_app(task: dict, resources: agl.Resources) -> float:
@@ -338,23 +344,9 @@ def test_a_cancelled_held_out_rollout_keeps_the_before_figure(tmp_path: Path) ->
             time.sleep(25)  # past step_timeout_s: the trainer cancels it
         return two_agent_app(task, resources)
 
-    algo = agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8)
-    summary = Trainer(
-        algo,
-        model=tiny_model(),
-        backend="scripted",
-        script=Script(),
-        store="memory://",
-        runners=4,
-        run_dir=tmp_path / "run",
-        tokenizer=load_tokenizer(),
-        tasks_per_step=1,
-        steps=1,
-        val_every=0,
-        step_timeout_s=15,
-        progress=False,
-        agents=["writer"],
-    ).fit(stalling_app, [{"q": "a"}, {"q": "b"}], [{"q": "What is 7 * 6?"}, {"q": "d"}])
+    summary = one_task_trainer(tmp_path, step_timeout_s=15).fit(
+        stalling_app, [{"q": "a"}, {"q": "b"}], [{"q": "What is 7 * 6?"}, {"q": "d"}]
+    )
     checks = [h for h in summary["history"] if h.get("val_reward") is not None]
     assert [(h["val_rollouts"], h["val_tasks"]) for h in checks] == [(1, 2), (2, 2)]
     assert summary["val_reward_before"] == checks[0]["val_reward"] is not None
@@ -363,24 +355,8 @@ def test_a_cancelled_held_out_rollout_keeps_the_before_figure(tmp_path: Path) ->
 def test_val_before_false_skips_the_first_held_out_check(tmp_path: Path) -> None:
     """A second seed from a measured warm start need not re-measure it: val_before=False validates at
     val_every and at the end only, and reports no 'before' figure rather than a mid-run one."""
-    tok = load_tokenizer()
     algo = agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8)
-    trainer = Trainer(
-        algo,
-        model=tiny_model(),
-        backend="scripted",
-        script=Script(),
-        store="memory://",
-        runners=4,
-        run_dir=tmp_path / "run",
-        tokenizer=tok,
-        tasks_per_step=1,
-        steps=3,
-        val_every=2,
-        val_before=False,
-        progress=False,
-        agents=["writer"],
-    )
+    trainer = one_task_trainer(tmp_path, algo, steps=3, val_every=2, val_before=False)
     summary = trainer.fit(two_agent_app, [{"q": "a"}, {"q": "b"}], [{"q": "What is 7 * 6?"}])
     assert [h["step"] for h in summary["history"] if h.get("val_reward") is not None] == [2, 3]
     assert summary["val_reward_before"] is None and summary["val_reward_after"] is not None
@@ -421,22 +397,8 @@ def test_dynamic_sampling_draws_fresh_tasks_until_a_group_has_variance(
     train = [{"q": "easy one"}, {"q": "easy two"}, {"q": "easy three"}, {"q": "mixed: 7 * 6?"}]
     seed = next(s for s in range(100) if _TaskOrder(4, s).take(4)[-1] == 3)
     algo = agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8)
-    trainer = Trainer(
-        algo,
-        model=tiny_model(),
-        backend="scripted",
-        script=ByQuestion(),
-        store="memory://",
-        runners=4,
-        run_dir=tmp_path / "run",
-        tokenizer=tok,
-        tasks_per_step=1,
-        steps=1,
-        val_every=0,
-        dynamic_sampling=3,
-        seed=seed,
-        progress=False,
-        agents=["writer"],
+    trainer = one_task_trainer(
+        tmp_path, algo, script=ByQuestion(), tokenizer=tok, dynamic_sampling=3, seed=seed
     )
     summary = trainer.fit(two_agent_app, train)
     record = summary["history"][0]
@@ -448,21 +410,8 @@ def test_dynamic_sampling_draws_fresh_tasks_until_a_group_has_variance(
     assert len(trained) == 2 and all(t.group_id.endswith("-s0r3") for t in trained)
     assert sorted(t.final_reward for t in trained) == [0.0, 1.0]
     # only easy tasks: every round is zero-variance; the rounds stop at the cap and the step still counts
-    trainer = Trainer(
-        algo,
-        model=tiny_model(),
-        backend="scripted",
-        script=ByQuestion(),
-        store="memory://",
-        runners=4,
-        run_dir=tmp_path / "easy",
-        tokenizer=tok,
-        tasks_per_step=1,
-        steps=1,
-        val_every=0,
-        dynamic_sampling=1,
-        progress=False,
-        agents=["writer"],
+    trainer = one_task_trainer(
+        tmp_path, algo, run="easy", script=ByQuestion(), tokenizer=tok, dynamic_sampling=1
     )
     record = trainer.fit(two_agent_app, train[:3])["history"][0]
     assert record["resample_rounds"] == 1 and record["groups"] == 2 and record["trained_groups"] == 0

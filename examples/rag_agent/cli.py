@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from examples._cli import (
-    add_checkpointing_option,
     add_schedule_options,
+    add_update_options,
     checkpointing_arg,
     model_arg,
     oracle_backend,
@@ -71,8 +71,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--val-tasks", type=int, default=24, help="held-out questions evaluated (0: none)")
     t.add_argument("--val-every", type=int, default=5)
     add_schedule_options(t)
-    t.add_argument("--micro-batch-tokens", type=int, help="tokens per forward/backward (memory bound)")
-    add_checkpointing_option(t)
+    add_update_options(t)
     t.add_argument("--max-tokens", type=int, default=64)
     t.add_argument("--temperature", type=float, default=1.0)
     t.add_argument("--learning-rate", type=float, default=1e-4)
