@@ -49,6 +49,25 @@ def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], l
     return xs, ys
 
 
+def _val_series(records: Sequence[dict[str, Any]]) -> list[tuple[int | None, list[float], list[float]]]:
+    """The held-out reward as one series per held-out set size, in order of first appearance.
+
+    A run re-checked with ``--resume`` on a larger held-out set (e.g. the first 72 test questions,
+    then all 244) holds checks that are not comparable: one line through them would draw a drop or
+    a gain that is only the change of set. The size is ``val_tasks`` (``val_rollouts`` for records
+    older than it), as the trainer's own before/after summary compares them.
+    """
+    out: dict[int | None, tuple[list[float], list[float]]] = {}
+    for r in records:
+        v = r.get("val_reward")
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            size = r.get("val_tasks", r.get("val_rollouts"))
+            xs, ys = out.setdefault(size if isinstance(size, int) else None, ([], []))
+            xs.append(float(r["step"]))
+            ys.append(float(v))
+    return [(size, xs, ys) for size, (xs, ys) in out.items()]
+
+
 def _smooth(ys: list[float], k: int) -> list[float]:
     if k <= 1 or len(ys) < 3:
         return ys
@@ -94,9 +113,13 @@ def plot_runs(
             line = axes[0].plot(xs, ys, alpha=0.25)[0]
             axes[0].plot(xs, _smooth(ys, smooth), color=line.get_color(), label=label)
             drawn += 1
-        xs, ys = _series(records, "val_reward")
-        if xs:
-            axes[1].plot(xs, ys, marker="o", label=label)
+        series = _val_series(records)
+        color = None  # one colour a run; a resumed re-check on another held-out set: its own marker, named
+        for (size, xs, ys), marker in zip(series, itertools.cycle("osD^")):
+            named = label
+            if len(series) > 1:
+                named = f"{label or 'held-out'}, n={size if size is not None else '?'}"
+            color = axes[1].plot(xs, ys, marker=marker, color=color, label=named)[0].get_color()
             drawn += 1
     for (name, value), style in zip((baselines or {}).items(), itertools.cycle(("--", ":", "-."))):
         axes[1].axhline(float(value), linestyle=style, color="grey", label=f"{name} ({float(value):.3f})")
@@ -121,7 +144,7 @@ def plot_runs(
             ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("reward")
-    if len(runs) > 1 or baselines:
+    if len(runs) > 1 or baselines or any(len(_val_series(r)) > 1 for _, r in runs):
         axes[1].legend(fontsize=8)
     fig.suptitle(title or ", ".join(d.name for d, _ in runs))
     fig.tight_layout()

@@ -507,6 +507,31 @@ def test_plot_cli_and_bad_input(tmp_path: Path) -> None:
         Trainer(agl.LightningRL(lora=False), backend="vllm", vllm_url="http://127.0.0.1:9/v1")
 
 
+def test_plot_keeps_a_resumed_recheck_on_another_held_out_set_apart(tmp_path: Path) -> None:
+    """A ``--resume`` re-check on a larger held-out set is not a step of the same curve: the plot
+    draws one held-out series per set size, as the trainer's before/after summary compares them."""
+    pytest.importorskip("matplotlib")
+    from agl.cli import main
+    from agl.plot import _val_series
+
+    rows = [
+        {"step": 0, "val_reward": 0.70, "val_tasks": 72},
+        {"step": 1, "train_reward": 0.4},
+        {"step": 2, "val_reward": 0.78, "val_tasks": 72},
+        {"step": 2, "val_reward": 0.76, "val_tasks": 244},
+        {"step": 2, "val_reward": 0.5, "val_rollouts": 8},  # written before val_tasks existed
+    ]
+    assert _val_series(rows) == [(72, [0.0, 2.0], [0.70, 0.78]), (244, [2.0], [0.76]), (8, [2.0], [0.5])]
+    assert _val_series([{"step": 3, "val_reward": 1.0}, {"step": 4, "val_reward": True}]) == [
+        (None, [3.0], [1.0])
+    ]
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert main(["plot", str(run), "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_learn_on_cpu_agent_rewards_only_the_strict_format(tmp_path: Path) -> None:
     """The CPU demo's agent, end to end through the gateway: tool spans, the strict reward."""
     import re
