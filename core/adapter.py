@@ -832,6 +832,9 @@ class Adapter:
         if model is None:
             model = S[c.anchor].attributes.get(sc.GEN_AI_REQUEST_MODEL)
         wv = a.get(sc.AGL_LLM_WEIGHT_VERSION)
+        finish = a.get(sc.GEN_AI_RESPONSE_FINISH_REASONS) or S[c.anchor].attributes.get(
+            sc.GEN_AI_RESPONSE_FINISH_REASONS
+        )
         return {
             "prompt_ids": prompt_ids,
             "response_ids": response_ids,
@@ -842,6 +845,7 @@ class Adapter:
             "span_id": s.span_id,
             "model": model if isinstance(model, str) else None,
             "weight_version": wv if isinstance(wv, int) and not isinstance(wv, bool) else None,
+            "truncated": _cut_at_max_tokens(finish),
         }
 
     # .................................................................. AIR
@@ -1062,6 +1066,13 @@ def _agent_matcher(agents: AgentSelection) -> Any:
             raise ValueError(f"agents must be names (str), got {a!r}")
     wanted = frozenset(names)
     return lambda name: name in wanted
+
+
+def _cut_at_max_tokens(finish: Any) -> bool:
+    """Whether a call's finish reasons (OTel's list, or one string) say it hit ``max_tokens``: ``length``
+    in the chat API, ``max_tokens`` in the Anthropic-style spelling some frameworks record."""
+    reasons = [finish] if isinstance(finish, str) else finish if isinstance(finish, (list, tuple)) else []
+    return any(str(r).lower() in ("length", "max_tokens") for r in reasons)
 
 
 def _truthy(v: Any) -> bool:

@@ -80,6 +80,11 @@ class UpdateSettings:
     #: train on one merged sequence per agent conversation where turns extend exactly (agl.trajectories);
     #: False trains every LLM call as its own sequence (the per-call form, for comparison)
     merge_turns: bool = True
+    #: leave calls the engine cut at ``max_tokens`` out of the loss (DAPO's overlong filtering): an
+    #: unfinished answer scores 0 whatever it was on its way to, so its negative advantage would push
+    #: down every token it holds, e.g. a long query's JOIN, not just the rambling. They still count in
+    #: their group's reward statistics.
+    mask_truncated: bool = False
 
     def _validate_update(self, owner: str) -> None:
         check_number(owner, "clip_eps", self.clip_eps, lo=0.0, lo_open=True)
@@ -94,6 +99,7 @@ class UpdateSettings:
             _check_int(owner, "micro_batch_tokens", self.micro_batch_tokens)
         _check_bool(owner, "lora", self.lora)
         _check_bool(owner, "merge_turns", self.merge_turns)
+        _check_bool(owner, "mask_truncated", self.mask_truncated)
         _check_bool(owner, "gradient_checkpointing", self.gradient_checkpointing, optional=True)
         if self.mixed_precision not in (None, "no", "bf16", "fp16"):
             raise ValueError(

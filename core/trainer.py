@@ -815,6 +815,8 @@ class Trainer:
             "tokens_per_s": update["tokens_per_s"],
             "update_s": update.get("update_s"),
             "trained_transitions": update["transitions"],
+            # calls the engine cut at max_tokens (left out of the loss with mask_truncated)
+            "truncated_calls": update.get("truncated_calls"),
             "behaviour_ratio_dev": update.get("behaviour_ratio_dev"),
             # multi-turn merging (agl.trajectories): sequences trained, tokens encoded, share of
             # calls that extended a sequence, tokens saved, and the calls that could not extend their

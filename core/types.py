@@ -440,6 +440,9 @@ class Transition(_Model):
     span_id: str | None = None
     model: str | None = None
     weight_version: int | None = None
+    #: the engine stopped the response at ``max_tokens`` (finish reason ``length``): an unfinished answer,
+    #: which ``UpdateSettings.mask_truncated`` leaves out of the loss (DAPO's overlong filtering)
+    truncated: bool = False
 
     @field_validator("reward", "intermediate_reward", "final_reward")
     @classmethod

@@ -116,8 +116,8 @@ def oracle_backend(args: argparse.Namespace) -> None:
 
 
 def add_update_options(t: argparse.ArgumentParser) -> None:
-    """``train``'s options for the policy update's memory and speed: ``--micro-batch-tokens`` and
-    ``--gradient-checkpointing`` (read back with :func:`checkpointing_arg`)."""
+    """``train``'s options for the policy update: its memory and speed (``--micro-batch-tokens``,
+    ``--gradient-checkpointing``, read back with :func:`checkpointing_arg`) and ``--mask-truncated``."""
     t.add_argument("--micro-batch-tokens", type=int, help="tokens per forward/backward (memory bound)")
     t.add_argument(
         "--gradient-checkpointing",
@@ -125,6 +125,11 @@ def add_update_options(t: argparse.ArgumentParser) -> None:
         default="auto",
         help="activation checkpointing in the update (auto: on for a GPU or a large micro-batch; off with "
         "--micro-batch-tokens 1024 is ~1.9x faster on a CPU for ~0.7 GB more, bench/README.md)",
+    )
+    t.add_argument(
+        "--mask-truncated",
+        action="store_true",
+        help="leave calls cut at --max-tokens out of the loss (DAPO's overlong filtering)",
     )
 
 

@@ -204,6 +204,38 @@ def test_zero_advantage_transitions_are_skipped_without_kl(tok, tmp_path) -> Non
         up.step(ts, [math.nan, 1.0])
 
 
+def test_mask_truncated_leaves_calls_cut_at_max_tokens_out_of_the_loss(tok, tmp_path) -> None:
+    """DAPO's overlong filtering: with mask_truncated a call the engine cut at max_tokens carries no
+    gradient (its negative advantage would push down every token of an unfinished answer); without
+    it, it is trained like any other. Either way the step reports how many calls were cut."""
+    cut = tr(tok, "a", "b c d", "r1").model_copy(update={"truncated": True})
+    done = tr(tok, "a", "e", "r2")
+    m = make(tok, tmp_path / "plain").step([cut, done], [-1.0, 1.0])
+    assert m["transitions"] == 2 and m["skipped"] == 0 and m["truncated_calls"] == 1
+    assert m["response_tokens"] == len(cut.response_ids) + len(done.response_ids)
+    masked = make(tok, tmp_path / "masked", mask_truncated=True)
+    m = masked.step([cut, done], [-1.0, 1.0])
+    assert m["transitions"] == 1 and m["skipped"] == 1 and m["truncated_calls"] == 1
+    assert m["response_tokens"] == len(done.response_ids)
+    m = masked.step([cut], [-1.0])  # only a cut call: nothing to train, the policy is left as it was
+    assert m["transitions"] == 0 and m["loss"] == 0.0 and m["grad_norm"] == 0.0
+    # one conversation merged into one sequence: only the cut turn's tokens are masked
+    follow = Transition(
+        rollout_id="r1",
+        attempt=1,
+        index=1,
+        prompt_ids=cut.prompt_ids
+        + cut.response_ids
+        + tuple(tok("go on", add_special_tokens=False)["input_ids"]),
+        response_ids=done.response_ids,
+    )
+    m = masked.step([cut, follow], [-1.0, -1.0])
+    assert m["sequences"] == 1 and m["transitions"] == 1 and m["skipped"] == 1
+    assert m["response_tokens"] == len(follow.response_ids)
+    with pytest.raises(ValueError, match="mask_truncated must be True or False"):
+        LightningRL(mask_truncated="yes")
+
+
 def test_kl_to_the_base_model_with_lora_adapters_disabled(tok, tmp_path) -> None:
     up = make(tok, tmp_path, kl_coef=0.1)
     ts = [tr(tok, "hi", "Answer: 1", "r1"), tr(tok, "hi", "nope", "r2")]

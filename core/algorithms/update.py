@@ -510,10 +510,16 @@ class PolicyUpdate:
         seqs, merge_stats = (merge_transitions if merge else per_call_trajectories)(transitions)
         # A call with zero advantage carries no gradient without a KL term: it is left out of the loss
         # (masked within a merged sequence, dropped when alone), as DAPO's dynamic sampling does.
+        # With mask_truncated, a call cut at max_tokens is left out the same way (DAPO's overlong filtering).
+        masked_truncated = {
+            i for i, t in enumerate(transitions) if self.config.mask_truncated and t.truncated
+        }
         trained = {
             i
             for i, t in enumerate(transitions)
-            if t.response_ids and (self.kl_coef != 0.0 or float(advantages[i]) != 0.0)
+            if t.response_ids
+            and i not in masked_truncated
+            and (self.kl_coef != 0.0 or float(advantages[i]) != 0.0)
         }
         train_masks = [_train_mask(s, trained) for s in seqs]
         token_adv = [token_advantages(s, advantages) for s in seqs]
@@ -533,6 +539,7 @@ class PolicyUpdate:
             "transitions": float(n_calls),
             "sequences": float(len(keep)),
             "skipped": float(skipped),
+            "truncated_calls": float(sum(1 for t in transitions if t.truncated)),  # cut at max_tokens
             "tokens": n_tok,
             "response_tokens": float(n_resp_local),
             "micro_batches": float(len(mbs)),

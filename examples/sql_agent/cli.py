@@ -90,6 +90,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         kl_coef=args.kl_coef,
         gradient_checkpointing=checkpointing_arg(args),
         micro_batch_tokens=args.micro_batch_tokens,
+        mask_truncated=args.mask_truncated,
     )
     kw: dict[str, Any] = {
         "agents": TRAINED_AGENTS,

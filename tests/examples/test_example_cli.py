@@ -25,3 +25,13 @@ def test_gradient_checkpointing_flag_refuses_other_values(capsys: pytest.Capture
         cli.parser().parse_args(["train", "--gradient-checkpointing", "yes"])
     assert exc.value.code == 2
     assert "invalid choice: 'yes'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("example", ["sql_agent", "calc_agent", "rag_agent"])
+def test_mask_truncated_flag(example: str) -> None:
+    """``--mask-truncated`` (DAPO's overlong filtering) is off unless asked for, in every recipe."""
+    import importlib
+
+    cli = importlib.import_module(f"examples.{example}.cli")
+    assert cli.parser().parse_args(["train"]).mask_truncated is False
+    assert cli.parser().parse_args(["train", "--mask-truncated"]).mask_truncated is True

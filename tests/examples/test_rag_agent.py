@@ -285,11 +285,13 @@ def test_train_a_few_steps_with_a_tiny_model(
 
     trained: list[Any] = []
     budgets: list[int] = []
+    masks: list[bool] = []
     real_step = PolicyUpdate.step
 
     def step(self: Any, transitions: Any, advantages: Any) -> Any:
         trained.append(list(transitions))
         budgets.append(self.micro_batch_tokens)
+        masks.append(self.config.mask_truncated)
         return real_step(self, transitions, advantages)
 
     monkeypatch.setattr(PolicyUpdate, "step", step)
@@ -297,13 +299,15 @@ def test_train_a_few_steps_with_a_tiny_model(
     args = cli.parser().parse_args(
         ["--scale", str(SCALE), "--data-dir", str(index.cache_file.parent), "train", "--run-dir", str(run_dir),
          "--steps", "2", "--tasks-per-step", "2", "--group-size", "4", "--val-tasks", "2", "--val-every", "1",
-         "--runners", "4", "--learning-rate", "1e-3", "--lora-r", "4", "--micro-batch-tokens", "768"]
+         "--runners", "4", "--learning-rate", "1e-3", "--lora-r", "4", "--micro-batch-tokens", "768",
+         "--mask-truncated"]
     )  # fmt: skip
     args.backend = "scripted"  # the engine is the script; the tiny model is the policy being updated
     summary = cli.train(
         args, model=_tiny_model(), tokenizer=load_tokenizer(), script=Alternating(SCALE), progress=False
     )
     assert budgets == [768, 768]  # --micro-batch-tokens reaches the update, as in the other examples
+    assert masks == [True, True]  # and so does --mask-truncated
 
     steps = [h for h in summary["history"] if "train_reward" in h]
     assert [h["step"] for h in steps] == [0, 1]

@@ -257,6 +257,12 @@ def test_max_tokens_and_stop(store: Any, rollout: tuple[str, int]) -> None:
     assert stopped.choices[0].message.content == "one two three"
     a_cut = server_spans(store, rollout[0])[0].attributes
     assert a_cut[sc.AGL_LLM_RESPONSE_TOKEN_IDS] == TOK.encode("one two three four five six seven")[:3]
+    # the adapter marks the call cut at max_tokens (for mask_truncated), and only that one
+    from agl.adapter import Adapter
+
+    ts = Adapter().transitions(server_spans(store, rollout[0]))
+    assert [t.truncated for t in ts] == [True, False]
+    assert ts[0].response_ids == tuple(TOK.encode("one two three four five six seven")[:3])
 
 
 def test_logprobs_and_token_ids_on_request(store: Any, rollout: tuple[str, int]) -> None:
