@@ -40,6 +40,7 @@ REPLY = "The capital of France is Paris."
 ROLLOUT = ("ro-bench", 1)
 BASELINE_P50_MS = 1.5
 BASELINE_RPS = 472.0
+BARE = "bare proxy (Starlette + aiohttp, no spans)"
 
 
 # --------------------------------------------------------------------------------- server process
@@ -390,12 +391,21 @@ def _measure(target: Target, n: int, concurrency: int) -> dict[str, float]:
     if target.streams:
         first, total = asyncio.run(_stream_latency(target.port, target.paths, max(200, n // 4)))
         out = {"ttft_p50": statistics.median(first), "stream_p50": statistics.median(total)}
+    cpu0 = _tree_cpu_s(target.proc.pid) if target.proc else 0.0
     lat = asyncio.run(_latency_paths(target.port, target.paths, n))
+    cpu_seq = (_tree_cpu_s(target.proc.pid) - cpu0) / n if target.proc else 0.0
     total = max(n, concurrency * 200)
     cpu0 = _tree_cpu_s(target.proc.pid) if target.proc else 0.0
     rps = asyncio.run(_throughput_paths(target.port, target.paths, total, concurrency))
     cpu = (_tree_cpu_s(target.proc.pid) - cpu0) / (total // concurrency * concurrency) if target.proc else 0.0
-    return {"p50": statistics.median(lat), "p99": _pct(lat, 0.99), "rps": rps, "cpu": cpu, **out}
+    return {
+        "p50": statistics.median(lat),
+        "p99": _pct(lat, 0.99),
+        "rps": rps,
+        "cpu": cpu,
+        "cpu_seq": cpu_seq,
+        **out,
+    }
 
 
 def _start_al(python: str, port: int, upstream: str, tmp: Path) -> subprocess.Popen[Any]:
@@ -445,6 +455,13 @@ def bench_real(
         upstream = f"http://127.0.0.1:{up_port}"
         _wait_http(upstream + "/v1/models", up)
         targets = [Target("upstream alone", ["/v1/chat/completions"], up_port, up)]
+        bare_port = _free_port()
+        bare = subprocess.Popen(
+            [sys.executable, str(Path(here).parent / "_bare_proxy.py"), str(bare_port), upstream]
+        )
+        procs.append(bare)
+        _wait_http(f"http://127.0.0.1:{bare_port}/v1/models", bare)
+        targets.append(Target(BARE, ["/v1/chat/completions"], bare_port, bare))
         for cfg in configs:
             backend, store_kind = cfg.split("+")
             store_url = "none"
@@ -514,6 +531,30 @@ def bench_real(
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def report_ratios(results: dict[str, list[dict[str, float]]]) -> None:
+    """Each agl gateway against the bare pass-through proxy measured in the same rounds: server CPU per
+    request (sequential and at the run's concurrency) as a ratio, and the latency it adds beyond it."""
+    bare, up = results.get(BARE), results["upstream alone"]
+    if not bare:
+        return
+    print(f"\nagainst {BARE} (same rounds; medians over rounds)")
+    print(
+        f"{'target':46} {'CPU/req seq x':>14} {'CPU/req conc x':>15} {'added p50 ms':>13} {'added p99 ms':>13}"
+    )
+    for label, rows in results.items():
+        if label in (BARE, "upstream alone"):
+            continue
+        seq = statistics.median(r["cpu_seq"] / b["cpu_seq"] for r, b in zip(rows, bare, strict=True))
+        conc = statistics.median(r["cpu"] / b["cpu"] for r, b in zip(rows, bare, strict=True))
+        a50 = statistics.median((r["p50"] - u["p50"]) * 1e3 for r, u in zip(rows, up, strict=True))
+        a99 = statistics.median((r["p99"] - u["p99"]) * 1e3 for r, u in zip(rows, up, strict=True))
+        print(f"{label:46} {seq:14.2f} {conc:15.2f} {a50:13.3f} {a99:13.3f}")
+    for label, rows in results.items():
+        if label != "upstream alone":
+            cpu_seq = statistics.median(r["cpu_seq"] for r in rows) * 1e3
+            print(f"  {label}: CPU/req sequential {cpu_seq:.3f} ms")
 
 
 def report_real(results: dict[str, list[dict[str, float]]]) -> None:
@@ -697,7 +738,9 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()[0]:.2f}; spans stored {args.span_writes}")
     if not args.skip_real:
         configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-        report_real(bench_real(args.requests, args.concurrency, args.rounds, args.baseline_python, configs))
+        results = bench_real(args.requests, args.concurrency, args.rounds, args.baseline_python, configs)
+        report_real(results)
+        report_ratios(results)
     if not args.skip_scripted:
         report_scripted(bench_scripted(args.requests, args.concurrency))
     if not args.skip_smollm2:

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                     t0 = time.perf_counter()
                     m = update.step(ts, adv, merge_turns=merge)
                     secs[merge].append(time.perf_counter() - t0)
-                    toks[merge] = m["tokens"]
+                    toks[merge] = m["update_tokens"]
             s_pc, s_m = statistics.median(secs[False]), statistics.median(secs[True])
             print(
                 f"| {form} | {calls} | {stats.merge_rate:.2f} | {toks[False]:.0f} | {toks[True]:.0f} | "

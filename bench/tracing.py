@@ -13,7 +13,9 @@ it, CPU-time figures much less.
    work per call. Target (docs/architecture.md §10): <= 100 µs per call.
 2. Span export throughput: spans made inside a rollout context go through agl's batching processor
    into a SQLite store; measured from the first span start until ``agl.tracing.flush()`` returns
-   (end to end), and the exporter alone (OTel span -> agl Span -> ``store.add_spans``).
+   (end to end), and the exporter alone (OTel span -> agl Span -> ``store.add_spans``); then agl's
+   batching processor against OTel's ``BatchSpanProcessor`` carrying agl's exporter (the peer agl's
+   processor must justify itself against), end to end, in alternating rounds.
 """
 
 from __future__ import annotations
@@ -257,7 +259,64 @@ def bench_export(n: int) -> list[tuple[str, float]]:
     )
     tracing.reset_tracing()
     store.close()
+    rows += bench_peer(n, attrs)
     return rows
+
+
+def _spans_per_s(
+    n: int, attrs: dict, setup: Callable[[TracerProvider, SQLiteStore], Callable[[], None]]
+) -> float:
+    """End-to-end spans/s of one export path: ``setup`` adds it to a fresh provider over a fresh SQLite
+    store and returns its flush; measured from the first span start until the flush returns."""
+    store = SQLiteStore(Path(tempfile.mkdtemp()) / "peer.db")
+    store.enqueue([NewRollout(id="ro-peer")])
+    store.claim("bench")
+    provider = TracerProvider()
+    flush = setup(provider, store)
+    tracer = provider.get_tracer("bench")
+    with agl.rollout_context("ro-peer", 1, span=False):  # stamps every span through agl's processor
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tracer.start_span(semconv.SPAN_CHAT, attributes=attrs).end()
+        flush()
+        rate = n / (time.perf_counter() - t0)
+    stored = len(store.query_spans(rollout_id="ro-peer", name=semconv.SPAN_CHAT))
+    assert stored == n, f"{stored} of {n} spans stored"
+    tracing.reset_tracing()
+    provider.shutdown()
+    store.close()
+    return rate
+
+
+def bench_peer(n: int, attrs: dict, rounds: int = 3) -> list[tuple[str, float]]:
+    """agl's ``StoreSpanProcessor`` against OTel's own ``BatchSpanProcessor`` with agl's exporter, same
+    queue and batch sizes, alternating rounds (best of each: the machine is shared)."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    def agl_path(provider: TracerProvider, store: SQLiteStore) -> Callable[[], None]:
+        tracing.setup_tracing(store, provider, max_queue_size=n, max_batch_size=512)
+        return lambda: None if tracing.flush(120) else sys.exit("agl flush timed out")
+
+    def otel_path(provider: TracerProvider, store: SQLiteStore) -> Callable[[], None]:
+        tracing.setup_tracing(tracer_provider=provider)  # rollout stamping only, no agl export
+        batch = BatchSpanProcessor(
+            tracing.StoreSpanExporter(store),
+            max_queue_size=n,
+            max_export_batch_size=512,
+            schedule_delay_millis=500,
+        )
+        provider.add_span_processor(batch)
+        return lambda: None if batch.force_flush(120_000) else sys.exit("OTel flush timed out")
+
+    best = {"agl": 0.0, "otel": 0.0}
+    for _ in range(rounds):
+        best["agl"] = max(best["agl"], _spans_per_s(n, attrs, agl_path))
+        best["otel"] = max(best["otel"], _spans_per_s(n, attrs, otel_path))
+    return [
+        (f"peer: agl StoreSpanProcessor, best of {rounds}", best["agl"]),
+        (f"peer: OTel BatchSpanProcessor + StoreSpanExporter, best of {rounds}", best["otel"]),
+        ("peer: agl / OTel, percent", 100 * best["agl"] / best["otel"]),
+    ]
 
 
 def main() -> None:

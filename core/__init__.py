@@ -23,6 +23,9 @@ _LAZY: dict[str, str] = {
     "uninstrument": "agl.instrumentation",
     "Instrumentor": "agl.instrumentation",
     "rollout_context": "agl.tracing",
+    # agent and tool spans for plain code
+    "agent": "agl.agent_spans",
+    "tool": "agl.agent_spans",
     "current_rollout": "agl.tracing",
     "setup_tracing": "agl.tracing",
     # emit API
@@ -37,6 +40,8 @@ _LAZY: dict[str, str] = {
     "APO": "agl.algorithms.apo",
     "SFT": "agl.algorithms.sft",
     "RunConfig": "agl.config",
+    "LoopConfig": "agl.config",
+    "Serving": "agl.run.settings",
     # prompt templates (resources an agent reads; APO rewrites them)
     "prompt": "agl.prompts",
     "prompt_version": "agl.prompts",
@@ -44,6 +49,9 @@ _LAZY: dict[str, str] = {
     "Runner": "agl.runner",
     "rollout": "agl.runner",
     "Trainer": "agl.trainer",
+    # rewards from an LLM judge, reward-hacking monitors
+    "Judge": "agl.judge",
+    "Gate": "agl.gate",
     # data model
     "Task": "agl.types",
     "Rollout": "agl.types",

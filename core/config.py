@@ -18,10 +18,13 @@ runner's resources and the policy update.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, NamedTuple, get_type_hints
 
-__all__ = ["RunConfig", "UpdateSettings", "check_number"]
+from agl.errors import UsageError
+
+__all__ = ["LoopConfig", "RolloutConfig", "RunConfig", "UpdateSettings", "check_number", "config_fields"]
 
 
 def check_number(
@@ -39,18 +42,18 @@ def check_number(
         ok = (value > lo if lo_open else value >= lo) and (hi is None or value <= hi)
     if not ok:
         bound = f"{'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi is not None else "")
-        raise ValueError(f"{owner}.{name} must be a finite number {bound}, got {value!r}")
+        raise UsageError(f"{owner}.{name} must be a finite number {bound}, got {value!r}")
 
 
 def _check_int(owner: str, name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}.{name} must be an integer >= 1, got {value!r}")
+        raise UsageError(f"{owner}.{name} must be an integer >= 1, got {value!r}")
 
 
 def _check_bool(owner: str, name: str, value: Any, *, optional: bool = False) -> None:
     if not (isinstance(value, bool) or (optional and value is None)):
         allowed = "True, False or None" if optional else "True or False"
-        raise ValueError(f"{owner}.{name} must be {allowed}, got {value!r}")
+        raise UsageError(f"{owner}.{name} must be {allowed}, got {value!r}")
 
 
 @dataclass
@@ -61,8 +64,8 @@ class UpdateSettings:
     few tens of percent more compute). ``mixed_precision``: None is bf16 on a GPU that has it, else off.
     ``micro_batch_tokens``: None is 4096 on CPU and, on a GPU, the largest power of two up to 65536 whose
     estimated activations and logits fit in half the free GPU memory: a small model on a GPU is bound
-    by kernel launches, so one big micro-batch beats several small ones (measured on an H100:
-    SmolLM2-135M at 16384 tokens ran at 0.61x TRL's one-batch step, at 65536 at 0.93x).
+    by kernel launches, so one big micro-batch beats several small ones (figures: bench/README.md,
+    "Trainer: LightningRL update vs TRL's GRPOTrainer").
     """
 
     clip_eps: float = 0.2
@@ -102,7 +105,7 @@ class UpdateSettings:
         _check_bool(owner, "mask_truncated", self.mask_truncated)
         _check_bool(owner, "gradient_checkpointing", self.gradient_checkpointing, optional=True)
         if self.mixed_precision not in (None, "no", "bf16", "fp16"):
-            raise ValueError(
+            raise UsageError(
                 f"{owner}.mixed_precision must be None, 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}"
             )
 
@@ -140,12 +143,12 @@ class RunConfig(UpdateSettings):
     def check_trainable(self) -> None:
         """Refuse sampling settings a policy update cannot learn from on-policy, saying why."""
         if self.temperature <= 0:
-            raise ValueError(
+            raise UsageError(
                 "RunConfig.temperature must be > 0 for training, got 0: greedy decoding gives every "
                 "rollout of a group the same reply and no sampled distribution to compute a ratio against"
             )
         if self.top_p != 1.0:
-            raise ValueError(
+            raise UsageError(
                 f"RunConfig.top_p must be 1.0 for training, got {self.top_p!r}: the gateway would sample "
                 "from a truncated (nucleus) distribution while the update's PPO ratio uses the full one, "
                 "so the run would learn off-policy; lower the temperature instead"
@@ -184,10 +187,118 @@ class RunConfig(UpdateSettings):
         for label, extra in (("sampling", sampling), ("update_options", update)):
             for key, value in (extra or {}).items():
                 if key not in known:
-                    raise ValueError(
+                    raise UsageError(
                         f"unknown {label} setting {key!r}; RunConfig has {', '.join(sorted(known))}"
                     )
                 if label == "sampling" and key not in SAMPLING_FIELDS:
-                    raise ValueError(f"{key!r} is not a sampling setting; sampling has {SAMPLING_FIELDS}")
+                    raise UsageError(f"{key!r} is not a sampling setting; sampling has {SAMPLING_FIELDS}")
                 values[key] = value
         return cls(**values)
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+def _check_count(name: str, value: Any, lo: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise UsageError(f"{name} must be an integer >= {lo}, got {value!r}")
+
+
+@dataclass
+class LoopConfig:
+    """The numbers of LightningRL's training loop (``agl.Trainer``): how many steps of how many tasks,
+    when to measure held-out reward, checkpoint and give up on a step."""
+
+    steps: int = field(default=20, metadata=_help("policy updates"))
+    tasks_per_step: int = field(default=8, metadata=_help("training tasks per step (one GRPO group each)"))
+    val_every: int = field(
+        default=5, metadata=_help("held-out check every N steps (and after the last; 0: end)")
+    )
+    val_before: bool = field(
+        default=True,
+        metadata=_help(
+            "measure the held-out reward before the first update (False when the warm start was measured)"
+        ),
+    )
+    dynamic_sampling: int = field(
+        default=0,
+        metadata=_help(
+            "DAPO's dynamic sampling: up to N extra rounds of fresh tasks while a step's groups have no "
+            "reward variance (0: off)"
+        ),
+    )
+    checkpoint_every: int = field(
+        default=0, metadata=_help("save a checkpoint every N steps (0: at the end)")
+    )
+    resume: bool = field(default=False, metadata=_help("continue from run_dir's last checkpoint"))
+    seed: int = field(default=0, metadata=_help("seed of the task order and the policy update"))
+    step_timeout_s: float | None = field(
+        default=None, metadata=_help("cancel a step's rollouts still running after this many seconds")
+    )
+    behaviour_logprobs: bool | None = field(
+        default=None,
+        metadata=_help(
+            "use the engine's recorded log-probs as the behaviour policy (None: when the engine serves "
+            "the trained weights, i.e. transformers or vllm)"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("tasks_per_step", "steps"):
+            _check_count(name, getattr(self, name))
+        if self.tasks_per_step < 1:
+            raise UsageError("tasks_per_step must be >= 1")
+        if self.val_every < 0 or self.checkpoint_every < 0:
+            raise UsageError("val_every and checkpoint_every must be >= 0")
+        if not isinstance(self.val_before, bool):
+            raise UsageError(f"val_before must be True or False, got {self.val_before!r}")
+        if (
+            isinstance(self.dynamic_sampling, bool)
+            or not isinstance(self.dynamic_sampling, int)
+            or self.dynamic_sampling < 0
+        ):
+            raise UsageError(
+                "dynamic_sampling must be an integer >= 0 (extra sampling rounds), "
+                f"got {self.dynamic_sampling!r}"
+            )
+
+
+@dataclass
+class RolloutConfig:
+    """How long one of the trainer's rollouts may run and how often it is tried (the loop's defaults;
+    :meth:`for_store` gives the per-rollout :class:`agl.types.RolloutConfig` the store keeps)."""
+
+    timeout_s: float | None = field(
+        default=None, metadata=_help("a rollout attempt's time limit in seconds (None: no limit)")
+    )
+    lease_s: float = field(
+        default=120.0, metadata=_help("a runner's claim lapses without a heartbeat within this many seconds")
+    )
+    max_attempts: int = field(default=2, metadata=_help("tries per rollout before it counts as failed"))
+
+    def for_store(self) -> Any:
+        """The same limits as the store's per-rollout ``agl.types.RolloutConfig`` (validated there)."""
+        from agl.types import RolloutConfig as StoreRolloutConfig
+
+        return StoreRolloutConfig(
+            timeout_s=self.timeout_s, lease_s=self.lease_s, max_attempts=self.max_attempts
+        )
+
+
+class ConfigField(NamedTuple):
+    """One field of a config dataclass, as a command line shows it."""
+
+    name: str
+    type: Any
+    default: Any
+    help: str
+
+
+def config_fields(cls: type) -> Iterator[ConfigField]:
+    """The fields of config dataclass ``cls`` (name, resolved type, default, help text), in order: what
+    a command line needs to offer them as flags without restating them (``examples/_cli.py``)."""
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        default = f.default if f.default is not MISSING else None
+        yield ConfigField(f.name, hints[f.name], default, str(f.metadata.get("help", "")))

@@ -15,7 +15,6 @@ take) or from inside the application, where it matters most::
 
 from __future__ import annotations
 
-import argparse
 import platform
 from dataclasses import dataclass
 from importlib import metadata
@@ -25,7 +24,7 @@ from packaging.requirements import Requirement
 
 from agl import __version__
 
-__all__ = ["TESTED", "FrameworkVersion", "frameworks", "register_cli", "report"]
+__all__ = ["TESTED", "FrameworkVersion", "frameworks", "report"]
 
 #: Versions CI tests in the ``all`` env (constraints/all.txt); the per-framework tox envs test the newest
 #: release. tests/test_doctor.py keeps this in step with the constraints file.
@@ -144,6 +143,8 @@ def report() -> str:
         cls = classes[name]
         if h.instrumented:
             state = "instrumented, hooks in place" if h.ok else "instrumented, HOOKS LOST"
+        elif h.waiting:
+            state = "waiting for import (agl.instrument() instruments it when the application imports it)"
         elif is_installed(cls):
             state = "not instrumented (agl.instrument() would instrument it)"
         else:
@@ -156,22 +157,3 @@ def report() -> str:
             lines.append(f"    ! {site} failed {count} time(s)")
     lines += ["", "Tracing:", *_tracing_lines()]
     return "\n".join(lines)
-
-
-def _run(args: argparse.Namespace) -> int:
-    import agl
-
-    if args.instrument:
-        agl.instrument()
-    text = report()
-    print(text)
-    return 1 if "HOOKS LOST" in text or "UNSUPPORTED" in text else 0
-
-
-def register_cli(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--instrument",
-        action="store_true",
-        help="call agl.instrument() first, then check that every integration's hooks are in place",
-    )
-    parser.set_defaults(func=_run)

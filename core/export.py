@@ -1,4 +1,5 @@
-"""Exports (``agl export``) and inspection (``agl transitions``) of what the adapter would train on.
+"""Exports of what the adapter would train on (the library under ``agl export``; the commands
+``agl export`` and ``agl transitions`` live in :mod:`agl.cli.export`).
 
 ``agl export --store URL --format transitions|sft|dpo --out FILE.jsonl`` writes one JSON object per
 line (definitions in docs/architecture.md §8):
@@ -28,20 +29,20 @@ response (decoded with ``--tokenizer`` if given), token counts, exactness and th
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
 from agl.adapter import Adapter, finishing_attempt
 from agl.algorithms.lightning_rl import LightningRL, compute_advantages
-from agl.rewards import AIR
+from agl.errors import UsageError
+from agl.gateway.tokenizer import load_tokenizer  # re-exported: agl.export.load_tokenizer
 from agl.trajectories import MergeStats, merge_transitions
-from agl.types import Rollout, Transition
+from agl.types import Transition
 
 __all__ = [
     "CallRecord",
@@ -51,7 +52,6 @@ __all__ = [
     "dpo_records",
     "export",
     "load_tokenizer",
-    "register_cli",
     "sft_records",
     "trajectory_records",
     "transition_records",
@@ -392,257 +392,10 @@ def export(
 def check_format(fmt: str, form: str) -> None:
     """One clear error for a format or form that does not exist or a form the format has not."""
     if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+        raise UsageError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
     if form not in FORMS:
-        raise ValueError(f"unknown export form {form!r}; use one of {', '.join(FORMS)}")
+        raise UsageError(f"unknown export form {form!r}; use one of {', '.join(FORMS)}")
     if form == "trajectories" and fmt != "transitions":
-        raise ValueError(
+        raise UsageError(
             f"--form trajectories applies to --format transitions only ({fmt} records are one per LLM call)"
         )
-
-
-# ------------------------------------------------------------------------------------ tokenizer
-
-
-def load_tokenizer(spec: str) -> Any:
-    """``default`` (the shipped SmolLM2 tokenizer) or a local Hugging Face tokenizer directory."""
-    if spec in ("default", "smollm2"):
-        from agl.gateway.tokenizer import load_default_tokenizer
-
-        return load_default_tokenizer()
-    if not os.path.exists(spec):
-        raise FileNotFoundError(f"tokenizer {spec!r}: no such file or directory (or use --tokenizer default)")
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise ValueError(
-            "loading a tokenizer directory needs transformers: pip install 'agl[train]'"
-        ) from None
-    return AutoTokenizer.from_pretrained(spec, local_files_only=True)
-
-
-# ------------------------------------------------------------------------------------ CLI
-
-
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--store",
-        default=None,
-        help="store URL: sqlite:///path.db or http://host:port (default: $AGL_STORE or sqlite:///agl.db)",
-    )
-    p.add_argument("--token", default=None, help="bearer token for an http store (default: $AGL_STORE_TOKEN)")
-    sel = p.add_mutually_exclusive_group()
-    sel.add_argument("--agents", help="comma-separated agent names to keep (default: all)")
-    sel.add_argument("--agents-regex", help="keep agents whose name fully matches this regular expression")
-    p.add_argument(
-        "--tokenizer", help="re-tokenise/decode with this tokenizer: 'default' or a local HF directory"
-    )
-    p.add_argument("--credit", choices=("identical", "discounted"), default="identical")
-    p.add_argument("--gamma", type=float, default=1.0, help="discount for --credit discounted")
-    p.add_argument("--advantage-level", choices=("rollout", "transition"), default="rollout")
-    p.add_argument("--no-air", action="store_true", help="ignore automatic intermediate rewards")
-    p.add_argument(
-        "--missing-reward", type=float, default=0.0, help="final reward of attempts that reported none"
-    )
-
-
-def register_cli(parser: argparse.ArgumentParser) -> None:
-    if parser.prog.split()[-1] == "transitions":
-        parser.add_argument("rollout_id", help="the rollout to show")
-        parser.add_argument("--attempt", type=int, help="show this attempt (default: the finishing one)")
-        parser.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
-        parser.add_argument("--width", type=int, default=160, help="characters of prompt/response to show")
-        _add_common(parser)
-        parser.set_defaults(func=_cmd_transitions)
-    else:
-        parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
-        parser.add_argument(
-            "--form",
-            choices=FORMS,
-            default="transitions",
-            help="for --format transitions: one record per LLM call (default) or per merged agent "
-            "conversation (trajectories: what the update trains on)",
-        )
-        parser.add_argument("--out", required=True, help="output JSONL file ('-' for stdout)")
-        parser.add_argument("--min-reward", type=float, help="keep rollouts whose final reward is >= this")
-        parser.add_argument(
-            "--rollouts", help="comma-separated rollout ids (default: every finished rollout)"
-        )
-        parser.add_argument("--mode", choices=("train", "val", "test"))
-        _add_common(parser)
-        parser.set_defaults(func=_cmd_export)
-
-
-def _adapter_from_args(args: argparse.Namespace) -> Adapter:
-    agents: Any = None
-    if args.agents is not None:
-        agents = [a.strip() for a in args.agents.split(",") if a.strip()]
-    elif args.agents_regex is not None:
-        agents = args.agents_regex
-    algorithm = LightningRL(credit=args.credit, gamma=args.gamma, advantage_level=args.advantage_level)
-    return Adapter(
-        agents=agents,
-        tokenizer=load_tokenizer(args.tokenizer) if args.tokenizer else None,
-        air=AIR.off() if args.no_air else AIR(),
-        missing_reward=args.missing_reward,
-        algorithm=algorithm,
-    )
-
-
-def _open(args: argparse.Namespace) -> Any:
-    """The store named by ``--store``, else ``$AGL_STORE``, as ``agl rollouts`` opens it."""
-    from agl.inspect import open_store_from_args
-
-    return open_store_from_args(args)
-
-
-def _cmd_export(args: argparse.Namespace) -> int:
-    check_format(args.fmt, args.form)  # before the store is opened or anything written
-    adapter = _adapter_from_args(args)
-    store = _open(args)
-    try:
-        ids = [i.strip() for i in args.rollouts.split(",") if i.strip()] if args.rollouts else None
-        result = export(
-            store,
-            args.fmt,
-            args.out,
-            adapter=adapter,
-            rollout_ids=ids,
-            mode=args.mode,
-            min_reward=args.min_reward,
-            algorithm=adapter.algorithm,
-            progress=sys.stderr.isatty(),
-            form=args.form,
-        )
-    finally:
-        store.close()
-    skipped = ", ".join(f"{k}={v}" for k, v in sorted(result.skipped.items())) or "none"
-    what = "trajectories" if args.form == "trajectories" else args.fmt
-    print(
-        f"wrote {result.records} {what} record(s) to {args.out} from {result.rollouts} rollout(s), "
-        f"{result.transitions} transition(s); skipped: {skipped}",
-        file=sys.stderr,
-    )
-    if result.merge is not None:
-        m = result.merge
-        breaks = ", ".join(f"{c}={n}" for c, n in sorted(m.breaks.items())) or "none"
-        print(
-            f"merged {m.calls} call(s) into {m.sequences} sequence(s): merge rate {m.merge_rate:.2f}, "
-            f"{m.tokens_saved} token(s) saved; prefix breaks: {breaks}",
-            file=sys.stderr,
-        )
-    return 0
-
-
-def _short(text: str, width: int, *, tail: bool = False) -> str:
-    text = text.replace("\n", "\\n")
-    if len(text) <= width:
-        return text
-    return "…" + text[-(width - 1) :] if tail else text[: width - 1] + "…"
-
-
-def _prompt_tail(t: Transition, tok: Any) -> str:
-    if tok is not None and t.prompt_ids:
-        return str(tok.decode(list(t.prompt_ids[-96:])))
-    if t.messages:
-        last = t.messages[-1]
-        content = last.get("content")
-        if not isinstance(content, str):
-            content = json.dumps(content if content is not None else last.get("tool_calls"))
-        return f"[{last.get('role')}] {content}"
-    return ""
-
-
-def _response(t: Transition, tok: Any) -> str:
-    if tok is not None and t.response_ids:
-        return str(tok.decode(list(t.response_ids)))
-    return t.response_text or ""
-
-
-def print_transitions(
-    rollout: Rollout,
-    attempt: int | None,
-    ts: Sequence[Transition],
-    adapter: Adapter,
-    *,
-    width: int,
-    file: TextIO,
-) -> None:
-    st = adapter.last_stats
-    final = ts[0].final_reward if ts else None
-    print(
-        f"rollout {rollout.id}  status={rollout.status}  attempt={attempt}  group={rollout.group_id}  "
-        f"final_reward={final}  transitions={len(ts)}  exact={st.exact}  retokenised={st.retokenised}",
-        file=file,
-    )
-    notes = {
-        k: v
-        for k, v in st.as_dict().items()
-        if v
-        and k
-        in (
-            "missing_final_reward",
-            "no_tokenizer",
-            "unselected",
-            "duplicates",
-            "orphans",
-            "stale",
-            "failed_calls",
-            "retokenise_failed",
-            "unattached_rewards",
-        )
-    }
-    if st.air:
-        notes["air"] = st.air
-    if notes:
-        print(f"  notes: {notes}", file=file)
-    if st.no_tokenizer and adapter.tokenizer is None:
-        print(
-            f"  {st.no_tokenizer} LLM call(s) were recorded client-side without exact token ids: pass "
-            "--tokenizer default (or a local tokenizer directory) to re-tokenise them",
-            file=file,
-        )
-    seq_of: dict[int, tuple[int, str | None]] = {}
-    if ts:
-        trajs, _ = merge_transitions(ts)
-        seq_of = {seg.transition: (k, seg.break_cause) for k, tr in enumerate(trajs) for seg in tr.segments}
-        breaks = ", ".join(f"{c}={n}" for c, n in sorted(st.prefix_breaks.items())) or "none"
-        print(
-            f"  merged: {st.transitions} call(s) -> {st.sequences} sequence(s), merge rate "
-            f"{st.merge_rate:.2f}, {st.tokens_saved} token(s) saved "
-            f"({st.tokens_per_call} per call -> {st.tokens_merged}); prefix breaks: {breaks}",
-            file=file,
-        )
-    tok = adapter.tokenizer
-    for pos, t in enumerate(ts):
-        seq, cause = seq_of.get(pos, (None, None))
-        print(
-            f"#{t.index:<3} agent={t.agent}  exact={'yes' if t.exact else 'no'}  seq={seq}"
-            + (f" (break: {cause})" if cause else "")
-            + f"  prompt={len(t.prompt_ids)} tok  response={len(t.response_ids)} tok  "
-            f"intermediate={t.intermediate_reward:+.3f}  final={t.final_reward:+.3f}  return={t.reward:+.3f}  "
-            f"span={t.span_id}",
-            file=file,
-        )
-        print(f"     prompt   {_short(_prompt_tail(t, tok), width, tail=True)}", file=file)
-        print(f"     response {_short(_response(t, tok), width)}", file=file)
-
-
-def _cmd_transitions(args: argparse.Namespace) -> int:
-    adapter = _adapter_from_args(args)
-    store = _open(args)
-    try:
-        rollout = store.get_rollout(args.rollout_id)
-        attempt = args.attempt if args.attempt is not None else finishing_attempt(rollout)
-        if attempt is None and rollout.attempts:
-            attempt = rollout.attempts[-1].number  # still running: show what it has so far
-        spans = store.query_spans(rollout_id=rollout.id, attempt=attempt) if attempt is not None else []
-    finally:
-        store.close()
-    ts = adapter.transitions(spans, rollout=rollout, attempt=attempt) if attempt is not None else []
-    if args.json:
-        for t in ts:
-            print(json.dumps(t.model_dump(mode="json"), ensure_ascii=False))
-        return 0
-    print_transitions(rollout, attempt, ts, adapter, width=args.width, file=sys.stdout)
-    return 0

@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from agl.errors import UsageError
+
 __all__ = ["HttpLimits", "is_loopback"]
 
 
@@ -76,10 +78,10 @@ class HttpLimits:
                 or not math.isfinite(value)
                 or value <= 0
             ):
-                raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+                raise UsageError(f"{name} must be a positive number of seconds or None, got {value!r}")
         cap = self.max_connections_per_client
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise ValueError(f"max_connections_per_client must be an integer >= 1 or None, got {cap!r}")
+            raise UsageError(f"max_connections_per_client must be an integer >= 1 or None, got {cap!r}")
 
     @staticmethod
     def add_arguments(parser: Any) -> None:
@@ -125,12 +127,58 @@ class HttpLimits:
 
 
 def _limited_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with :class:`_LimitsMixin` in front, bound to ``limits`` and to a
+    connection count of its own (uvicorn is imported here, when a server starts)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    open_by_host: dict[str, int] = {}  # this server's connections per client address
+    namespace = {"_agl_limits": limits, "_agl_open_by_host": {}}
+    return type("LimitedHttpToolsProtocol", (_LimitsMixin, HttpToolsProtocol), namespace)
 
-    async def too_many_connections(scope: Any, receive: Any, send: Any) -> None:
+
+class _LimitsMixin:
+    """The limits, as overrides of uvicorn's ``HttpToolsProtocol`` connection and parser callbacks. The
+    class :func:`_limited_protocol` builds sets ``_agl_limits`` and ``_agl_open_by_host`` (that server's
+    connections per client address); the protocol's own state (``client``, ``loop``, ``transport``,
+    ``cycle``, ``app``) comes from uvicorn."""
+
+    _agl_limits: HttpLimits
+    _agl_open_by_host: dict[str, int]
+    _agl_timer: asyncio.TimerHandle | None = None
+    _agl_host: str | None = None  # the address this connection is counted against
+    client: Any
+    loop: Any
+    transport: Any
+    cycle: Any
+    app: Any
+
+    # ------------------------------------------------------------------ connection
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        limits, counts = self._agl_limits, self._agl_open_by_host
         cap = limits.max_connections_per_client
+        host = self.client[0] if self.client else None
+        if cap is not None and host and not (limits.exempt_loopback and is_loopback(host)):
+            if counts.get(host, 0) >= cap:
+                self.app = self._agl_too_many_connections  # its first request gets the 429, then close
+            else:
+                counts[host] = counts.get(host, 0) + 1
+                self._agl_host = host
+        self._agl_arm(limits.header_timeout_s, self._agl_headers_late)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._agl_disarm()
+        host, self._agl_host = self._agl_host, None
+        if host is not None:
+            left = self._agl_open_by_host.get(host, 1) - 1
+            if left > 0:
+                self._agl_open_by_host[host] = left
+            else:
+                self._agl_open_by_host.pop(host, None)
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    async def _agl_too_many_connections(self, scope: Any, receive: Any, send: Any) -> None:
+        """The ASGI app of a connection over the per-client cap: 429 with ``retry-after``."""
+        cap = self._agl_limits.max_connections_per_client
         body = _error_body(
             429,
             "too_many_connections",
@@ -145,75 +193,45 @@ def _limited_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
         await send({"type": "http.response.start", "status": 429, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    class LimitedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc]
-        _agl_timer: asyncio.TimerHandle | None = None
-        _agl_host: str | None = None  # the address this connection is counted against
+    # ---------------------------------------------------------- parser callbacks
+    def on_message_begin(self) -> None:  # the first byte of a request
+        super().on_message_begin()  # type: ignore[misc]
+        self._agl_arm(self._agl_limits.header_timeout_s, self._agl_headers_late)
 
-        # -------------------------------------------------------------- connection
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            cap = limits.max_connections_per_client
-            host = self.client[0] if self.client else None
-            if cap is not None and host and not (limits.exempt_loopback and is_loopback(host)):
-                if open_by_host.get(host, 0) >= cap:
-                    self.app = too_many_connections  # its first request gets the 429, then close
-                else:
-                    open_by_host[host] = open_by_host.get(host, 0) + 1
-                    self._agl_host = host
-            self._agl_arm(limits.header_timeout_s, self._agl_headers_late)
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()  # type: ignore[misc]
+        self._agl_arm(self._agl_limits.body_timeout_s, self._agl_body_late)
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._agl_disarm()
-            host, self._agl_host = self._agl_host, None
-            if host is not None:
-                left = open_by_host.get(host, 1) - 1
-                if left > 0:
-                    open_by_host[host] = left
-                else:
-                    open_by_host.pop(host, None)
-            super().connection_lost(exc)
+    def on_message_complete(self) -> None:
+        super().on_message_complete()  # type: ignore[misc]
+        self._agl_disarm()
 
-        # ------------------------------------------------------ parser callbacks
-        def on_message_begin(self) -> None:  # the first byte of a request
-            super().on_message_begin()
-            self._agl_arm(limits.header_timeout_s, self._agl_headers_late)
+    # ---------------------------------------------------------------------- timers
+    def _agl_arm(self, seconds: float | None, callback: Any) -> None:
+        self._agl_disarm()
+        if seconds is not None:
+            self._agl_timer = self.loop.call_later(seconds, callback)
 
-        def on_headers_complete(self) -> None:
-            super().on_headers_complete()
-            self._agl_arm(limits.body_timeout_s, self._agl_body_late)
-
-        def on_message_complete(self) -> None:
-            super().on_message_complete()
-            self._agl_disarm()
-
-        # ------------------------------------------------------------------ timers
-        def _agl_arm(self, seconds: float | None, callback: Any) -> None:
-            self._agl_disarm()
-            if seconds is not None:
-                self._agl_timer = self.loop.call_later(seconds, callback)
-
-        def _agl_disarm(self) -> None:
-            if self._agl_timer is not None:
-                self._agl_timer.cancel()
-                self._agl_timer = None
-
-        def _agl_close(self, message: str) -> None:
+    def _agl_disarm(self) -> None:
+        if self._agl_timer is not None:
+            self._agl_timer.cancel()
             self._agl_timer = None
-            if self.transport is None or self.transport.is_closing():
-                return
-            cycle = self.cycle
-            answered = cycle is not None and cycle.response_started and not cycle.response_complete
-            if not answered:
-                self.transport.write(_raw_response(408, "Request Timeout", "request_timeout", message))
-            if cycle is not None and not cycle.response_complete:
-                cycle.disconnected = True  # the handler's receive() answers http.disconnect
-                cycle.message_event.set()
-            self.transport.close()
 
-        def _agl_headers_late(self) -> None:
-            self._agl_close(f"the request headers did not arrive within {limits.header_timeout_s:g} s")
+    def _agl_close(self, message: str) -> None:
+        self._agl_timer = None
+        if self.transport is None or self.transport.is_closing():
+            return
+        cycle = self.cycle
+        answered = cycle is not None and cycle.response_started and not cycle.response_complete
+        if not answered:
+            self.transport.write(_raw_response(408, "Request Timeout", "request_timeout", message))
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the handler's receive() answers http.disconnect
+            cycle.message_event.set()
+        self.transport.close()
 
-        def _agl_body_late(self) -> None:
-            self._agl_close(f"the request body did not arrive within {limits.body_timeout_s:g} s")
+    def _agl_headers_late(self) -> None:
+        self._agl_close(f"the request headers did not arrive within {self._agl_limits.header_timeout_s:g} s")
 
-    return LimitedHttpToolsProtocol
+    def _agl_body_late(self) -> None:
+        self._agl_close(f"the request body did not arrive within {self._agl_limits.body_timeout_s:g} s")

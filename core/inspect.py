@@ -1,25 +1,28 @@
-"""``agl rollouts list|show`` and ``agl spans ROLLOUT_ID``: look into a store as a person would.
+"""Look into a store as a person would: rollout tables, one rollout's attempts, span trees.
 
-Works on any store URL (``--store``, else ``$AGL_STORE``, else ``sqlite:///agl.db``), so the same
-commands read a local run or a remote ``agl store serve``. ``--json`` prints the records instead.
+The text ``agl rollouts list|show`` and ``agl spans`` print (their flags live in :mod:`agl.cli.inspect`),
+and the span tags and one-line details the dashboard shows (:func:`span_tag`, :func:`span_details`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any
 
 from agl import semconv as sc
 
-__all__ = ["format_rollout", "format_rollouts", "format_span_tree", "register_cli"]
-
-STORE_ENV = "AGL_STORE"
-DEFAULT_STORE = "sqlite:///agl.db"
+__all__ = [
+    "error_from_spans",
+    "format_rollout",
+    "final_reward_of",
+    "format_rollouts",
+    "format_span_tree",
+    "span_details",
+    "span_tag",
+    "with_span_errors",
+]
 
 #: span kind -> tag shown in the tree (by operation name, which is also the span name, DESIGN §4)
 _TAGS = {
@@ -34,75 +37,6 @@ _TAGS = {
     sc.SPAN_GUARDRAIL: "guardrail",
     sc.SPAN_ROLLOUT: "rollout",
 }
-
-
-# ------------------------------------------------------------------------------------------ CLI
-
-
-def register_cli(parser: argparse.ArgumentParser) -> None:
-    command = parser.prog.split()[-1]
-    if command == "spans":
-        _add_store_args(parser)
-        parser.add_argument("rollout_id", metavar="ROLLOUT_ID")
-        parser.add_argument("--attempt", type=int, default=None, help="attempt number (default: the latest)")
-        parser.add_argument("--all-attempts", action="store_true", help="every attempt, one tree each")
-        parser.add_argument("--no-stale", action="store_true", help="hide spans of attempts that were lost")
-        parser.add_argument("--width", type=int, default=100, help="longest line before details are cut")
-        parser.set_defaults(func=_cmd_spans)
-        return
-    sub = parser.add_subparsers(dest="rollouts_command", metavar="SUBCOMMAND")
-    ls = sub.add_parser("list", help="rollouts, oldest first, with status and attempts")
-    _add_store_args(ls)
-    ls.add_argument("--status", action="append", help="only this status (repeat for several)")
-    ls.add_argument("--mode", choices=["train", "val", "test"])
-    ls.add_argument("--group", dest="group_id", help="only this group id")
-    ls.add_argument("--limit", type=int, default=None, help="at most this many (the newest ones)")
-    ls.set_defaults(func=_cmd_list)
-    show = sub.add_parser("show", help="one rollout: its attempts, status, errors")
-    _add_store_args(show)
-    show.add_argument("rollout_id", metavar="ID")
-    show.add_argument("--traceback", action="store_true", help="print each failed attempt's traceback")
-    show.set_defaults(func=_cmd_show)
-    parser.set_defaults(func=lambda args: parser.print_help() or 2)
-
-
-def _add_store_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--store",
-        default=None,
-        metavar="URL",
-        help=f"store URL: sqlite:///path.db or http://host:port (default: ${STORE_ENV} or {DEFAULT_STORE})",
-    )
-    p.add_argument("--token", default=None, help="bearer token for an http store (default: $AGL_STORE_TOKEN)")
-    p.add_argument("--json", action="store_true", help="print JSON records instead of text")
-
-
-def open_store_from_args(args: argparse.Namespace) -> Any:
-    import agl.store
-
-    url = args.store or os.environ.get(STORE_ENV) or DEFAULT_STORE
-    if url.startswith("sqlite:"):
-        rest = url.split("://", 1)[1]
-        path = rest[1:] if rest.startswith("/") else rest
-        if not os.path.exists(path):  # opening would create an empty store: say what is wrong instead
-            raise FileNotFoundError(f"no store at {path!r}; pass --store URL or set {STORE_ENV}")
-    if url.startswith(("http://", "https://")):
-        return agl.store.open(url, token=args.token, retry_timeout_s=5.0)
-    return agl.store.open(url)
-
-
-def _run(args: argparse.Namespace, body: Any) -> int:
-    from agl.store.base import StoreError
-
-    store = open_store_from_args(args)
-    try:
-        body(store, sys.stdout)
-    except StoreError as exc:
-        print(f"agl: error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        store.close()
-    return 0
 
 
 def error_from_spans(store: Any, rollout_id: str, attempt: int) -> Any:
@@ -140,65 +74,6 @@ def with_span_errors(store: Any, rollout: Any) -> Any:
     return rollout.model_copy(update={"attempts": attempts}) if changed else rollout
 
 
-def _cmd_list(args: argparse.Namespace) -> int:
-    if args.limit is not None and args.limit < 0:
-        raise ValueError(f"--limit must be >= 0, got {args.limit}")
-
-    def body(store: Any, out: TextIO) -> None:
-        rollouts = store.query_rollouts(status=args.status, mode=args.mode, group_id=args.group_id)
-        if args.limit is not None:
-            rollouts = rollouts[len(rollouts) - args.limit :] if args.limit else []
-        rollouts = [with_span_errors(store, r) for r in rollouts]
-        if args.json:
-            out.write(json.dumps([r.model_dump(mode="json") for r in rollouts], indent=2) + "\n")
-        else:
-            out.write(format_rollouts(rollouts) + "\n")
-
-    return _run(args, body)
-
-
-def _cmd_show(args: argparse.Namespace) -> int:
-    def body(store: Any, out: TextIO) -> None:
-        rollout = with_span_errors(store, store.get_rollout(args.rollout_id))
-        counts = {}
-        for a in rollout.attempts:
-            counts[a.number] = len(store.query_spans(rollout_id=rollout.id, attempt=a.number))
-        if args.json:
-            out.write(json.dumps(rollout.model_dump(mode="json"), indent=2) + "\n")
-        else:
-            out.write(format_rollout(rollout, span_counts=counts, tracebacks=args.traceback) + "\n")
-
-    return _run(args, body)
-
-
-def _cmd_spans(args: argparse.Namespace) -> int:
-    def body(store: Any, out: TextIO) -> None:
-        rollout = store.get_rollout(args.rollout_id)
-        if args.all_attempts:
-            numbers = [a.number for a in rollout.attempts]
-        elif args.attempt is not None:
-            numbers = [args.attempt]
-        else:
-            numbers = [rollout.attempts[-1].number] if rollout.attempts else []
-        if not numbers:
-            out.write(f"rollout {rollout.id} is {rollout.status} and has no attempts yet\n")
-            return
-        records = []
-        for n in numbers:
-            spans = store.query_spans(rollout_id=rollout.id, attempt=n, include_stale=not args.no_stale)
-            if args.json:
-                records.extend(s.model_dump(mode="json") for s in spans)
-                continue
-            attempt = next((a for a in rollout.attempts if a.number == n), None)
-            status = attempt.status if attempt is not None else "unknown attempt"
-            out.write(f"rollout {rollout.id} attempt {n} ({status}): {len(spans)} span(s)\n")
-            out.write(format_span_tree(spans, width=args.width) + "\n")
-        if args.json:
-            out.write(json.dumps(records, indent=2) + "\n")
-
-    return _run(args, body)
-
-
 # ----------------------------------------------------------------------------------- formatting
 
 
@@ -221,17 +96,33 @@ def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(0, width - 1)] + "…"
 
 
-def format_rollouts(rollouts: Sequence[Any]) -> str:
-    """A table: one line per rollout, with its attempts and the last error."""
+def final_reward_of(store: Any, rollout: Any) -> float | None:
+    """The final reward the rollout's finishing attempt reported (None: none reported, or no attempt)."""
+    from agl.adapter import final_reward, finishing_attempt
+
+    attempt = finishing_attempt(rollout)
+    if attempt is None:
+        return None
+    spans = store.query_spans(
+        rollout_id=rollout.id, attempt=attempt, name=sc.SPAN_REWARD, include_stale=False
+    )
+    return final_reward(spans)
+
+
+def format_rollouts(rollouts: Sequence[Any], rewards: dict[str, float | None] | None = None) -> str:
+    """A table: one line per rollout, with its final reward (``-``: none reported), how many attempts it
+    took, and the last error."""
     if not rollouts:
         return "no rollouts"
-    header = ("ID", "STATUS", "MODE", "ATTEMPTS", "GROUP", "CREATED", "LAST ERROR")
+    header = ("ID", "STATUS", "MODE", "REWARD", "ATTEMPTS", "GROUP", "CREATED", "LAST ERROR")
     rows = [header]
     for r in rollouts:
         last_error = next((a.error for a in reversed(r.attempts) if a.error is not None), None)
         err = "" if last_error is None else _cut(f"{last_error.type}: {last_error.message}", 60)
-        attempts = ",".join(a.status for a in r.attempts) or "-"
-        rows.append((r.id, r.status, r.mode, attempts, r.group_id or "-", _when(r.created_at), err))
+        reward = (rewards or {}).get(r.id)
+        shown = "-" if reward is None else f"{reward:g}"
+        attempts = str(len(r.attempts))
+        rows.append((r.id, r.status, r.mode, shown, attempts, r.group_id or "-", _when(r.created_at), err))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
@@ -278,14 +169,16 @@ def format_rollout(
     return "\n".join(lines)
 
 
-def _tag(span: Any) -> str:
+def span_tag(span: Any) -> str:
+    """The span's kind as a short tag (agent, tool, llm, reward, ...), or '' for other spans."""
     op = span.attributes.get(sc.GEN_AI_OPERATION_NAME)
     return _TAGS.get(op if isinstance(op, str) else span.name, _TAGS.get(span.name, ""))
 
 
-def _details(span: Any) -> str:
+def span_details(span: Any) -> str:
+    """One line on what the span did: agent or tool name, model and token counts, reward, error."""
     a = span.attributes
-    tag = _tag(span)
+    tag = span_tag(span)
     parts: list[str] = []
     if tag == "agent":
         parts.append(str(a.get(sc.GEN_AI_AGENT_NAME, "")))
@@ -342,9 +235,9 @@ def format_span_tree(spans: Sequence[Any], *, width: int = 100) -> str:
         if span.span_id in seen:  # malformed parent links cannot loop the printer
             return
         seen.add(span.span_id)
-        tag = _tag(span)
+        tag = span_tag(span)
         label = f"{'  ' * depth}{f'[{tag}] ' if tag else ''}{span.name}"
-        details = _details(span)
+        details = span_details(span)
         dur = _duration(span.duration_ns / 1e9)
         room = max(10, width - len(label) - len(dur) - 3)
         line = f"{label} {_cut(details, room)}".rstrip() if details else label

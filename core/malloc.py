@@ -3,15 +3,14 @@
 A CPU update allocates and frees many tensors of 1-30 MB (a micro-batch's hidden states, MLP
 activations, their gradients, the recomputed layers under checkpointing). glibc serves those below
 its *dynamic* mmap threshold (which climbs to 32 MB after the first large free) from its heaps, which
-fragment and are never given back: measured on the CPU demo's update (SmolLM2-135M + LoRA, a 16 x
-113-token micro-batch), the process held 2.9 GB at peak for ~1.4 GB of live tensors. Each thread that
-allocates (the gateway's generation thread, the runners, the update) may also get an arena of its own,
-each fragmenting separately.
+fragment and are never given back, so the process holds about twice its live tensors at peak. Each
+thread that allocates (the gateway's generation thread, the runners, the update) may also get an arena
+of its own, each fragmenting separately.
 
 :func:`tune` fixes the mmap threshold at 1 MB (a larger block is mapped on allocation and unmapped on
 free, so freed activations leave the process) and caps the arenas at 2. Cost: page faults on every
-large allocation: 2 -> 18 s of system time per update of that micro-batch (user time ~24 s), which
-the 2x smaller peak pays for on a small machine; opt out as below.
+large allocation, several times the update's system time, which the 2x smaller peak pays for on a
+small machine; opt out as below. Figures: bench/README.md, "CPU demo peak memory".
 :func:`trim` returns the heaps' free pages after a step.
 
 Both are no-ops off glibc, and :func:`tune` leaves alone what the user set: ``MALLOC_ARENA_MAX`` /

@@ -9,15 +9,15 @@ Agg backend: no display needed.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_run", "plot_runs", "read_metrics", "register_cli"]
+from agl.errors import UsageError
+
+__all__ = ["plot_run", "plot_runs", "read_metrics"]
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -32,9 +32,9 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         try:
             rec = json.loads(line)
         except ValueError as exc:
-            raise ValueError(f"{path}:{n} is not JSON: {exc}") from None
+            raise UsageError(f"{path}:{n} is not JSON: {exc}") from None
         if not isinstance(rec, dict) or "step" not in rec:
-            raise ValueError(f"{path}:{n} is not a metrics record (no 'step')")
+            raise UsageError(f"{path}:{n} is not a metrics record (no 'step')")
         records.append(rec)
     return records
 
@@ -98,7 +98,7 @@ def plot_runs(
     import matplotlib.ticker
 
     if not run_dirs:
-        raise ValueError("plot needs at least one run directory")
+        raise UsageError("plot needs at least one run directory")
     runs = [(Path(d), read_metrics(d)) for d in run_dirs]
     apo = all(r.get("algorithm") == "apo" for _, records in runs for r in records)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True, sharex=apo)
@@ -126,7 +126,7 @@ def plot_runs(
         axes[1].set_xlim(left=-0.5)
     if not drawn:
         plt.close(fig)
-        raise ValueError(f"no train_reward or val_reward values in {', '.join(str(d) for d, _ in runs)}")
+        raise UsageError(f"no train_reward or val_reward values in {', '.join(str(d) for d, _ in runs)}")
     if apo:  # APO: every candidate's validation reward as dots beside the best-in-beam line
         for _, records in runs:
             for r in records:
@@ -158,43 +158,3 @@ def plot_runs(
 def plot_run(run_dir: str | Path, out: str | Path | None = None, **kw: Any) -> Path:
     """``run_dir/reward_curve.png`` (or ``out``) for one run."""
     return plot_runs([run_dir], out or Path(run_dir) / "reward_curve.png", **kw)
-
-
-def register_cli(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "run_dirs", nargs="+", metavar="RUN_DIR", help="Trainer run directories (metrics.jsonl)"
-    )
-    parser.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/reward_curve.png)")
-    parser.add_argument("--title", default=None)
-    parser.add_argument("--smooth", type=int, default=3, help="moving-mean window for the train curve")
-    parser.add_argument(
-        "--baseline",
-        action="append",
-        default=[],
-        metavar="LABEL=VALUE",
-        help="a held-out figure to draw as a dashed line (repeatable), e.g. 'warm start=0.083'",
-    )
-    parser.set_defaults(func=_cli)
-
-
-def _baselines(items: Sequence[str]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for item in items:
-        label, sep, value = item.rpartition("=")
-        try:
-            number = float(value)
-        except ValueError:
-            number = math.nan
-        if not sep or not label.strip() or not math.isfinite(number):
-            raise ValueError(f"--baseline takes LABEL=VALUE with a number, got {item!r}")
-        out[label.strip()] = number
-    return out
-
-
-def _cli(args: argparse.Namespace) -> int:
-    out = args.out or str(Path(args.run_dirs[0]) / "reward_curve.png")
-    path = plot_runs(
-        args.run_dirs, out, title=args.title, smooth=args.smooth, baselines=_baselines(args.baseline)
-    )
-    print(path)
-    return 0

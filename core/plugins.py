@@ -38,7 +38,7 @@ ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
 #: Decorate plugin functions with this: ``@hookimpl def agl_register_instrumentors(register): ...``
 hookimpl = pluggy.HookimplMarker(hookspecs.PROJECT_NAME)
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a post-import hook may fire while agl.instrument() holds it
 _pm: AglPluginManager | None = None
 
 

@@ -11,8 +11,8 @@ for more rules; :mod:`agl.adapter` decides *which* transition each signal lands 
 issuer, or the LLM call that precedes the span). The attachment rules are documented in
 docs/architecture.md §8.
 
-AIR must never be a way to score without solving the task (issue 17: a shaped penalty taught a SQL
-writer to answer every question with ``COUNT(*)``, a query that never fails). Two guards, applied per
+AIR must never be a way to score without solving the task (a shaped penalty on failing SQL once taught
+a writer to answer every question with ``COUNT(*)``, a query that never fails: docs/results.md). Two guards, applied per
 rollout by :meth:`AIR.shape` after the rules have fired:
 
 - **caps**: a rollout's AIR bonuses together are at most ``cap × reward_scale``, its penalties at most
@@ -35,18 +35,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from agl.types import Span
+from agl.errors import UsageError
 
-__all__ = ["AIR", "GATES", "RULES", "plugin_rewards", "reward_breakdown"]
+if TYPE_CHECKING:
+    from agl.types import Span, Transition
+
+__all__ = [
+    "AIR",
+    "CREDITS",
+    "GATES",
+    "RULES",
+    "credit_returns",
+    "plugin_rewards",
+    "reward_breakdown",
+    "reward_split",
+]
 
 log = logging.getLogger(__name__)
 
 #: The built-in rules, in the order they are documented.
 RULES: tuple[str, ...] = ("tool_error", "tool_success", "exception", "malformed_tool_call")
-#: ``AIR.gate`` values: ``"none"`` (AIR counts on every rollout) or ``"success"`` (bonuses count only on
-#: rollouts whose final reward is at least ``success_at``).
-GATES: tuple[str, ...] = ("none", "success")
+#: ``AIR.gate`` values: ``"none"`` (AIR counts on every rollout), ``"success"`` (bonuses count only on
+#: rollouts whose final reward is at least ``success_at``) or ``"judge"`` (bonuses count only on rollouts
+#: whose judge score is at least ``success_at``; applied by the trainer's reward assembly,
+#: :mod:`agl.judge.assembly`, once the judge has scored the group — the adapter leaves them as they are).
+GATES: tuple[str, ...] = ("none", "success", "judge")
 
 
 @dataclass(frozen=True)
@@ -92,19 +105,19 @@ class AIR:
                 if value is None and f.name != "reward_scale":
                     continue
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                    raise ValueError(f"AIR.{f.name} must be a finite number or None, got {value!r}")
+                    raise UsageError(f"AIR.{f.name} must be a finite number or None, got {value!r}")
             elif f.name == "gate":
                 if value not in GATES:
-                    raise ValueError(f"AIR.gate must be one of {', '.join(GATES)}, got {value!r}")
+                    raise UsageError(f"AIR.gate must be one of {', '.join(GATES)}, got {value!r}")
             elif not isinstance(value, bool):
-                raise ValueError(f"AIR.{f.name} must be True or False, got {value!r}")
+                raise UsageError(f"AIR.{f.name} must be True or False, got {value!r}")
         if self.cap is not None and not 0 <= self.cap < 1:
-            raise ValueError(
+            raise UsageError(
                 f"AIR.cap must be in [0, 1): shaping worth a whole task reward could replace solving it; "
                 f"got {self.cap!r}"
             )
         if self.reward_scale <= 0:
-            raise ValueError(f"AIR.reward_scale must be > 0, got {self.reward_scale!r}")
+            raise UsageError(f"AIR.reward_scale must be > 0, got {self.reward_scale!r}")
 
     def shape(self, air: Sequence[float], final_reward: float) -> list[float]:
         """One rollout's AIR rewards (one per LLM call, as the rules and plugins gave them) after the
@@ -124,6 +137,12 @@ class AIR:
             fn = limit / neg if neg > limit else 1.0
             out = [x * fp if x > 0 else x * fn if x < 0 else 0.0 for x in out]
         return out
+
+    def gate_on(self, air: Sequence[float], verdict: float) -> list[float]:
+        """``gate="judge"``: one rollout's (already capped) AIR with its bonuses dropped when the judge's
+        ``verdict`` is below ``success_at`` (default: the top of the range); penalties are kept."""
+        threshold = self.reward_scale if self.success_at is None else self.success_at
+        return [float(x) if verdict >= threshold or x < 0 else 0.0 for x in air]
 
     def weight(self, rule: str) -> float:
         """The weight of a built-in rule, 0.0 when the rule (or AIR) is switched off."""
@@ -224,3 +243,107 @@ def plugin_rewards(spans: Sequence[Span], *, errors: list[str] | None = None) ->
         if found:
             out.append((i, total))
     return out
+
+
+def reward_split(transitions: Sequence[Transition], history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The step's reward split into task and AIR parts (:func:`agl.rewards.reward_breakdown`), and
+    each part's gain since the first training step: how much of a reward gain is shaping."""
+    out: dict[str, Any] = dict(reward_breakdown(transitions))
+    first = next((h for h in history if h.get("task_reward") is not None), None)
+    if first is not None and out["task_reward"] is not None:
+        out["task_reward_gain"] = out["task_reward"] - first["task_reward"]
+        out["air_reward_gain"] = out["air_reward"] - first["air_reward"]
+    return out
+
+
+# ------------------------------------------------------------------------------------ credit
+
+#: credit rules: ``identical`` (``G_j = R + r_j``) and ``discounted`` (``G_j = r_j + gamma * G_j+1``)
+CREDITS: tuple[str, ...] = ("identical", "discounted")
+
+
+def credit_returns(
+    final_reward: float,
+    intermediate: Sequence[float],
+    credit: Any = "identical",
+    gamma: float = 1.0,
+    *,
+    include_intermediate: bool = True,
+) -> list[float]:
+    """The credited return ``G_j`` of each transition of ONE rollout, in call order.
+
+    ``intermediate[j]`` is the intermediate reward of the rollout's j-th transition (0 when none).
+    ``credit`` is a rule name (:data:`CREDITS`) with its ``gamma``, or a configuration that has
+    ``.credit`` and ``.gamma`` (a :class:`agl.algorithms.LightningRL`; None for the defaults). With
+    ``include_intermediate=False`` intermediate rewards are ignored (the paper's identical rule).
+    """
+    if credit is None:
+        credit = "identical"
+    elif not isinstance(credit, str):
+        credit, gamma = credit.credit, credit.gamma
+    big_r = float(final_reward)
+    if not include_intermediate:
+        intermediate = [0.0] * len(intermediate)
+    if credit == "identical":
+        return [big_r + float(r) for r in intermediate]
+    if credit != "discounted":
+        raise UsageError(f"credit must be one of {', '.join(CREDITS)}, got {credit!r}")
+    g, out = big_r, [0.0] * len(intermediate)
+    for j in range(len(intermediate) - 1, -1, -1):
+        g = float(intermediate[j]) + float(gamma) * g
+        out[j] = g
+    return out
+
+
+def _by_rollout(transitions: Sequence[Transition]) -> dict[tuple[str, int], list[int]]:
+    """Positions of each rollout attempt's transitions, in call (``index``) order; checks consistency."""
+    groups: dict[tuple[str, int], list[int]] = {}
+    for pos, t in enumerate(transitions):
+        groups.setdefault((t.rollout_id, t.attempt), []).append(pos)
+    for (rid, att), positions in groups.items():
+        positions.sort(key=lambda p: transitions[p].index)
+        seen: set[int] = set()
+        first = transitions[positions[0]]
+        for p in positions:
+            t = transitions[p]
+            if t.index in seen:
+                raise UsageError(
+                    f"rollout {rid!r} attempt {att} has two transitions with index {t.index}; "
+                    "each LLM call must appear once"
+                )
+            seen.add(t.index)
+            if t.final_reward != first.final_reward:
+                raise UsageError(
+                    f"rollout {rid!r} attempt {att} has transitions with different final rewards "
+                    f"({first.final_reward!r} and {t.final_reward!r}); a rollout has one final reward"
+                )
+            if t.group_id != first.group_id:
+                raise UsageError(
+                    f"rollout {rid!r} attempt {att} has transitions in different groups "
+                    f"({first.group_id!r} and {t.group_id!r})"
+                )
+    return groups
+
+
+def _returns(
+    transitions: Sequence[Transition], credit: Any, gamma: float, include_intermediate: bool | None
+) -> tuple[list[float], dict[tuple[str, int], list[int]]]:
+    """Each transition's credited return (same order) and the positions of each rollout attempt's
+    transitions. ``include_intermediate=None`` takes the returns the adapter already put on the
+    transitions (``Transition.reward``) instead of crediting them again."""
+    by_rollout = _by_rollout(transitions)
+    if include_intermediate is None:
+        return [t.reward for t in transitions], by_rollout
+    returns = [0.0] * len(transitions)
+    for positions in by_rollout.values():
+        ts = [transitions[p] for p in positions]
+        g = credit_returns(
+            ts[0].final_reward,
+            [t.intermediate_reward for t in ts],
+            credit,
+            gamma,
+            include_intermediate=include_intermediate,
+        )
+        for p, value in zip(positions, g, strict=True):
+            returns[p] = value
+    return returns, by_rollout

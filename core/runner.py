@@ -28,7 +28,6 @@ up threads without bound. An async agent has no such problem: it is cancelled.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import contextvars
@@ -44,12 +43,14 @@ import sys
 import threading
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from agl import semconv
+from agl.errors import UsageError
+from agl.gateway.serve import rollout_base_url
 from agl.types import LLM, AttemptError, Claim, Mode, Resources
 
 if TYPE_CHECKING:
@@ -61,7 +62,6 @@ __all__ = [
     "RunnerStats",
     "instrument_imported_frameworks",
     "load_agent",
-    "register_cli",
     "rollout",
     "rollout_resources",
 ]
@@ -85,7 +85,7 @@ class RolloutFunction:
         if not callable(fn):
             raise TypeError(f"@agl.rollout needs a function, got {type(fn).__name__}")
         if timeout_s is not None and (not math.isfinite(timeout_s) or timeout_s <= 0):
-            raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+            raise UsageError(f"timeout_s must be a positive number, got {timeout_s!r}")
         self.fn = fn
         self.timeout_s = timeout_s
         self.name = name or getattr(fn, "__name__", "agent")
@@ -143,17 +143,17 @@ def load_agent(spec: str) -> RolloutFunction:
     else:
         module_name, _, attr = spec.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"--agent must be module:function, got {spec!r}")
+        raise UsageError(f"--agent must be module:function, got {spec!r}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"cannot import agent module {module_name!r}: {exc}") from exc
+        raise UsageError(f"cannot import agent module {module_name!r}: {exc}") from exc
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"module {module_name!r} has no attribute {attr!r}")
+            raise UsageError(f"module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return _as_rollout_function(obj)
 
@@ -173,14 +173,6 @@ def rollout_resources(resources: Resources | None, rollout_id: str, attempt: int
         else:
             items[key] = item
     return resources.model_copy(update={"items": items}) if changed else resources
-
-
-def rollout_base_url(base_url: str, rollout_id: str, attempt: int) -> str:
-    """``{gateway}/rollouts/{rollout_id}/attempts/{n}/v1`` from the gateway's root or ``/v1`` URL."""
-    root = str(base_url).rstrip("/")
-    if root.endswith("/v1"):
-        root = root[: -len("/v1")]
-    return f"{root}/rollouts/{rollout_id}/attempts/{int(attempt)}/v1"
 
 
 # ------------------------------------------------------------------------------------------ runner
@@ -257,6 +249,35 @@ def _emit_return_reward(value: float) -> None:
     ).end()
 
 
+@contextlib.contextmanager
+def _invoke(rid: str, number: int, resources: Resources | None, *, span: bool = True) -> Iterator[None]:
+    """The one place the runner enters a rollout attempt's context, for sync agents (in their thread)
+    and async ones (in their task) alike: the rollout context (``agl.rollout`` span unless ``span``
+    is False), the rollout's resources for ``agl.prompt()``, and the agent's exception recorded as an
+    error span inside the rollout's trace before it propagates. A cancelled task (timeout, lost
+    lease, shutdown) records nothing here: the runner records why it gave up."""
+    from agl.emit import emit_exception
+    from agl.prompts import resources_context
+    from agl.tracing import rollout_context
+
+    with rollout_context(rid, number, span=span), resources_context(resources):
+        try:
+            yield
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            emit_exception(exc)
+            raise
+
+
+def _settle(returned: Any) -> float | None:
+    """The agent's return value as the attempt's primary reward (emitted as a reward span), or None."""
+    value = _reward_value(returned)
+    if value is not None:
+        _emit_return_reward(value)
+    return value
+
+
 class Runner:
     """Run ``agent`` on rollouts claimed from ``store``, ``concurrency`` at a time.
 
@@ -284,16 +305,16 @@ class Runner:
         max_hung: int | None = None,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+            raise UsageError(f"concurrency must be an integer >= 1, got {concurrency!r}")
         for name, value in (("timeout_s", timeout_s), ("heartbeat_s", heartbeat_s)):
             if value is not None and (not math.isfinite(value) or value <= 0):
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
+                raise UsageError(f"{name} must be a positive number, got {value!r}")
         if claim_timeout_s < 0 or grace_s < 0:
-            raise ValueError("claim_timeout_s and grace_s must be >= 0")
+            raise UsageError("claim_timeout_s and grace_s must be >= 0")
         if max_hung is not None and (
             isinstance(max_hung, bool) or not isinstance(max_hung, int) or max_hung < 1
         ):
-            raise ValueError(f"max_hung must be an integer >= 1, got {max_hung!r}")
+            raise UsageError(f"max_hung must be an integer >= 1, got {max_hung!r}")
         self.max_hung = max_hung if max_hung is not None else max(4, concurrency)
         #: sync agent threads given up on but still running (touched on the event loop only)
         self._hung: set[threading.Thread] = set()
@@ -355,7 +376,7 @@ class Runner:
     ) -> RunnerStats:
         """The runner's loop as a coroutine (to run beside other tasks, e.g. in the trainer)."""
         if max_rollouts is not None and max_rollouts < 0:
-            raise ValueError(f"max_rollouts must be >= 0, got {max_rollouts}")
+            raise UsageError(f"max_rollouts must be >= 0, got {max_rollouts}")
         self._stop.clear()
         self._hard_stop.clear()
         self._loop = asyncio.get_running_loop()
@@ -601,45 +622,23 @@ class Runner:
     async def _call_agent(
         self, task_input: Any, resources: Resources | None, rid: str, number: int
     ) -> float | None:
-        from agl.emit import emit_exception
-        from agl.prompts import resources_context
-        from agl.tracing import rollout_context
-
         agent = self.agent
-
-        def in_context_sync() -> float | None:
-            with rollout_context(rid, number), resources_context(resources):
-                try:
-                    value = _reward_value(agent.invoke(task_input, resources))
-                except BaseException as exc:
-                    emit_exception(exc)
-                    raise
-                if value is not None:
-                    _emit_return_reward(value)
-                return value
-
         if not agent.is_async:
-            return await self._in_daemon_thread(in_context_sync)
-        async with rollout_context(rid, number):
-            try:
-                with resources_context(resources):  # agl.prompt() reads the rollout's prompts
-                    value = _reward_value(await agent.invoke(task_input, resources))
-            except asyncio.CancelledError:
-                raise
-            except BaseException as exc:
-                emit_exception(exc)
-                raise
-            if value is not None:
-                _emit_return_reward(value)
-            return value
+
+            def in_thread() -> float | None:
+                with _invoke(rid, number, resources):
+                    return _settle(agent.invoke(task_input, resources))
+
+            return await self._in_daemon_thread(in_thread)
+        with _invoke(rid, number, resources):
+            return _settle(await agent.invoke(task_input, resources))
 
     async def _record_in_context(self, rid: str, number: int, exc: BaseException) -> None:
         """An error the runner itself detected (timeout, shutdown), recorded on the rollout's trace."""
         from agl.emit import emit_exception
-        from agl.tracing import rollout_context
 
         def record() -> None:
-            with rollout_context(rid, number, span=False):
+            with _invoke(rid, number, None, span=False):
                 emit_exception(exc)
 
         try:
@@ -654,8 +653,9 @@ class Runner:
         from agl.tracing import flush
 
         rid, number = claim.rollout.id, claim.attempt.number
-        # The flush guarantee: the attempt's spans are stored before its status changes.
-        if not await self._blocking(flush, 30.0):
+        # The flush guarantee: the attempt's spans are stored before its status changes. Only this
+        # attempt's: other rollouts' queued (or stuck) spans do not hold its end back.
+        if not await self._blocking(flush, 30.0, rollout_id=rid, attempt=number):
             log.warning("agl runner: spans of %s/%d not all stored before finishing", rid, number)
         if not released:
             await self._blocking(self._attribution.after_attempt, rid, number)
@@ -710,121 +710,22 @@ def _warn_if_untraced() -> None:
 
 
 def instrument_imported_frameworks() -> list[str]:
-    """Instrument the integrations whose framework the (just loaded) agent module imported, and the
-    openai client's: importing every installed framework only to instrument it costs seconds each."""
-    import re
-    from importlib.metadata import packages_distributions
-
+    """Instrument the integrations whose framework the (just loaded) agent module imported (a failure
+    raises), and the others when their framework is imported later (``agl.instrument()``'s post-import
+    hooks): importing every installed framework only to instrument it costs seconds each."""
     import agl
     from agl.instrumentation import available_instrumentors, is_installed
+    from agl.instrumentation.registry import is_imported
 
-    modules_of: dict[str, set[str]] = {}
-    for module, dists in packages_distributions().items():
-        for dist in dists:
-            modules_of.setdefault(dist.lower().replace("_", "-"), set()).add(module)
-    chosen = []
-    for name, cls in available_instrumentors().items():
-        if not is_installed(cls):
-            continue
-        dists = {re.split(r"[\s<>=!~;\[]", req.strip(), maxsplit=1)[0].lower() for req in cls.instruments}
-        modules = set().union(*(modules_of.get(d.replace("_", "-"), set()) for d in dists))
-        if any(m in sys.modules for m in modules):
-            chosen.append(name)
-    return agl.instrument(*chosen) if chosen else []
+    chosen = [
+        name for name, cls in available_instrumentors().items() if is_installed(cls) and is_imported(cls)
+    ]
+    done = agl.instrument(*chosen) if chosen else []
+    agl.instrument()
+    return done
 
 
 def _shutdown_error() -> AttemptError:
     return AttemptError(
         type="WorkerShutdown", message="the runner stopped before the rollout finished; requeued"
     )
-
-
-def run_agent(
-    agent: AgentFn | RolloutFunction, task_input: Any, resources: Resources | None = None
-) -> Awaitable[Any] | Any:
-    """Call an agent with the runner's convention outside any runner (tests, notebooks)."""
-    return _as_rollout_function(agent).invoke(task_input, resources)
-
-
-# --------------------------------------------------------------------------------------------- CLI
-
-
-def register_cli(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--store", required=True, help="store URL: http://host:port, sqlite:///path.db, memory://"
-    )
-    parser.add_argument("--agent", required=True, help="the agent function as module:function")
-    parser.add_argument("--concurrency", type=int, default=1, help="rollouts run at once (default 1)")
-    parser.add_argument(
-        "--worker-id", default=None, help="name of this runner in attempts (default host-pid)"
-    )
-    parser.add_argument("--max-rollouts", type=int, default=None, help="exit after this many rollouts")
-    parser.add_argument("--timeout-s", type=float, default=None, help="per-rollout timeout in seconds")
-    parser.add_argument(
-        "--mode", action="append", choices=["train", "val", "test"], help="only claim these modes"
-    )
-    parser.add_argument(
-        "--max-hung",
-        type=int,
-        default=None,
-        metavar="N",
-        help="stop claiming while N sync agents still run after their rollouts timed out (Python cannot "
-        "stop a thread; default: max(4, concurrency))",
-    )
-    parser.add_argument("--until-idle", action="store_true", help="exit when no work arrives for a while")
-    parser.add_argument("--idle-s", type=float, default=5.0, help="long-poll wait per claim (default 5 s)")
-    parser.add_argument(
-        "--token",
-        default=os.environ.get("AGL_STORE_TOKEN"),
-        help="bearer token of the store server (prefer $AGL_STORE_TOKEN: a --token is visible in ps)",
-    )
-    parser.add_argument(
-        "--no-instrument",
-        action="store_true",
-        help="do not instrument the integrations of the frameworks the agent's module imports",
-    )
-    parser.add_argument("--verbose", "-v", action="store_true", help="log every store request (INFO)")
-    parser.set_defaults(func=_cli)
-
-
-def _cli(args: argparse.Namespace) -> int:
-    import agl.store
-
-    if args.concurrency < 1:
-        raise ValueError("--concurrency must be >= 1")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if not args.verbose:  # one line per HTTP request drowns the runner's own messages
-        for noisy in ("httpx", "httpcore"):
-            logging.getLogger(noisy).setLevel(logging.WARNING)
-    agent = load_agent(args.agent)
-    if not args.no_instrument:
-        names = instrument_imported_frameworks()
-        log.info("agl runner: instrumented %s", ", ".join(names) or "nothing (no framework imported)")
-    kwargs: dict[str, Any] = {}
-    if args.token and args.store.startswith(("http://", "https://")):
-        kwargs["token"] = args.token
-    store = agl.store.open(args.store, **kwargs)
-    runner = Runner(
-        agent,
-        store,
-        concurrency=args.concurrency,
-        worker_id=args.worker_id,
-        timeout_s=args.timeout_s,
-        modes=args.mode,
-        claim_timeout_s=args.idle_s,
-        max_hung=args.max_hung,
-    )
-    log.info(
-        "agl runner %s: %s on %s, concurrency %d", runner.worker_id, agent.name, args.store, args.concurrency
-    )
-    try:
-        stats = runner.run(max_rollouts=args.max_rollouts, until_idle=args.until_idle)
-    finally:
-        with contextlib.suppress(Exception):
-            from agl.tracing import flush
-
-            flush(10.0)
-        with contextlib.suppress(Exception):
-            store.close()
-    print(stats.as_dict())
-    return 0

@@ -64,9 +64,12 @@ AGL_LLM_RESPONSE_TOKEN_IDS = "agl.llm.response_token_ids"
 AGL_LLM_RESPONSE_LOGPROBS = "agl.llm.response_logprobs"
 AGL_LLM_WEIGHT_VERSION = "agl.llm.weight_version"
 AGL_LLM_BACKEND = "agl.llm.backend"
+AGL_LLM_API = "agl.llm.api"  # the gateway route a call came in by: chat, completions, responses, messages
 AGL_LLM_EXACT = "agl.llm.exact"  # False when token ids were re-derived rather than taken from the engine
 AGL_LLM_PREFIX_MATCH = "agl.llm.prefix_match"  # multi-turn drift: earlier turn re-rendered identically
 AGL_LLM_CHOICE_INDEX = "agl.llm.choice_index"  # for n>1: which choice this span's response ids are
+# int: the last N prompt ids are the tool-call opening the backend forced to honour tool_choice
+AGL_LLM_FORCED_TOKENS = "agl.llm.forced_tokens"
 AGL_LLM_PROMPT_TEXT = "agl.llm.prompt_text"  # /v1/completions: the raw prompt (no chat template applied)
 
 AGL_REWARD_VALUE = "agl.reward.value"

@@ -18,16 +18,14 @@ so they keep receiving every span, agl's included.
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
-import math
 import os
 import threading
 import time
 import uuid
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -35,10 +33,11 @@ from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import Status, StatusCode
 
 from agl import semconv
-from agl.types import _ID_RE, Span, SpanEvent, SpanStatus, _construct
+from agl.spanconv import MissingRolloutError, _raw_attributes, _rollout_of, span_from_otel
+from agl.types import Span
 
 if TYPE_CHECKING:
     from agl.store.base import Store
@@ -177,189 +176,6 @@ class rollout_context:  # noqa: N801 - used like a function: ``with agl.rollout_
 
     def __repr__(self) -> str:
         return f"rollout_context({self.rollout_id!r}, {self.attempt})"
-
-
-# ------------------------------------------------------------------------------- OTel -> agl.types
-
-
-class MissingRolloutError(ValueError):
-    """The span carries no ``agl.rollout.id``/``agl.attempt``: it belongs to no rollout."""
-
-
-def _attr_value(value: Any) -> Any:
-    """An OTel attribute value as one the store accepts (``agl.types.Span``'s attribute rule).
-
-    Tuples become lists, NaN/inf and integers beyond 64 bits become strings, and what newer OTel
-    SDKs also allow but the store does not — bytes, mappings, sequences holding them — becomes text
-    (bytes decoded as UTF-8, mappings as JSON), so a span is never refused for one attribute.
-    """
-    kind = type(value)
-    if kind is str or kind is bool:
-        return value
-    if kind is int:
-        return value if -(2**63) <= value < 2**63 else str(value)  # the store keeps 64-bit ints
-    if kind is float:
-        return value if math.isfinite(value) else repr(value)
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8", "replace")
-    if isinstance(value, (tuple, list)):
-        items = list(value)
-        if all(_is_plain(v) for v in items):
-            return items
-        return [v if type(v) is str else _as_text(v) for v in items]  # one type per list: all text
-    return _as_text(value)
-
-
-def _is_plain(v: Any) -> bool:
-    kind = type(v)
-    if kind is str or kind is bool:
-        return True
-    if kind is int:
-        return -(2**63) <= v < 2**63
-    return kind is float and math.isfinite(v)
-
-
-def _as_text(value: Any) -> str:
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8", "replace")
-    if type(value) is float:
-        return repr(value)
-    try:
-        return json.dumps(value, default=str, separators=(",", ":"))
-    except (TypeError, ValueError):
-        return str(value)
-
-
-def _attrs(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
-    if not attributes:
-        return {}
-    # strings (most GenAI attributes) pass as they are; everything else through _attr_value
-    return {k: v if type(v) is str else _attr_value(v) for k, v in attributes.items() if v is not None}
-
-
-def _raw_attributes(span: Any) -> Mapping[str, Any] | None:
-    """A finished SDK span's attributes without the per-access read-only proxy and its lock-guarded
-    iteration: the plain dict inside the SDK's ``BoundedAttributes``, else the public property."""
-    inner = getattr(getattr(span, "_attributes", None), "_dict", None)
-    return inner if type(inner) is dict else span.attributes
-
-
-def _rollout_of(attributes: Mapping[str, Any]) -> tuple[str, int] | None:
-    rollout_id = attributes.get(_ROLLOUT_KEY)
-    attempt = attributes.get(_ATTEMPT_KEY)
-    if not rollout_id or attempt is None or isinstance(attempt, bool):
-        return None
-    try:
-        return str(rollout_id), int(attempt)
-    except (TypeError, ValueError):
-        return None
-
-
-_UNSET = SpanStatus()
-# keyed by id(): the enum members are singletons, and Enum.__hash__ runs in Python
-_KINDS = {id(k): k.name for k in SpanKind}
-_CODES = {id(c): c.name for c in StatusCode}
-_MAX_NS = 2**63 - 1
-
-
-def span_from_otel(span: ReadableSpan, *, rollout_id: str | None = None, attempt: int | None = None) -> Span:
-    """Convert a finished OTel SDK span to the store's ``agl.types.Span``.
-
-    Rollout and attempt come from the span's ``agl.rollout.id``/``agl.attempt`` attributes unless
-    given; a span with neither raises ``MissingRolloutError`` (a ``ValueError``). Status (ERROR with
-    its description), events (exceptions included) and the resource are kept; ids are lowercase hex.
-
-    The span is built without pydantic's per-field validation (this runs for every span agl
-    exports): every value is either formatted here (hex ids from the SDK's integers, kind and status
-    from its enums) or an attribute the OTel SDK already restricted to str/bool/int/float and
-    homogeneous sequences of them (non-finite floats become strings, out-of-range ints strings). What
-    is left to check — the rollout id, the attempt, the name, the times — is checked here; a store
-    server still validates every span it receives over HTTP.
-    """
-    attributes = _attrs(_raw_attributes(span))
-    if rollout_id is None or attempt is None:
-        found = _rollout_of(attributes)
-        if found is None:
-            raise MissingRolloutError(
-                f"span {span.name!r} has no {_ROLLOUT_KEY}/{_ATTEMPT_KEY}: it was not made inside a rollout"
-            )
-        rollout_id = rollout_id if rollout_id is not None else found[0]
-        attempt = attempt if attempt is not None else found[1]
-    ctx = span.get_span_context()
-    if ctx is None:
-        raise ValueError(f"span {span.name!r} has no span context")
-    if not _ID_RE.match(rollout_id):
-        raise ValueError(f"span {span.name!r}: invalid rollout id {rollout_id!r}")
-    if not 1 <= attempt <= 2**31:
-        raise ValueError(f"span {span.name!r}: invalid attempt {attempt!r}")
-    name = span.name
-    if type(name) is not str or not 1 <= len(name) <= 1024:
-        raise ValueError(f"invalid span name {name!r}: 1-1024 characters")
-    trace_id, span_id = ctx.trace_id, ctx.span_id
-    if not trace_id or not span_id:
-        raise ValueError(f"span {name!r} has an invalid (all-zero) trace or span id")
-    parent = span.parent
-    start = span.start_time or 0
-    end = span.end_time if span.end_time is not None else start
-    if not 0 <= start <= end <= _MAX_NS:
-        raise ValueError(f"span {name!r}: invalid times start={start} end={end}")
-    kind = _KINDS.get(id(span.kind))
-    if kind is None:  # pragma: no cover - OTel's enum has exactly these
-        raise ValueError(f"span {name!r}: unknown kind {span.kind!r}")
-    status = span.status
-    code = _CODES[id(status.status_code)]
-    st = (
-        _UNSET
-        if code == "UNSET" and not status.description
-        else _construct(SpanStatus, {"code": code, "message": status.description or None})
-    )
-    raw_events = getattr(span, "_events", None)  # the SDK's list: the property copies it under a lock
-    events = span.events if raw_events is None or len(raw_events) else ()
-    return _construct(
-        Span,
-        {
-            "trace_id": f"{trace_id:032x}",
-            "span_id": f"{span_id:016x}",
-            "parent_id": f"{parent.span_id:016x}" if parent is not None and parent.span_id else None,
-            "name": name,
-            "kind": kind,
-            "start_ns": start,
-            "end_ns": end,
-            "status": st,
-            "attributes": attributes,
-            "events": tuple(
-                _construct(
-                    SpanEvent,
-                    {"name": e.name, "time_ns": e.timestamp or 0, "attributes": _attrs(e.attributes)},
-                )
-                for e in events
-            )
-            if events
-            else (),
-            "resource": _resource(span.resource),
-            "rollout_id": rollout_id,
-            "attempt": attempt,
-            "seq": None,
-            "stale": False,
-        },
-    )
-
-
-_RESOURCES: dict[int, tuple[Any, dict[str, Any]]] = {}
-
-
-def _resource(resource: Any) -> dict[str, Any]:
-    """A resource's attributes as a dict: converted once per resource object (all spans share one)."""
-    if resource is None:
-        return {}
-    hit = _RESOURCES.get(id(resource))
-    if hit is not None and hit[0] is resource:
-        return dict(hit[1])
-    attrs = _attrs(resource.attributes)
-    if len(_RESOURCES) > 64:
-        _RESOURCES.clear()
-    _RESOURCES[id(resource)] = (resource, attrs)
-    return dict(attrs)
 
 
 class StoreSpanExporter(SpanExporter):
@@ -517,12 +333,19 @@ class RolloutSpanProcessor(SpanProcessor):
         return export.force_flush(timeout_millis) if export is not None else True
 
 
+_Key = tuple[str, int]  # (rollout id, attempt)
+
+
 class StoreSpanProcessor(SpanProcessor):
     """Batches finished spans of rollouts into a Store from a worker thread, bounded in memory.
 
-    ``on_end`` only appends to a bounded deque (the agent never waits for the store); when the queue
-    is full the span is dropped, counted in ``dropped`` and logged once. The worker writes a batch
-    when ``max_batch_size`` spans are waiting, every ``schedule_delay_s``, and on ``flush``.
+    ``on_end`` only appends to a bounded queue (the agent never waits for the store); when it is full
+    the span is dropped, counted in ``dropped`` and logged once. Spans are queued per (rollout,
+    attempt). The worker writes one attempt's spans per ``add_spans``, as soon as ``max_batch_size``
+    spans wait, else every ``schedule_delay_s``. ``flush(rollout_id=, attempt=)`` writes that
+    attempt's queued spans itself, in the calling thread, so the end of one attempt never waits on
+    other rollouts' spans nor on a store write that is stuck for another rollout. One attempt's spans
+    are written by one thread at a time (``_busy``), so they reach the store in the order they ended.
     """
 
     def __init__(
@@ -541,22 +364,24 @@ class StoreSpanProcessor(SpanProcessor):
         self.schedule_delay_s = schedule_delay_s
         self.dropped = 0
         self.skipped = 0
-        self._queue: deque[ReadableSpan] = deque()
         self._cond = threading.Condition(threading.Lock())
-        self._enqueued = 0  # spans accepted into the queue, ever
-        self._done = 0  # spans the worker finished with (stored or failed), ever
-        self._flushing = 0
+        self._reset_queue()
         self._shutdown = False
         self._worker: threading.Thread | None = None
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: (p := ref()) is not None and p._after_fork())
 
+    def _reset_queue(self) -> None:
+        self._queues: dict[_Key, deque[ReadableSpan]] = {}  # insertion order: the oldest key first
+        self._busy: set[_Key] = set()  # keys whose spans a thread is writing now
+        self._size = 0  # spans queued, all keys
+        self._done = 0  # spans written (stored or failed), ever
+
     def _after_fork(self) -> None:
         """In a forked child the worker thread is gone and the lock may be held: start afresh."""
         self._cond = threading.Condition(threading.Lock())
-        self._queue.clear()
+        self._reset_queue()
         self._worker = None
-        self._enqueued = self._done = self._flushing = 0
 
     # The store may change between runs (tests, a runner re-pointed at another store).
     def set_store(self, store: Store) -> None:
@@ -570,13 +395,14 @@ class StoreSpanProcessor(SpanProcessor):
 
     def on_end(self, span: ReadableSpan) -> None:
         attributes = _raw_attributes(span)
-        if not attributes or _ROLLOUT_KEY not in attributes:
+        key = _rollout_of(attributes) if attributes else None
+        if key is None:
             self.skipped += 1
             return
         with self._cond:
             if self._shutdown:
                 return
-            if len(self._queue) >= self.max_queue_size:
+            if self._size >= self.max_queue_size:
                 self.dropped += 1
                 _log_once(
                     "queue-full",
@@ -585,63 +411,114 @@ class StoreSpanProcessor(SpanProcessor):
                     self.max_queue_size,
                 )
                 return
-            self._queue.append(span)
-            self._enqueued += 1
+            queue = self._queues.get(key)
+            if queue is None:
+                queue = self._queues[key] = deque()
+            queue.append(span)
+            self._size += 1
             if self._worker is None:
-                self._start_worker()
-            if len(self._queue) >= self.max_batch_size:
+                self._worker = threading.Thread(target=self._run, name="agl-span-export", daemon=True)
+                self._worker.start()
+            if self._size >= self.max_batch_size:
                 self._cond.notify_all()
 
-    def _start_worker(self) -> None:
-        self._worker = threading.Thread(target=self._run, name="agl-span-export", daemon=True)
-        self._worker.start()
+    def _ready(self) -> int:
+        """Spans queued under keys no thread is writing now (lock held)."""
+        return sum(len(q) for k, q in self._queues.items() if k not in self._busy)
+
+    def _take(self, key: _Key | None, limit: int) -> tuple[_Key, list[ReadableSpan]] | None:
+        """Up to ``limit`` queued spans of ``key`` (None: the oldest key not being written), the key
+        marked busy; None when there is nothing to take (lock held)."""
+        if key is None:
+            key = next((k for k in self._queues if k not in self._busy), None)
+        queue = self._queues.get(key) if key is not None else None
+        if key is None or not queue or key in self._busy:
+            return None
+        batch = [queue.popleft() for _ in range(min(limit, len(queue)))]
+        del self._queues[key]
+        if queue:
+            self._queues[key] = queue  # to the end of the line: the keys take turns
+        self._busy.add(key)
+        self._size -= len(batch)
+        return key, batch
+
+    def _write(self, key: _Key, batch: list[ReadableSpan]) -> None:
+        try:
+            for i in range(0, len(batch), self.max_batch_size):
+                chunk = batch[i : i + self.max_batch_size]
+                self.exporter.export_spans(self.exporter.convert(chunk))
+        except Exception as exc:  # noqa: BLE001 - the writer must survive anything
+            _log_once("worker-error", logging.ERROR, "agl: span export failed: %r", exc)
+        finally:
+            with self._cond:
+                self._done += len(batch)
+                self._busy.discard(key)
+                self._cond.notify_all()
 
     def _run(self) -> None:
+        due = False  # a batch was due: write everything ready before waiting again
         while True:
             with self._cond:
-                if not self._queue and not self._shutdown:
-                    self._cond.wait(self.schedule_delay_s)
-                while (
-                    self._queue
-                    and len(self._queue) < self.max_batch_size
-                    and not self._flushing
-                    and not self._shutdown
-                ):
-                    # a partial batch: give it until the delay passes, unless someone flushes
-                    if not self._cond.wait(self.schedule_delay_s):
-                        break
-                if not self._queue:
+                if not due:
+                    self._wait_until_due()
+                taken = self._take(None, self.max_batch_size)
+                if taken is None:
                     if self._shutdown:
                         return
+                    if due and self._size:  # what is left is being written by flushing threads
+                        self._cond.wait(self.schedule_delay_s)
+                    due = False
                     continue
-                n = min(len(self._queue), self.max_batch_size)
-                batch = [self._queue.popleft() for _ in range(n)]
-            try:
-                self.exporter.export_spans(self.exporter.convert(batch))
-            except Exception as exc:  # noqa: BLE001 - the worker must survive anything
-                _log_once("worker-error", logging.ERROR, "agl: span export failed: %r", exc)
-            with self._cond:
-                self._done += n
-                self._cond.notify_all()
+                due = True
+            self._write(*taken)
 
-    def flush(self, timeout_s: float | None = 30.0) -> bool:
-        """Block until every span that ended before this call is stored (or failed); False on timeout."""
+    def _wait_until_due(self) -> None:
+        """Wait (lock held) until a full batch is ready, or spans waited ``schedule_delay_s``, or
+        shutdown."""
+        deadline = time.monotonic() + self.schedule_delay_s
+        while not self._shutdown:
+            ready = self._ready()
+            if ready >= self.max_batch_size:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if ready:
+                    return
+                remaining = self.schedule_delay_s
+                deadline = time.monotonic() + remaining
+            self._cond.wait(remaining)
+
+    def flush(
+        self, timeout_s: float | None = 30.0, *, rollout_id: str | None = None, attempt: int | None = None
+    ) -> bool:
+        """Block until every span that ended before this call is stored (or failed); False on timeout.
+
+        With ``rollout_id`` and ``attempt``, only that attempt's spans: this thread writes them itself
+        (after any batch of them another thread is writing), whatever else is queued or stuck.
+        The timeout bounds the waiting; a write this thread started runs to its end (the store's
+        own timeouts bound it).
+        """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if rollout_id is not None or attempt is not None:
+            return self._flush_key(_check_rollout(rollout_id, attempt), deadline)
         with self._cond:
-            target = self._enqueued
-            if self._done >= target:
-                return True
-            self._flushing += 1
-            try:
-                self._cond.notify_all()
-                while self._done < target:
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        return False
-                    self._cond.wait(remaining)
-                return True
-            finally:
-                self._flushing -= 1
+            keys = list(dict.fromkeys([*self._queues, *self._busy]))
+        ok = True
+        for key in keys:
+            ok = self._flush_key(key, deadline) and ok
+        return ok
+
+    def _flush_key(self, key: _Key, deadline: float | None) -> bool:
+        with self._cond:
+            while key in self._busy:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            taken = self._take(key, self.max_queue_size)
+        if taken is not None:
+            self._write(*taken)
+        return True
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.flush(timeout_millis / 1000)
@@ -751,19 +628,25 @@ def get_tracer(name: str, version: str | None = None) -> trace.Tracer:
     return tracer
 
 
-def flush(timeout_s: float | None = 30.0) -> bool:
+def flush(
+    timeout_s: float | None = 30.0, *, rollout_id: str | None = None, attempt: int | None = None
+) -> bool:
     """Block until every span that ended before the call is in the store; False if time ran out.
 
-    The runner calls this before finishing an attempt, so the attempt's spans are stored before its
-    status changes. Only agl's store export is flushed, not the user's other exporters.
+    With ``rollout_id`` and ``attempt``, only that attempt's spans, written by the calling thread:
+    the runner calls this before finishing an attempt, so the attempt's spans are stored before its
+    status changes, without waiting on other rollouts' spans. Only agl's store export is flushed,
+    not the user's other exporters.
     """
+    if rollout_id is not None or attempt is not None:
+        _check_rollout(rollout_id, attempt)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with _lock:
         processors = [p.export for p in _pipelines.values() if p.export is not None]
     ok = True
     for processor in processors:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ok = processor.flush(remaining) and ok
+        ok = processor.flush(remaining, rollout_id=rollout_id, attempt=attempt) and ok
     return ok
 
 
@@ -777,7 +660,7 @@ def stats() -> dict[str, int]:
         out["failed"] += p.exporter.failed
         out["skipped"] += p.skipped + p.exporter.skipped
         out["dropped"] += p.dropped
-        out["queued"] += len(p._queue)
+        out["queued"] += p._size
     return out
 
 

@@ -11,11 +11,13 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "as_tasks",
     "ATTEMPT_STATUSES",
     "ROLLOUT_STATUSES",
     "TERMINAL_ROLLOUT_STATUSES",
@@ -466,3 +468,15 @@ class Transition(_Model):
                 f"{len(self.response_ids)} response tokens"
             )
         return self
+
+
+def as_tasks(data: Iterable[Any] | None, mode: Literal["train", "val", "test"]) -> list[Task]:
+    """Task inputs (or ``Task`` objects, copied with ``mode``) as tasks of ``mode``, numbered
+    ``{mode}-{i}`` when new: how the trainer, APO and ``dev`` turn a dataset into tasks."""
+    tasks: list[Task] = []
+    for i, item in enumerate(data or []):
+        if isinstance(item, Task):
+            tasks.append(item.model_copy(update={"mode": mode}))
+        else:
+            tasks.append(Task(id=f"{mode}-{i}", input=item, mode=mode))
+    return tasks

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's one test command (README "Tests"; CI's .ci/run calls exactly this).
+# The project's one test command (CONTRIBUTING.md; CI's .ci/run calls exactly this).
 #
 # Needs only python3 >= 3.10. It makes its own tool venv with tox (under .tox/, git-ignored), installs
 # the system services some tests drive for real when it can (headless Chromium, PostgreSQL: only as

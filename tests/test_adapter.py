@@ -370,34 +370,43 @@ def test_tokenizer_accepts_what_the_cli_accepts_and_refuses_the_rest(chat_tokeni
         Adapter(tokenizer=42)
 
 
-def test_unattributed_calls_counted_only_when_an_agent_framework_is_instrumented() -> None:
-    """Gateway calls with no agent span anywhere, while an agent framework's integration is on: its
-    hooks were bypassed (e.g. processors replaced after instrument) and agent selection will miss."""
+def test_unattributed_calls_counted_only_when_the_attempts_spans_show_an_agent_framework() -> None:
+    """Gateway calls with no agent span, in an attempt whose own spans show an agent framework ran (a
+    span with ``agl.integration`` other than ``openai``): its hooks were bypassed and agent selection
+    will miss. Read from the spans, not this process's plugin registry: a plain OpenAI-client agent is
+    not flagged although an agent framework is instrumented here (the reported false alarm), and a
+    framework's attempt is flagged although nothing is instrumented in this process (external runners)."""
     pytest.importorskip("langchain_core")  # the agent framework instrumented below
     import agl
 
+    def plain_calls(a: Attempt1, parent: Span) -> None:
+        for start in (100, 300):
+            c = a.client(start, start + 100, parent, attrs={sc.AGL_INTEGRATION: "openai"})
+            a.server(start + 1, start + 99, c, [1, 2], [3])
+
     lost = Attempt1()
-    root = lost.root()
-    lost.call(100, 200, root, [1, 2], [3])
-    lost.call(300, 400, root, [1, 2, 3], [4])
-    fine = Attempt1(rollout_id="ro-2")
+    chain = lost.span("chain RunnableSequence", 50, 900, lost.root(), attrs={sc.AGL_INTEGRATION: "langchain"})
+    plain_calls(lost, chain)
+    plain = Attempt1(rollout_id="ro-2")
+    plain_calls(plain, plain.root())
+    fine = Attempt1(rollout_id="ro-3")
     ag = fine.agent("writer", 10, 900, fine.root())
-    fine.call(100, 200, ag, [1, 2], [3])
-    adapter = Adapter()
-    adapter.transitions(lost.spans)
-    assert adapter.last_stats.unattributed_calls == 0  # plain client code: no agent spans expected
+    plain_calls(fine, ag)
     was_on = "langchain" in agl.instrumentation.registry.instrumented()
-    agl.instrument("langchain")
+    if was_on:
+        agl.uninstrument("langchain")
+    adapter = Adapter()
     try:
-        adapter.transitions(lost.spans)
-        assert adapter.last_stats.unattributed_calls == 2
-        assert adapter.last_stats.agents == {"": 2}
+        adapter.transitions(lost.spans)  # nothing instrumented in this process: the spans tell
+        assert adapter.last_stats.unattributed_calls == 2 and adapter.last_stats.agents == {"": 2}
+        agl.instrument("langchain")
+        adapter.transitions(plain.spans)  # plain client code: no agent spans expected
+        assert adapter.last_stats.unattributed_calls == 0 and adapter.last_stats.agents == {"": 2}
         adapter.transitions(fine.spans)
-        assert adapter.last_stats.unattributed_calls == 0 and adapter.last_stats.agents == {"writer": 1}
+        assert adapter.last_stats.unattributed_calls == 0 and adapter.last_stats.agents == {"writer": 2}
     finally:
-        if not was_on:
-            agl.uninstrument("langchain")
-    assert adapter.stats.unattributed_calls == 2 and adapter.stats.agents == {"": 4, "writer": 1}
+        agl.instrument("langchain") if was_on else agl.uninstrument("langchain")
+    assert adapter.stats.unattributed_calls == 2 and adapter.stats.agents == {"": 4, "writer": 2}
 
 
 def test_without_tokenizer_client_only_calls_are_skipped_and_counted() -> None:
@@ -619,6 +628,31 @@ def test_final_reward_is_last_primary_and_earlier_rewards_attach_to_preceding_ca
     assert t2.intermediate_reward == pytest.approx(0.3)
     assert t1.reward == pytest.approx(1.3) and t2.reward == pytest.approx(1.3)  # identical: R + r_j
     assert adapter.last_stats.intermediate_rewards == 3 and adapter.last_stats.reward_spans == 4
+
+
+def test_final_reward_is_one_total_order_and_ignores_stale_spans() -> None:
+    """The one definition (agl.adapter.final_reward, also what the dashboard and the adapter's own
+    transitions use), where the two old copies disagreed: two primary rewards ending together with no
+    store order were picked by reading order in the dashboard's copy (here: the earlier one first read),
+    and a stale reward span that ended last won in the adapter's copy."""
+    from agl.adapter import final_reward
+
+    a = Attempt1()
+    a.call(0, 10, None, [1], [1])
+
+    def primary(value: float, start: int, end: int) -> Span:
+        attrs = {sc.AGL_REWARD_VALUE: value, sc.AGL_REWARD_PRIMARY: True}
+        return a.span(sc.SPAN_REWARD, start, end, attrs=attrs).model_copy(update={"seq": None})
+
+    early, late = primary(0.25, 20, 50), primary(0.75, 30, 50)  # same end, no seq: the later start wins
+    spans = [*a.spans[:2], early, late]
+    for order in (spans, spans[::-1]):
+        assert final_reward(order) == 0.75
+        (t,) = Adapter().transitions(order)
+        assert t.final_reward == 0.75 and t.intermediate_reward == 0.25
+    stale = primary(5.0, 40, 90).model_copy(update={"stale": True})
+    assert final_reward([*spans, stale]) == 0.75
+    assert final_reward([stale]) is None and final_reward(a.spans[:2]) is None
 
 
 def test_reward_before_any_call_is_unattached_and_missing_final_is_filled() -> None:
@@ -866,6 +900,43 @@ def test_from_store_uses_the_finishing_attempt() -> None:
     assert t.span_id == srv.span_id and t.attempt == 2 and t.group_id == "g1" and t.final_reward == 1.0
     with pytest.raises(NotFoundError, match="nope"):
         adapter.from_store(store, ["nope"])
+
+
+def test_from_store_takes_rollouts_and_reads_each_attempt_once() -> None:
+    """Rollout objects are used as handed over (no query for them), ids still work, and the final reward
+    of a rollout that made no LLM call comes from the spans already read (no third query)."""
+    from agl.store import open as open_store
+
+    store = open_store("memory://")
+    ro_call, ro_none = store.enqueue([NewRollout(), NewRollout()])
+    for with_call in (True, False):
+        claim = store.claim("w1")
+        att = Attempt1(claim.rollout.id, claim.attempt.number)
+        if with_call:
+            att.call(0, 10, None, [1], [1])
+        att.reward(0.5 if with_call else 0.25, 20)
+        store.add_spans(att.spans)
+        store.finish_attempt(claim.rollout.id, claim.attempt.number, "succeeded")
+    done = {r.id: r for r in store.query_rollouts(ids=[ro_call.id, ro_none.id])}
+    calls: list[str] = []
+    for name in ("query_rollouts", "query_spans"):
+        real = getattr(store, name)
+
+        def counted(*args, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*args, **kw)
+
+        setattr(store, name, counted)
+    adapter = Adapter(missing_reward=-1.0)
+    (t,) = adapter.from_store(store, [done[ro_call.id], done[ro_none.id]])
+    assert t.final_reward == 0.5 and calls == ["query_spans", "query_spans"]
+    assert adapter.rollout_reward(store, done[ro_none.id]) == 0.25 and len(calls) == 2
+    (t2,) = adapter.from_store(store, [ro_call.id, ro_none.id])  # ids: looked up once, together
+    assert t2 == t and calls[2:] == ["query_rollouts", "query_spans", "query_spans"]
+    other = Adapter()
+    assert other.rollout_reward(store, done[ro_none.id]) == 0.25 and calls[-1] == "query_spans"
+    with pytest.raises(ValueError, match="rollout ids"):
+        adapter.from_store(store, [42])
 
 
 # ------------------------------------------------------------------------------------ properties

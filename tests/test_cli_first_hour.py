@@ -199,3 +199,81 @@ def test_plot_draws_a_baseline_and_refuses_a_malformed_one(tmp_path: Path) -> No
     assert out.read_bytes()[:4] == b"\x89PNG"
     rc, text = run_cli("plot", str(tmp_path), "--out", str(out), "--baseline", "warm start")
     assert_one_line_error(rc, text, "LABEL=VALUE")
+
+
+# ------------------------------------------------------------------- errors: the user's vs agl's own
+
+
+def test_a_users_mistake_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad flag value reaches the CLI as agl.errors.UsageError: one line, exit status 2."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "train_reward": 0.5}\n')
+    rc = main(["plot", str(tmp_path), "--baseline", "no-number-here"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.strip().splitlines() == [
+        "agl plot: error: --baseline takes LABEL=VALUE with a number, got 'no-number-here'"
+    ]
+    assert "Traceback" not in err
+
+
+def test_a_malformed_file_the_user_named_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A metrics file that is not JSON is the user's file, not agl's bug: one line naming file and line."""
+    (tmp_path / "metrics.jsonl").write_text("{not json\n")
+    rc = main(["plot", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{tmp_path / 'metrics.jsonl'}:1 is not JSON" in err
+
+
+def test_an_internal_bug_keeps_its_traceback(tmp_path: Path) -> None:
+    """A bare KeyError/ValueError from agl's own code is a bug: the CLI no longer hides it as a one-line
+    user error (it used to print ``agl plot: error: 'step'``)."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "train_reward": 0.5}\n')
+    code = (
+        "import sys\n"
+        "import agl.plot\n"
+        "def broken(*a, **k):\n"
+        "    return {}['step']  # an internal KeyError, as a bug in agl would raise\n"
+        "agl.plot.plot_runs = broken\n"
+        "import agl.cli.plot\n"
+        "agl.cli.plot.plot_runs = broken\n"
+        "from agl.cli import main\n"
+        "raise SystemExit(main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "plot", str(tmp_path), "--out", str(tmp_path / "c.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert "KeyError: 'step'" in proc.stderr
+    assert "agl plot: error" not in proc.stderr
+
+
+def test_every_agl_error_is_an_agl_error_and_keeps_its_old_base() -> None:
+    """One root for what agl raises on purpose; ``except ValueError`` callers keep working."""
+    import agl.errors as errors
+
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.AglError), name
+    assert issubclass(errors.UsageError, ValueError)
+    assert issubclass(errors.NotFoundError, KeyError) and issubclass(errors.InvalidInputError, ValueError)
+    assert issubclass(errors.MissingFrameworkError, ImportError)
+    assert issubclass(errors.PatchTargetError, AttributeError)
+    assert issubclass(errors.StoreAuthError, PermissionError)
+
+
+def test_library_code_never_imports_argparse() -> None:
+    """The CLI floor: argparse lives in agl.cli only (REDESIGN §5.1)."""
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "core").rglob("*.py")
+        if "cli" not in p.relative_to(ROOT / "core").parts[:1] and "argparse" in p.read_text()
+    ]
+    assert offenders == []

@@ -117,12 +117,13 @@ def test_rollouts_list(populated: tuple[str, str, str], capsys: pytest.CaptureFi
     rc, out, _ = run(capsys, "rollouts", "list", "--store", url)
     assert rc == 0
     lines = out.splitlines()
-    assert lines[0].split()[:3] == ["ID", "STATUS", "MODE"]
+    assert lines[0].split()[:5] == ["ID", "STATUS", "MODE", "REWARD", "ATTEMPTS"]
     row = next(line for line in lines if line.startswith(rid))
-    assert (
-        "succeeded" in row and "failed,succeeded" in row and "g1" in row and "ValueError: bad answer" in row
-    )
-    assert any(line.startswith(queued) and "queued" in line for line in lines)
+    # the final reward and the number of attempts (two: the first failed)
+    assert row.split()[1:5] == ["succeeded", "train", "1", "2"], row
+    assert "g1" in row and "ValueError: bad answer" in row
+    queued_row = next(line for line in lines if line.startswith(queued))
+    assert queued_row.split()[1:5] == ["queued", "val", "-", "0"], queued_row
     assert lines[-1] == "2 rollout(s): 1 queued, 1 succeeded"
     rc, out, _ = run(capsys, "rollouts", "list", "--store", url, "--status", "queued", "--json")
     assert rc == 0 and [r["id"] for r in json.loads(out)] == [queued]

@@ -232,3 +232,15 @@ def test_group_statistics() -> None:
 def test_empty_input() -> None:
     adv, stats = compute_advantages([])
     assert adv == [] and stats["groups"] == 0 and stats["transitions"] == 0
+
+
+def test_the_method_uses_the_returns_the_adapter_credited() -> None:
+    """Credit once: LightningRL.compute_advantages normalises Transition.reward (the adapter's credited
+    return) instead of crediting again; on credited transitions the numbers equal a recomputation."""
+    for cfg in (LightningRL(), LightningRL(credit="discounted", gamma=0.5, advantage_level="transition")):
+        credited = cfg.assign_credit(example())
+        assert cfg.compute_advantages(credited) == compute_advantages(credited, cfg)
+        stale = [t.model_copy(update={"reward": 0.0}) for t in credited]  # rewards no one credited
+        if cfg.advantage_level == "transition":
+            assert cfg.compute_advantages(stale)[0] != compute_advantages(stale, cfg)[0]
+        assert cfg.compute_advantages(stale, include_intermediate=True) == compute_advantages(stale, cfg)

@@ -188,3 +188,29 @@ def test_agl_instrument_is_a_function_and_the_module_has_another_name() -> None:
     assert agl.instrument is agl.instrumentation.instrument
     assert agl.uninstrument is agl.instrumentation.uninstrument
     assert "agl.instrument" not in sys.modules
+
+
+def test_lazy_instrumentors_defers_the_framework_and_rejects_bad_specs() -> None:
+    """A built-in integration package is one ``lazy_instrumentors`` line: loading it imports no framework."""
+    import subprocess
+
+    probe = (
+        "import sys, agl.integrations.crewai as pkg\n"
+        "assert pkg.__all__ == ['CrewAIInstrumentor', 'agl_register_instrumentors'], pkg.__all__\n"
+        "assert 'crewai' not in sys.modules and 'agl.integrations.crewai.instrumentor' not in sys.modules\n"
+        "got = []\n"
+        "pkg.agl_register_instrumentors(got.append)\n"
+        "assert got == [pkg.CrewAIInstrumentor] and got[0].name == 'crewai', got\n"
+        "try:\n"
+        "    pkg.NoSuchInstrumentor\n"
+        "    raise SystemExit('no AttributeError')\n"
+        "except AttributeError:\n"
+        "    pass\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    from agl.instrumentation.registry import lazy_instrumentors
+
+    for bad in ["", "agl.integrations.crewai.instrumentor", ":CrewAIInstrumentor", "m:not-a-name"]:
+        with pytest.raises(ValueError, match="module:ClassName"):
+            lazy_instrumentors(bad)

@@ -155,3 +155,10 @@ def test_reward_breakdown_splits_task_and_air() -> None:
     assert b["air_bonus"] == pytest.approx(0.15) and b["air_penalty"] == pytest.approx(-0.05)
     assert b["air_share"] == pytest.approx(0.4 / 1.4)
     assert reward_breakdown([])["task_reward"] is None
+
+
+def test_judge_gate_keeps_bonuses_only_on_rollouts_the_judge_passed() -> None:
+    air = AIR(gate="judge", success_at=0.5)
+    assert air.shape([0.2, -0.1], 0.0) == [0.2, -0.1]  # the adapter leaves a judge gate to the trainer
+    assert air.gate_on([0.2, -0.1], 0.4) == [0.0, -0.1]  # failed verdict: bonus gone, penalty kept
+    assert air.gate_on([0.2, -0.1], 0.5) == [0.2, -0.1]

@@ -375,3 +375,53 @@ def test_until_idle_exits_when_max_hung_agents_are_running(store: MemoryStore) -
         release.set()
     with pytest.raises(ValueError, match="max_hung"):
         Runner(agent, store, max_hung=0)
+
+
+class _StuckStore(MemoryStore):
+    """A real MemoryStore whose span writes for one rollout hang until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stuck_id: str | None = None
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def add_spans(self, spans, *, idempotency_key=None):  # type: ignore[no-untyped-def]
+        if any(s.rollout_id == self.stuck_id for s in spans):
+            self.entered.set()
+            assert self.release.wait(30)
+        return super().add_spans(spans, idempotency_key=idempotency_key)
+
+
+def test_an_attempt_finishes_while_another_rollouts_span_write_hangs() -> None:
+    store = _StuckStore()
+    try:
+        stuck, fast = _enqueue(store, ["stuck", "fast"])
+        store.stuck_id = stuck
+
+        def agent(task: str) -> float:
+            if task == "fast":
+                assert store.entered.wait(10)  # the stuck rollout's spans are being written (and hang)
+            return 1.0
+
+        runner = Runner(agent, store, concurrency=2, claim_timeout_s=0.05)
+        result: list = []
+        thread = threading.Thread(target=lambda: result.append(runner.run(until_idle=True)))
+        thread.start()
+        deadline = time.monotonic() + 10
+        while store.get_rollout(fast).status != "succeeded" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert store.get_rollout(fast).status == "succeeded"
+        assert [s.name for s in _spans(store, fast, sc.SPAN_REWARD)] == [sc.SPAN_REWARD]
+        # the stuck attempt is not finished before its spans are stored
+        assert store.get_rollout(stuck).attempts[0].status == "running"
+        assert store.query_spans(rollout_id=stuck) == []
+        store.release.set()
+        thread.join(20)
+        assert not thread.is_alive() and result[0].succeeded == 2
+        assert store.get_rollout(stuck).status == "succeeded"
+        assert _spans(store, stuck, sc.SPAN_REWARD)
+    finally:
+        store.release.set()
+        tracing.reset_tracing()
+        store.close()

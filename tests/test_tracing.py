@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -540,3 +541,67 @@ def test_export_works_in_a_forked_child(provider, store) -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert [s.name for s in store.query_spans(rollout_id=rid)] == ["parent-side"]
+
+
+class _StuckStore(MemoryStore):
+    """A real MemoryStore whose span writes for one rollout hang until released: a store (or the
+    network to it) stuck for that rollout only."""
+
+    def __init__(self, stuck_id: str) -> None:
+        super().__init__()
+        self.stuck_id = stuck_id
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def add_spans(self, spans, *, idempotency_key=None):  # type: ignore[no-untyped-def]
+        if any(s.rollout_id == self.stuck_id for s in spans):
+            self.entered.set()
+            assert self.release.wait(30)
+        return super().add_spans(spans, idempotency_key=idempotency_key)
+
+
+def test_an_attempts_flush_does_not_wait_for_another_rollouts_stuck_write() -> None:
+    store = _StuckStore("ro-stuck")
+    provider = TracerProvider()
+    tracing.setup_tracing(store, provider, schedule_delay_s=0.01)
+    try:
+        stuck, n_stuck = _claim(store, "ro-stuck")
+        fast, n_fast = _claim(store, "ro-fast")
+        with rollout_context(stuck, n_stuck, span=False):
+            _tracer().start_span("stuck-1").end()
+        assert store.entered.wait(10)  # the export worker is inside the stuck write now
+        with rollout_context(stuck, n_stuck, span=False):
+            _tracer().start_span("stuck-2").end()  # queued behind it
+        with rollout_context(fast, n_fast):
+            for i in range(3):
+                _tracer().start_span(f"fast-{i}").end()
+        t0 = time.monotonic()
+        assert tracing.flush(10, rollout_id=fast, attempt=n_fast) is True
+        assert time.monotonic() - t0 < 5
+        assert sorted(s.name for s in store.query_spans(rollout_id=fast)) == [
+            "agl.rollout",
+            "fast-0",
+            "fast-1",
+            "fast-2",
+        ]
+        # the stuck rollout's own flush (and a global one) do wait, and say so when time runs out
+        assert tracing.flush(0.2, rollout_id=stuck, attempt=n_stuck) is False
+        assert tracing.flush(0.2) is False
+        assert store.query_spans(rollout_id=stuck) == []
+        store.release.set()
+        assert tracing.flush(10, rollout_id=stuck, attempt=n_stuck) is True
+        # one writer per attempt at a time: its spans are stored in the order they ended
+        assert [s.name for s in store.query_spans(rollout_id=stuck)] == ["stuck-1", "stuck-2"]
+        assert tracing.stats()["queued"] == 0
+    finally:
+        store.release.set()
+        tracing.reset_tracing()
+        provider.shutdown()
+        store.close()
+
+
+def test_flush_of_one_attempt_needs_both_ids(store) -> None:
+    with pytest.raises(ValueError, match="attempt"):
+        tracing.flush(1, rollout_id="ro-x")
+    with pytest.raises(ValueError, match="rollout id"):
+        tracing.flush(1, attempt=1)

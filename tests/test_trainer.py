@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -389,13 +390,13 @@ def test_dynamic_sampling_draws_fresh_tasks_until_a_group_has_variance(
     """DAPO's dynamic sampling: a step whose groups all score the same draws more tasks (up to
     dynamic_sampling extra rounds) and trains on the informative group only; the metrics count every
     group drawn. The seed is picked so the mixed task comes last in the shuffled pass (3 extra rounds)."""
-    from agl.trainer import _TaskOrder
+    from agl.run.order import TaskOrder
 
     tok = load_tokenizer()
     spy = Spy(tok)
     spy.install(monkeypatch)
     train = [{"q": "easy one"}, {"q": "easy two"}, {"q": "easy three"}, {"q": "mixed: 7 * 6?"}]
-    seed = next(s for s in range(100) if _TaskOrder(4, s).take(4)[-1] == 3)
+    seed = next(s for s in range(100) if TaskOrder(4, s).take(4)[-1] == 3)
     algo = agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8)
     trainer = one_task_trainer(
         tmp_path, algo, script=ByQuestion(), tokenizer=tok, dynamic_sampling=3, seed=seed
@@ -419,6 +420,24 @@ def test_dynamic_sampling_draws_fresh_tasks_until_a_group_has_variance(
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="dynamic_sampling"):
             Trainer(algo, model=tiny_model(), backend="scripted", script=Script(), dynamic_sampling=bad)
+
+
+def test_a_step_without_an_update_says_so_and_two_say_what_to_do(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only easy tasks: every group's rollouts get the same reward, so no step updates the policy. Each
+    step says so (log, metrics' no_update), and the second in a row gives the reasons and remedies."""
+    trainer = one_task_trainer(tmp_path, script=ByQuestion(), steps=2)
+    with caplog.at_level(logging.WARNING, "agl.trainer"):
+        history = trainer.fit(two_agent_app, [{"q": "easy one"}, {"q": "easy two"}])["history"]
+    steps = [h for h in history if "rollouts" in h]
+    assert [h["no_update"] for h in steps] == [True, True]
+    assert all(h["zero_variance_groups"] == h["groups"] == 1 for h in steps)
+    notes = [r.getMessage() for r in caplog.records if "made no update" in r.getMessage()]
+    assert len(notes) == 2 and "same reward" in notes[0] and "Two steps" not in notes[0]
+    assert "Two steps in a row" in notes[1] and "dynamic_sampling" in notes[1] and "agl sft" in notes[1]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m.get("no_update") for m in metrics if "rollouts" in m] == [True, True]
 
 
 def test_a_public_gateway_bind_needs_a_key_which_the_agents_receive(tmp_path: Path) -> None:
@@ -472,6 +491,13 @@ def test_dev_prints_transitions_and_rewards(tmp_path: Path, capsys: pytest.Captu
     assert "agent=writer" in text and "response: " in text and "reward=" in text
     assert "2 rollouts, 2 transitions" in text
     assert trainer.policy is None  # dev never builds a policy
+    # kept in a SQLite store in the run dir (as fit()), and the commands that look inside it printed
+    store_url = f"sqlite:///{(tmp_path / 'dev' / 'store.db').resolve()}"
+    assert f"agl rollouts list --store {store_url}" in text
+    from agl.cli import main
+
+    assert main(["rollouts", "list", "--store", store_url]) == 0
+    assert "2 rollout(s): 2 succeeded" in capsys.readouterr().out
 
 
 def test_plot_cli_and_bad_input(tmp_path: Path) -> None:

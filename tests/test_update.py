@@ -154,7 +154,7 @@ def test_rewarded_response_becomes_likelier_and_penalised_one_less(tok, tmp_path
     after = seq_logprob(up, [good, bad])
     assert after[0] > before[0] + 0.5
     assert after[1] < before[1] - 0.5
-    assert metrics["transitions"] == 2 and metrics["tokens_per_s"] > 0 and metrics["grad_norm"] > 0
+    assert metrics["trained_transitions"] == 2 and metrics["tokens_per_s"] > 0 and metrics["grad_norm"] > 0
     assert up.global_step == 4
 
 
@@ -197,7 +197,7 @@ def test_zero_advantage_transitions_are_skipped_without_kl(tok, tmp_path) -> Non
     up = make(tok, tmp_path)
     ts = [tr(tok, "a", "b", "r1"), tr(tok, "c", "d", "r2")]
     m = up.step(ts, [0.0, 0.0])
-    assert m["skipped"] == 2 and m["transitions"] == 0 and m["loss"] == 0.0
+    assert m["skipped"] == 2 and m["trained_transitions"] == 0 and m["loss"] == 0.0
     with pytest.raises(ValueError, match="advantages"):
         up.step(ts, [1.0])
     with pytest.raises(ValueError, match="finite"):
@@ -211,14 +211,14 @@ def test_mask_truncated_leaves_calls_cut_at_max_tokens_out_of_the_loss(tok, tmp_
     cut = tr(tok, "a", "b c d", "r1").model_copy(update={"truncated": True})
     done = tr(tok, "a", "e", "r2")
     m = make(tok, tmp_path / "plain").step([cut, done], [-1.0, 1.0])
-    assert m["transitions"] == 2 and m["skipped"] == 0 and m["truncated_calls"] == 1
+    assert m["trained_transitions"] == 2 and m["skipped"] == 0 and m["truncated_calls"] == 1
     assert m["response_tokens"] == len(cut.response_ids) + len(done.response_ids)
     masked = make(tok, tmp_path / "masked", mask_truncated=True)
     m = masked.step([cut, done], [-1.0, 1.0])
-    assert m["transitions"] == 1 and m["skipped"] == 1 and m["truncated_calls"] == 1
+    assert m["trained_transitions"] == 1 and m["skipped"] == 1 and m["truncated_calls"] == 1
     assert m["response_tokens"] == len(done.response_ids)
     m = masked.step([cut], [-1.0])  # only a cut call: nothing to train, the policy is left as it was
-    assert m["transitions"] == 0 and m["loss"] == 0.0 and m["grad_norm"] == 0.0
+    assert m["trained_transitions"] == 0 and m["loss"] == 0.0 and m["grad_norm"] == 0.0
     # one conversation merged into one sequence: only the cut turn's tokens are masked
     follow = Transition(
         rollout_id="r1",
@@ -230,7 +230,7 @@ def test_mask_truncated_leaves_calls_cut_at_max_tokens_out_of_the_loss(tok, tmp_
         response_ids=done.response_ids,
     )
     m = masked.step([cut, follow], [-1.0, -1.0])
-    assert m["sequences"] == 1 and m["transitions"] == 1 and m["skipped"] == 1
+    assert m["sequences"] == 1 and m["trained_transitions"] == 1 and m["skipped"] == 1
     assert m["response_tokens"] == len(follow.response_ids)
     with pytest.raises(ValueError, match="mask_truncated must be True or False"):
         LightningRL(mask_truncated="yes")

@@ -30,6 +30,9 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 from agl.config import UpdateSettings, check_number
+from agl.errors import UsageError
+from agl.rewards import _returns as _credited
+from agl.rewards import credit_returns
 
 if TYPE_CHECKING:
     from agl.types import Transition
@@ -72,17 +75,17 @@ class LightningRL(UpdateSettings):
 
     def __post_init__(self) -> None:
         if self.credit not in ("identical", "discounted"):
-            raise ValueError(f"LightningRL.credit must be 'identical' or 'discounted', got {self.credit!r}")
+            raise UsageError(f"LightningRL.credit must be 'identical' or 'discounted', got {self.credit!r}")
         if self.advantage_level not in ("rollout", "transition"):
-            raise ValueError(
+            raise UsageError(
                 f"LightningRL.advantage_level must be 'rollout' or 'transition', got {self.advantage_level!r}"
             )
         check_number("LightningRL", "gamma", self.gamma, lo=0.0, hi=1.0)
         value = self.group_size
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"LightningRL.group_size must be an integer >= 1, got {value!r}")
+            raise UsageError(f"LightningRL.group_size must be an integer >= 1, got {value!r}")
         if not isinstance(self.normalize_std, bool):
-            raise ValueError(f"LightningRL.normalize_std must be True or False, got {self.normalize_std!r}")
+            raise UsageError(f"LightningRL.normalize_std must be True or False, got {self.normalize_std!r}")
         self._validate_update("LightningRL")
 
     # Convenience: the same pure functions, bound to this configuration.
@@ -92,8 +95,12 @@ class LightningRL(UpdateSettings):
         return assign_credit(transitions, self, include_intermediate=include_intermediate)
 
     def compute_advantages(
-        self, transitions: Sequence[Transition], *, include_intermediate: bool = True
+        self, transitions: Sequence[Transition], *, include_intermediate: bool | None = None
     ) -> tuple[list[float], dict[str, Any]]:
+        """Advantages from the returns the adapter already credited (``Transition.reward``: an
+        ``Adapter(algorithm=self)`` credits them under this configuration), not credited again. Pass
+        ``include_intermediate=True``/``False`` to recompute them from ``final_reward`` and
+        ``intermediate_reward`` instead (see :func:`compute_advantages`)."""
         return compute_advantages(transitions, self, include_intermediate=include_intermediate)
 
     def to_dict(self) -> dict[str, Any]:
@@ -103,79 +110,12 @@ class LightningRL(UpdateSettings):
 # ------------------------------------------------------------------------------------ credit
 
 
-def credit_returns(
-    final_reward: float,
-    intermediate: Sequence[float],
-    cfg: LightningRL | None = None,
-    *,
-    include_intermediate: bool = True,
-) -> list[float]:
-    """The credited return ``G_ij`` of each transition of ONE rollout, in call order.
-
-    ``intermediate[j]`` is the intermediate reward of the rollout's j-th transition (0 when none).
-    With ``include_intermediate=False`` intermediate rewards are ignored (the paper's identical rule).
-    """
-    cfg = cfg or _DEFAULT
-    big_r = float(final_reward)
-    if not include_intermediate:
-        intermediate = [0.0] * len(intermediate)
-    if cfg.credit == "identical":
-        return [big_r + float(r) for r in intermediate]
-    gamma = float(cfg.gamma)
-    out = [0.0] * len(intermediate)
-    g = big_r
-    for j in range(len(intermediate) - 1, -1, -1):
-        g = float(intermediate[j]) + gamma * g
-        out[j] = g
-    return out
-
-
-def _by_rollout(transitions: Sequence[Transition]) -> dict[tuple[str, int], list[int]]:
-    """Positions of each rollout attempt's transitions, in call (``index``) order; checks consistency."""
-    groups: dict[tuple[str, int], list[int]] = {}
-    for pos, t in enumerate(transitions):
-        groups.setdefault((t.rollout_id, t.attempt), []).append(pos)
-    for (rid, att), positions in groups.items():
-        positions.sort(key=lambda p: transitions[p].index)
-        seen: set[int] = set()
-        first = transitions[positions[0]]
-        for p in positions:
-            t = transitions[p]
-            if t.index in seen:
-                raise ValueError(
-                    f"rollout {rid!r} attempt {att} has two transitions with index {t.index}; "
-                    "each LLM call must appear once"
-                )
-            seen.add(t.index)
-            if t.final_reward != first.final_reward:
-                raise ValueError(
-                    f"rollout {rid!r} attempt {att} has transitions with different final rewards "
-                    f"({first.final_reward!r} and {t.final_reward!r}); a rollout has one final reward"
-                )
-            if t.group_id != first.group_id:
-                raise ValueError(
-                    f"rollout {rid!r} attempt {att} has transitions in different groups "
-                    f"({first.group_id!r} and {t.group_id!r})"
-                )
-    return groups
-
-
 def _returns(
-    transitions: Sequence[Transition], cfg: LightningRL, include_intermediate: bool
+    transitions: Sequence[Transition], cfg: LightningRL, include_intermediate: bool | None
 ) -> tuple[list[float], dict[tuple[str, int], list[int]]]:
-    by_rollout = _by_rollout(transitions)
-    returns = [0.0] * len(transitions)
-    for positions in by_rollout.values():
-        ts = [transitions[p] for p in positions]
-        g = credit_returns(
-            ts[0].final_reward,
-            [t.intermediate_reward for t in ts],
-            cfg,
-            include_intermediate=include_intermediate,
-        )
-        for p, value in zip(positions, g, strict=True):
-            returns[p] = value
-    return returns, by_rollout
+    """Credited returns under ``cfg`` (:func:`agl.rewards.credit_returns`); ``include_intermediate=None``
+    takes the ones the adapter already put on the transitions (``Transition.reward``)."""
+    return _credited(transitions, cfg.credit, cfg.gamma, include_intermediate)
 
 
 def assign_credit(
@@ -276,12 +216,14 @@ def compute_advantages(
     transitions: Sequence[Transition],
     cfg: LightningRL | None = None,
     *,
-    include_intermediate: bool = True,
+    include_intermediate: bool | None = True,
 ) -> tuple[list[float], dict[str, Any]]:
     """One advantage per transition (same order as given) and batch statistics.
 
     Returns are recomputed from ``final_reward``/``intermediate_reward`` with ``cfg``'s credit rule, so
-    the result never depends on which rule filled ``Transition.reward`` earlier. Groups come from
+    the result never depends on which rule filled ``Transition.reward`` earlier; with
+    ``include_intermediate=None`` the returns are ``Transition.reward`` as the adapter credited them
+    (what :meth:`LightningRL.compute_advantages` uses: credit is computed once). Groups come from
     ``group_id`` (a transition without one is grouped with its own rollout only).
     """
     cfg = cfg or _DEFAULT

@@ -35,24 +35,27 @@ torch, transformers, TRL and peft are imported only when training starts.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
 import os
 import shutil
-import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from agl.errors import UsageError
 from agl.types import Transition
 
-__all__ = ["SFT", "register_cli", "select_transitions", "warm_start_model"]
+__all__ = ["SFT", "select_transitions", "warm_start_model"]
 
 log = logging.getLogger("agl.sft")
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
 
 
 @dataclass
@@ -67,46 +70,57 @@ class SFT:
     fine-tuning with ``lora=False``.
     """
 
-    min_reward: float | None = None
-    best_of_group: bool = False
-    epochs: int = 2
-    batch_size: int = 4
-    learning_rate: float = 2e-4
-    warmup_ratio: float = 0.0
-    lora: bool = True
-    lora_r: int = 16
-    lora_alpha: int = 32
-    max_grad_norm: float = 1.0
-    max_length: int | None = None
-    eval_examples: int = 16
-    merge_turns: bool = True
+    min_reward: float | None = field(
+        default=None, metadata=_help("keep rollouts whose final reward is >= this (None: all)")
+    )
+    best_of_group: bool = field(default=False, metadata=_help("keep only the best rollout of each group"))
+    epochs: int = field(default=2, metadata=_help("passes over the demonstrations"))
+    batch_size: int = field(default=4, metadata=_help("sequences per optimizer step"))
+    learning_rate: float = field(default=2e-4, metadata=_help("the learning rate (constant after warm-up)"))
+    warmup_ratio: float = field(
+        default=0.0, metadata=_help("fraction of the optimizer steps the learning rate warms up over")
+    )
+    lora: bool = field(default=True, metadata=_help("train a LoRA adapter (False: full fine-tuning)"))
+    lora_r: int = field(default=16, metadata=_help("LoRA rank"))
+    lora_alpha: int = field(default=32, metadata=_help("LoRA alpha"))
+    max_grad_norm: float = field(default=1.0, metadata=_help("gradient clipping norm"))
+    max_length: int | None = field(
+        default=None, metadata=_help("truncate longer sequences (prompt start first)")
+    )
+    eval_examples: int = field(
+        default=16, metadata=_help("demonstrations whose loss is measured before and after")
+    )
+    merge_turns: bool = field(
+        default=True,
+        metadata=_help("one sequence per agent conversation (False: one per LLM call)"),
+    )
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "lora_r", "lora_alpha", "eval_examples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SFT.{name} must be an integer >= 1, got {value!r}")
+                raise UsageError(f"SFT.{name} must be an integer >= 1, got {value!r}")
         for name, lo_open in (("learning_rate", True), ("max_grad_norm", True), ("warmup_ratio", False)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"SFT.{name} must be a finite number, got {value!r}")
+                raise UsageError(f"SFT.{name} must be a finite number, got {value!r}")
             if value < 0 or (lo_open and value == 0):
-                raise ValueError(f"SFT.{name} must be {'> 0' if lo_open else '>= 0'}, got {value!r}")
+                raise UsageError(f"SFT.{name} must be {'> 0' if lo_open else '>= 0'}, got {value!r}")
         if self.warmup_ratio >= 1:
-            raise ValueError(f"SFT.warmup_ratio must be < 1, got {self.warmup_ratio!r}")
+            raise UsageError(f"SFT.warmup_ratio must be < 1, got {self.warmup_ratio!r}")
         if self.min_reward is not None and (
             isinstance(self.min_reward, bool)
             or not isinstance(self.min_reward, (int, float))
             or not math.isfinite(self.min_reward)
         ):
-            raise ValueError(f"SFT.min_reward must be a finite number or None, got {self.min_reward!r}")
+            raise UsageError(f"SFT.min_reward must be a finite number or None, got {self.min_reward!r}")
         if self.max_length is not None and (
             isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 2
         ):
-            raise ValueError(f"SFT.max_length must be an integer >= 2 or None, got {self.max_length!r}")
+            raise UsageError(f"SFT.max_length must be an integer >= 2 or None, got {self.max_length!r}")
         for name in ("best_of_group", "lora", "merge_turns"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"SFT.{name} must be True or False, got {getattr(self, name)!r}")
+                raise UsageError(f"SFT.{name} must be True or False, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -173,7 +187,7 @@ class SFT:
         chosen = self.select(transitions)
         rows = [t for t in chosen if t.response_ids]
         if not rows:
-            raise ValueError(
+            raise UsageError(
                 f"no demonstrations to train on: {len(transitions)} transitions read, none left after "
                 f"selection (min_reward={self.min_reward}, best_of_group={self.best_of_group}"
                 + (f", agents={agents!r}" if agents is not None else "")
@@ -255,7 +269,7 @@ def _dataset(
 def _load(model: Any, tokenizer: Any, progress: bool) -> tuple[Any, Any, str | None]:
     from transformers import AutoModelForCausalLM
 
-    from agl.trainer import load_tokenizer
+    from agl.gateway.tokenizer import load_tokenizer
 
     source: str | None = None
     if model is None:
@@ -271,57 +285,9 @@ def _load(model: Any, tokenizer: Any, progress: bool) -> tuple[Any, Any, str | N
     return model, tok, source
 
 
-class _MetricsLog:
-    """metrics.jsonl + TensorBoard, as the Trainer writes them (one record per logging step)."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / "metrics.jsonl"
-        self.run_dir = run_dir
-        self._tb: Any = None
-
-    def write(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self._tb is None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(self.run_dir / "tb"))
-            except Exception:  # noqa: BLE001 - TensorBoard is optional
-                self._tb = False
-        if self._tb:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-                    self._tb.add_scalar(key, value, record["step"])
-            self._tb.flush()
-
-    def close(self) -> None:
-        if self._tb:
-            self._tb.close()
-
-
-def _train(
-    cfg: SFT,
-    rows: Sequence[Transition],
-    model: Any,
-    tokenizer: Any,
-    run_dir: Path,
-    seed: int,
-    merge: bool,
-    progress: bool,
-) -> dict[str, Any]:
-    import torch
+def _log_callback(cfg: SFT, metrics: Any) -> Any:
+    """A transformers callback writing each logged step's loss to the run's ``MetricsLog``."""
     from transformers import TrainerCallback
-    from trl import SFTConfig, SFTTrainer
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    metrics_file = run_dir / "metrics.jsonl"
-    if metrics_file.exists():
-        metrics_file.unlink()
-    torch.manual_seed(seed)
-    model, tok, source = _load(model, tokenizer, progress)
-    dataset, n_resp = _dataset(_sequences(rows, cfg.merge_turns), cfg.max_length)
-    metrics = _MetricsLog(run_dir)
 
     class _Log(TrainerCallback):  # type: ignore[misc]
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
@@ -337,6 +303,15 @@ def _train(
                     "epoch": float(logs.get("epoch", 0.0)),
                 }
             )
+
+    return _Log()
+
+
+def _trl_args(cfg: SFT, run_dir: Path, seed: int, progress: bool) -> tuple[Any, Any]:
+    """TRL's ``SFTConfig`` for ``cfg`` (completion-only loss, no saving or eval during training) and
+    the LoRA config (None for full fine-tuning)."""
+    import torch
+    from trl import SFTConfig
 
     use_cuda = torch.cuda.is_available()
     args = SFTConfig(
@@ -374,13 +349,39 @@ def _train(
             target_modules="all-linear",
             task_type="CAUSAL_LM",
         )
+    return args, peft_config
+
+
+def _train(
+    cfg: SFT,
+    rows: Sequence[Transition],
+    model: Any,
+    tokenizer: Any,
+    run_dir: Path,
+    seed: int,
+    merge: bool,
+    progress: bool,
+) -> dict[str, Any]:
+    import torch
+    from trl import SFTTrainer
+
+    from agl.run.metrics import MetricsLog
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = MetricsLog(run_dir)
+    metrics.reset()
+    torch.manual_seed(seed)
+    model, tok, source = _load(model, tokenizer, progress)
+    dataset, n_resp = _dataset(_sequences(rows, cfg.merge_turns), cfg.max_length)
+
+    args, peft_config = _trl_args(cfg, run_dir, seed, progress)
     trainer = SFTTrainer(
         model=model,
         args=args,
         train_dataset=dataset,
         processing_class=tok,
         peft_config=peft_config,
-        callbacks=[_Log()],
+        callbacks=[_log_callback(cfg, metrics)],
     )
     # the loss before/after on (a spread sample of) the demonstrations themselves: did it learn them?
     step = max(1, len(dataset) // cfg.eval_examples)
@@ -440,82 +441,3 @@ def _save_merged(model: Any, tok: Any, source: str | None, target: Path) -> Path
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target
-
-
-# ------------------------------------------------------------------------------------ CLI
-
-
-def register_cli(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--store", required=True, help="store URL with the demonstrations (sqlite:///… or http://…)"
-    )
-    sel = parser.add_mutually_exclusive_group()
-    sel.add_argument("--agents", help="comma-separated agent names to train on (default: all)")
-    sel.add_argument("--agents-regex", help="agents whose name fully matches this regular expression")
-    parser.add_argument("--min-reward", type=float, help="keep rollouts whose final reward is >= this")
-    parser.add_argument(
-        "--best-of-group", action="store_true", help="keep only the best rollout of each group"
-    )
-    parser.add_argument("--mode", choices=("train", "val", "test"), help="only rollouts of this mode")
-    parser.add_argument("--model", help="a local model directory (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--out", required=True, help="run directory: checkpoints, metrics, the merged model")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--learning-rate", type=float, default=2e-4)
-    parser.add_argument("--lora-r", type=int, default=16)
-    parser.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA")
-    parser.add_argument("--max-length", type=int, help="truncate longer sequences (prompt start first)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--no-merge", action="store_true", help="keep only the LoRA checkpoint")
-    parser.add_argument(
-        "--per-call",
-        action="store_true",
-        help="one sequence per LLM call instead of one per agent conversation (--merge-turns off)",
-    )
-    parser.set_defaults(func=_cmd_sft)
-
-
-def _cmd_sft(args: argparse.Namespace) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    agents: Any = None
-    if args.agents is not None:
-        agents = [a.strip() for a in args.agents.split(",") if a.strip()]
-    elif args.agents_regex is not None:
-        agents = args.agents_regex
-    if args.model is not None and not Path(args.model).is_dir():
-        raise FileNotFoundError(f"--model {args.model}: not a local model directory")
-    cfg = SFT(
-        min_reward=args.min_reward,
-        best_of_group=args.best_of_group,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        lora=not args.full,
-        lora_r=args.lora_r,
-        lora_alpha=2 * args.lora_r,
-        max_length=args.max_length,
-        merge_turns=not args.per_call,
-    )
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    import agl.store
-
-    store = agl.store.open(args.store)
-    try:
-        transitions = cfg.read(store, agents=agents, mode=args.mode, progress=sys.stderr.isatty())
-    finally:
-        store.close()
-    summary = cfg.fit(
-        transitions,
-        args.model,
-        run_dir=args.out,
-        seed=args.seed,
-        merge=not args.no_merge,
-        progress=sys.stderr.isatty(),
-    )
-    print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
-    return 0

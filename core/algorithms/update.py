@@ -2,8 +2,8 @@
 
 LightningRL reduces multi-turn agent training to single-turn RL: every transition is one sequence
 (prompt ids + response ids) with one advantage, so TRL's GRPO loss applies unchanged. This module
-therefore does not reimplement the loss. ``_TransitionGRPOTrainer`` subclasses ``trl.GRPOTrainer`` and
-takes from it, unchanged:
+therefore does not reimplement the loss. ``TransitionGRPOTrainer`` (:mod:`agl.algorithms.scoring`)
+subclasses ``trl.GRPOTrainer`` and takes from it, unchanged:
 
 - model preparation: LoRA wrapping through peft (``peft_config``), gradient checkpointing, dropout off,
   the fused LM head that computes per-token log-probs in chunks without materialising the logits;
@@ -33,7 +33,6 @@ Where it departs from ``GRPOTrainer.train()`` and why:
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import random
@@ -44,9 +43,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig
 from trl.trainer.utils import pad, use_adapter
 
+from agl.algorithms.packing import MicroBatch, pack_micro_batches
+from agl.algorithms.scoring import TransitionGRPOTrainer, chunked_token_logps, is_peft
 from agl.config import RunConfig
 from agl.trajectories import (
     BREAK_CAUSES,
@@ -61,207 +62,10 @@ if TYPE_CHECKING:
 
     from agl.types import Transition
 
-__all__ = ["MicroBatch", "PolicyUpdate", "pack_micro_batches"]
+__all__ = ["MicroBatch", "PolicyUpdate", "chunked_token_logps", "is_peft", "pack_micro_batches"]
 
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class MicroBatch:
-    """Rows of one forward/backward pass: indices into the step's sequences."""
-
-    rows: list[int]
-    prompt_len: int
-    response_len: int
-    has_logprobs: bool
-
-    @property
-    def padded_tokens(self) -> int:
-        return len(self.rows) * (self.prompt_len + self.response_len)
-
-
-def _lengths(item: Transition | Trajectory) -> tuple[int, int, bool]:
-    """(prompt tokens, tokens after the prompt, has behaviour log-probs) of a transition or trajectory."""
-    if isinstance(item, Trajectory):
-        return len(item.prompt_ids), len(item.completion_ids), item.logprobs is not None
-    return len(item.prompt_ids), len(item.response_ids), item.response_logprobs is not None
-
-
-def pack_micro_batches(
-    items: Sequence[Transition | Trajectory], budget_tokens: int, *, indices: Sequence[int] | None = None
-) -> list[MicroBatch]:
-    """Group transitions (or merged trajectories) into micro-batches whose padded size (rows x (max
-    prompt + max completion)) fits ``budget_tokens``. Longest first, so padding stays small; a sequence
-    longer than the budget goes alone (it cannot be split without changing the loss). Rows with and
-    without engine log-probs are never mixed: TRL chooses the behaviour log-probs per batch."""
-    if budget_tokens < 1:
-        raise ValueError(f"micro_batch_tokens must be >= 1, got {budget_tokens}")
-    idx = list(range(len(items))) if indices is None else list(indices)
-    lens = {i: _lengths(items[i]) for i in idx}
-    out: list[MicroBatch] = []
-    for has_lp in (True, False):
-        rows = [i for i in idx if lens[i][2] == has_lp]
-        rows.sort(key=lambda i: lens[i][0] + lens[i][1], reverse=True)
-        cur: MicroBatch | None = None
-        for i in rows:
-            p, r, _ = lens[i]
-            if cur is not None:
-                mp, mr = max(cur.prompt_len, p), max(cur.response_len, r)
-                if (len(cur.rows) + 1) * (mp + mr) <= budget_tokens:
-                    cur.rows.append(i)
-                    cur.prompt_len, cur.response_len = mp, mr
-                    continue
-            cur = MicroBatch(rows=[i], prompt_len=p, response_len=r, has_logprobs=has_lp)
-            out.append(cur)
-            if p + r > budget_tokens:
-                log.warning(
-                    "a sequence of %d tokens exceeds micro_batch_tokens=%d; it runs as its own micro-batch",
-                    p + r,
-                    budget_tokens,
-                )
-    return out
-
-
-#: response positions scored per chunk: bounds the (chunk x vocab) logits that exist at once
-SCORE_CHUNK_TOKENS = 512
-
-
-def _score_chunk(
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each target and the (detached) entropy, for one chunk of positions."""
-    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
-    logz = torch.logsumexp(logits, dim=-1)
-    logps = logits.gather(-1, targets[:, None])[:, 0] - logz
-    with torch.no_grad():
-        probs = torch.softmax(logits, dim=-1)
-        entropy = logz - (probs * logits).sum(-1)
-    return logps, entropy
-
-
-def chunked_token_logps(
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    head: torch.nn.Module,
-    temperature: float,
-    *,
-    chunk: int = SCORE_CHUNK_TOKENS,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs (and entropies) of ``targets`` given the final hidden states, at
-    ``temperature``, without a batch x length x vocab tensor held for backward.
-
-    Positions are scored ``chunk`` at a time; under autograd each chunk runs in
-    ``torch.utils.checkpoint``, so only its hidden states are kept and its logits are recomputed during
-    the backward pass (the same trade TRL's and Liger's fused heads make). Shapes: ``hidden`` (B, R, H),
-    ``targets`` (B, R) -> two (B, R) tensors.
-    """
-    from torch.utils.checkpoint import checkpoint
-
-    b, r, h = hidden.shape
-    flat_h, flat_t = hidden.reshape(b * r, h), targets.reshape(b * r)
-    weight, bias = head.weight, getattr(head, "bias", None)
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    logps, ents = [], []
-    for start in range(0, b * r, chunk):
-        args = (flat_h[start : start + chunk], flat_t[start : start + chunk], weight, bias, temperature)
-        lp, ent = checkpoint(_score_chunk, *args, use_reentrant=False) if grad else _score_chunk(*args)
-        logps.append(lp)
-        ents.append(ent)
-    return torch.cat(logps).view(b, r), torch.cat(ents).view(b, r)
-
-
-def _backbone_and_head(model: Any) -> tuple[Any, Any] | None:
-    """The decoder stack and LM head of a (peft-wrapped) causal LM whose logits are a plain projection
-    of the last hidden state; None for models that scale or soft-cap their logits."""
-    base = model.get_base_model() if _is_peft(model) else model
-    cfg = getattr(base, "config", None)
-    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
-    for attr in (
-        "final_logit_softcapping",
-        "logit_scale",
-        "output_multiplier",
-        "lm_head_multiplier",
-        "logits_scaling",
-    ):
-        if getattr(text, attr, None) not in (None, 1, 1.0):
-            return None
-    get_decoder = getattr(base, "get_decoder", None)
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    decoder = get_decoder() if callable(get_decoder) else None
-    if decoder is None or head is None or not isinstance(head, torch.nn.Linear):
-        return None
-    return decoder, head
-
-
-class _TransitionGRPOTrainer(GRPOTrainer):
-    """``GRPOTrainer`` fed with precomputed transitions: generation and rewards are never used."""
-
-    #: the policy's per-token log-probs of the last scored batch (detached), for the on-policy check
-    last_logps: torch.Tensor | None = None
-
-    def _get_per_token_logps_and_entropies(  # type: ignore[override]
-        self,
-        model: Any,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        logits_to_keep: int,
-        batch_size: int | None = None,
-        compute_entropy: bool = False,
-        compute_aux_loss: bool = False,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """TRL's fused LM head scores only response positions where Triton runs (CUDA/XPU); elsewhere
-        it scores every position, prompt included — several times the work for agent transitions,
-        whose prompts are long and responses short. There, run the decoder, then score only the
-        response positions, in checkpointed chunks (:func:`chunked_token_logps`)."""
-        try:
-            from trl.kernels.chunked_logprob import _use_triton
-        except ImportError:  # pragma: no cover - a TRL that moved it: assume Triton wherever CUDA is
-
-            def _use_triton(device: torch.device) -> bool:
-                return device.type in ("cuda", "xpu")
-
-        parts = None
-        if not (
-            _use_triton(input_ids.device) or compute_aux_loss or any(v is not None for v in kwargs.values())
-        ):
-            parts = _backbone_and_head(self.accelerator.unwrap_model(model))
-        if parts is None:
-            logps, entropies, aux = super()._get_per_token_logps_and_entropies(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size=batch_size,
-                compute_entropy=compute_entropy,
-                compute_aux_loss=compute_aux_loss,
-                **kwargs,
-            )
-        else:
-            decoder, head = parts
-            with self.accelerator.autocast():
-                hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)[0]
-            logps, ent = chunked_token_logps(
-                hidden[:, -logits_to_keep - 1 : -1, :], input_ids[:, -logits_to_keep:], head, self.temperature
-            )
-            entropies, aux = (ent if compute_entropy else None), None
-        self.last_logps = logps.detach()
-        return logps, entropies, aux
-
-    def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:  # pragma: no cover - guard
-        raise RuntimeError("agl's policy update gets transitions from the store; it never generates")
-
-
-def _is_peft(model: Any) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is part of agl[train]
-        return False
-    return isinstance(model, PeftModel)
+#: the former private name; ``agl.algorithms.sft`` still imports it
+_is_peft = is_peft
 
 
 class PolicyUpdate:
@@ -288,128 +92,75 @@ class PolicyUpdate:
         lora_target_modules: str | list[str] = "all-linear",
         lr_scheduler_type: str = "constant",
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        overrides: dict[str, Any] = {}
-        if temperature is not None:
-            overrides["temperature"] = temperature
-        if gradient_checkpointing is not None:
-            overrides["gradient_checkpointing"] = gradient_checkpointing
-        if mixed_precision is not None:
-            overrides["mixed_precision"] = mixed_precision
+        overrides = {
+            "temperature": temperature,
+            "gradient_checkpointing": gradient_checkpointing,
+            "mixed_precision": mixed_precision,
+        }
         base = cfg if isinstance(cfg, RunConfig) else None
-        self.config = RunConfig.resolve(None if base is not None else cfg, base=base, update=overrides)
+        self.config = RunConfig.resolve(
+            None if base is not None else cfg,
+            base=base,
+            update={k: v for k, v in overrides.items() if v is not None},
+        )
         self.cfg = self.config
         config = self.config
         config.check_trainable()
-        temperature = config.temperature
-        gradient_checkpointing = config.gradient_checkpointing
-        mixed_precision = config.mixed_precision
         use_cuda = torch.cuda.is_available()
-        if isinstance(model, (str, os.PathLike)):
-            model = AutoModelForCausalLM.from_pretrained(str(model))
-        if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
-        if mixed_precision is None:
-            mixed_precision = "bf16" if use_cuda and torch.cuda.is_bf16_supported() else "no"
+        model, tokenizer = _load_model(model, tokenizer)
         self.micro_batch_tokens = (
             int(config.micro_batch_tokens)
             if config.micro_batch_tokens is not None
             else auto_micro_batch_tokens(
-                model, use_cuda=use_cuda, checkpointing=gradient_checkpointing is not False
+                model, use_cuda=use_cuda, checkpointing=config.gradient_checkpointing is not False
             )
         )
-        if gradient_checkpointing is None:
-            gradient_checkpointing = use_cuda or _activations_bytes(model, self.micro_batch_tokens) > (
+        checkpointing = config.gradient_checkpointing
+        if checkpointing is None:
+            checkpointing = use_cuda or _activations_bytes(model, self.micro_batch_tokens) > (
                 CHECKPOINT_ABOVE_BYTES
             )
         self.kl_coef = float(config.kl_coef)
-        eps = float(config.clip_eps)
-        eps_high = config.clip_eps_high
-        # TRL 1.16 still spells transformers 5's `activation_checkpointing` the deprecated way (a warning
-        # on every config and forward); not actionable for agl's users.
-        warnings.filterwarnings(
-            "ignore", message=r".*(is_)?gradient_checkpointing.* is deprecated", category=FutureWarning
-        )
-        args = GRPOConfig(
-            output_dir=str(output_dir),
-            report_to=[],
-            learning_rate=float(config.learning_rate),
+        args = _grpo_args(
+            config,
+            output_dir=output_dir,
             lr_scheduler_type=lr_scheduler_type,
-            warmup_steps=0,
-            max_grad_norm=float(config.max_grad_norm),
-            beta=self.kl_coef,
-            epsilon=eps,
-            epsilon_high=float(eps_high) if eps_high is not None else eps,
-            loss_type="dapo",
-            importance_sampling_level="token",
-            temperature=float(temperature),
-            mask_truncated_completions=False,
-            gradient_checkpointing=bool(gradient_checkpointing),
-            bf16=mixed_precision == "bf16",
-            fp16=mixed_precision == "fp16",
-            use_cpu=not use_cuda,
+            gradient_checkpointing=bool(checkpointing),
+            use_cuda=use_cuda,
             seed=seed,
-            # Unused by agl (no generation), but GRPOConfig validates them.
-            num_generations=2,
-            per_device_train_batch_size=2,
-            steps_per_generation=1,
-            save_strategy="no",
-            save_total_limit=3,  # save_checkpoint() keeps the newest three
-            logging_strategy="no",
-            disable_tqdm=True,
         )
-        peft_config = None
-        if bool(config.lora) and not _is_peft(model):
-            from peft import LoraConfig
-
-            peft_config = LoraConfig(
-                r=int(config.lora_r),
-                lora_alpha=int(config.lora_alpha),
-                lora_dropout=0.0,
-                target_modules=lora_target_modules,
-                task_type="CAUSAL_LM",
-            )
+        peft_config = _lora_config(config, model, lora_target_modules)
         # GRPOTrainer builds a non-LoRA reference by re-loading the model from its hub id; agl's models are
-        # local objects, so the reference (only needed for full fine-tuning with KL) is copied below instead.
-        needs_copy_ref = self.kl_coef != 0.0 and peft_config is None and not _is_peft(model)
+        # local objects, so the reference (only needed for full fine-tuning with KL) is a copy instead.
         ref_model = None
-        if needs_copy_ref:
-            import copy
-
-            ref_model = copy.deepcopy(model).eval()
-            for p in ref_model.parameters():
-                p.requires_grad_(False)
-            args.beta = 0.0
-        from datasets import Dataset
-
-        self.trainer = _TransitionGRPOTrainer(
-            model=model,
-            reward_funcs=_no_reward,
-            args=args,
-            train_dataset=Dataset.from_list([{"prompt": ""}]),
-            processing_class=tokenizer,
-            peft_config=peft_config,
-        )
-        tr = self.trainer
+        if self.kl_coef != 0.0 and peft_config is None and not is_peft(model):
+            ref_model = _frozen_copy(model)
+            args.beta = 0.0  # TRL would load its own reference otherwise; set back once ours is attached
+        self.trainer = _build_trainer(model, tokenizer, args, peft_config)
         if ref_model is not None:
-            from trl.trainer.utils import add_fused_lm_head
-
-            add_fused_lm_head(ref_model, temperature=float(temperature))
-            tr.ref_model = tr.accelerator.prepare_model(ref_model, evaluation_mode=True)
-            tr.beta = self.kl_coef
+            self._attach_reference(ref_model)
         self.tokenizer = tokenizer
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-        self._wrapped, _ = tr._prepare_for_training(10**9, None, None)
+        self._wrapped, _ = self.trainer._prepare_for_training(10**9, None, None)
         #: whether the decoder layers recompute their activations in the backward pass
-        self.gradient_checkpointing = bool(gradient_checkpointing)
+        self.gradient_checkpointing = bool(checkpointing)
         if self.gradient_checkpointing:
             _enable_checkpointing(self.model)
         # One optimizer step per epoch over a step's transitions; the token-mean normaliser is the whole
         # step's response-token count, so TRL's own accumulation scaling must be neutral.
-        tr.current_gradient_accumulation_steps = 1
+        self.trainer.current_gradient_accumulation_steps = 1
         self.global_step = 0
         self._rng = random.Random(seed)
+
+    def _attach_reference(self, ref_model: Any) -> None:
+        """Score the KL term against ``ref_model`` (a frozen copy of the initial policy), with the same
+        fused head and accelerate placement as the policy."""
+        from trl.trainer.utils import add_fused_lm_head
+
+        tr = self.trainer
+        add_fused_lm_head(ref_model, temperature=float(self.config.temperature))
+        tr.ref_model = tr.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        tr.beta = self.kl_coef
 
     # ------------------------------------------------------------------------------------ accessors
     @property
@@ -423,7 +174,7 @@ class PolicyUpdate:
 
     @property
     def is_lora(self) -> bool:
-        return _is_peft(self.model)
+        return is_peft(self.model)
 
     # -------------------------------------------------------------------------------------- batches
     def _tensors(
@@ -499,55 +250,14 @@ class PolicyUpdate:
         ``behaviour_ratio_dev``: max |ratio - 1| before the first optimizer step (~0 when the run is
         on-policy; see :func:`_ratio_deviation`).
         """
-        if len(transitions) != len(advantages):
-            raise ValueError(f"{len(transitions)} transitions but {len(advantages)} advantages")
-        for a in advantages:
-            if not math.isfinite(float(a)):
-                raise ValueError(f"advantages must be finite, got {a!r}")
-        tr = self.trainer
-        acc = tr.accelerator
-        merge = self.config.merge_turns if merge_turns is None else merge_turns
-        seqs, merge_stats = (merge_transitions if merge else per_call_trajectories)(transitions)
-        # A call with zero advantage carries no gradient without a KL term: it is left out of the loss
-        # (masked within a merged sequence, dropped when alone), as DAPO's dynamic sampling does.
-        # With mask_truncated, a call cut at max_tokens is left out the same way (DAPO's overlong filtering).
-        masked_truncated = {
-            i for i, t in enumerate(transitions) if self.config.mask_truncated and t.truncated
-        }
-        trained = {
-            i
-            for i, t in enumerate(transitions)
-            if t.response_ids
-            and i not in masked_truncated
-            and (self.kl_coef != 0.0 or float(advantages[i]) != 0.0)
-        }
-        train_masks = [_train_mask(s, trained) for s in seqs]
-        token_adv = [token_advantages(s, advantages) for s in seqs]
-        keep = [k for k, m in enumerate(train_masks) if any(m)]
-        n_calls = sum(1 for k in keep for seg in seqs[k].segments if seg.transition in trained)
-        skipped = len(transitions) - n_calls
-        if acc.num_processes > 1:
-            keep = keep[acc.process_index :: acc.num_processes]
-        mbs = pack_micro_batches(seqs, self.micro_batch_tokens, indices=keep)
-        n_resp_local = sum(sum(train_masks[k]) for k in keep)
-        n_tok_local = sum(seqs[k].tokens for k in keep)
-        counts = torch.tensor([float(n_resp_local), float(n_tok_local), float(len(mbs))], device=self.device)
-        totals = acc.reduce(counts, reduction="sum") if acc.num_processes > 1 else counts
-        n_mb_max = int(acc.gather(counts[2:3]).max().item()) if acc.num_processes > 1 else len(mbs)
-        n_resp, n_tok = totals[0].clamp(min=1.0), float(totals[1].item())
-        metrics: dict[str, float] = {
-            "transitions": float(n_calls),
-            "sequences": float(len(keep)),
-            "skipped": float(skipped),
-            "truncated_calls": float(sum(1 for t in transitions if t.truncated)),  # cut at max_tokens
-            "tokens": n_tok,
-            "response_tokens": float(n_resp_local),
-            "micro_batches": float(len(mbs)),
-            **{k: float(v) for k, v in merge_stats.as_dict().items() if k in _MERGE_METRICS},
-        }
+        _check_advantages(transitions, advantages)
+        plan = self._plan(
+            transitions, advantages, self.config.merge_turns if merge_turns is None else merge_turns
+        )
+        n_resp, n_tok, n_mb_max = self._totals(plan)
+        metrics = _count_metrics(plan, transitions, n_tok)
         if n_mb_max == 0:
-            self.global_step += 1
-            tr.state.global_step = self.global_step
+            self._advance()
             return {
                 **metrics,
                 "loss": 0.0,
@@ -556,64 +266,19 @@ class PolicyUpdate:
                 "grad_norm": 0.0,
                 "tokens_per_s": 0.0,
             }
-
-        model = self._wrapped
+        tr = self.trainer
         epochs = max(1, int(self.config.epochs_per_step))
         tr._metrics["train"].clear()
-        losses: list[float] = []
-        grad_norms: list[float] = []
-        ratio_dev: float | None = None
         t0 = time.perf_counter()
-        for _epoch in range(epochs):
-            order = list(range(len(mbs)))
-            self._rng.shuffle(order)
-            # Every rank runs the same number of backward passes (DDP would hang otherwise); a rank with
-            # fewer micro-batches repeats one with its loss multiplied by zero.
-            order += [order[-1] if order else -1] * (n_mb_max - len(order))
-            model.train()
-            epoch_loss = 0.0
-            for j, k in enumerate(order):
-                dummy = k < 0 or j >= len(mbs)
-                mb = mbs[k] if k >= 0 else None
-                if mb is None:  # a rank with no transitions at all still joins the collective backward
-                    loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
-                    acc.backward(loss)
-                    continue
-                inputs = self._tensors(seqs, mb, token_adv, train_masks)
-                inputs["num_items_in_batch"] = n_resp
-                if tr.beta != 0.0:
-                    inputs["ref_per_token_logps"] = self._ref_logps(inputs)
-                sync = contextlib.nullcontext() if j == len(order) - 1 else acc.no_sync(model)
-                with sync, tr.compute_loss_context_manager():
-                    loss = tr.compute_loss(model, inputs)
-                    if dummy:
-                        loss = loss * 0.0
-                    acc.backward(loss)
-                if not dummy:
-                    epoch_loss += float(loss.detach().item())
-                    if _epoch == 0 and mb is not None and mb.has_logprobs:
-                        dev = _ratio_deviation(tr.last_logps, inputs)
-                        ratio_dev = dev if ratio_dev is None else max(ratio_dev, dev)
-            norm = acc.clip_grad_norm_(model.parameters(), tr.args.max_grad_norm)
-            grad_norms.append(float(norm.item()) if torch.is_tensor(norm) else float(norm or 0.0))
-            tr.optimizer.step()
-            tr.lr_scheduler.step()
-            tr.optimizer.zero_grad(set_to_none=True)
-            losses.append(epoch_loss)
+        losses, grad_norms, ratio_dev = self._train_epochs(plan, epochs, n_resp, n_mb_max)
         elapsed = max(time.perf_counter() - t0, 1e-9)
-        self.global_step += 1
-        tr.state.global_step = self.global_step
+        self._advance()
         m = tr._metrics["train"]
-
-        def _mean(key: str) -> float:
-            vals = [v for v in m.get(key, []) if math.isfinite(v)]
-            return float(sum(vals) / len(vals)) if vals else 0.0
-
         metrics.update(
             loss=float(sum(losses) / len(losses)),
-            kl=_mean("kl"),
-            clip_fraction=_mean("clip_ratio/region_mean"),
-            entropy=_mean("entropy"),
+            kl=_finite_mean(m.get("kl", [])),
+            clip_fraction=_finite_mean(m.get("clip_ratio/region_mean", [])),
+            entropy=_finite_mean(m.get("entropy", [])),
             grad_norm=float(sum(grad_norms) / len(grad_norms)),
             tokens_per_s=n_tok * epochs / elapsed,
             update_s=elapsed,
@@ -623,6 +288,112 @@ class PolicyUpdate:
             metrics["behaviour_ratio_dev"] = ratio_dev
         m.clear()
         return metrics
+
+    def _trained_calls(self, transitions: Sequence[Transition], advantages: Sequence[float]) -> set[int]:
+        """The calls this update trains. A call with zero advantage carries no gradient without a KL term:
+        it is left out of the loss (masked within a merged sequence, dropped when alone), as DAPO's
+        dynamic sampling does. With mask_truncated, a call cut at max_tokens is left out the same way
+        (DAPO's overlong filtering)."""
+        mask_truncated = self.config.mask_truncated
+        return {
+            i
+            for i, t in enumerate(transitions)
+            if t.response_ids
+            and not (mask_truncated and t.truncated)
+            and (self.kl_coef != 0.0 or float(advantages[i]) != 0.0)
+        }
+
+    def _plan(self, transitions: Sequence[Transition], advantages: Sequence[float], merge: bool) -> _StepPlan:
+        """The step's sequences (merged conversations or one per call), their masks and per-token
+        advantages, the ones this rank trains (those with a trained token) and their micro-batches."""
+        seqs, merge_stats = (merge_transitions if merge else per_call_trajectories)(transitions)
+        trained = self._trained_calls(transitions, advantages)
+        train_masks = [_train_mask(s, trained) for s in seqs]
+        token_adv = [token_advantages(s, advantages) for s in seqs]
+        keep = [k for k, m in enumerate(train_masks) if any(m)]
+        n_calls = sum(1 for k in keep for seg in seqs[k].segments if seg.transition in trained)
+        acc = self.trainer.accelerator
+        if acc.num_processes > 1:
+            keep = keep[acc.process_index :: acc.num_processes]
+        mbs = pack_micro_batches(seqs, self.micro_batch_tokens, indices=keep)
+        return _StepPlan(seqs, train_masks, token_adv, keep, mbs, n_calls, merge_stats.as_dict())
+
+    def _totals(self, plan: _StepPlan) -> tuple[torch.Tensor, float, int]:
+        """Across ranks: trained response tokens (the loss's token-mean normaliser, at least 1), all
+        tokens, and the most micro-batches any rank has (every rank runs that many backward passes)."""
+        acc = self.trainer.accelerator
+        counts = torch.tensor(
+            [float(plan.response_tokens), float(plan.tokens), float(len(plan.mbs))], device=self.device
+        )
+        totals = acc.reduce(counts, reduction="sum") if acc.num_processes > 1 else counts
+        n_mb_max = int(acc.gather(counts[2:3]).max().item()) if acc.num_processes > 1 else len(plan.mbs)
+        return totals[0].clamp(min=1.0), float(totals[1].item()), n_mb_max
+
+    def _advance(self) -> None:
+        self.global_step += 1
+        self.trainer.state.global_step = self.global_step
+
+    def _train_epochs(
+        self, plan: _StepPlan, epochs: int, n_resp: torch.Tensor, n_mb_max: int
+    ) -> tuple[list[float], list[float], float | None]:
+        """``epochs`` optimizer steps over the plan's micro-batches, each epoch in a new random order.
+        Returns each epoch's summed loss, each step's gradient norm and the first epoch's largest
+        behaviour-ratio deviation (None when no micro-batch carries engine log-probs)."""
+        losses: list[float] = []
+        grad_norms: list[float] = []
+        ratio_dev: float | None = None
+        for epoch in range(epochs):
+            order = list(range(len(plan.mbs)))
+            self._rng.shuffle(order)
+            # Every rank runs the same number of backward passes (DDP would hang otherwise); a rank with
+            # fewer micro-batches repeats one with its loss multiplied by zero.
+            order += [order[-1] if order else -1] * (n_mb_max - len(order))
+            self._wrapped.train()
+            epoch_loss = 0.0
+            for j, k in enumerate(order):
+                last, dummy = j == len(order) - 1, k < 0 or j >= len(plan.mbs)
+                loss, dev = self._backward(plan, k, n_resp, last=last, dummy=dummy, check_ratio=epoch == 0)
+                epoch_loss += loss
+                if dev is not None:
+                    ratio_dev = dev if ratio_dev is None else max(ratio_dev, dev)
+            grad_norms.append(self._optimizer_step())
+            losses.append(epoch_loss)
+        return losses, grad_norms, ratio_dev
+
+    def _backward(
+        self, plan: _StepPlan, k: int, n_resp: torch.Tensor, *, last: bool, dummy: bool, check_ratio: bool
+    ) -> tuple[float, float | None]:
+        """Forward and backward over micro-batch ``k``; gradients sync only on the epoch's ``last`` pass.
+        Returns its loss (0 for a ``dummy`` pass, whose loss is multiplied by zero) and, with
+        ``check_ratio`` and engine log-probs, its behaviour-ratio deviation."""
+        tr, acc, model = self.trainer, self.trainer.accelerator, self._wrapped
+        if k < 0:  # a rank with no transitions at all still joins the collective backward
+            acc.backward(sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0)
+            return 0.0, None
+        mb = plan.mbs[k]
+        inputs = self._tensors(plan.seqs, mb, plan.token_adv, plan.train_masks)
+        inputs["num_items_in_batch"] = n_resp
+        if tr.beta != 0.0:
+            inputs["ref_per_token_logps"] = self._ref_logps(inputs)
+        sync = contextlib.nullcontext() if last else acc.no_sync(model)
+        with sync, tr.compute_loss_context_manager():
+            loss = tr.compute_loss(model, inputs)
+            if dummy:
+                loss = loss * 0.0
+            acc.backward(loss)
+        if dummy:
+            return 0.0, None
+        dev = _ratio_deviation(tr.last_logps, inputs) if check_ratio and mb.has_logprobs else None
+        return float(loss.detach().item()), dev
+
+    def _optimizer_step(self) -> float:
+        """Clip the accumulated gradients, step the optimizer and scheduler; returns the gradient norm."""
+        tr = self.trainer
+        norm = tr.accelerator.clip_grad_norm_(self._wrapped.parameters(), tr.args.max_grad_norm)
+        tr.optimizer.step()
+        tr.lr_scheduler.step()
+        tr.optimizer.zero_grad(set_to_none=True)
+        return float(norm.item()) if torch.is_tensor(norm) else float(norm or 0.0)
 
     # ----------------------------------------------------------------------------------- inspection
     @torch.no_grad()
@@ -654,7 +425,7 @@ class PolicyUpdate:
         """The policy's weights as a plain model's state dict (LoRA deltas merged), for an inference
         engine that holds its own copy of the base model. The training model is left untouched."""
         model = self.model
-        if not _is_peft(model):
+        if not is_peft(model):
             return {k: v.detach().clone() for k, v in model.state_dict().items()}
         from peft.tuners.lora import LoraLayer
 
@@ -712,7 +483,7 @@ class PolicyUpdate:
             raise FileNotFoundError(f"{path} is not an agl checkpoint (no trainer_state.json)")
         tr = self.trainer
         model = self.model
-        if _is_peft(model):
+        if is_peft(model):
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 
@@ -727,6 +498,165 @@ class PolicyUpdate:
             self.global_step = int(json.load(f)["global_step"])
         tr.state.global_step = self.global_step
         return self.global_step
+
+
+@dataclass
+class _StepPlan:
+    """What one update trains: the step's sequences with their loss masks and per-token advantages, the
+    sequences this rank keeps (indices), their micro-batches, the number of trained calls and the merge
+    statistics."""
+
+    seqs: list[Trajectory]
+    train_masks: list[list[int]]
+    token_adv: list[list[float]]
+    keep: list[int]
+    mbs: list[MicroBatch]
+    n_calls: int
+    merge_stats: dict[str, Any]
+
+    @property
+    def response_tokens(self) -> int:
+        """Trained response tokens of this rank's sequences."""
+        return sum(sum(self.train_masks[k]) for k in self.keep)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.seqs[k].tokens for k in self.keep)
+
+
+def _check_advantages(transitions: Sequence[Transition], advantages: Sequence[float]) -> None:
+    if len(transitions) != len(advantages):
+        raise ValueError(f"{len(transitions)} transitions but {len(advantages)} advantages")
+    for a in advantages:
+        if not math.isfinite(float(a)):
+            raise ValueError(f"advantages must be finite, got {a!r}")
+
+
+def _count_metrics(plan: _StepPlan, transitions: Sequence[Transition], n_tok: float) -> dict[str, float]:
+    """The step's size: trained calls, sequences, skipped calls, calls cut at max_tokens, tokens (all
+    ranks), this rank's trained response tokens and micro-batches, and the merge statistics."""
+    return {
+        "trained_transitions": float(plan.n_calls),
+        "sequences": float(len(plan.keep)),
+        "skipped": float(len(transitions) - plan.n_calls),
+        "truncated_calls": float(sum(1 for t in transitions if t.truncated)),  # cut at max_tokens
+        "update_tokens": n_tok,
+        "response_tokens": float(plan.response_tokens),
+        "micro_batches": float(len(plan.mbs)),
+        **{k: float(v) for k, v in plan.merge_stats.items() if k in _MERGE_METRICS},
+    }
+
+
+def _finite_mean(values: Sequence[float]) -> float:
+    """The mean of the finite values (TRL logs NaN for a metric a micro-batch could not compute), or 0."""
+    vals = [v for v in values if math.isfinite(v)]
+    return float(sum(vals) / len(vals)) if vals else 0.0
+
+
+# ------------------------------------------------------------------------------ building the trainer
+def _load_model(
+    model: str | os.PathLike[str] | PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model (loaded when given as a path) and its tokenizer (the model's own when none is given)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(model, (str, os.PathLike)):
+        model = AutoModelForCausalLM.from_pretrained(str(model))
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
+    return model, tokenizer
+
+
+def _grpo_args(
+    config: RunConfig,
+    *,
+    output_dir: str | os.PathLike[str],
+    lr_scheduler_type: str,
+    gradient_checkpointing: bool,
+    use_cuda: bool,
+    seed: int,
+) -> GRPOConfig:
+    """TRL's config for the update: the run's loss knobs (DAPO loss, token-level clipping, KL ``beta``),
+    optimiser and precision. Mixed precision left unset is bf16 on a GPU that has it, else none."""
+    mixed_precision = config.mixed_precision
+    if mixed_precision is None:
+        mixed_precision = "bf16" if use_cuda and torch.cuda.is_bf16_supported() else "no"
+    eps, eps_high = float(config.clip_eps), config.clip_eps_high
+    # TRL 1.16 still spells transformers 5's `activation_checkpointing` the deprecated way (a warning
+    # on every config and forward); not actionable for agl's users.
+    warnings.filterwarnings(
+        "ignore", message=r".*(is_)?gradient_checkpointing.* is deprecated", category=FutureWarning
+    )
+    return GRPOConfig(
+        output_dir=str(output_dir),
+        report_to=[],
+        learning_rate=float(config.learning_rate),
+        lr_scheduler_type=lr_scheduler_type,
+        warmup_steps=0,
+        max_grad_norm=float(config.max_grad_norm),
+        beta=float(config.kl_coef),
+        epsilon=eps,
+        epsilon_high=float(eps_high) if eps_high is not None else eps,
+        loss_type="dapo",
+        importance_sampling_level="token",
+        temperature=float(config.temperature),
+        mask_truncated_completions=False,
+        gradient_checkpointing=gradient_checkpointing,
+        bf16=mixed_precision == "bf16",
+        fp16=mixed_precision == "fp16",
+        use_cpu=not use_cuda,
+        seed=seed,
+        # Unused by agl (no generation), but GRPOConfig validates them.
+        num_generations=2,
+        per_device_train_batch_size=2,
+        steps_per_generation=1,
+        save_strategy="no",
+        save_total_limit=3,  # save_checkpoint() keeps the newest three
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+
+
+def _lora_config(config: RunConfig, model: Any, target_modules: str | list[str]) -> Any:
+    """peft's LoraConfig when the run trains LoRA adapters on a model that has none yet, else None."""
+    if not bool(config.lora) or is_peft(model):
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=int(config.lora_r),
+        lora_alpha=int(config.lora_alpha),
+        lora_dropout=0.0,
+        target_modules=target_modules,
+        task_type="CAUSAL_LM",
+    )
+
+
+def _frozen_copy(model: Any) -> Any:
+    """A copy of ``model`` in eval mode with no trainable parameter: the KL reference of a full fine-tune."""
+    import copy
+
+    ref_model = copy.deepcopy(model).eval()
+    for p in ref_model.parameters():
+        p.requires_grad_(False)
+    return ref_model
+
+
+def _build_trainer(
+    model: Any, tokenizer: PreTrainedTokenizerBase, args: GRPOConfig, peft_config: Any
+) -> TransitionGRPOTrainer:
+    """The GRPO trainer over ``model`` (LoRA-wrapped by TRL when ``peft_config`` is given). Its dataset
+    is a placeholder: transitions reach it through :meth:`PolicyUpdate.step`, never through ``train()``."""
+    from datasets import Dataset
+
+    return TransitionGRPOTrainer(
+        model=model,
+        reward_funcs=_no_reward,
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": ""}]),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
 
 
 #: on a CPU, gradient checkpointing is turned on when a full micro-batch's saved activations would
@@ -767,7 +697,7 @@ def _enable_checkpointing(model: Any) -> None:
     ``gradient_checkpointing=True`` alone leaves every layer keeping its activations: a 16 x 113-token
     SmolLM2 micro-batch then held ~4.7 GB instead of ~0.6 GB. Non-reentrant, so the frozen inputs of a
     LoRA model need no ``requires_grad``."""
-    base = model.get_base_model() if _is_peft(model) else model
+    base = model.get_base_model() if is_peft(model) else model
     kwargs = {"use_reentrant": False}
     if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

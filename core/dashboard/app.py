@@ -37,6 +37,7 @@ from agl.dashboard.views import (
     trajectories_view,
     transitions_view,
 )
+from agl.exactness import exactness_report
 from agl.store.base import StoreError
 from agl.types import ROLLOUT_STATUSES, TERMINAL_ROLLOUT_STATUSES
 
@@ -190,6 +191,8 @@ class Dashboard:
         adapter = Adapter(tokenizer=self.tokenizer)
         plain = Adapter(tokenizer=self.tokenizer, air=AIR.off())
         n = exact = with_air = 0
+        all_ts: list[Any] = []
+        all_spans: list[Any] = []
         finals: dict[str, list[float]] = {}
         for r in rollouts:
             att = finishing_attempt(r)
@@ -203,10 +206,14 @@ class Dashboard:
             }
             n += len(ts)
             exact += sum(t.exact for t in ts)
+            all_ts.extend(ts)
+            all_spans.extend(spans)
             with_air += sum(1 for t in ts if t.intermediate_reward != base.get((t.span_id, t.index), 0.0))
             if ts:
                 finals.setdefault(r.group_id or r.id, []).append(ts[0].final_reward)
         groups = [v for v in finals.values() if len(v) > 1]
+        report = exactness_report(all_ts, all_spans)
+        by_api, by_backend = report["by_api"], report["by_backend"]
         return JSONResponse(
             {
                 "version": version,
@@ -215,6 +222,8 @@ class Dashboard:
                 "capped": len(self.index.rows_of_version(version, mode)) > cap,
                 "transitions": n,
                 "exact_token_ratio": exact / n if n else None,
+                "exact_by_api": by_api,
+                "exact_by_backend": by_backend,
                 "air_share": with_air / n if n else None,
                 "groups": len(groups),
                 "zero_variance_groups": sum(1 for v in groups if max(v) - min(v) < 1e-9),
@@ -368,6 +377,9 @@ class Dashboard:
         routes: list[Any] = [Route(p, self._wrap(fn), methods=[m]) for p, fn, m in api]
         routes.append(Route("/api/{rest:path}", api_404, methods=["GET", "POST", "PUT", "DELETE"]))
         routes.append(Route("/", page, methods=["GET"]))
+        # browsers ask the origin's /favicon.ico unless the page names an icon (index.html does)
+        icon = static_dir() / "favicon.ico"
+        routes.append(Route("/favicon.ico", lambda request: FileResponse(icon), methods=["GET"]))
         routes.append(Mount("/static", app=StaticFiles(directory=static_dir()), name="static"))
         return routes
 

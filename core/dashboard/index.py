@@ -33,33 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agl import semconv as sc
-from agl.adapter import finishing_attempt
+from agl.adapter import final_reward, finishing_attempt
 from agl.types import TERMINAL_ROLLOUT_STATUSES, Rollout
 
 __all__ = ["Filters", "RolloutIndex", "final_reward", "summarize"]
-
-
-def _truthy(v: Any) -> bool:
-    if isinstance(v, str):
-        return v.strip().lower() not in ("false", "0", "no", "")
-    return bool(v)
-
-
-def final_reward(spans: list[Any]) -> float | None:
-    """The attempt's final reward as the adapter picks it: the last-ending primary ``agl.reward``."""
-    best: tuple[tuple[int, int], float] | None = None
-    for s in spans:
-        if s.name != sc.SPAN_REWARD or s.stale:
-            continue
-        value = s.attributes.get(sc.AGL_REWARD_VALUE)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            continue
-        if not _truthy(s.attributes.get(sc.AGL_REWARD_PRIMARY, True)):
-            continue
-        key = (s.end_ns, s.seq if s.seq is not None else -1)
-        if best is None or key > best[0]:
-            best = (key, float(value))
-    return None if best is None else best[1]
 
 
 def _differs(old: dict[str, Any] | None, row: dict[str, Any]) -> bool:
@@ -82,6 +59,7 @@ def summarize(r: Rollout) -> dict[str, Any]:
         "group_id": r.group_id,
         "task_id": r.task_id,
         "resources_version": r.resources_version,
+        "step": _step_of(r),
         "created_at": r.created_at,
         "updated_at": r.updated_at,
         "ended_at": r.ended_at,
@@ -90,6 +68,12 @@ def summarize(r: Rollout) -> dict[str, Any]:
         "error": None if err is None else f"{err.type}: {err.message}"[:300],
         "finishing_attempt": finishing_attempt(r),
     }
+
+
+def _step_of(rollout: Any) -> int | None:
+    """The trainer step a rollout was enqueued at (``metadata["step"]``), if any."""
+    step = (rollout.metadata or {}).get("step") if isinstance(rollout.metadata, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 @dataclass
@@ -430,11 +414,13 @@ class RolloutIndex:
         return self._facets
 
     def reward_curve(self, fetch_budget: int = 2000) -> tuple[list[dict[str, Any]], int]:
-        """Mean reward per resources version (a trainer publishes one per step), train vs held-out,
+        """Mean reward per resources version (a trainer publishes one per step, and records the step on
+        its rollouts: a point's ``step`` is that step, as in ``metrics.jsonl``), train vs held-out,
         and how many terminal rollouts' rewards are not read yet (at most ``fetch_budget`` are read
         per call; the background warm-up reads the rest)."""
         self._ensure_loaded()
         acc: dict[int, dict[str, list[float]]] = {}
+        steps: dict[int, set[Any]] = {}
         pending = 0
         for r in reversed(self._state.rows):
             v = r["resources_version"]
@@ -452,12 +438,16 @@ class RolloutIndex:
                 continue
             key = "train" if r["mode"] == "train" else "val"
             acc.setdefault(v, {"train": [], "val": []})[key].append(reward)
+            steps.setdefault(v, set()).add(r.get("step"))
         out = []
         for v in sorted(acc):
             d = acc[v]
+            (step,) = steps[v] if len(steps[v]) == 1 else (None,)
             out.append(
                 {
-                    "step": v,
+                    # the trainer's step (metrics.jsonl numbers steps the same way), else the version
+                    "step": step if isinstance(step, int) else v,
+                    "version": v,
                     "train_reward": sum(d["train"]) / len(d["train"]) if d["train"] else None,
                     "val_reward": sum(d["val"]) / len(d["val"]) if d["val"] else None,
                     "rollouts": len(d["train"]),

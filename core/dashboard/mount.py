@@ -15,7 +15,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TOKENIZER_ENV", "UI_PREFIX", "LazyUI", "is_public_ui_path"]
+__all__ = ["TOKENIZER_ENV", "UI_PREFIX", "LazyUI", "is_public_ui_path", "ui_mounts"]
 
 UI_PREFIX = "/ui"
 #: which tokenizer ``/ui`` decodes token ids with: "default" (the shipped SmolLM2), a local HF
@@ -35,9 +35,9 @@ def _tokenizer() -> Any:
     if spec in ("", "none"):
         return None
     try:
-        from agl.export import load_tokenizer
+        from agl.gateway.tokenizer import load_tokenizer
 
-        return load_tokenizer(spec)
+        return load_tokenizer(spec, strict=True)
     except Exception as exc:  # noqa: BLE001 - the page still works, with ids instead of text
         log.warning("agl dashboard: cannot load tokenizer %r (%s); showing token ids", spec, exc)
         return None
@@ -65,6 +65,16 @@ class LazyUI:
         app = self._app or self._build()
         await app(scope, receive, send)
 
+    @staticmethod
+    def is_public(path: str) -> bool:
+        """Whether ``path`` (within the mount) is the page or a static file: no data, no token needed."""
+        return is_public_ui_path(UI_PREFIX + path)
+
     def close(self) -> None:
         if self._app is not None:
             self._app.state.dashboard.close()
+
+
+def ui_mounts(store: Any) -> dict[str, Any]:
+    """The store server's ``mounts=`` for the dashboard over ``store`` at ``/ui`` (``agl store serve``)."""
+    return {UI_PREFIX: LazyUI(store)}

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agl import semconv as sc
-from agl.inspect import _details, _tag  # the CLI's span tags and one-line details, shared on purpose
+from agl.inspect import span_details, span_tag  # the CLI's span tags and one-line details, shared on purpose
 from agl.types import Rollout, Span
 
 __all__ = [
@@ -33,6 +33,7 @@ KEY_METRICS: tuple[tuple[str, str], ...] = (
     ("train reward", "train_reward"),
     ("held-out reward", "val_reward"),
     ("exact-token ratio", "exact_token_ratio"),
+    ("behaviour ratio dev", "behaviour_ratio_dev"),
     ("zero-variance groups", "zero_variance_groups"),
     ("groups", "groups"),
     ("AIR share", "air_share"),
@@ -41,6 +42,18 @@ KEY_METRICS: tuple[tuple[str, str], ...] = (
     ("loss", "loss"),
     ("rollouts failed", "rollouts_failed"),
     ("step time (s)", "step_s"),
+    # LLM judge and reward-hacking monitors (agl.judge, agl.monitors)
+    ("judge reward", "judge_reward"),
+    ("task reward (before the judge)", "train_task_reward"),
+    ("task-judge divergence", "monitor_divergence"),
+    ("identical answers across tasks", "monitor_identical_answers"),
+    ("response-length drift", "monitor_length_drift"),
+    ("tool-call rate drift", "monitor_tool_rate_drift"),
+    ("held-out change since last check", "monitor_val_delta"),
+    ("judge calls", "judge_calls"),
+    ("judge tokens (prompt)", "judge_prompt_tokens"),
+    ("judge time (s)", "judge_s"),
+    ("judge groups skipped", "judge_groups_skipped"),
 )
 
 
@@ -60,6 +73,7 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         return {"run_dir": str(run_dir), "error": f"{path} does not exist", "records": []}
     records: list[dict[str, Any]] = []
+    warnings: list[dict[str, Any]] = []
     skipped = 0
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -72,9 +86,33 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
                 continue
             if isinstance(rec, dict) and _number(rec.get("step")) is not None:
                 records.append({k: v for k, v in rec.items() if _number(v) is not None or v is None})
+                warnings += _monitor_warnings(rec.get("monitor_warnings"))
             else:
                 skipped += 1
-    return {"run_dir": str(run_dir), "records": records, "skipped_lines": skipped, "error": None}
+    return {
+        "run_dir": str(run_dir),
+        "records": records,
+        "warnings": warnings,
+        "skipped_lines": skipped,
+        "error": None,
+    }
+
+
+def _monitor_warnings(raw: Any) -> list[dict[str, Any]]:
+    """A record's reward-hacking warnings (:mod:`agl.monitors`), kept only in the shape they are written."""
+    out = []
+    for w in raw if isinstance(raw, list) else ():
+        if isinstance(w, dict) and isinstance(w.get("monitor"), str) and _number(w.get("step")) is not None:
+            rollouts = [str(r) for r in w.get("rollouts") or () if isinstance(r, str)][:20]
+            out.append(
+                {
+                    "monitor": w["monitor"],
+                    "step": int(w["step"]),
+                    "message": str(w.get("message", "")),
+                    "rollouts": rollouts,
+                }
+            )
+    return out
 
 
 # -------------------------------------------------------------------------------------- rollouts
@@ -155,7 +193,7 @@ def span_tree(spans: Sequence[Span]) -> dict[str, Any]:
     errors = stale = 0
     for i, depth in _order(spans):
         s = spans[i]
-        tag = _tag(s)
+        tag = span_tag(s)
         err = s.status.code == "ERROR"
         errors += err
         stale += s.stale
@@ -168,7 +206,7 @@ def span_tree(spans: Sequence[Span]) -> dict[str, Any]:
                 "name": s.name,
                 "label": _label(s, tag),
                 "tag": tag,
-                "details": _details(s)[:300],
+                "details": span_details(s)[:300],
                 "start_ms": (s.start_ns - t0) / 1e6,
                 "duration_ms": s.duration_ns / 1e6,
                 "status": s.status.code,
@@ -190,7 +228,7 @@ def span_tree(spans: Sequence[Span]) -> dict[str, Any]:
 def span_detail(s: Span) -> dict[str, Any]:
     """Everything about one span: attributes (JSON strings parsed for display), events, resource."""
     data = s.model_dump(mode="json")
-    data["tag"] = _tag(s)
+    data["tag"] = span_tag(s)
     parsed = {}
     for key in (sc.GEN_AI_INPUT_MESSAGES, sc.GEN_AI_OUTPUT_MESSAGES, sc.GEN_AI_TOOL_DEFINITIONS):
         raw = s.attributes.get(key)

@@ -26,7 +26,7 @@ _LAZY: dict[str, str] = {
     "VLLMBackend": "agl.gateway.backends.vllm",
     "OpenAIBackend": "agl.gateway.backends.openai",
     "serve_gateway": "agl.gateway.testing",
-    "rollout_base_url": "agl.gateway.testing",
+    "rollout_base_url": "agl.gateway.serve",
 }
 
 __all__ = sorted(_LAZY)

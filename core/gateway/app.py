@@ -1,7 +1,9 @@
 """The gateway's ASGI app: OpenAI-compatible routes in front of one backend, a span per call.
 
 Routes (each also under ``/rollouts/{rollout_id}/attempts/{n}/v1/...``, the per-rollout base URL):
-``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``, ``GET /v1/models``.
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``, ``GET /v1/models``, and
+the Anthropic Messages API: ``POST /v1/messages``, ``POST /v1/messages/count_tokens`` (key as
+``Authorization: Bearer`` or ``x-api-key``).
 Outside a per-rollout path the rollout comes from the W3C ``baggage`` header (``agl.rollout.id``,
 ``agl.attempt``). Admin: ``GET /agl/v1/status``, ``POST /agl/v1/weights`` ``{"path", "version"}``,
 ``POST /agl/v1/adapters`` ``{"path", "name", "version"}`` (weight swaps between requests).
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import re
 import time
@@ -39,6 +40,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Mount, Route
 
 from agl import semconv as sc
+from agl.gateway import anthropic, sse
 from agl.gateway.backends.base import (
     Backend,
     BackendError,
@@ -59,24 +61,9 @@ from agl.gateway.protocol import (
     new_id,
     parse_request,
     responses_body,
-    responses_output,
     responses_to_generation,
 )
 from agl.gateway.spans import DriftTracker, SpanWriter, build_chat_spans, parse_trace_headers
-
-try:  # orjson is faster where installed; the stdlib is enough
-    import orjson
-
-    def _dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj)
-
-    _loads = orjson.loads
-except ImportError:  # pragma: no cover
-
-    def _dumps(obj: Any) -> bytes:
-        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-
-    _loads = json.loads
 
 __all__ = ["Gateway", "create_app"]
 
@@ -85,20 +72,7 @@ _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
 
 
 def _error(exc: ApiError) -> Response:
-    return Response(_dumps(exc.body()), status_code=exc.status, media_type="application/json")
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + _dumps(obj) + b"\n\n"
-
-
-def _sse_event(obj: dict[str, Any]) -> bytes:
-    return b"event: " + obj["type"].encode() + b"\ndata: " + _dumps(obj) + b"\n\n"
-
-
-def _pieces(text: str) -> list[str]:
-    """Split text for streaming into word-sized deltas (whitespace kept, so they join back exactly)."""
-    return re.findall(r"\s*\S+|\s+", text) or [""]
+    return Response(sse.dumps(exc.body()), status_code=exc.status, media_type="application/json")
 
 
 class Gateway:
@@ -133,6 +107,9 @@ class Gateway:
     def _auth(self, request: Request) -> None:
         if self.api_key is not None:
             auth = request.headers.get("authorization", "")
+            key = request.headers.get("x-api-key")  # the Anthropic SDK's header
+            if key is not None and not auth:
+                auth = f"Bearer {key}"
             if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
                 raise ApiError(
                     401,
@@ -180,7 +157,7 @@ class Gateway:
         if len(raw) > limit:
             raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
         try:
-            return _loads(raw)
+            return sse.loads(raw)
         except ValueError as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
@@ -357,7 +334,7 @@ class Gateway:
             tokens = [self._token_strings(c.response_ids) for c in result.choices]
         if not req.stream:
             return Response(
-                _dumps(
+                sse.dumps(
                     chat_completion_body(
                         result, response_id, tokens=tokens, return_token_ids=req.return_token_ids
                     )
@@ -366,7 +343,7 @@ class Gateway:
             )
         include_usage = bool((req.stream_options or {}).get("include_usage"))
         return StreamingResponse(
-            self._chat_chunks(result, response_id, include_usage, req.return_token_ids),
+            sse.chat_chunks(result, response_id, include_usage, req.return_token_ids),
             media_type="text/event-stream",
         )
 
@@ -449,7 +426,7 @@ class Gateway:
             self._record(spans)
         yield end  # type: ignore[misc]
 
-    async def _chat_stream(
+    def _chat_stream(
         self,
         req: ChatCompletionRequest,
         gen: GenerationRequest,
@@ -458,98 +435,22 @@ class Gateway:
         response_id: str,
     ) -> AsyncIterator[bytes]:
         """Chat-completion chunks from the tracked events, as they come."""
-        head = {
-            "id": response_id,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": gen.model,
-        }
-        want_ids, want_lp = req.return_token_ids, bool(req.logprobs)
-        prompt_ids = first.get("prompt_ids") if want_ids else None
-        result: GenerationResult | None = None
-        async for ev in events:
-            kind = ev["type"]
-            if kind == "delta":
-                lps = ev.get("logprobs")
-                choice: dict[str, Any] = {
-                    "index": ev["index"],
-                    "delta": ev["delta"],
-                    "logprobs": {"content": lps, "refusal": None} if want_lp and lps is not None else None,
-                    "finish_reason": ev.get("finish_reason"),
-                }
-                if want_ids:
-                    choice["token_ids"] = ev.get("token_ids")
-                chunk = {**head, "choices": [choice]}
-                if prompt_ids is not None:
-                    chunk["prompt_token_ids"], prompt_ids = prompt_ids, None
-                yield _sse(chunk)
-            elif kind == "error":
-                yield _sse(ev["error"].body())
-                return
-            elif kind == "end":
-                result = ev["result"]
-        if result is not None and (req.stream_options or {}).get("include_usage"):
-            prompt = result.prompt_tokens or 0
-            usage = {
-                "prompt_tokens": prompt,
-                "completion_tokens": result.completion_tokens,
-                "total_tokens": prompt + result.completion_tokens,
-            }
-            yield _sse({**head, "choices": [], "usage": usage})
-        yield b"data: [DONE]\n\n"
+        head = {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time())}
+        head["model"] = gen.model
+        return sse.chat_stream(
+            events,
+            head,
+            prompt_ids=first.get("prompt_ids") if req.return_token_ids else None,
+            want_ids=req.return_token_ids,
+            want_logprobs=bool(req.logprobs),
+            include_usage=bool((req.stream_options or {}).get("include_usage")),
+        )
 
     def _token_strings(self, ids: list[int] | None) -> list[str] | None:
         tok = getattr(self.backend, "tokenizer", None)
         if ids is None or tok is None:
             return None
         return [tok.decode([i]) for i in ids]
-
-    async def _chat_chunks(
-        self, result: GenerationResult, response_id: str, include_usage: bool, token_ids: bool
-    ) -> AsyncIterator[bytes]:
-        created = int(time.time())
-        head = {
-            "id": response_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": result.model,
-        }
-
-        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, **extra}
-            return _sse({**head, "choices": [choice]})
-
-        for i, c in enumerate(result.choices):
-            first: dict[str, Any] = {"role": "assistant", "content": ""}
-            yield chunk(i, first, **({"prompt_token_ids": result.prompt_ids} if token_ids and i == 0 else {}))
-            if c.content:
-                for piece in _pieces(c.content):
-                    yield chunk(i, {"content": piece})
-            for k, tc in enumerate(c.tool_calls):
-                yield chunk(
-                    i,
-                    {
-                        "tool_calls": [
-                            {
-                                "index": k,
-                                "id": tc.id,
-                                "type": "function",
-                                "function": {"name": tc.name, "arguments": ""},
-                            }
-                        ]
-                    },
-                )
-                yield chunk(i, {"tool_calls": [{"index": k, "function": {"arguments": tc.arguments}}]})
-            yield chunk(i, {}, c.finish_reason, **({"token_ids": c.response_ids} if token_ids else {}))
-        if include_usage:
-            prompt = result.prompt_tokens or 0
-            usage = {
-                "prompt_tokens": prompt,
-                "completion_tokens": result.completion_tokens,
-                "total_tokens": prompt + result.completion_tokens,
-            }
-            yield _sse({**head, "choices": [], "usage": usage})
-        yield b"data: [DONE]\n\n"
 
     async def completions(self, request: Request) -> Response:
         try:
@@ -565,40 +466,12 @@ class Gateway:
             return Response(status_code=499)
         payload = completion_body(result, response_id, return_token_ids=req.return_token_ids)
         if not req.stream:
-            return Response(_dumps(payload), media_type="application/json")
+            return Response(sse.dumps(payload), media_type="application/json")
 
-        async def chunks() -> AsyncIterator[bytes]:
-            head = {k: payload[k] for k in ("id", "created", "model")}
-            for c in payload["choices"]:
-                for piece in _pieces(c["text"]):
-                    yield _sse(
-                        {
-                            **head,
-                            "object": "text_completion",
-                            "choices": [
-                                {"index": c["index"], "text": piece, "logprobs": None, "finish_reason": None}
-                            ],
-                        }
-                    )
-                yield _sse(
-                    {
-                        **head,
-                        "object": "text_completion",
-                        "choices": [
-                            {
-                                "index": c["index"],
-                                "text": "",
-                                "logprobs": None,
-                                "finish_reason": c["finish_reason"],
-                            }
-                        ],
-                    }
-                )
-            if (req.stream_options or {}).get("include_usage"):
-                yield _sse({**head, "object": "text_completion", "choices": [], "usage": payload["usage"]})
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(chunks(), media_type="text/event-stream")
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        return StreamingResponse(
+            sse.completion_chunks(payload, include_usage), media_type="text/event-stream"
+        )
 
     async def responses(self, request: Request) -> Response:
         try:
@@ -612,7 +485,7 @@ class Gateway:
                 events, _, start_ns = await self._open_stream(gen, (trace_id, parent_id), response_id)
                 tracked = self._tracked(gen, events, (trace_id, parent_id), start_ns, response_id)
                 return StreamingResponse(
-                    _response_stream(req, response_id, created, tracked), media_type="text/event-stream"
+                    sse.response_stream(req, response_id, created, tracked), media_type="text/event-stream"
                 )
             result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
         except ApiError as exc:
@@ -621,12 +494,58 @@ class Gateway:
             return Response(status_code=499)
         if not req.stream:
             return Response(
-                _dumps(responses_body(req, response_id, created, result=result)),
+                sse.dumps(responses_body(req, response_id, created, result=result)),
                 media_type="application/json",
             )
         return StreamingResponse(
-            _response_events(req, response_id, created, result), media_type="text/event-stream"
+            sse.response_stream(req, response_id, created, sse.result_events(result)),
+            media_type="text/event-stream",
         )
+
+    async def messages(self, request: Request) -> Response:
+        """``POST /v1/messages``: the Anthropic Messages API, rendered as chat (see agl.gateway.anthropic)."""
+        try:
+            body = await self._body(request)
+            req = anthropic.parse(body)
+            rollout, trace_id, parent_id = self._context(request)
+            gen = anthropic.to_generation(req, body, rollout)
+            message_id = new_id("msg")
+            trace = (trace_id, parent_id)
+            if req.stream and self.backend.streams:
+                events, first, start_ns = await self._open_stream(gen, trace, message_id)
+                tracked = self._tracked(gen, events, trace, start_ns, message_id)
+                prompt_tokens = len(first.get("prompt_ids") or ()) or None
+                stream = anthropic.message_stream(gen.model, message_id, tracked, prompt_tokens)
+                return StreamingResponse(stream, media_type="text/event-stream")
+            result = await self._call(request, gen, trace=trace, response_id=message_id)
+        except ApiError as exc:
+            return anthropic.error_response(exc)
+        except _ClientGone:
+            return Response(status_code=499)
+        if not req.stream:
+            return Response(
+                sse.dumps(anthropic.message_body(result, message_id)), media_type="application/json"
+            )
+        events = sse.result_events(result)
+        stream = anthropic.message_stream(result.model, message_id, events, result.prompt_tokens)
+        return StreamingResponse(stream, media_type="text/event-stream")
+
+    async def count_tokens(self, request: Request) -> Response:
+        """``POST /v1/messages/count_tokens``: the prompt's length in tokens, as the chat template renders it
+        (backends without a local tokenizer answer 404: the count would be a guess)."""
+        try:
+            body = await self._body(request)
+            anthropic.parse(body, counting=True)
+            tok = getattr(self.backend, "tokenizer", None)
+            if tok is None:
+                raise ApiError(404, f"the {self.backend.name} backend has no local tokenizer to count with")
+            messages = anthropic.chat_messages(body)
+            _, ids = await tok.aencode_chat(messages, anthropic.chat_tools(body.get("tools")))
+        except ApiError as exc:
+            return anthropic.error_response(exc)
+        except _ClientGone:
+            return Response(status_code=499)
+        return Response(sse.dumps({"input_tokens": len(ids)}), media_type="application/json")
 
     async def list_models(self, request: Request) -> Response:
         try:
@@ -637,7 +556,7 @@ class Gateway:
         data = [
             {"id": m, "object": "model", "created": created, "owned_by": "agl"} for m in self.backend.models()
         ]
-        return Response(_dumps({"object": "list", "data": data}), media_type="application/json")
+        return Response(sse.dumps({"object": "list", "data": data}), media_type="application/json")
 
     async def status(self, request: Request) -> Response:
         try:
@@ -645,7 +564,7 @@ class Gateway:
         except ApiError as exc:
             return _error(exc)
         return Response(
-            _dumps(
+            sse.dumps(
                 {
                     "backend": self.backend.name,
                     "models": self.backend.models(),
@@ -677,7 +596,7 @@ class Gateway:
             return Response(status_code=499)
         except (BackendError, FileNotFoundError, ValueError) as exc:
             return _error(ApiError(400, f"{what} failed: {exc}", code="swap_failed"))
-        return Response(_dumps({"weight_version": new_version}), media_type="application/json")
+        return Response(sse.dumps({"weight_version": new_version}), media_type="application/json")
 
     async def load_weights(self, request: Request) -> Response:
         return await self._swap(
@@ -700,7 +619,9 @@ class Gateway:
         ok = await self.flush()
         if not ok:
             return _error(ApiError(503, "spans are still being written; try again", type="server_error"))
-        return Response(_dumps({"flushed": True, "stats": dict(self.stats)}), media_type="application/json")
+        return Response(
+            sse.dumps({"flushed": True, "stats": dict(self.stats)}), media_type="application/json"
+        )
 
     async def not_found(self, request: Request) -> Response:
         return _error(ApiError(404, f"no route {request.method} {request.url.path}", code="unknown_url"))
@@ -719,254 +640,6 @@ async def _cancel_on_disconnect(request: Request, task: Any, gone: list[bool]) -
             return
 
 
-async def _response_events(
-    req: ResponsesRequest, response_id: str, created: float, result: GenerationResult
-) -> AsyncIterator[bytes]:
-    """The Responses-API SSE event sequence the openai SDK (and the Agents SDK) parse."""
-    seq = 0
-
-    def event(obj: dict[str, Any]) -> bytes:
-        nonlocal seq
-        obj["sequence_number"] = seq
-        seq += 1
-        return _sse_event(obj)
-
-    yield event(
-        {"type": "response.created", "response": responses_body(req, response_id, created, result=None)}
-    )
-    yield event(
-        {"type": "response.in_progress", "response": responses_body(req, response_id, created, result=None)}
-    )
-    items = responses_output(result.choices[0])
-    for idx, item in enumerate(items):
-        if item["type"] == "message":
-            text = item["content"][0]["text"]
-            yield event(
-                {
-                    "type": "response.output_item.added",
-                    "output_index": idx,
-                    "item": {**item, "status": "in_progress", "content": []},
-                }
-            )
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            yield event(
-                {
-                    "type": "response.content_part.added",
-                    "item_id": item["id"],
-                    "output_index": idx,
-                    "content_index": 0,
-                    "part": part,
-                }
-            )
-            for piece in _pieces(text):
-                yield event(
-                    {
-                        "type": "response.output_text.delta",
-                        "item_id": item["id"],
-                        "output_index": idx,
-                        "content_index": 0,
-                        "delta": piece,
-                        "logprobs": [],
-                    }
-                )
-            yield event(
-                {
-                    "type": "response.output_text.done",
-                    "item_id": item["id"],
-                    "output_index": idx,
-                    "content_index": 0,
-                    "text": text,
-                    "logprobs": [],
-                }
-            )
-            yield event(
-                {
-                    "type": "response.content_part.done",
-                    "item_id": item["id"],
-                    "output_index": idx,
-                    "content_index": 0,
-                    "part": {**part, "text": text},
-                }
-            )
-        else:
-            yield event(
-                {
-                    "type": "response.output_item.added",
-                    "output_index": idx,
-                    "item": {**item, "arguments": "", "status": "in_progress"},
-                }
-            )
-            yield event(
-                {
-                    "type": "response.function_call_arguments.delta",
-                    "item_id": item["id"],
-                    "output_index": idx,
-                    "delta": item["arguments"],
-                }
-            )
-            yield event(
-                {
-                    "type": "response.function_call_arguments.done",
-                    "item_id": item["id"],
-                    "output_index": idx,
-                    "arguments": item["arguments"],
-                    "name": item["name"],
-                }
-            )
-        yield event({"type": "response.output_item.done", "output_index": idx, "item": item})
-    final = responses_body(req, response_id, created, result=result, output=items)
-    kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-    yield event({"type": kind, "response": final})
-
-
-async def _response_stream(
-    req: ResponsesRequest, response_id: str, created: float, events: AsyncIterator[dict[str, Any]]
-) -> AsyncIterator[bytes]:
-    """Responses-API events from a true stream: text and call arguments go out as they are generated."""
-    seq = 0
-
-    def event(obj: dict[str, Any]) -> bytes:
-        nonlocal seq
-        obj["sequence_number"] = seq
-        seq += 1
-        return _sse_event(obj)
-
-    yield event(
-        {"type": "response.created", "response": responses_body(req, response_id, created, result=None)}
-    )
-    yield event(
-        {"type": "response.in_progress", "response": responses_body(req, response_id, created, result=None)}
-    )
-    items: list[dict[str, Any]] = []
-    msg: dict[str, Any] | None = None  # the open message item
-    calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its function_call item
-    parts: dict[int, list[str]] = {}  # output index -> text / argument pieces
-
-    def close_message() -> list[bytes]:
-        nonlocal msg
-        if msg is None:
-            return []
-        idx, text = msg["idx"], "".join(parts[msg["idx"]])
-        item = {
-            "type": "message",
-            "id": msg["id"],
-            "status": "completed",
-            "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
-        }
-        items.append(item)
-        ids = {"item_id": msg["id"], "output_index": idx, "content_index": 0}
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        msg = None
-        return [
-            event({"type": "response.output_text.done", **ids, "text": text, "logprobs": []}),
-            event({"type": "response.content_part.done", **ids, "part": part}),
-            event({"type": "response.output_item.done", "output_index": idx, "item": item}),
-        ]
-
-    result: GenerationResult | None = None
-    async for ev in events:
-        if ev["type"] == "error":
-            err = ev["error"]
-            yield event({"type": "error", "code": err.code, "message": err.message, "param": err.param})
-            return
-        if ev["type"] == "end":
-            result = ev["result"]
-            continue
-        if ev["type"] != "delta" or ev["index"] != 0:
-            continue
-        delta = ev["delta"]
-        if delta.get("content") and not calls:
-            if msg is None:
-                msg = {"id": new_id("msg"), "idx": len(items) + len(calls)}
-                parts[msg["idx"]] = []
-                yield event(
-                    {
-                        "type": "response.output_item.added",
-                        "output_index": msg["idx"],
-                        "item": {
-                            "type": "message",
-                            "id": msg["id"],
-                            "status": "in_progress",
-                            "role": "assistant",
-                            "content": [],
-                        },
-                    }
-                )
-                yield event(
-                    {
-                        "type": "response.content_part.added",
-                        "item_id": msg["id"],
-                        "output_index": msg["idx"],
-                        "content_index": 0,
-                        "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
-                    }
-                )
-            parts[msg["idx"]].append(delta["content"])
-            yield event(
-                {
-                    "type": "response.output_text.delta",
-                    "item_id": msg["id"],
-                    "output_index": msg["idx"],
-                    "content_index": 0,
-                    "delta": delta["content"],
-                    "logprobs": [],
-                }
-            )
-        for tc in delta.get("tool_calls") or ():
-            k = tc.get("index", 0)
-            fn = tc.get("function") or {}
-            call = calls.get(k)
-            if call is None:
-                for chunk in close_message():
-                    yield chunk
-                idx = len(items) + len(calls)
-                call = calls[k] = {
-                    "type": "function_call",
-                    "id": new_id("fc"),
-                    "call_id": tc.get("id") or new_id("call"),
-                    "name": fn.get("name") or "",
-                    "arguments": "",
-                    "status": "in_progress",
-                    "idx": idx,
-                }
-                parts[idx] = []
-                item = {key: v for key, v in call.items() if key != "idx"}
-                yield event({"type": "response.output_item.added", "output_index": idx, "item": item})
-            args = fn.get("arguments")
-            if args:
-                parts[call["idx"]].append(args)
-                yield event(
-                    {
-                        "type": "response.function_call_arguments.delta",
-                        "item_id": call["id"],
-                        "output_index": call["idx"],
-                        "delta": args,
-                    }
-                )
-    for chunk in close_message():
-        yield chunk
-    for call in calls.values():
-        idx = call.pop("idx")
-        call["arguments"], call["status"] = "".join(parts[idx]), "completed"
-        items.append(call)
-        yield event(
-            {
-                "type": "response.function_call_arguments.done",
-                "item_id": call["id"],
-                "output_index": idx,
-                "arguments": call["arguments"],
-                "name": call["name"],
-            }
-        )
-        yield event({"type": "response.output_item.done", "output_index": idx, "item": call})
-    if result is None:  # pragma: no cover - the tracked stream ends with a result or an error
-        return
-    final = responses_body(req, response_id, created, result=result, output=items)
-    kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-    yield event({"type": kind, "response": final})
-
-
 def create_app(backend: Backend, store: Any = None, **kwargs: Any) -> Starlette:
     """The ASGI app; ``app.state.gateway`` is the :class:`Gateway` (stats, drift tracker, backend)."""
     gw = Gateway(backend, store, **kwargs)
@@ -974,6 +647,8 @@ def create_app(backend: Backend, store: Any = None, **kwargs: Any) -> Starlette:
         Route("/chat/completions", gw.chat_completions, methods=["POST"]),
         Route("/completions", gw.completions, methods=["POST"]),
         Route("/responses", gw.responses, methods=["POST"]),
+        Route("/messages", gw.messages, methods=["POST"]),
+        Route("/messages/count_tokens", gw.count_tokens, methods=["POST"]),
         Route("/models", gw.list_models, methods=["GET"]),
     ]
 

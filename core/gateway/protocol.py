@@ -13,6 +13,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from agl.errors import AglError
 from agl.gateway.backends.base import Choice, GenerationRequest, GenerationResult
 from agl.gateway.chat_format import flatten_content
 
@@ -29,7 +30,7 @@ __all__ = [
 ]
 
 
-class ApiError(Exception):
+class ApiError(AglError):
     """An error answered with an OpenAI-style JSON body: ``{"error": {message, type, param, code}}``."""
 
     def __init__(
@@ -246,102 +247,16 @@ def parse_request(model: type[BaseModel], body: Any) -> Any:
 
 def responses_to_generation(req: ResponsesRequest, rollout: tuple[str, int] | None) -> GenerationRequest:
     """Responses-API input items → chat messages (the gateway renders both APIs the same way)."""
-    messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
-    items: list[Any] = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    last_was_call = False
-    for i, item in enumerate(items):
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise ApiError(400, f"input[{i}] has an unknown role {role!r}", param=f"input[{i}].role")
-            messages.append(
-                {
-                    "role": "system" if role == "developer" else role,
-                    "content": flatten_content(item.get("content")),
-                }
-            )
-            last_was_call = False
-        elif kind == "function_call":
-            for key in ("call_id", "name"):
-                if not isinstance(item.get(key), str):
-                    raise ApiError(
-                        400, f"input[{i}] (function_call) needs {key!r}", param=f"input[{i}].{key}"
-                    )
-            call = {
-                "id": item["call_id"],
-                "type": "function",
-                "function": {"name": item["name"], "arguments": item.get("arguments", "")},
-            }
-            prev = messages[-1] if messages else None
-            if (
-                prev is not None
-                and prev["role"] == "assistant"
-                and (last_was_call or not prev.get("tool_calls"))
-            ):
-                prev.setdefault("tool_calls", []).append(call)
-                if prev.get("content") == "":
-                    prev["content"] = None
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            last_was_call = True
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise ApiError(
-                    400, f"input[{i}] (function_call_output) needs 'call_id'", param=f"input[{i}].call_id"
-                )
-            out = item.get("output", "")
-            messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": item["call_id"],
-                    "content": flatten_content(out) if not isinstance(out, str) else out,
-                }
-            )
-            last_was_call = False
-        elif kind == "reasoning":
-            continue
-        else:
-            raise ApiError(
-                400,
-                f"input[{i}] has type {kind!r}, which the gateway does not support",
-                param=f"input[{i}].type",
-            )
-    if not messages:
-        raise ApiError(400, "input is empty", param="input")
-    tools = None
-    if req.tools:
-        tools = []
-        for i, t in enumerate(req.tools):
-            if t.get("type") != "function" or not isinstance(t.get("name"), str):
-                raise ApiError(
-                    400,
-                    f"tools[{i}]: only function tools are supported (got type {t.get('type')!r})",
-                    param=f"tools[{i}].type",
-                )
-            fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
-            tools.append({"type": "function", "function": fn})
     tool_choice: Any = req.tool_choice
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         tool_choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
-    response_format = None
-    fmt = (req.text or {}).get("format") if isinstance(req.text, dict) else None
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        response_format = {
-            "type": "json_schema",
-            "json_schema": {k: v for k, v in fmt.items() if k != "type"},
-        }
-    elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
-        response_format = {"type": "json_object"}
     return GenerationRequest(
         model=req.model,
-        messages=messages,
-        tools=tools,
+        messages=_responses_messages(req),
+        tools=_responses_tools(req.tools),
         tool_choice=tool_choice,
         parallel_tool_calls=req.parallel_tool_calls,
-        response_format=response_format,
+        response_format=_responses_format(req.text),
         temperature=req.temperature,
         top_p=req.top_p,
         max_tokens=req.max_output_tokens,
@@ -350,6 +265,107 @@ def responses_to_generation(req: ResponsesRequest, rollout: tuple[str, int] | No
         api="responses",
         raw=req.model_dump(exclude_unset=True),
     )
+
+
+def _responses_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages of ``instructions`` and ``input``. Consecutive ``function_call`` items join one
+    assistant message (as do calls right after an assistant message without calls); reasoning items
+    are dropped. A 400 names the first item the gateway cannot read."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    items: list[Any] = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    last_was_call = False
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_input_message(i, item))
+        elif kind == "function_call":
+            _add_function_call(messages, _input_call(i, item), joins=last_was_call)
+        elif kind == "function_call_output":
+            messages.append(_input_call_output(i, item))
+        elif kind != "reasoning":
+            raise ApiError(
+                400,
+                f"input[{i}] has type {kind!r}, which the gateway does not support",
+                param=f"input[{i}].type",
+            )
+        if kind != "reasoning":
+            last_was_call = kind == "function_call"
+    if not messages:
+        raise ApiError(400, "input is empty", param="input")
+    return messages
+
+
+def _input_message(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ("user", "system", "developer", "assistant"):
+        raise ApiError(400, f"input[{i}] has an unknown role {role!r}", param=f"input[{i}].role")
+    return {
+        "role": "system" if role == "developer" else role,
+        "content": flatten_content(item.get("content")),
+    }
+
+
+def _input_call(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    for key in ("call_id", "name"):
+        if not isinstance(item.get(key), str):
+            raise ApiError(400, f"input[{i}] (function_call) needs {key!r}", param=f"input[{i}].{key}")
+    return {
+        "id": item["call_id"],
+        "type": "function",
+        "function": {"name": item["name"], "arguments": item.get("arguments", "")},
+    }
+
+
+def _add_function_call(messages: list[dict[str, Any]], call: dict[str, Any], *, joins: bool) -> None:
+    """Append ``call`` to the previous assistant message when it follows another call (``joins``) or
+    that message has no calls yet; otherwise start an assistant message of its own."""
+    prev = messages[-1] if messages else None
+    if prev is not None and prev["role"] == "assistant" and (joins or not prev.get("tool_calls")):
+        prev.setdefault("tool_calls", []).append(call)
+        if prev.get("content") == "":
+            prev["content"] = None
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def _input_call_output(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(item.get("call_id"), str):
+        raise ApiError(400, f"input[{i}] (function_call_output) needs 'call_id'", param=f"input[{i}].call_id")
+    out = item.get("output", "")
+    return {
+        "role": "tool",
+        "tool_call_id": item["call_id"],
+        "content": flatten_content(out) if not isinstance(out, str) else out,
+    }
+
+
+def _responses_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses-API function tools → chat tools; any other tool type is a 400."""
+    if not tools:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if t.get("type") != "function" or not isinstance(t.get("name"), str):
+            raise ApiError(
+                400,
+                f"tools[{i}]: only function tools are supported (got type {t.get('type')!r})",
+                param=f"tools[{i}].type",
+            )
+        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _responses_format(text: Any) -> dict[str, Any] | None:
+    """``text.format`` → the chat ``response_format`` (json_schema or json_object), else None."""
+    fmt = (text or {}).get("format") if isinstance(text, dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    return None
 
 
 # ------------------------------------------------------------------------------------- bodies

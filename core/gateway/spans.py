@@ -179,15 +179,44 @@ def build_chat_spans(
     error: BaseException | None = None,
     input_messages: list[dict[str, Any]] | None = None,
 ) -> list[Span]:
-    """One span per choice (``agl.llm.choice_index`` tells them apart when n > 1)."""
+    """One span per choice (``agl.llm.choice_index`` tells them apart when n > 1); one ERROR span when
+    the call failed (``error``) or produced nothing (``result`` None)."""
     end_ns = time.time_ns()
     trace_id = trace_id or _random_hex(16)
+    base = _request_attrs(request, rollout, backend_name, response_id, input_messages)
+    ids = (trace_id, parent_id, start_ns, end_ns)
+    if error is not None or result is None:
+        return [_error_span(ids, base, rollout, error)]
+    _result_attrs(base, result, prefix_match)
+    many = len(result.choices) > 1
+    spans = []
+    for i, choice in enumerate(result.choices):
+        attrs = dict(base)
+        _choice_attrs(attrs, choice)
+        if choice.response_ids is None and result.reported_completion_tokens is not None and not many:
+            attrs[sc.GEN_AI_USAGE_OUTPUT_TOKENS] = int(result.reported_completion_tokens)
+        if many:
+            attrs[sc.AGL_LLM_CHOICE_INDEX] = i
+        spans.append(_choice_span(ids, attrs, rollout))
+    return spans
+
+
+def _request_attrs(
+    request: GenerationRequest,
+    rollout: tuple[str, int],
+    backend_name: str,
+    response_id: str,
+    input_messages: list[dict[str, Any]] | None,
+) -> dict[str, Any]:
+    """The attributes every span of the call shares: what was asked, of which backend, in which rollout.
+    ``input_messages`` (when given) are recorded instead of the request's messages."""
     base: dict[str, Any] = {
         sc.GEN_AI_OPERATION_NAME: sc.OP_CHAT,
         sc.AGL_SIDE: sc.SIDE_SERVER,
         sc.AGL_ROLLOUT_ID: rollout[0],
         sc.AGL_ATTEMPT: rollout[1],
         sc.AGL_LLM_BACKEND: backend_name,
+        sc.AGL_LLM_API: request.api,
         sc.GEN_AI_REQUEST_MODEL: request.model,
         sc.GEN_AI_RESPONSE_ID: response_id,
     }
@@ -204,83 +233,88 @@ def build_chat_spans(
         base[sc.AGL_LLM_PROMPT_TEXT] = request.prompt
     if request.tools:
         base[sc.GEN_AI_TOOL_DEFINITIONS] = _dumps(request.tools)
-    if error is not None or result is None:
-        status = SpanStatus(
-            code="ERROR", message=f"{type(error).__name__}: {error}" if error else "no result"
-        )
-        events: tuple[SpanEvent, ...] = ()
-        if error is not None:
-            events = (
-                SpanEvent(
-                    name="exception",
-                    time_ns=end_ns,
-                    attributes={
-                        sc.AGL_EXCEPTION_TYPE: type(error).__name__,
-                        sc.AGL_EXCEPTION_MESSAGE: str(error),
-                    },
-                ),
-            )
-        return [
-            Span(
-                trace_id=trace_id,
-                span_id=_random_hex(8),
-                parent_id=parent_id,
-                name=sc.SPAN_CHAT,
-                kind="SERVER",
-                start_ns=start_ns,
-                end_ns=end_ns,
-                status=status,
-                attributes=base,
-                events=events,
-                rollout_id=rollout[0],
-                attempt=rollout[1],
-            )
-        ]
+    return base
+
+
+def _result_attrs(base: dict[str, Any], result: GenerationResult, prefix_match: bool | None) -> None:
+    """Add what every choice of a result shares: the serving model, exactness, weight version, prompt."""
     base[sc.GEN_AI_RESPONSE_MODEL] = result.model
     base[sc.AGL_LLM_EXACT] = bool(result.exact)
     if result.weight_version is not None:
         base[sc.AGL_LLM_WEIGHT_VERSION] = int(result.weight_version)
     if result.prompt_ids is not None:
         base[sc.AGL_LLM_PROMPT_TOKEN_IDS] = list(result.prompt_ids)
+    if getattr(result, "forced_tokens", 0):
+        base[sc.AGL_LLM_FORCED_TOKENS] = int(result.forced_tokens)
     if result.prompt_tokens is not None:
         base[sc.GEN_AI_USAGE_INPUT_TOKENS] = int(result.prompt_tokens)
     if prefix_match is not None:
         base[sc.AGL_LLM_PREFIX_MATCH] = prefix_match
-    spans = []
-    many = len(result.choices) > 1
-    for i, choice in enumerate(result.choices):
-        attrs = dict(base)
-        _choice_attrs(attrs, choice)
-        if choice.response_ids is None and result.reported_completion_tokens is not None and not many:
-            attrs[sc.GEN_AI_USAGE_OUTPUT_TOKENS] = int(result.reported_completion_tokens)
-        if many:
-            attrs[sc.AGL_LLM_CHOICE_INDEX] = i
-        # every value here is made by the gateway from checked input (ids matched at the route, hex ids
-        # generated or parsed by OTel, attribute values of OTel types, logprobs checked finite), so the
-        # per-value validation of the model is skipped on this hot path
-        spans.append(
-            _construct(
-                Span,
-                {
-                    "trace_id": trace_id,
-                    "span_id": _random_hex(8),
-                    "parent_id": parent_id,
-                    "name": sc.SPAN_CHAT,
-                    "kind": "SERVER",
-                    "start_ns": start_ns,
-                    "end_ns": end_ns,
-                    "status": _STATUS_UNSET,
-                    "attributes": attrs,
-                    "events": (),
-                    "resource": {},
-                    "rollout_id": rollout[0],
-                    "attempt": rollout[1],
-                    "seq": None,
-                    "stale": False,
+
+
+#: (trace id, parent span id, start ns, end ns) of a call's spans
+_SpanIds = tuple[str, "str | None", int, int]
+
+
+def _error_span(
+    ids: _SpanIds, attrs: dict[str, Any], rollout: tuple[str, int], error: BaseException | None
+) -> Span:
+    """The ERROR span of a failed call, with an ``exception`` event naming the error when there is one."""
+    trace_id, parent_id, start_ns, end_ns = ids
+    status = SpanStatus(code="ERROR", message=f"{type(error).__name__}: {error}" if error else "no result")
+    events: tuple[SpanEvent, ...] = ()
+    if error is not None:
+        events = (
+            SpanEvent(
+                name="exception",
+                time_ns=end_ns,
+                attributes={
+                    sc.AGL_EXCEPTION_TYPE: type(error).__name__,
+                    sc.AGL_EXCEPTION_MESSAGE: str(error),
                 },
-            )
+            ),
         )
-    return spans
+    return Span(
+        trace_id=trace_id,
+        span_id=_random_hex(8),
+        parent_id=parent_id,
+        name=sc.SPAN_CHAT,
+        kind="SERVER",
+        start_ns=start_ns,
+        end_ns=end_ns,
+        status=status,
+        attributes=attrs,
+        events=events,
+        rollout_id=rollout[0],
+        attempt=rollout[1],
+    )
+
+
+def _choice_span(ids: _SpanIds, attrs: dict[str, Any], rollout: tuple[str, int]) -> Span:
+    """One choice's span. Every value here is made by the gateway from checked input (ids matched at the
+    route, hex ids generated or parsed by OTel, attribute values of OTel types, logprobs checked
+    finite), so the per-value validation of the model is skipped on this hot path."""
+    trace_id, parent_id, start_ns, end_ns = ids
+    return _construct(
+        Span,
+        {
+            "trace_id": trace_id,
+            "span_id": _random_hex(8),
+            "parent_id": parent_id,
+            "name": sc.SPAN_CHAT,
+            "kind": "SERVER",
+            "start_ns": start_ns,
+            "end_ns": end_ns,
+            "status": _STATUS_UNSET,
+            "attributes": attrs,
+            "events": (),
+            "resource": {},
+            "rollout_id": rollout[0],
+            "attempt": rollout[1],
+            "seq": None,
+            "stale": False,
+        },
+    )
 
 
 def _choice_attrs(attrs: dict[str, Any], choice: Choice) -> None:

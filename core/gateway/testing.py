@@ -15,8 +15,6 @@ exercise their real HTTP stack.
 
 from __future__ import annotations
 
-import socket
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -24,7 +22,7 @@ from typing import Any
 from agl.gateway.app import Gateway, create_app
 from agl.gateway.backends.base import Backend
 from agl.gateway.backends.scripted import Reply, ScriptedBackend, ScriptedToolCall, reply, tool_call
-from agl.gateway.cli import check_public_bind
+from agl.gateway.serve import ServedGateway, check_public_bind, rollout_base_url
 from agl.http_limits import HttpLimits
 
 __all__ = [
@@ -38,17 +36,6 @@ __all__ = [
     "serve_gateway",
     "tool_call",
 ]
-
-
-def rollout_base_url(base_url: str, rollout_id: str, attempt: int) -> str:
-    """The per-rollout OpenAI base URL: ``{gateway}/rollouts/{rollout_id}/attempts/{n}/v1``.
-
-    ``base_url`` may be the gateway root or its ``/v1`` URL.
-    """
-    root = str(base_url).rstrip("/")
-    if root.endswith("/v1"):
-        root = root[: -len("/v1")]
-    return f"{root}/rollouts/{rollout_id}/attempts/{int(attempt)}/v1"
 
 
 class GatewayURL(str):
@@ -73,47 +60,13 @@ def serve_asgi(
 ) -> Iterator[str]:
     """Run any ASGI app with uvicorn in a daemon thread; yields its root URL (``http://host:port``).
     ``limits``: read timeouts and the per-client connection cap (default :class:`HttpLimits`)."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    bound_port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        app,
-        log_level=log_level,
-        lifespan="on",
-        timeout_graceful_shutdown=1,
-        http=(limits or HttpLimits()).protocol(),
+    served = ServedGateway(
+        app, host=host, port=port, log_level=log_level, startup_timeout_s=startup_timeout_s, limits=limits
     )
-    server = uvicorn.Server(config)
-    errors: list[BaseException] = []
-    started = threading.Event()
-
-    def run() -> None:
-        try:
-            server.run(sockets=[sock])
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller below
-            errors.append(exc)
-        finally:
-            started.set()
-
-    thread = threading.Thread(target=run, name=f"agl-asgi-{bound_port}", daemon=True)
-    thread.start()
     try:
-        waited = 0.0
-        while not server.started:
-            if errors or not thread.is_alive():
-                raise RuntimeError(f"the server failed to start: {errors[0] if errors else 'it exited'}")
-            if waited > startup_timeout_s:
-                raise TimeoutError(f"the server did not start within {startup_timeout_s} s")
-            started.wait(0.01)
-            waited += 0.01
-        yield f"http://{host}:{bound_port}"
+        yield served.root
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+        served.close()
 
 
 @contextmanager

@@ -10,16 +10,29 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from agl.gateway.chat_format import content_chars, render_chat
 
-__all__ = ["DEFAULT_MODEL_NAME", "ChatTokenizer", "load_default_tokenizer"]
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "ChatTokenizer",
+    "as_chat_tokenizer",
+    "load_default_tokenizer",
+    "load_tokenizer",
+    "resolve_tokenizer",
+    "retokenise",
+]
+
+#: the names ``load_tokenizer`` takes for the shipped SmolLM2 tokenizer
+DEFAULT_SPECS = ("default", "smollm2")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -189,3 +202,186 @@ def load_default_tokenizer() -> ChatTokenizer:
     )
     chat.max_token_chars  # noqa: B018 - computed here, once, rather than during a request
     return chat
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def load_tokenizer(source: Any = None, *, strict: bool = False) -> Any:
+    """The one tokenizer loader. ``source`` is:
+
+    - ``"default"`` or ``"smollm2"``: the shipped SmolLM2 tokenizer as a :class:`ChatTokenizer` (no
+      transformers needed; what the scripted gateway tokenises with);
+    - None: the shipped tokenizer as a Hugging Face tokenizer (what a policy trains with);
+    - a local directory: its Hugging Face tokenizer (local files only);
+    - a loaded model: the tokenizer saved beside it (``config._name_or_path``).
+
+    A source with no ``tokenizer.json`` (a model built in memory, an endpoint's model name such as
+    ``gpt-4o-mini``) gets the shipped Hugging Face tokenizer: the trainer needs one to render prompts
+    and re-tokenise, and nothing better is known. With ``strict=True`` (a user's ``--tokenizer`` or
+    ``Adapter(tokenizer=...)``) a path that does not exist is a ``FileNotFoundError`` instead, and an
+    existing one is loaded by ``AutoTokenizer`` whatever tokenizer files it holds.
+    """
+    if isinstance(source, str) and source in DEFAULT_SPECS:
+        return load_default_tokenizer()
+    if isinstance(source, (str, os.PathLike)):
+        path: Any = os.fspath(source)
+    else:
+        path = getattr(getattr(source, "config", None), "_name_or_path", None)
+    if strict and path is not None:
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"tokenizer {path!r}: no such file or directory (or use --tokenizer default)"
+            )
+        return _auto_tokenizer(path)
+    if path and Path(path, "tokenizer.json").exists():
+        return _auto_tokenizer(path)
+    return _shipped_hf_tokenizer()
+
+
+def _auto_tokenizer(path: str) -> Any:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ValueError(
+            "loading a tokenizer directory needs transformers: pip install 'agl[train]'"
+        ) from None
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _shipped_hf_tokenizer() -> Any:
+    """The shipped SmolLM2 tokenizer as a Hugging Face fast tokenizer, with its chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    assets = Path(__file__).parent / "assets"
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(assets / "tokenizer.json"))
+    cfg = json.loads((assets / "tokenizer_config.json").read_text())
+    for key in ("eos_token", "bos_token", "unk_token", "pad_token"):
+        value = cfg.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value:
+            setattr(tok, key, value)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.chat_template = (assets / "chat_template.jinja").read_text()
+    return tok
+
+
+def resolve_tokenizer(tok: Any) -> Any:
+    """What ``Adapter(tokenizer=...)`` and the CLIs' ``--tokenizer`` accept: None, ``"default"`` (the
+    shipped SmolLM2 tokenizer), a local tokenizer directory, or a tokenizer object; anything else is
+    refused by name."""
+    if tok is None:
+        return None
+    if isinstance(tok, (str, os.PathLike)):
+        return load_tokenizer(os.fspath(tok), strict=True)
+    if callable(getattr(tok, "encode", None)) or callable(getattr(tok, "apply_chat_template", None)):
+        return tok
+    raise ValueError(
+        "tokenizer must be 'default', a local tokenizer directory or a tokenizer object (with "
+        f"apply_chat_template/encode), got {type(tok).__name__} {tok!r:.80}"
+    )
+
+
+def as_chat_tokenizer(tok: Any) -> Any:
+    """Render through agl's chat renderer when we can, as the gateway does.
+
+    Hugging Face chat templates often cannot render assistant tool-call messages (SmolLM2's fails on
+    them); the gateway's renderer lowers tool calls and tool results into the text the model was
+    actually shown, so re-tokenised transitions match what the engine would have produced.
+    """
+    if tok is None or (hasattr(tok, "render") and hasattr(tok, "encode_chat")):
+        return tok
+    if getattr(tok, "backend_tokenizer", None) is None or not getattr(tok, "chat_template", None):
+        return tok
+    try:
+        return ChatTokenizer.from_hf(tok)
+    except Exception:  # noqa: BLE001 - fall back to the tokenizer's own template
+        return tok
+
+
+# ------------------------------------------------------------------------------------ re-tokenising
+
+
+def _tool_list(raw: Any) -> list[Any] | None:
+    """Tool definitions as recorded on a span (a JSON string or a list); None when absent or bad."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return None
+    return raw if isinstance(raw, list) and raw else None
+
+
+def retokenise(
+    tok: Any,
+    messages: list[dict[str, Any]],
+    reply: dict[str, Any] | None,
+    text: str | None,
+    *,
+    tools: Any = None,
+    prompt_text: Any = None,
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Prompt/response ids of one call from its messages, through the tokenizer's chat template.
+
+    The response is the suffix that rendering the conversation *with* the response adds to the prompt
+    (so special tokens and tool-call syntax come out as the template writes them), cut after the
+    end-of-turn token; if the template does not extend the prompt that way, the response text is
+    encoded on its own. Without messages, ``prompt_text`` (a completion call's prompt) and ``text`` are
+    encoded as they are. ``tools`` are the definitions as recorded (JSON text or a list).
+    """
+    chat_tok = hasattr(tok, "render") and hasattr(tok, "encode_chat")  # agl.gateway ChatTokenizer
+    if not messages:
+        if not isinstance(prompt_text, str) or text is None:
+            return None
+        return tuple(_encode(tok, prompt_text, chat_tok)), tuple(_encode(tok, text, chat_tok))
+    if reply is None and text is None:
+        return None
+    reply = dict(reply) if reply is not None else {"role": "assistant", "content": text}
+    reply["role"] = "assistant"
+    prompt, full = _render_ids(tok, messages, reply, _tool_list(tools), chat_tok)
+    eos = getattr(tok, "eos_token_id", None)
+    if len(full) > len(prompt) and full[: len(prompt)] == prompt:
+        response = list(full[len(prompt) :])
+        if isinstance(eos, int) and eos in response:
+            response = response[: len(response) - response[::-1].index(eos)]
+    else:
+        response = _encode(tok, text or "", chat_tok)
+        if isinstance(eos, int):
+            response.append(eos)
+    return tuple(prompt), tuple(response)
+
+
+def _render_ids(
+    tok: Any, messages: list[dict[str, Any]], reply: dict[str, Any], tools: list[Any] | None, chat_tok: bool
+) -> tuple[list[int], list[int]]:
+    """(prompt ids, ids of the prompt followed by the reply) under the tokenizer's chat template."""
+    if chat_tok:
+        prompt = tok.encode(tok.render(messages, tools, add_generation_prompt=True))
+        full = tok.encode(tok.render([*messages, reply], tools, add_generation_prompt=False))
+        return list(prompt), list(full)
+    kw: dict[str, Any] = {"tokenize": True}
+    if tools is not None:
+        kw["tools"] = tools
+    prompt = _ids(tok.apply_chat_template(messages, add_generation_prompt=True, **kw))
+    full = _ids(tok.apply_chat_template([*messages, reply], add_generation_prompt=False, **kw))
+    return prompt, full
+
+
+def _encode(tok: Any, text: str, chat_tok: bool) -> list[int]:
+    if chat_tok:
+        return list(tok.encode(text))
+    return _ids(tok.encode(text, add_special_tokens=False))
+
+
+def _ids(result: Any) -> list[int]:
+    """Token ids from what an HF tokenizer returns (a list, a BatchEncoding, a tensor, a batch of one)."""
+    if isinstance(result, Mapping) or hasattr(result, "input_ids"):
+        result = result["input_ids"]
+    if hasattr(result, "tolist"):
+        result = result.tolist()
+    result = list(result)
+    if result and isinstance(result[0], (list, tuple)):
+        result = list(result[0])
+    return [int(x) for x in result]

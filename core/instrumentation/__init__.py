@@ -24,6 +24,7 @@ from agl.instrumentation.registry import (
     instrumented,
     is_installed,
     is_instrumented,
+    is_waiting,
     uninstrument,
 )
 from agl.instrumentation.toolkit import PatchLedger, PatchTargetError, failure_counts, guarded, safe_json
@@ -43,6 +44,7 @@ __all__ = [
     "instrument",
     "instrumented",
     "is_installed",
+    "is_waiting",
     "is_instrumented",
     "safe_json",
     "uninstrument",

@@ -6,6 +6,11 @@ integration is off (no ``traceparent`` reaches the gateway), or the agent ran in
 the rollout's context. Then every transition has ``agent=None`` and ``Adapter(agents=[...])`` selects
 nothing — silently. :class:`AttributionCheck` looks at an attempt's stored spans and warns once per
 process-lifetime of the check, naming the likely cause.
+
+It warns only when the attempt used an agent framework: some of its spans were made by a framework
+integration (``agl.integration`` other than ``openai``). A framework being installed or instrumented
+proves nothing: a plain-client agent (with or without ``agl.agent``) must not be told its hooks were
+bypassed.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 
 from agl import semconv as sc
 
-__all__ = ["AttributionCheck", "unattributed_calls"]
+__all__ = ["AttributionCheck", "frameworks_used", "unattributed_calls"]
 
 log = logging.getLogger("agl.runner")
 
@@ -45,6 +50,12 @@ def unattributed_calls(spans: Sequence[Any]) -> tuple[int, int]:
     return missing, len(calls)
 
 
+def frameworks_used(spans: Sequence[Any]) -> list[str]:
+    """The agent-framework integrations that made some of these spans (``openai`` is a client, not one)."""
+    names = {s.attributes.get(sc.AGL_INTEGRATION) for s in spans}
+    return sorted(str(n) for n in names if n and n not in _NOT_AGENT_FRAMEWORKS)
+
+
 def _likely_cause(frameworks: list[str], active: list[str]) -> str:
     from agl.instrumentation import health
 
@@ -63,8 +74,8 @@ def _likely_cause(frameworks: list[str], active: list[str]) -> str:
 
 
 class AttributionCheck:
-    """Looks at the first attempts' spans; warns once if gateway calls ran under no agent span while an
-    agent framework is instrumented (the runner calls :meth:`after_attempt` once spans are flushed)."""
+    """Looks at the first attempts' spans; warns once if gateway calls ran under no agent span in an
+    attempt that used an agent framework (the runner calls :meth:`after_attempt` once spans are flushed)."""
 
     def __init__(self, store: Any) -> None:
         self.store = store
@@ -77,9 +88,8 @@ class AttributionCheck:
         from agl.instrumentation import instrumented
 
         active = instrumented()
-        frameworks = [name for name in active if name not in _NOT_AGENT_FRAMEWORKS]
-        if not frameworks:
-            return
+        if not any(name not in _NOT_AGENT_FRAMEWORKS for name in active):
+            return  # no framework can have made spans: nothing to query
         try:
             spans = self.store.query_spans(rollout_id=rollout_id, attempt=attempt)
         except Exception as exc:  # noqa: BLE001 - a diagnostic must never fail the rollout
@@ -88,12 +98,16 @@ class AttributionCheck:
         missing, total = unattributed_calls(spans)
         if total == 0:
             return
+        frameworks = frameworks_used(spans)
+        if not frameworks:  # a plain-client attempt: its calls need no framework's agent span
+            self.checked += 1
+            return
         self.checked += 1
         if missing:
             self.warned = True
             log.warning(
                 "agl runner: %d of %d LLM calls of rollout %s attempt %d went through the gateway but ran "
-                "under no agent span, although %s %s instrumented: their transitions get agent=None and "
+                "under no agent span, although the attempt used %s: their transitions get agent=None and "
                 "Adapter(agents=[...]) cannot select them. Likely cause: %s. Run `agl doctor` from the "
                 "application's process to check the hooks. (Warned once.)",
                 missing,
@@ -101,6 +115,5 @@ class AttributionCheck:
                 rollout_id,
                 attempt,
                 ", ".join(frameworks),
-                "is" if len(frameworks) == 1 else "are",
                 _likely_cause(frameworks, active),
             )

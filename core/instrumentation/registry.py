@@ -1,5 +1,11 @@
 """``agl.instrument()``: find every installed integration and turn its framework's runs into spans.
 
+Only what the application uses is touched: ``agl.instrument()`` instruments an installed framework now
+if the application has already imported it, and otherwise when it is imported (a ``wrapt`` post-import
+hook), so the order of ``import crewai`` and ``agl.instrument()`` does not matter and a framework the
+application never imports is never loaded (importing one costs seconds and may write files, e.g.
+CrewAI's storage directory). ``agl doctor`` shows such an integration as "waiting for import".
+
 Integrations are Instrumentor classes (built on OpenTelemetry's ``BaseInstrumentor``) that plugins
 register through the ``agl_register_instrumentors`` hook (DESIGN §6). Built-in and third-party
 integrations are discovered the same way, through the ``agl`` entry-point group. The plugin manager
@@ -10,6 +16,8 @@ registry and no per-class singleton.
 from __future__ import annotations
 
 import logging
+import re
+import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -19,6 +27,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.sdk.trace import TracerProvider
 
 from agl import plugins
+from agl.errors import AglError
 from agl.instrumentation.toolkit import PatchLedger
 from agl.plugins import AglPluginManager, disabled_integrations, get_plugin_manager
 
@@ -34,17 +43,18 @@ __all__ = [
     "instrumented",
     "is_installed",
     "is_instrumented",
+    "is_waiting",
     "uninstrument",
 ]
 
 logger = logging.getLogger("agl.instrumentation")
 
 
-class MissingFrameworkError(ImportError):
+class MissingFrameworkError(AglError, ImportError):
     """An integration was asked for by name but its framework is not installed."""
 
 
-class IntegrationNotFoundError(ValueError):
+class IntegrationNotFoundError(AglError, ValueError):
     """No registered integration has that name."""
 
 
@@ -56,6 +66,7 @@ class Health:
     instrumented: bool
     problems: list[str] = field(default_factory=list)  # hooks lost or replaced since instrument()
     failures: dict[str, int] = field(default_factory=dict)  # guarded hook failures per site
+    waiting: bool = False  # agl.instrument() will instrument it when the application imports it
 
     @property
     def ok(self) -> bool:
@@ -113,7 +124,7 @@ class Instrumentor(BaseInstrumentor):
         on = bool(self.is_instrumented_by_opentelemetry)
         problems = self._problems() if on else []
         failures = get_plugin_manager().failures.counts(f"{self.name}.")
-        return Health(self.name, on, problems, failures)
+        return Health(self.name, on, problems, failures, waiting=is_waiting(self.name))
 
 
 # ---------------------------------------------------------------------------------------- registry
@@ -231,13 +242,16 @@ def instrument(
     tracer_provider: TracerProvider | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[str]:
-    """Instrument every integration whose framework is installed, or exactly the named ones.
+    """Instrument every integration whose framework the application uses, or exactly the named ones.
 
-    Returns the names now instrumented by this call (already-instrumented ones included). Naming an
-    unknown integration raises ``IntegrationNotFoundError`` listing the known ones; naming one whose
-    framework is missing raises ``MissingFrameworkError`` saying ``pip install 'agl[extra]'``. Both
-    are raised before anything is instrumented. Idempotent: instrumenting twice patches once; giving
-    another ``tracer_provider`` re-instruments with it. ``options`` passes keyword arguments to one
+    With no names, an installed framework the application has already imported is instrumented now and
+    one it has not is instrumented when it is imported (never imported on agl's behalf). Returns the
+    names instrumented by this call (already-instrumented ones included; those waiting for their import
+    are not). Naming an unknown integration raises ``IntegrationNotFoundError`` listing the known ones;
+    naming one whose framework is missing raises ``MissingFrameworkError`` saying
+    ``pip install 'agl[extra]'``. Both are raised before anything is instrumented. A named integration is
+    instrumented now (its framework imported if need be). Idempotent: instrumenting twice patches once;
+    giving another ``tracer_provider`` re-instruments with it. ``options`` passes keyword arguments to one
     integration's instrumentor, e.g. ``options={"openai_agents": {"replace_exporter": True}}``.
     """
     from agl.tracing import setup_tracing
@@ -259,34 +273,120 @@ def instrument(
         provider = setup_tracing(tracer_provider=tracer_provider)
         done: list[str] = []
         for cls in chosen:
-            instance = _instance(pm, cls)
-            if instance.is_instrumented_by_opentelemetry:
-                if instance.tracer_provider is provider and cls.name not in options:
-                    done.append(cls.name)
-                    continue
-                instance.uninstrument()
-                pm.active.pop(cls, None)
-            try:
-                instance.instrument(
-                    tracer_provider=provider, skip_dep_check=True, **options.get(cls.name, {})
-                )
-            except Exception:
-                instance.ledger.unpatch_all()
-                if names:
-                    raise
-                logger.exception("agl: instrumenting %r failed; continuing without it", cls.name)
-                continue
-            instance.tracer_provider = provider
-            pm.active[cls] = None
-            done.append(cls.name)
+            opts = options.get(cls.name)
+            if not names and not is_imported(cls):
+                _wait_for_import(cls, provider, opts)
+            elif _instrument_one(pm, cls, provider, opts, strict=bool(names)):
+                done.append(cls.name)
         return done
 
 
+def _instrument_one(
+    pm: AglPluginManager,
+    cls: type[Instrumentor],
+    provider: TracerProvider,
+    opts: Mapping[str, Any] | None,
+    *,
+    strict: bool,
+) -> bool:
+    """Instrument one integration (re-instrument on another provider or new options); True when done.
+    ``strict`` raises the integration's failure; otherwise it is logged and the integration skipped."""
+    _waiting.pop(cls.name, None)
+    instance = _instance(pm, cls)
+    if instance.is_instrumented_by_opentelemetry:
+        if instance.tracer_provider is provider and opts is None:
+            return True
+        instance.uninstrument()
+        pm.active.pop(cls, None)
+    try:
+        instance.instrument(tracer_provider=provider, skip_dep_check=True, **dict(opts or {}))
+    except Exception:
+        instance.ledger.unpatch_all()
+        if strict:
+            raise
+        logger.exception("agl: instrumenting %r failed; continuing without it", cls.name)
+        return False
+    instance.tracer_provider = provider
+    pm.active[cls] = None
+    return True
+
+
+# ------------------------------------------------------------------------------ post-import hooks
+
+#: integration name -> (tracer provider, options): instrumented when its framework is imported
+_waiting: dict[str, tuple[TracerProvider, Mapping[str, Any] | None]] = {}
+#: module names with a post-import hook (wrapt keeps a hook for good; it reads _waiting when it fires)
+_hooked: set[str] = set()
+_modules_of_dist: dict[str, set[str]] | None = None
+
+
+def _normalise(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def framework_modules(cls: type[Instrumentor]) -> set[str]:
+    """The top-level modules of the framework ``cls`` instruments, from the installed distributions'
+    metadata (``crewai`` -> ``crewai``, ``openai-agents`` -> ``agents``), read without importing them."""
+    global _modules_of_dist
+    if _modules_of_dist is None:
+        from importlib.metadata import packages_distributions
+
+        table: dict[str, set[str]] = {}
+        for module, dists in packages_distributions().items():
+            for dist in dists:
+                table.setdefault(_normalise(dist), set()).add(module)
+        _modules_of_dist = table
+    dists = {re.split(r"[\s<>=!~;\[]", req.strip(), maxsplit=1)[0] for req in cls.instruments}
+    return set().union(*(_modules_of_dist.get(_normalise(d), set()) for d in dists))
+
+
+def is_imported(cls: type[Instrumentor]) -> bool:
+    """Whether the application has imported the framework ``cls`` instruments (True when its modules
+    cannot be told from the metadata: then it is instrumented at once, as before)."""
+    modules = framework_modules(cls)
+    return not modules or any(m in sys.modules for m in modules)
+
+
+def is_waiting(name: str) -> bool:
+    """Whether ``agl.instrument()`` will instrument integration ``name`` when its framework is imported."""
+    return name in _waiting
+
+
+def _wait_for_import(
+    cls: type[Instrumentor], provider: TracerProvider, opts: Mapping[str, Any] | None
+) -> None:
+    import wrapt
+
+    _waiting[cls.name] = (provider, opts)
+    for module in sorted(framework_modules(cls)):
+        if module not in _hooked:
+            _hooked.add(module)
+            wrapt.register_post_import_hook(_on_import, module)
+
+
+def _on_import(module: Any) -> None:
+    """wrapt's post-import hook: instrument the integrations waiting for ``module``. Never raises: a
+    failure here must not break the application's import."""
+    try:
+        pm = get_plugin_manager()
+        with plugins._lock:
+            classes = _classes(pm)
+            for name, (provider, opts) in list(_waiting.items()):
+                cls = classes.get(name)
+                if cls is not None and module.__name__ in framework_modules(cls):
+                    _instrument_one(pm, cls, provider, opts, strict=False)
+    except Exception:  # noqa: BLE001 - the application's import goes on without the integration
+        logger.exception("agl: instrumenting on the import of %r failed", getattr(module, "__name__", module))
+
+
 def uninstrument(*names: str) -> list[str]:
-    """Undo ``instrument``: every instrumented integration, or the named ones. Returns their names."""
+    """Undo ``instrument``: every instrumented integration, or the named ones (those waiting for their
+    framework's import stop waiting). Returns the names that were instrumented."""
     pm = get_plugin_manager()
     with plugins._lock:
         registry = _classes(pm)
+        for name in names or list(_waiting):
+            _waiting.pop(name, None)
         if names:
             unknown = [n for n in names if n not in registry]
             if unknown:
@@ -309,3 +409,43 @@ def uninstrument(*names: str) -> list[str]:
                 instance.tracer_provider = None
                 done.append(cls.name)
         return done
+
+
+def lazy_instrumentors(*specs: str) -> tuple[Any, Any, list[str]]:
+    """Register Instrumentor classes, named ``"package.module:ClassName"``, without importing them.
+
+    Returns what an integration package's ``__init__`` binds, in one line::
+
+        agl_register_instrumentors, __getattr__, __all__ = lazy_instrumentors("pkg.instrumentor:XInstr")
+
+    i.e. its ``agl_register_instrumentors`` hook, a PEP 562 module ``__getattr__`` and its ``__all__``.
+    The plugin manager loads the package through the ``agl`` entry-point group; the class's module (and
+    with it the framework) is imported only when the hook runs or when someone reads the class's name
+    from the package, so discovering integrations stays cheap.
+    """
+    if not specs:
+        raise ValueError("lazy_instrumentors needs at least one 'module:ClassName'")
+    classes: dict[str, str] = {}
+    for spec in specs:
+        module, _, name = spec.partition(":")
+        if not module or not name.isidentifier():
+            raise ValueError(f"expected 'module:ClassName', got {spec!r}")
+        classes[name] = module
+
+    def load(name: str) -> type[Instrumentor]:
+        import importlib
+
+        cls: type[Instrumentor] = getattr(importlib.import_module(classes[name]), name)
+        return cls
+
+    @plugins.hookimpl
+    def agl_register_instrumentors(register: Any) -> None:
+        for name in classes:
+            register(load(name))
+
+    def module_getattr(name: str) -> object:
+        if name in classes:
+            return load(name)
+        raise AttributeError(name)
+
+    return agl_register_instrumentors, module_getattr, [*classes, "agl_register_instrumentors"]

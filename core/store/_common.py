@@ -21,13 +21,19 @@ __all__ = [
     "Backoff",
     "ChangeFeed",
     "check_attempt_number",
+    "check_claim_args",
     "check_error",
     "check_finish_status",
     "check_ids",
     "check_limit",
     "check_mode",
     "check_modes",
+    "check_finish_args",
     "check_offset",
+    "check_resources_version",
+    "check_rollout_query",
+    "check_span_query",
+    "check_wait_args",
     "check_statuses",
     "check_timeout",
     "coerce_many",
@@ -165,6 +171,59 @@ def check_attempt_number(attempt: Any) -> int:
     if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
         raise InvalidInputError(f"attempt must be an integer >= 1, got {attempt!r}")
     return attempt
+
+
+# ------------------------------------------------- the argument checks that open each store method
+# Every store (memory, SQLite, PostgreSQL) opens its methods with these, so they refuse the same
+# input, in the same order, with the same message.
+
+
+def check_claim_args(worker_id: Any, timeout_s: Any, modes: Any) -> tuple[float, tuple[str, ...] | None]:
+    """``claim``'s arguments: the timeout in seconds and the mode filter."""
+    timeout = check_timeout(timeout_s)
+    mode_filter = check_modes(modes)
+    if worker_id is not None and not isinstance(worker_id, str):
+        raise InvalidInputError(f"worker_id must be a string, got {worker_id!r}")
+    return timeout, mode_filter
+
+
+def check_finish_args(attempt: Any, status: Any, error: Any) -> AttemptError | None:
+    """``finish_attempt``'s arguments; returns the error as a model."""
+    check_finish_status(status)
+    check_attempt_number(attempt)
+    return check_error(error)
+
+
+def check_rollout_query(
+    status: Any, mode: Any, limit: Any, offset: Any, ids: Any
+) -> tuple[tuple[str, ...] | None, int | None, int, list[str] | None]:
+    """``query_rollouts``'s arguments: (statuses, limit, offset, ids without repeats)."""
+    statuses = check_statuses(status)
+    check_mode(mode)
+    checked_limit = check_limit(limit)
+    skip = check_offset(offset)
+    id_list = None if ids is None else list(dict.fromkeys(check_ids(ids)))
+    return statuses, checked_limit, skip, id_list
+
+
+def check_span_query(attempt: Any, limit: Any) -> int | None:
+    """``query_spans``'s arguments; returns the limit."""
+    checked_limit = check_limit(limit)
+    if attempt is not None:
+        check_attempt_number(attempt)
+    return checked_limit
+
+
+def check_wait_args(ids: Any, timeout_s: Any) -> tuple[float, list[str]]:
+    """``wait_for_rollouts``'s arguments: the timeout and the ids without repeats."""
+    timeout = check_timeout(timeout_s)
+    return timeout, list(dict.fromkeys(check_ids(ids)))
+
+
+def check_resources_version(version: Any) -> None:
+    """A resources version to look up: ``None`` (the latest) or an integer."""
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        raise InvalidInputError(f"resources version must be an integer, got {version!r}")
 
 
 def make_resources(version: int, items: Any) -> Resources:

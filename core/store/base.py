@@ -46,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from agl.errors import AglError
 from agl.types import (
     Attempt,
     AttemptError,
@@ -72,7 +73,7 @@ __all__ = [
 FINISH_STATUSES = ("succeeded", "failed")
 
 
-class StoreError(Exception):
+class StoreError(AglError):
     """Base of every error a store raises on purpose. ``status`` is the HTTP status the server uses."""
 
     status = 400

@@ -21,19 +21,18 @@ from typing import Any
 from agl.store._common import (
     ChangeFeed,
     check_attempt_number,
-    check_error,
-    check_finish_status,
-    check_ids,
+    check_claim_args,
+    check_finish_args,
     check_limit,
     check_mode,
-    check_modes,
-    check_offset,
-    check_statuses,
-    check_timeout,
+    check_resources_version,
+    check_rollout_query,
+    check_span_query,
+    check_wait_args,
     coerce_many,
     make_resources,
 )
-from agl.store.base import ConflictError, InvalidInputError, NotFoundError
+from agl.store.base import ConflictError, NotFoundError
 from agl.types import (
     Attempt,
     AttemptError,
@@ -295,10 +294,7 @@ class MemoryStore:
     def claim(
         self, worker_id: str, *, timeout_s: float = 0.0, modes: Sequence[Mode] | None = None
     ) -> Claim | None:
-        timeout_s = check_timeout(timeout_s)
-        mode_filter = check_modes(modes)
-        if worker_id is not None and not isinstance(worker_id, str):
-            raise InvalidInputError(f"worker_id must be a string, got {worker_id!r}")
+        timeout_s, mode_filter = check_claim_args(worker_id, timeout_s, modes)
         with self._lock:
             deadline = time.time() + timeout_s
             while True:
@@ -335,9 +331,7 @@ class MemoryStore:
     def finish_attempt(
         self, rollout_id: str, attempt: int, status: str, *, error: AttemptError | None = None
     ) -> Rollout:
-        check_finish_status(status)
-        check_attempt_number(attempt)
-        err = check_error(error)
+        err = check_finish_args(attempt, status, error)
         with self._lock:
             self._check_open()
             now = time.time()
@@ -391,11 +385,7 @@ class MemoryStore:
         limit: int | None = None,
         offset: int | None = None,
     ) -> list[Rollout]:
-        statuses = check_statuses(status)
-        check_mode(mode)
-        limit = check_limit(limit)
-        skip = check_offset(offset)
-        id_list = None if ids is None else check_ids(ids)
+        statuses, limit, skip, id_list = check_rollout_query(status, mode, limit, offset, ids)
         with self._lock:
             self._reap(time.time())
             if id_list is not None:
@@ -428,8 +418,7 @@ class MemoryStore:
             return list(self._rec(rollout_id).attempts)
 
     def wait_for_rollouts(self, ids: Sequence[str], *, timeout_s: float) -> list[Rollout]:
-        timeout_s = check_timeout(timeout_s)
-        id_list = list(dict.fromkeys(check_ids(ids)))
+        timeout_s, id_list = check_wait_args(ids, timeout_s)
         with self._lock:
             for rid in id_list:
                 self._rec(rid)
@@ -505,9 +494,7 @@ class MemoryStore:
         include_stale: bool = True,
         limit: int | None = None,
     ) -> list[Span]:
-        limit = check_limit(limit)
-        if attempt is not None:
-            check_attempt_number(attempt)
+        limit = check_span_query(attempt, limit)
         with self._lock:
             self._reap(time.time())
             spans = self._spans
@@ -569,8 +556,7 @@ class MemoryStore:
         with self._lock:
             if version is None:
                 return self._resources[-1] if self._resources else None
-            if isinstance(version, bool) or not isinstance(version, int):
-                raise InvalidInputError(f"resources version must be an integer, got {version!r}")
+            check_resources_version(version)
             if 1 <= version <= len(self._resources):
                 return self._resources[version - 1]
             raise NotFoundError(f"resources version {version} not found")

@@ -23,34 +23,53 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import hmac
 import json
 import math
-import os
 import socket
-import subprocess
-import sys
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import anyio
 import anyio.to_thread
-import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
-from agl.dashboard.mount import UI_PREFIX, LazyUI, is_public_ui_path
 from agl.http_limits import HttpLimits, is_loopback
-from agl.store._common import describe_validation_error
+from agl.store._process import ServerProcess
+from agl.store._serverkit import (
+    _JSON,
+    _Body,
+    _BodyTooLarge,
+    _ClaimIn,
+    _dump,
+    _EnqueueIn,
+    _error,
+    _FinishIn,
+    _Guard,
+    _on_disconnect,
+    _on_http_exception,
+    _on_overflow,
+    _on_store_error,
+    _on_too_large,
+    _on_validation_error,
+    _ResourcesIn,
+    _RolloutQuery,
+    _SpanQuery,
+    _SpansIn,
+    _TaskQuery,
+    _TasksIn,
+    _WaitIn,
+    _Waker,
+)
 from agl.store._wire import dump_spans
 from agl.store.base import InvalidInputError, Store, StoreError
-from agl.types import AttemptError, Claim, Mode, NewRollout, Rollout, Span, Task
+from agl.types import AttemptError, Claim, Rollout
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -70,249 +89,19 @@ LONG_POLL_CAP_S = 30.0
 _POLL_SLICE_S = 1.0
 _IDEM_CACHE = 10_000
 
-_JSON = "application/json"
-_MAX_INT = 2**63 - 1
-
-
-# ------------------------------------------------------------------------------------ wire envelopes
-
-
-class _Body(BaseModel):
-    # built on first use, not at import: the server answers /health sooner after start
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
-
-
-class _TasksIn(_Body):
-    tasks: list[Task]
-
-
-class _TaskQuery(_Body):
-    mode: Mode | None = None
-    limit: int | None = Field(default=None, ge=0, le=_MAX_INT)
-
-
-class _EnqueueIn(_Body):
-    rollouts: list[NewRollout]
-    idempotency_key: str | None = Field(default=None, min_length=1, max_length=256)
-
-
-class _ClaimIn(_Body):
-    worker_id: str | None = None
-    timeout_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-    modes: list[Mode] | None = None
-
-
-class _FinishIn(_Body):
-    status: str
-    error: AttemptError | None = None
-
-
-class _RolloutQuery(_Body):
-    status: str | list[str] | None = None
-    mode: Mode | None = None
-    group_id: str | None = None
-    ids: list[str] | None = None
-    limit: int | None = Field(default=None, ge=0, le=_MAX_INT)
-    offset: int | None = Field(default=None, ge=0, le=_MAX_INT)
-
-
-class _WaitIn(_Body):
-    ids: list[str]
-    timeout_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-
-
-class _SpansIn(_Body):
-    spans: list[Span]
-    idempotency_key: str | None = Field(default=None, min_length=1, max_length=256)
-
-
-class _SpanQuery(_Body):
-    rollout_id: str | None = None
-    attempt: int | None = Field(default=None, ge=1, le=_MAX_INT)
-    name: str | None = None
-    trace_id: str | None = None
-    include_stale: bool = True
-    limit: int | None = Field(default=None, ge=0, le=_MAX_INT)
-
-
-class _ResourcesIn(_Body):
-    items: dict[str, Any]
-
-
-#: Lists and optionals of agl.types models are written by the models' own serializers (as fast as a
-#: TypeAdapter, without building one at import: start-up time is part of the contract).
-_dump = pydantic_core.to_json
-
-
-# ------------------------------------------------------------------------------------------- errors
-
-
-def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> Response:
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    return Response(body, status_code=status, media_type=_JSON, headers=headers)
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-_HTTP_CODES = {
-    400: "bad_request",
-    401: "unauthorized",
-    404: "no_route",
-    405: "method_not_allowed",
-    413: "body_too_large",
-    422: "idempotency_key_reused",
-    415: "unsupported_media_type",
-}
-
-
-async def _on_store_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, StoreError)
-    return _error(exc.status, exc.code, str(exc))
-
-
-async def _on_validation_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ValidationError)
-    errors = exc.errors()
-    if errors and errors[0].get("type") == "json_invalid":
-        return _error(400, "invalid_json", f"request body is not valid JSON: {errors[0].get('msg', '')}")
-    return _error(400, "invalid_input", f"invalid request body: {describe_validation_error(exc)}")
-
-
-async def _on_http_exception(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    code = _HTTP_CODES.get(exc.status_code, "http_error")
-    message = exc.detail
-    if exc.status_code == 404:
-        message = f"no route {request.method} {request.url.path}"
-    elif exc.status_code == 405:
-        allow = (exc.headers or {}).get("Allow", "")
-        message = f"method {request.method} not allowed on {request.url.path} (allowed: {allow})"
-    return _error(exc.status_code, code, message, headers=exc.headers)
-
-
-async def _on_overflow(request: Request, exc: Exception) -> Response:
-    # A store backed by SQLite refuses integers beyond 64 bits this way; it is the caller's number.
-    return _error(400, "invalid_input", f"a number in the request is out of range (64-bit integers): {exc}")
-
-
-async def _on_too_large(request: Request, exc: Exception) -> Response:
-    return _error(413, "body_too_large", str(exc))
-
-
-async def _on_disconnect(request: Request, exc: Exception) -> Response:
-    return _error(400, "client_disconnected", "the client went away while sending the body")
-
-
-# -------------------------------------------------------------------------------------------- guard
-
-
-class _Guard:
-    """Pure-ASGI outer layer: bearer-token check on every route but ``/health``.
-
-    Runs before routing, so an unauthenticated caller learns nothing about routes; the comparison is
-    constant-time (``hmac.compare_digest``).
-    """
-
-    def __init__(self, app: Any, token: str | None) -> None:
-        self.app = app
-        self._expected = f"Bearer {token}".encode() if token else None
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if (
-            self._expected is not None
-            and scope["type"] == "http"
-            and scope["path"] != "/health"
-            and not is_public_ui_path(scope["path"])  # the dashboard page; its /ui/api/ is guarded
-        ):
-            got = b""
-            for name, value in scope["headers"]:
-                if name == b"authorization":
-                    got = value
-                    break
-            if not hmac.compare_digest(got, self._expected):
-                message = "missing bearer token" if not got else "invalid bearer token"
-                response = _error(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-# ------------------------------------------------------------------------------------------- waking
-
-
-class _Waker:
-    """Turns one store's change feed into an awaitable for the server's waiting long-polls.
-
-    ``changed`` is a future shared by every waiter, resolved (and replaced) on each change the store
-    announces from any thread (for PostgreSQL: a NOTIFY from any server). While anyone waits, one pump
-    task calls ``store.poke()`` when a lease may run out (the only change no write announces; for
-    SQLite also to notice other processes' writes) and sleeps otherwise: thousands of waiting requests
-    cost a future each, not a thread each.
-    """
-
-    def __init__(self, store: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self.store = store
-        self.loop = loop
-        self.changed: asyncio.Future[None] = loop.create_future()
-        #: bumped on every change; ``empty[key]`` is the generation at which a claim with that mode filter
-        #: found nothing, so the other waiting claimers skip their (equally futile) try
-        self.generation = 0
-        self.empty: dict[Any, int] = {}
-        self._lease = asyncio.Event()
-        self._waiting = 0
-        self._pump: asyncio.Task[None] | None = None
-        self._unsubscribe = store.changes.subscribe(self._on_change)
-
-    def _on_change(self, topic: str) -> None:  # any thread
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
-            self.loop.call_soon_threadsafe(self._fire, topic)
-
-    def _fire(self, topic: str) -> None:
-        if topic == "lease":
-            self._lease.set()
-            return
-        if not self.changed.done():
-            self.changed.set_result(None)
-        self.changed = self.loop.create_future()
-        self.generation += 1
-
-    def enter(self) -> None:
-        self._waiting += 1
-        if self._pump is None or self._pump.done():
-            self._pump = asyncio.ensure_future(self._run_pump())
-
-    def leave(self) -> None:
-        self._waiting -= 1
-        if self._waiting == 0:
-            self._lease.set()  # let the pump see it is no longer needed
-
-    async def _run_pump(self) -> None:
-        while self._waiting > 0:
-            self._lease.clear()
-            try:
-                delay = self.store.poke()
-            except StoreError:
-                return  # closed
-            except Exception:  # noqa: BLE001 - e.g. the database is briefly unreachable: try again soon
-                delay = 1.0
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._lease.wait(), timeout=min(delay, 3600.0) + 0.001)
-
-    def close(self) -> None:
-        self._unsubscribe()
-        if self._pump is not None:
-            self._pump.cancel()
-        if not self.changed.done():
-            self.changed.set_result(None)
-
 
 # ------------------------------------------------------------------------------------------- server
 
 
 class StoreServer:
-    """The request handlers over one store."""
+    """The request handlers over one store, plus any extra ASGI apps mounted beside them.
+
+    ``mounts`` maps a path prefix (``"/ui"``) to an ASGI app served under it, after the store's routes
+    and behind the same token guard. An app may say which of its paths need no token
+    (``is_public(path_within_the_mount) -> bool``) and may have a ``close()``, called when the server
+    closes. ``agl store serve`` mounts the dashboard this way (``agl.dashboard.mount.ui_mounts``); the
+    store layer itself knows nothing of it.
+    """
 
     def __init__(
         self,
@@ -320,6 +109,7 @@ class StoreServer:
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         long_poll_cap_s: float = LONG_POLL_CAP_S,
+        mounts: Mapping[str, Any] | None = None,
     ) -> None:
         self.store = store
         self.max_body_bytes = max_body_bytes
@@ -332,8 +122,8 @@ class StoreServer:
         self.active_polls = 0
         self._poll_limiter: anyio.CapacityLimiter | None = None
         self._wakers: dict[int, _Waker] = {}
-        #: the dashboard under /ui (built on its first request)
-        self.ui = LazyUI(store)
+        #: extra ASGI apps by path prefix (e.g. the dashboard under /ui)
+        self.mounts = _check_mounts(mounts)
 
     # ------------------------------------------------------------ plumbing
     def _store(self, request: Request) -> Store:
@@ -717,15 +507,40 @@ class StoreServer:
         ]
         routes: list[Any] = [Route("/health", self.health, methods=["GET"])]
         routes += [Route(path, fn, methods=list(methods)) for path, fn, methods in table]
-        routes.append(Mount(UI_PREFIX, app=self.ui))
+        routes += [Mount(prefix, app=app) for prefix, app in self.mounts.items()]
         return routes
+
+    def is_public(self, path: str) -> bool:
+        """Whether ``path`` falls in a mount that serves it without a token."""
+        for prefix, app in self.mounts.items():
+            if path == prefix or path.startswith(prefix + "/"):
+                public = getattr(app, "is_public", None)
+                return public is not None and bool(public(path[len(prefix) :]))
+        return False
 
     def close(self) -> None:
         self._closing = True
         for waker in self._wakers.values():
             waker.close()
         self._wakers.clear()
-        self.ui.close()
+        for app in self.mounts.values():
+            close = getattr(app, "close", None)
+            if callable(close):
+                close()
+
+
+def _check_mounts(mounts: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The mounts as a dict, each prefix a path like ``/ui`` (a leading ``/``, no trailing one)."""
+    if mounts is None:
+        return {}
+    if not isinstance(mounts, Mapping):
+        raise ValueError(f"mounts must map a path prefix to an ASGI app, got {type(mounts).__name__}")
+    for prefix, app in mounts.items():
+        if not isinstance(prefix, str) or not prefix.startswith("/") or prefix.endswith("/"):
+            raise ValueError(f"a mount prefix must look like '/ui' (no trailing slash), got {prefix!r}")
+        if not callable(app):
+            raise ValueError(f"the app mounted at {prefix} is not an ASGI callable: {app!r}")
+    return dict(mounts)
 
 
 def create_app(
@@ -735,8 +550,10 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     long_poll_cap_s: float = LONG_POLL_CAP_S,
     close_store: bool = True,
+    mounts: Mapping[str, Any] | None = None,
 ) -> Any:
-    """The ASGI app serving ``store`` (test-only routes live in ``agl.testing.store_server``)."""
+    """The ASGI app serving ``store`` (test-only routes live in ``agl.testing.store_server``);
+    ``mounts``: extra ASGI apps by path prefix (see :class:`StoreServer`)."""
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     if not math.isfinite(long_poll_cap_s) or long_poll_cap_s <= 0:
@@ -745,6 +562,7 @@ def create_app(
         store,
         max_body_bytes=max_body_bytes,
         long_poll_cap_s=long_poll_cap_s,
+        mounts=mounts,
     )
 
     @contextlib.asynccontextmanager
@@ -769,7 +587,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.server = server
-    guarded = _Guard(app, token)
+    guarded = _Guard(app, token, server.is_public)
     guarded.server = server  # type: ignore[attr-defined]
     return guarded
 
@@ -787,134 +605,6 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-class ServerProcess:
-    """``agl store serve`` in a child process: for tests, benchmarks and crash drills.
-
-    ``start()`` returns once the server prints its ready line (with the real port when ``port=0``);
-    ``kill()`` sends SIGKILL, as a crash would; ``start()`` again restarts it on the same database.
-    """
-
-    def __init__(
-        self,
-        db: str | os.PathLike[str] | None = None,
-        *,
-        store_url: str | None = None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        token: str | None = None,
-        env: dict[str, str] | None = None,
-        args: Sequence[str] = (),
-        log_path: str | os.PathLike[str] | None = None,
-    ) -> None:
-        if (db is None) == (store_url is None):
-            raise ValueError("give exactly one of db= or store_url=")
-        self.db = db
-        self.store_url = store_url
-        self.host = host
-        self.port = port
-        self.token = token
-        self.env = env or {}
-        self.args = list(args)
-        self.log_path = log_path
-        self.url: str | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def command(self) -> list[str]:
-        where = ["--db", os.fspath(self.db)] if self.db is not None else ["--store", str(self.store_url)]
-        port = self.port
-        if self.url is not None and port == 0:
-            port = int(self.url.rsplit(":", 1)[1])  # a restart keeps the address clients know
-        cmd = [
-            sys.executable,
-            "-m",
-            "agl.cli",
-            "store",
-            "serve",
-            *where,
-            "--host",
-            self.host,
-            "--port",
-            str(port),
-        ]
-        return cmd + self.args
-
-    def start(self, timeout_s: float = 30.0) -> str:
-        import selectors
-
-        env = {**os.environ, **self.env}
-        if self.token is not None:
-            env["AGL_STORE_TOKEN"] = self.token
-        log = open(self.log_path, "ab") if self.log_path is not None else subprocess.DEVNULL  # noqa: SIM115
-        try:
-            self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=log, env=env)
-        finally:
-            if log is not subprocess.DEVNULL:
-                log.close()  # type: ignore[union-attr]
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout_s
-        line = b""
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sel.select(remaining):
-                self.kill()
-                raise TimeoutError(f"store server did not start within {timeout_s}s: {self.command()}")
-            chunk = os.read(self.proc.stdout.fileno(), 4096)
-            if not chunk:
-                code = self.proc.wait()
-                raise RuntimeError(f"store server exited with {code} before it was ready: {self.command()}")
-            line += chunk
-        sel.close()
-        self.url = line.decode().split()[-1]
-        return self.url
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown handler runs, exactly like a crash."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-        if self.proc is not None:
-            self.proc.wait()
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-        """One plain request (stdlib client) with the token, for test plumbing."""
-        import http.client
-        from urllib.parse import urlsplit
-
-        assert self.url is not None, "start() first"
-        parts = urlsplit(self.url)
-        conn = http.client.HTTPConnection(parts.hostname or self.host, parts.port, timeout=30)
-        headers = {"content-type": "application/json"}
-        if self.token:
-            headers["authorization"] = f"Bearer {self.token}"
-        try:
-            conn.request(method, path, body=body, headers=headers)
-            resp = conn.getresponse()
-            return resp.status, resp.read()
-        finally:
-            conn.close()
-
-    def __enter__(self) -> ServerProcess:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
 @contextlib.contextmanager
 def serve_in_thread(
     store: Store | Any,
@@ -924,6 +614,7 @@ def serve_in_thread(
     long_poll_cap_s: float = LONG_POLL_CAP_S,
     close_store: bool = False,
     limits: HttpLimits | None = None,
+    mounts: Mapping[str, Any] | None = None,
 ) -> Iterator[str]:
     """Serve ``store`` (or an app from ``create_app``) with uvicorn in a background thread on a free
     127.0.0.1 port; yields the URL. For tests and notebooks. ``limits``: read timeouts and the
@@ -941,6 +632,7 @@ def serve_in_thread(
             max_body_bytes=max_body_bytes,
             long_poll_cap_s=long_poll_cap_s,
             close_store=close_store,
+            mounts=mounts,
         )
     sock = _bind("127.0.0.1", 0)
     config = uvicorn.Config(
@@ -980,12 +672,14 @@ def serve(
     log_level: str = "warning",
     wrap: Callable[[Any], Any] | None = None,
     limits: HttpLimits | None = None,
+    mounts: Mapping[str, Any] | None = None,
 ) -> None:
     """Serve ``store`` until SIGINT/SIGTERM; prints ``<ready_message> http://host:port`` once listening.
 
     Refuses a non-loopback address without a token: the store holds prompts, rewards and model endpoints.
     ``limits``: header/body read timeouts and the per-client connection cap (default
-    :class:`~agl.http_limits.HttpLimits`).
+    :class:`~agl.http_limits.HttpLimits`). ``mounts``: extra ASGI apps by path prefix (``agl store
+    serve`` mounts the dashboard at ``/ui``).
     """
     if not token and not is_loopback(host):
         raise ValueError(
@@ -994,7 +688,7 @@ def serve(
         )
     import uvicorn
 
-    app = create_app(store, token=token, max_body_bytes=max_body_bytes)
+    app = create_app(store, token=token, max_body_bytes=max_body_bytes, mounts=mounts)
     if wrap is not None:  # agl.testing.store_server adds its test-only routes this way
         app = wrap(app)
     sock = _bind(host, port)

@@ -3,7 +3,7 @@
 Starting ``agl store serve`` per test costs about half a second, so the store conformance suite runs
 over HTTP against one process that serves extra, separate stores under ``/_test/stores/{ns}/...``.
 These routes are deliberately *not* part of the production app (``agl.store.server.create_app``):
-this module wraps that app with them, and only ``python -m agl.testing.store_server`` (what
+this module wraps that app with them, and only ``python -m agl.cli._test_store_server`` (what
 :func:`shared_test_server` starts) serves the wrapped app.
 
 - ``POST /_test/stores`` → ``{"namespace": "ns1", "prefix": "/_test/stores/ns1"}``: a fresh store,
@@ -13,7 +13,6 @@ this module wraps that app with them, and only ``python -m agl.testing.store_ser
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -23,7 +22,7 @@ from typing import Any
 
 from agl.store.server import ServerProcess, create_app
 
-__all__ = ["NamespacedStores", "TestStoreServer", "main", "shared_test_server"]
+__all__ = ["NamespacedStores", "TestStoreServer", "serve_test_store", "shared_test_server"]
 
 PREFIX = "/_test/stores"
 
@@ -129,32 +128,30 @@ def _factory(db: Path) -> Callable[[str], Any]:
     return lambda ns: open_store(f"sqlite:///{db.with_name(db.stem + '.' + ns + suffix)}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m agl.testing.store_server --db PATH [--host H] [--port N]``: ``agl store serve`` plus
-    the test routes. Prints the same ready line as ``agl store serve``."""
+def serve_test_store(db: str, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    """``agl store serve`` plus the test routes, over ``db`` (a SQLite path or a postgresql:// URL);
+    prints the same ready line. ``python -m agl.cli._test_store_server`` runs it (the bearer token
+    from ``$AGL_STORE_TOKEN``)."""
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     from agl.store import open as open_store
     from agl.store.server import serve
 
-    parser = argparse.ArgumentParser(prog="python -m agl.testing.store_server")
-    parser.add_argument("--db", required=True)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    args = parser.parse_args(argv)
     token = os.environ.get("AGL_STORE_TOKEN") or None
-    if args.db.startswith(("postgresql://", "postgres://")):  # --db may name a PostgreSQL database
-        store, factory = open_store(args.db), _pg_factory(args.db)
+    if db.startswith(("postgresql://", "postgres://")):  # --db may name a PostgreSQL database
+        store, factory = open_store(db), _pg_factory(db)
     else:
-        db = Path(args.db)
-        store, factory = open_store(f"sqlite:///{db}"), _factory(db)
+        path = Path(db)
+        store, factory = open_store(f"sqlite:///{path}"), _factory(path)
+    from agl.dashboard.mount import ui_mounts
+
     serve(
         store,
-        host=args.host,
-        port=args.port,
+        mounts=ui_mounts(store),  # as `agl store serve`
+        host=host,
+        port=port,
         token=token,
         wrap=lambda app: NamespacedStores(app, factory, token=token),
     )
-    return 0
 
 
 class TestStoreServer(ServerProcess):
@@ -167,7 +164,7 @@ class TestStoreServer(ServerProcess):
         port = self.port
         if self.url is not None and port == 0:
             port = int(self.url.rsplit(":", 1)[1])
-        cmd = [sys.executable, "-m", "agl.testing.store_server", "--db", os.fspath(self.db)]
+        cmd = [sys.executable, "-m", "agl.cli._test_store_server", "--db", os.fspath(self.db)]
         return [*cmd, "--host", self.host, "--port", str(port), *self.args]
 
     def new_namespace(self) -> str:
@@ -204,7 +201,3 @@ def shared_test_server() -> TestStoreServer:
         atexit.register(cleanup)
         _shared["server"] = server
     return server
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -11,7 +11,9 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from examples._cli import add_schedule_options
+from agl.config import LoopConfig, RunConfig
+from agl.run.settings import Serving
+from examples._cli import add_config_options, add_schedule_options
 
 __all__ = ["dev", "main", "parser", "train"]
 
@@ -47,20 +49,25 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--model", default=None, help="a local model path (default: embedded SmolLM2-135M)")
     t.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
     t.add_argument("--vllm-url", default=None, help="the vLLM OpenAI server (with --backend vllm)")
-    t.add_argument("--run-dir", default="runs/crew_agent")
-    t.add_argument("--steps", type=int, default=16)
-    t.add_argument("--tasks-per-step", type=int, default=4)
+    add_config_options(t, Serving, ["run_dir"], run_dir={"default": "runs/crew_agent"})
+    add_config_options(
+        t, LoopConfig, ["steps", "tasks_per_step"], steps={"default": 16}, tasks_per_step={"default": 4}
+    )
     t.add_argument("--group-size", type=int, default=4)
     t.add_argument("--val-tasks", type=int, default=24, help="held-out tasks evaluated (0: none)")
-    t.add_argument("--val-every", type=int, default=8)
+    add_config_options(t, LoopConfig, ["val_every"], val_every={"default": 8})
     add_schedule_options(t)
-    t.add_argument("--max-tokens", type=int, default=64)
-    t.add_argument("--temperature", type=float, default=0.7)
-    t.add_argument("--learning-rate", type=float, default=3e-4)
-    t.add_argument("--lora-r", type=int, default=16)
-    t.add_argument("--runners", type=int, default=8, help="rollouts run at once")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--resume", action="store_true")
+    add_config_options(
+        t,
+        RunConfig,
+        ["max_tokens", "temperature", "learning_rate", "lora_r"],
+        max_tokens={"help": "the longest reply the writer may write"},
+        temperature={"default": 0.7, "help": "the sampling temperature (the update's too)"},
+        learning_rate={"default": 3e-4, "help": "the update's learning rate"},
+        lora_r={"help": "LoRA rank"},
+    )
+    add_config_options(t, Serving, ["runners"], runners={"default": 8, "help": "rollouts run at once"})
+    add_config_options(t, LoopConfig, ["seed", "resume"])
 
     for sp in (d, t):
         g = sp.add_argument_group("researcher on a fixed model (default: the same model as the writer)")

@@ -22,6 +22,10 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from agl.cli.config_args import add_config_arguments  # noqa: E402 (after the environment defaults)
+from agl.config import LoopConfig, RunConfig  # noqa: E402
+from agl.run.settings import Serving  # noqa: E402
+
 
 def _trainer(args: argparse.Namespace, seed: int, run_dir: Path) -> Any:
     import agl
@@ -179,28 +183,88 @@ def cmd_dev(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _common(sp: argparse.ArgumentParser) -> None:
+    """The model, sampling and run-directory flags of every sub-command (from Serving/RunConfig fields)."""
+    add_config_arguments(
+        sp,
+        Serving,
+        only=["model", "runners"],
+        overrides={
+            "model": {"help": "local HF model dir (default: embedded SmolLM2-135M-Instruct)"},
+            "runners": {"default": 8, "help": "rollouts run at once (the gateway batches them)"},
+        },
+    )
+    add_config_arguments(
+        sp,
+        RunConfig,
+        only=["temperature", "max_tokens"],
+        overrides={
+            "temperature": {"help": "sampling temperature (default: 1.0)"},
+            "max_tokens": {"default": 16, "help": "longest reply in tokens (default: 16)"},
+        },
+    )
+    sp.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    add_config_arguments(
+        sp,
+        Serving,
+        only=["run_dir"],
+        overrides={
+            "run_dir": {
+                "default": None,
+                "help": "where metrics, checkpoints and the SQLite store go (default: a new "
+                "runs/<name>/<timestamp> directory per run)",
+            }
+        },
+    )
+    sp.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --run-dir")
+
+
+def _train_flags(sp: argparse.ArgumentParser, name: str) -> None:
+    """``train``'s and ``seeds``' loop and update flags (from LoopConfig/RunConfig, this run's defaults)."""
+    add_config_arguments(
+        sp,
+        LoopConfig,
+        only=["steps", "tasks_per_step"],
+        overrides={
+            "steps": {"default": 8, "help": "LightningRL steps (default: 8)"},
+            "tasks_per_step": {"default": 4, "help": "tasks per step (default: 4)"},
+        },
+    )
+    sp.add_argument(
+        "--group-size", type=int, default=4, help="rollouts per task, the GRPO group (default: 4)"
+    )
+    add_config_arguments(
+        sp,
+        RunConfig,
+        only=["learning_rate", "lora_r", "micro_batch_tokens"],
+        overrides={
+            "learning_rate": {"flags": ["--lr"], "default": 1e-3, "help": "learning rate (default: 1e-3)"},
+            "lora_r": {"help": "LoRA rank; alpha is 2r (default: 16)"},
+            "micro_batch_tokens": {
+                "default": 2048,
+                "help": "tokens per update micro-batch: lower it to use less memory (default: 2048)",
+            },
+        },
+    )
+    sp.add_argument("--val-size", type=int, default=24, help="held-out questions (default: 24)")
+    add_config_arguments(
+        sp,
+        LoopConfig,
+        only=["val_every"],
+        overrides={"val_every": {"default": 2, "help": "measure held-out reward every N steps (default: 2)"}},
+    )
+    if name == "train":
+        add_config_arguments(
+            sp, LoopConfig, only=["seed"], overrides={"seed": {"help": "random seed (default: 0)"}}
+        )
+    else:
+        sp.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds (default: 0 1)")
+
+
+def parser() -> argparse.ArgumentParser:
+    """``python -m examples.learn_on_cpu``'s parser: ``train``, ``seeds`` and ``dev``."""
     p = argparse.ArgumentParser(prog="python -m examples.learn_on_cpu", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-
-    def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument(
-            "--model", default=None, help="local HF model dir (default: embedded SmolLM2-135M-Instruct)"
-        )
-        sp.add_argument(
-            "--runners", type=int, default=8, help="rollouts run at once (the gateway batches them)"
-        )
-        sp.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
-        sp.add_argument("--max-tokens", type=int, default=16, help="longest reply in tokens (default: 16)")
-        sp.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-        sp.add_argument(
-            "--run-dir",
-            default=None,
-            help="where metrics, checkpoints and the SQLite store go (default: a new "
-            "runs/<name>/<timestamp> directory per run)",
-        )
-        sp.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --run-dir")
-
     helps = {
         "train": "one LightningRL run: held-out reward before, during and after",
         "seeds": "the same run for several seeds, then the before/after table and one PNG of all curves",
@@ -208,38 +272,22 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name in ("train", "seeds"):
         sp = sub.add_parser(name, help=helps[name], description=helps[name])
-        common(sp)
+        _common(sp)
         sp.set_defaults(default_name="learn_on_cpu" if name == "train" else "learn_on_cpu_seeds")
-        sp.add_argument("--steps", type=int, default=8, help="LightningRL steps (default: 8)")
-        sp.add_argument("--tasks-per-step", type=int, default=4, help="tasks per step (default: 4)")
-        sp.add_argument(
-            "--group-size", type=int, default=4, help="rollouts per task, the GRPO group (default: 4)"
-        )
-        sp.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
-        sp.add_argument("--lora-r", type=int, default=16, help="LoRA rank; alpha is 2r (default: 16)")
-        sp.add_argument(
-            "--micro-batch-tokens",
-            type=int,
-            default=2048,
-            help="tokens per update micro-batch: lower it to use less memory (default: 2048)",
-        )
-        sp.add_argument("--val-size", type=int, default=24, help="held-out questions (default: 24)")
-        sp.add_argument(
-            "--val-every", type=int, default=2, help="measure held-out reward every N steps (default: 2)"
-        )
-        if name == "train":
-            sp.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-        else:
-            sp.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds (default: 0 1)")
+        _train_flags(sp, name)
     sp = sub.add_parser("dev", help=helps["dev"], description=helps["dev"])
-    common(sp)
+    _common(sp)
     sp.set_defaults(default_name="learn_on_cpu_dev")
     sp.add_argument("-n", type=int, default=4, help="tasks to run")
     sp.add_argument(
         "--base-url", default=None, help="any OpenAI-compatible endpoint instead of the embedded model"
     )
     sp.add_argument("--model-name", default=None, help="model name at --base-url")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     return {"train": cmd_train, "seeds": cmd_seeds, "dev": cmd_dev}[args.cmd](args)
 
 

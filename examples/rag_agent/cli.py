@@ -9,7 +9,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from agl.config import LoopConfig, RunConfig
+from agl.run.settings import Serving
 from examples._cli import (
+    add_config_options,
     add_schedule_options,
     add_update_options,
     checkpointing_arg,
@@ -64,27 +67,35 @@ def parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
     t.add_argument("--vllm-url", default=None, help="the vLLM OpenAI server (with --backend vllm)")
-    t.add_argument("--run-dir", default="runs/rag_agent")
-    t.add_argument("--steps", type=int, default=10)
-    t.add_argument("--tasks-per-step", type=int, default=4)
+    add_config_options(t, Serving, ["run_dir"], run_dir={"default": "runs/rag_agent"})
+    add_config_options(
+        t, LoopConfig, ["steps", "tasks_per_step"], steps={"default": 10}, tasks_per_step={"default": 4}
+    )
     t.add_argument("--group-size", type=int, default=4)
     t.add_argument("--val-tasks", type=int, default=24, help="held-out questions evaluated (0: none)")
-    t.add_argument("--val-every", type=int, default=5)
+    add_config_options(t, LoopConfig, ["val_every"], val_every={"default": 5})
     add_schedule_options(t)
     add_update_options(t)
-    t.add_argument("--max-tokens", type=int, default=64)
-    t.add_argument("--temperature", type=float, default=1.0)
-    t.add_argument("--learning-rate", type=float, default=1e-4)
-    t.add_argument("--lora-r", type=int, default=16)
-    t.add_argument(
-        "--kl-coef",
-        type=float,
-        default=0.0,
-        help="KL penalty to the starting policy (keeps RL near the warm start)",
+    add_config_options(
+        t,
+        RunConfig,
+        ["max_tokens", "temperature", "learning_rate", "lora_r", "kl_coef"],
+        max_tokens={"help": "the longest reply the agent's model may write"},
+        temperature={"help": "the sampling temperature (the update's too)"},
+        learning_rate={"default": 1e-4, "help": "the update's learning rate"},
+        lora_r={"help": "LoRA rank"},
+        kl_coef={"help": "KL penalty to the starting policy (keeps RL near the warm start)"},
     )
-    t.add_argument("--runners", type=int, default=8, help="rollouts run at once")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--resume", action="store_true")
+    add_config_options(t, Serving, ["runners"], runners={"default": 8, "help": "rollouts run at once"})
+    add_config_options(t, LoopConfig, ["seed", "resume"])
+    t.add_argument(
+        "--judge",
+        choices=["none", "noisy-f1", "rubric"],
+        default="none",
+        help="train on a stand-in LLM judge's scores instead of F1 (examples/rag_agent/judge.py)",
+    )
+    t.add_argument("--judge-sigma", type=float, default=0.1, help="noise of the noisy-f1 stand-in")
+    t.add_argument("--judge-seed", type=int, default=0, help="seed of the noisy-f1 stand-in's noise")
 
     sub.add_parser("data", help="build the corpus, cache its embeddings, print a summary")
     return p
@@ -150,6 +161,17 @@ def dev(
     )
 
 
+def _judge_kw(args: argparse.Namespace) -> dict[str, Any]:
+    """``--judge``: the Trainer's judge and reward (the held-out reward stays F1: only training changes)."""
+    choice = getattr(args, "judge", "none")
+    if choice == "none":
+        return {}
+    from examples.rag_agent.judge import noisy_f1_judge, rubric_judge
+
+    judge = noisy_f1_judge(args.judge_sigma, args.judge_seed) if choice == "noisy-f1" else rubric_judge()
+    return {"judge": judge, "reward": "judge"}
+
+
 def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, **trainer_kw: Any) -> Any:
     from agl import LightningRL, Trainer
     from examples.rag_agent import data
@@ -165,7 +187,8 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         micro_batch_tokens=args.micro_batch_tokens,
         mask_truncated=args.mask_truncated,
     )
-    kw: dict[str, Any] = {
+    kw: dict[str, Any] = {**_judge_kw(args), **trainer_kw}
+    kw = {
         "agents": TRAINED_AGENTS,
         "runners": args.runners,
         "run_dir": args.run_dir,
@@ -177,7 +200,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         "dynamic_sampling": args.dynamic_sampling,
         "seed": args.seed,
         "resume": args.resume,
-        **trainer_kw,
+        **kw,
     }
     trainer = Trainer(
         algorithm,

@@ -7,30 +7,8 @@ spans (ERROR when a tool failed) and — through the openai integration — the 
 system (a configure hook), never by patching models. Importing this module does not import LangChain.
 """
 
-from __future__ import annotations
+from agl.instrumentation.registry import lazy_instrumentors
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-from agl.plugins import hookimpl
-
-if TYPE_CHECKING:
-    from agl.instrumentation import Instrumentor
-    from agl.integrations.langchain.instrumentor import LangChainInstrumentor
-
-__all__ = ["LangChainInstrumentor", "agl_register_instrumentors"]
-
-
-@hookimpl
-def agl_register_instrumentors(register: Callable[[type[Instrumentor]], None]) -> None:
-    from agl.integrations.langchain.instrumentor import LangChainInstrumentor
-
-    register(LangChainInstrumentor)
-
-
-def __getattr__(name: str) -> object:
-    if name == "LangChainInstrumentor":
-        from agl.integrations.langchain.instrumentor import LangChainInstrumentor
-
-        return LangChainInstrumentor
-    raise AttributeError(name)
+agl_register_instrumentors, __getattr__, __all__ = lazy_instrumentors(
+    "agl.integrations.langchain.instrumentor:LangChainInstrumentor"
+)

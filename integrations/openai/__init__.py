@@ -4,26 +4,8 @@ Registered through the ``agl`` entry-point group like any plugin. Importing this
 import openai: the Instrumentor imports it only when instrumenting.
 """
 
-from __future__ import annotations
+from agl.instrumentation.registry import lazy_instrumentors
 
-from collections.abc import Callable
-
-from agl.instrumentation import Instrumentor
-from agl.plugins import hookimpl
-
-__all__ = ["OpenAIInstrumentor", "agl_register_instrumentors"]
-
-
-@hookimpl
-def agl_register_instrumentors(register: Callable[[type[Instrumentor]], None]) -> None:
-    from agl.integrations.openai.instrumentor import OpenAIInstrumentor
-
-    register(OpenAIInstrumentor)
-
-
-def __getattr__(name: str) -> object:
-    if name == "OpenAIInstrumentor":
-        from agl.integrations.openai.instrumentor import OpenAIInstrumentor
-
-        return OpenAIInstrumentor
-    raise AttributeError(name)
+agl_register_instrumentors, __getattr__, __all__ = lazy_instrumentors(
+    "agl.integrations.openai.instrumentor:OpenAIInstrumentor"
+)

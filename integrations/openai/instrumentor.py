@@ -25,7 +25,7 @@ import json
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
@@ -38,23 +38,39 @@ from agl.instrumentation import Instrumentor, guarded
 from agl.integrations.openai._spans import ChatSpan, classify, request_attributes
 from agl.tracing import current_rollout
 
-__all__ = ["OpenAIInstrumentor"]
+__all__ = ["Dialect", "OpenAIInstrumentor", "instrument_client"]
 
 logger = logging.getLogger(__name__)
 
 _STATE_ATTR = "_agl_chat_span"  # set on the httpx.Response of a streamed call
 _BAGGAGE = W3CBaggagePropagator()
 
-# (module, class, attribute, wrapper factory key)
-_CLIENT_TARGETS = (
-    ("openai._base_client", "SyncAPIClient", "request", "sync_request"),
-    ("openai._base_client", "AsyncAPIClient", "request", "async_request"),
+
+class Dialect(NamedTuple):
+    """What differs between SDKs generated alike (openai, anthropic): which requests are LLM calls, the
+    request's span attributes, and the span object that records the reply (``finish_response``,
+    ``on_chunk``, ``finish_stream``, ``fail``, ``end``)."""
+
+    classify: Callable[[str, str], str | None]
+    request_attributes: Callable[[str, Any], dict[str, Any]]
+    span: Callable[[str, trace.Span], Any]
+
+
+# looked up at call time (not bound here), so a patched module function is the one called
+_OPENAI = Dialect(
+    lambda method, url: classify(method, url),
+    lambda api, body: request_attributes(api, body),
+    lambda api, span: ChatSpan(api, span),
 )
-_STREAM_TARGETS = (
-    ("openai._streaming", "Stream", "__stream__", "sync_stream"),
-    ("openai._streaming", "AsyncStream", "__stream__", "async_stream"),
-    ("openai._streaming", "Stream", "close", "sync_close"),
-    ("openai._streaming", "AsyncStream", "close", "async_close"),
+
+# (module under the package, class, attribute, wrapper factory key)
+_TARGETS = (
+    ("_base_client", "SyncAPIClient", "request", "sync_request"),
+    ("_base_client", "AsyncAPIClient", "request", "async_request"),
+    ("_streaming", "Stream", "__stream__", "sync_stream"),
+    ("_streaming", "AsyncStream", "__stream__", "async_stream"),
+    ("_streaming", "Stream", "close", "sync_close"),
+    ("_streaming", "AsyncStream", "close", "async_close"),
 )
 
 
@@ -178,18 +194,18 @@ class _Call:
 
     __slots__ = ("state", "token", "stream")
 
-    def __init__(self, tracer: trace.Tracer, options: Any, kwargs: dict[str, Any]) -> None:
-        self.state: ChatSpan | None = None
+    def __init__(self, tracer: trace.Tracer, options: Any, kwargs: dict[str, Any], dialect: Dialect) -> None:
+        self.state: Any = None
         self.token: object | None = None
         self.stream = bool(kwargs.get("stream", False))
-        api = classify(str(getattr(options, "method", "")), str(getattr(options, "url", "")))
+        api = dialect.classify(str(getattr(options, "method", "")), str(getattr(options, "url", "")))
         if api is not None:
-            attributes = request_attributes(api, getattr(options, "json_data", None))
+            attributes = dialect.request_attributes(api, getattr(options, "json_data", None))
             rollout = current_rollout()
             if rollout is not None:  # set here rather than by the stamping processor: one lock less
                 attributes[semconv.AGL_ROLLOUT_ID], attributes[semconv.AGL_ATTEMPT] = rollout
             span = tracer.start_span(semconv.SPAN_CHAT, kind=SpanKind.CLIENT, attributes=attributes)
-            self.state = ChatSpan(api, span)
+            self.state = dialect.span(api, span)
             self.token = otel_context.attach(trace.set_span_in_context(span))
 
     def context(self) -> otel_context.Context:
@@ -252,7 +268,7 @@ class _Call:
 
 
 def _begin(
-    tracer: trace.Tracer, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    tracer: trace.Tracer, dialect: Dialect, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[_Call | None, tuple[Any, ...], dict[str, Any]]:
     """Open the span and add the headers; on any failure of agl's own, the call goes out untouched."""
     call: _Call | None = None
@@ -260,7 +276,7 @@ def _begin(
         options, where = _find_options(args, kwargs)
         if options is None:
             return None, args, kwargs
-        call = _Call(tracer, options, kwargs)
+        call = _Call(tracer, options, kwargs, dialect)
         new_kwargs = dict(kwargs)
         new_args = _replace(args, new_kwargs, where, _with_headers(options, call.context(), instance))  # type: ignore[arg-type]
         return call, new_args, new_kwargs
@@ -276,11 +292,11 @@ def _begin(
 _GUARD = guarded("openai.request")  # agl's failure: the call goes out untraced, logged once, counted
 
 
-def _sync_request(tracer: trace.Tracer) -> Callable[..., Any]:
+def _sync_request(tracer: trace.Tracer, dialect: Dialect) -> Callable[..., Any]:
     def wrapper(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        call, args, kwargs = _begin(tracer, instance, args, kwargs)
+        call, args, kwargs = _begin(tracer, dialect, instance, args, kwargs)
         if call is None:
             return wrapped(*args, **kwargs)
         try:
@@ -297,11 +313,11 @@ def _sync_request(tracer: trace.Tracer) -> Callable[..., Any]:
     return wrapper
 
 
-def _async_request(tracer: trace.Tracer) -> Callable[..., Any]:
+def _async_request(tracer: trace.Tracer, dialect: Dialect) -> Callable[..., Any]:
     async def wrapper(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        call, args, kwargs = _begin(tracer, instance, args, kwargs)
+        call, args, kwargs = _begin(tracer, dialect, instance, args, kwargs)
         if call is None:
             return await wrapped(*args, **kwargs)
         try:
@@ -322,7 +338,7 @@ def _state_of(stream: Any) -> ChatSpan | None:
     return getattr(getattr(stream, "response", None), _STATE_ATTR, None)
 
 
-def _sync_stream(_: trace.Tracer) -> Callable[..., Any]:
+def _sync_stream(_: trace.Tracer, __: Dialect) -> Callable[..., Any]:
     def wrapper(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
@@ -350,7 +366,7 @@ def _observe(gen: Any, stream: Any) -> Any:
     state.finish_stream()
 
 
-def _async_stream(_: trace.Tracer) -> Callable[..., Any]:
+def _async_stream(_: trace.Tracer, __: Dialect) -> Callable[..., Any]:
     def wrapper(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
@@ -379,7 +395,7 @@ async def _aobserve(gen: Any, stream: Any) -> Any:
     state.finish_stream()
 
 
-def _sync_close(_: trace.Tracer) -> Callable[..., Any]:
+def _sync_close(_: trace.Tracer, __: Dialect) -> Callable[..., Any]:
     def wrapper(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
@@ -393,7 +409,7 @@ def _sync_close(_: trace.Tracer) -> Callable[..., Any]:
     return wrapper
 
 
-def _async_close(_: trace.Tracer) -> Callable[..., Any]:
+def _async_close(_: trace.Tracer, __: Dialect) -> Callable[..., Any]:
     async def wrapper(
         wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
@@ -407,7 +423,7 @@ def _async_close(_: trace.Tracer) -> Callable[..., Any]:
     return wrapper
 
 
-_FACTORIES: dict[str, Callable[[trace.Tracer], Callable[..., Any]]] = {
+_FACTORIES: dict[str, Callable[[trace.Tracer, Dialect], Callable[..., Any]]] = {
     "sync_request": _sync_request,
     "async_request": _async_request,
     "sync_stream": _sync_stream,
@@ -415,6 +431,17 @@ _FACTORIES: dict[str, Callable[[trace.Tracer], Callable[..., Any]]] = {
     "sync_close": _sync_close,
     "async_close": _async_close,
 }
+
+
+def instrument_client(ledger: Any, tracer: trace.Tracer, package: str, dialect: Dialect) -> None:
+    """Wrap the request and stream methods of a Stainless-generated SDK (``openai``, ``anthropic``:
+    the same ``_base_client`` / ``_streaming`` classes) into ``ledger``, recording per ``dialect``."""
+    for module_name, class_name, attr, key in _TARGETS:
+        ledger.wrap(
+            f"{package}.{module_name}:{class_name}.{attr}",
+            _FACTORIES[key](tracer, dialect),
+            optional=f"renamed in this {package} version? that part is not instrumented",
+        )
 
 
 # --------------------------------------------------------------------------------- instrumentor
@@ -434,12 +461,7 @@ class OpenAIInstrumentor(Instrumentor):
 
         provider = kwargs.get("tracer_provider")
         tracer = trace.get_tracer(__name__, __version__, tracer_provider=provider)
-        for module_name, class_name, attr, key in (*_CLIENT_TARGETS, *_STREAM_TARGETS):
-            self.ledger.wrap(
-                f"{module_name}:{class_name}.{attr}",
-                _FACTORIES[key](tracer),
-                optional="renamed in this openai version? that part is not instrumented",
-            )
+        instrument_client(self.ledger, tracer, "openai", _OPENAI)
 
     def _uninstrument(self, **kwargs: Any) -> None:
         self.ledger.unpatch_all()

@@ -14,6 +14,7 @@ from starlette.testclient import TestClient
 from agl import semconv as sc
 from agl.dashboard import create_dashboard_app
 from agl.dashboard.index import Filters, RolloutIndex
+from agl.dashboard.mount import ui_mounts
 from agl.store.memory import MemoryStore
 from agl.store.server import serve_in_thread
 from agl.types import NewRollout, Span
@@ -71,6 +72,7 @@ def test_index_pages_newest_first_and_filters_server_side(store: MemoryStore) ->
         curve, pending = index.reward_curve()
         assert pending == 0
         assert [(c["step"], c["rollouts"], c["val_rollouts"]) for c in curve] == [(1, 10, 3), (2, 10, 2)]
+        assert [c["version"] for c in curve] == [1, 2]  # no step recorded on these rollouts: the version
         assert curve[0]["train_reward"] == pytest.approx(sum(i / 10 for i in range(0, 20, 2)) / 10)
     finally:
         index.close()
@@ -135,8 +137,28 @@ def test_api_token_rules_bad_input_and_cancel(store: MemoryStore) -> None:
         assert store.get_rollout("ro-q1").status == "queued"
 
 
+def _is_icon(r: httpx.Response) -> bool:
+    return (
+        r.status_code == 200 and r.content[:4] == b"\x00\x00\x01\x00" and "icon" in r.headers["content-type"]
+    )
+
+
+def test_favicon_is_served_standalone_and_under_the_ui_mount(store: MemoryStore) -> None:
+    """No 404 (a console error on every page load): the page names its icon, the app serves it."""
+    with TestClient(create_dashboard_app(store, token="t")) as client:
+        assert _is_icon(client.get("/favicon.ico"))  # no token needed: it holds no data
+        page = client.get("/").text
+        assert '<link rel="icon" href="static/favicon.ico">' in page
+        assert _is_icon(client.get("/static/favicon.ico"))
+    with serve_in_thread(store, token="s3", mounts=ui_mounts(store)) as url:
+        page = httpx.get(f"{url}/ui/", follow_redirects=True).text
+        assert 'rel="icon" href="static/favicon.ico"' in page  # relative: /ui/static/favicon.ico
+        assert _is_icon(httpx.get(f"{url}/ui/static/favicon.ico"))
+        assert _is_icon(httpx.get(f"{url}/ui/favicon.ico"))
+
+
 def test_ui_mount_of_the_store_server_uses_the_server_token(store: MemoryStore) -> None:
-    with serve_in_thread(store, token="s3") as url:
+    with serve_in_thread(store, token="s3", mounts=ui_mounts(store)) as url:
         page = httpx.get(f"{url}/ui", follow_redirects=True)
         assert page.status_code == 200 and str(page.url).endswith("/ui/") and "agl dashboard" in page.text
         assert httpx.get(f"{url}/ui/static/app.js").status_code == 200
@@ -230,6 +252,7 @@ def test_version_metrics_through_the_adapter(store: MemoryStore) -> None:
         # 10 train rollouts at version 2, each its own group, with reward spans but no LLM calls
         assert (m["rollouts"], m["transitions"], m["groups"]) == (10, 0, 0)
         assert m["exact_token_ratio"] is None and m["adapter"]["reward_spans"] == 20
+        assert m["exact_by_api"] == {} and m["exact_by_backend"] == {}  # no LLM calls: no rows
         assert client.get("/api/metrics?version=2&mode=prod").status_code == 400
 
 
@@ -262,3 +285,25 @@ def test_count_by_offset_probes(n: int) -> None:
     index = RolloutIndex(s)
     assert index._count() == n
     index.close()
+
+
+def test_runs_page_carries_the_monitors_warnings_and_metrics(store: MemoryStore, tmp_path: Any) -> None:
+    import json
+
+    warning = {
+        "monitor": "heldout_trend",
+        "step": 4,
+        "message": "train up, held-out down",
+        "rollouts": ["v1"],
+    }
+    lines = [
+        {"step": 0, "train_reward": 0.2, "monitor_length_drift": None, "monitor_warnings": []},
+        {"step": 4, "train_reward": 0.8, "monitor_length_drift": 0.7, "monitor_warnings": [warning, "junk"]},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    with TestClient(create_dashboard_app(store, run_dirs=[tmp_path])) as client:
+        body = client.get("/api/runs").json()
+    (run,) = body["runs"]
+    assert run["warnings"] == [warning]  # the malformed entry is dropped, the step and evidence kept
+    assert run["records"][1]["monitor_length_drift"] == 0.7
+    assert ["response-length drift", "monitor_length_drift"] in body["key_metrics"]

@@ -271,6 +271,10 @@ def test_agl_dashboard_with_run_dir(scripted_store: str, browser: Any, tmp_path:
             "kl": 0.02,
             "exact_token_ratio": 0.5,
             "tokens_per_s": 1100.0,
+            "monitor_length_drift": 0.7,
+            "monitor_warnings": [
+                {"monitor": "length_drift", "step": 2, "message": "responses grew", "rollouts": ["ro-x"]}
+            ],
         },
     ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 3, "tra')
@@ -288,6 +292,11 @@ def test_agl_dashboard_with_run_dir(scripted_store: str, browser: Any, tmp_path:
         assert metrics["exact_token_ratio"].split()[-2:] == ["0.500", "0.833"]  # last, mean
         assert metrics["kl"].split()[-2:] == ["0.020", "0.010"]
         assert "1 unreadable line(s) skipped" in browser.find_element(By.ID, "runs-page").text
+        # the reward-hacking monitors: the warning names its step and links its evidence
+        (li,) = browser.find_elements(By.CSS_SELECTOR, ".monitor-warnings li[data-monitor=length_drift]")
+        assert "step 2 · length_drift" in li.text and "responses grew" in li.text
+        assert li.find_element(By.TAG_NAME, "a").get_attribute("href").endswith("#/rollout/ro-x")
+        assert metrics["monitor_length_drift"].split()[-2:] == ["0.700", "0.700"]
         _shot(browser, "08-runs-metrics")
         # the same rollouts as through the store server (no token: loopback, none configured)
         browser.get(f"{dash.url}/#/rollouts")

@@ -34,10 +34,11 @@ def test_wheel_ships_the_dashboard_assets(tmp_path: Path) -> None:
         "index.html",
         "app.js",
         "app.css",
+        "favicon.ico",
         "vendor/preact.mjs",
         "vendor/preact-hooks.mjs",
         "vendor/htm.mjs",
     ):
         assert static + name in names, name
     assert {static + "vendor/LICENSE-preact", static + "vendor/LICENSE-htm"} <= names
-    assert "agl/dashboard/cli.py" in names and "agl/dashboard/mount.py" in names
+    assert "agl/cli/dashboard.py" in names and "agl/dashboard/mount.py" in names

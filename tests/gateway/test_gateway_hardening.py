@@ -21,7 +21,7 @@ import pytest
 
 from agl.cli import main as agl_main
 from agl.cli import read_secret
-from agl.gateway.cli import API_KEY_ENV, check_public_bind
+from agl.gateway.serve import API_KEY_ENV, check_public_bind
 from agl.gateway.testing import ScriptedBackend, serve_gateway
 from agl.http_limits import HttpLimits
 

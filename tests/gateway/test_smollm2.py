@@ -93,3 +93,50 @@ def test_models_prepare_then_serve_smollm2(
     recomputed = [logp[len(prompt) - 1 + k, t].item() for k, t in enumerate(response)]
     assert sampled.attributes[sc.AGL_LLM_RESPONSE_LOGPROBS] == pytest.approx(recomputed, abs=1e-3)
     backend._executor.shutdown(wait=False)
+
+
+def test_tool_choice_required_makes_smollm2_call_the_tool(
+    cache_dir: Path, store: Any, rollout: tuple[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tool_choice="required"`` on the real small model: the reply opens with the chat template's
+    tool-call tag (forced, so the model cannot answer in prose), the gateway parses a call to the tool,
+    and the forced tokens are recorded as prompt context — outside the loss — not as response."""
+    monkeypatch.setenv("AGL_CACHE_DIR", str(cache_dir))
+    assert agl_main(["models", "prepare"]) == 0
+    from agl.gateway.backends.transformers import TransformersBackend
+
+    backend = TransformersBackend()
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "count_words",
+                "description": "Count the words of a text",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"text": {"type": "string"}},
+                    "required": ["text"],
+                },
+            },
+        }
+    ]
+    messages = [{"role": "user", "content": "How many words are in 'the quick brown fox'?"}]
+    with serve_gateway(backend, store) as url:
+        client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x", timeout=300)
+        resp = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=messages,
+            tools=tools,
+            tool_choice="required",
+            max_tokens=48,
+            temperature=0,
+        )
+    calls = resp.choices[0].message.tool_calls or []
+    assert [c.function.name for c in calls] == ["count_words"]
+    (span,) = server_spans(store, rollout[0])
+    forced = span.attributes[sc.AGL_LLM_FORCED_TOKENS]
+    prompt = span.attributes[sc.AGL_LLM_PROMPT_TOKEN_IDS]
+    tok = load_default_tokenizer()
+    assert forced > 0 and tok.decode(prompt[-forced:]).startswith("<tool_call>")
+    assert "<tool_call>" not in tok.decode(span.attributes[sc.AGL_LLM_RESPONSE_TOKEN_IDS])
+    backend._executor.shutdown(wait=False)

@@ -345,3 +345,42 @@ def test_completions_raw_prompt(store: Any, rollout: tuple[str, int], backend: A
     assert span.attributes[sc.AGL_LLM_RESPONSE_LOGPROBS] == pytest.approx(
         recompute_logprobs(model, TOK.encode("Once upon a time"), resp_ids), abs=1e-4
     )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_forces_the_tool_call_opening_outside_the_loss(
+    store: Any, backend: Any, model: Any, stream: bool
+) -> None:
+    """A named function (and "required") make the reply start with the tool-call opening: those ids are
+    appended to the prompt (context, outside the loss), counted on the span, and the model continues
+    from them; a value the backend cannot honour is a 400 naming it."""
+    from agl.gateway.chat_format import forced_tool_prefix
+
+    rollout = start_rollout(store, f"ro-forced-{stream}")
+    messages = [{"role": "user", "content": "add 1 and 2"}]
+    choice = {"type": "function", "function": {"name": "add"}}
+    forced = forced_tool_prefix(choice, [ADD_TOOL])
+    assert forced == '<tool_call>\n{"name": "add", "arguments": '
+    with serve_gateway(backend, store) as url:
+        client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x", max_retries=0)
+        kw: dict[str, Any] = dict(
+            model="tiny", messages=messages, tools=[ADD_TOOL], temperature=0, max_tokens=8
+        )
+        resp = client.chat.completions.create(**kw, tool_choice=choice, stream=stream)
+        if stream:
+            list(resp)
+        for bad, named in (
+            ({"type": "function", "function": {"name": "mul"}}, "mul"),
+            ("always", "tool_choice"),
+        ):
+            with pytest.raises(openai.BadRequestError, match=named):
+                client.chat.completions.create(**kw, tool_choice=bad)
+    (span,) = server_spans(store, rollout[0])
+    prompt = span.attributes[sc.AGL_LLM_PROMPT_TOKEN_IDS]
+    forced_ids = TOK.encode(forced)
+    assert span.attributes[sc.AGL_LLM_FORCED_TOKENS] == len(forced_ids)
+    assert prompt == TOK.encode(TOK.render(messages, [ADD_TOOL])) + forced_ids  # context, not response
+    response = span.attributes[sc.AGL_LLM_RESPONSE_TOKEN_IDS]
+    assert response == greedy(model, prompt, 8)[: len(response)]  # the model continued from the opening
+    assert forced_tool_prefix("required", [ADD_TOOL]) == "<tool_call>\n"
+    assert forced_tool_prefix("auto", [ADD_TOOL]) == forced_tool_prefix(None, None) == ""

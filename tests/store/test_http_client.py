@@ -269,7 +269,7 @@ def test_a_key_that_cannot_travel_in_a_header_is_refused(served: tuple[MemorySto
 def test_answer_parser_reads_every_framing_whatever_the_reads(step: int) -> None:
     """The one response parser both transports feed: Content-Length, chunked (extensions, trailers),
     interim 100 answers, and bodies delimited by the end of the connection, split at any byte."""
-    from agl.store.http import _Answer, _Closed, _Malformed
+    from agl.store._transport import _Answer, _Closed, _Malformed
 
     def parse(raw: bytes, method: str = "POST") -> _Answer:
         answer = _Answer(method)

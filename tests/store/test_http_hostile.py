@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agl.dashboard.mount import ui_mounts
 from agl.store.server import serve_in_thread
 from agl.store.sqlite import SQLiteStore
 from agl.types import NewRollout, Span
@@ -117,7 +118,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SQLiteStor
         [Span(trace_id="a" * 32, span_id="b" * 16, name="s", start_ns=1, end_ns=2, rollout_id=rid, attempt=1)]
     )
     store.add_resources({"main": {"type": "llm", "base_url": "http://x/v1", "model": "m"}})
-    with serve_in_thread(store, max_body_bytes=16 * 1024) as url:
+    with serve_in_thread(store, max_body_bytes=16 * 1024, mounts=ui_mounts(store)) as url:
         yield store, url, rid
     store.close()
 

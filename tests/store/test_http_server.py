@@ -361,3 +361,51 @@ def test_unknown_ids_in_paths_are_not_found_on_both_sides(served: tuple[MemorySt
     r = httpx.get(f"{url}/rollouts/a%2Fb")
     assert r.status_code == 404 and r.headers["content-type"].startswith("application/json")
     client.close()
+
+
+def test_mounts_are_served_behind_the_guard_and_the_store_layer_has_no_ui() -> None:
+    """``mounts=`` adds ASGI apps by prefix; without one, ``/ui`` is an unknown route (the store layer
+    does not import the dashboard); a mount's ``is_public`` paths skip the token, the rest need it."""
+    import subprocess
+    import sys
+
+    code = "import sys, agl.store.server; print(any(m.startswith('agl.dashboard') for m in sys.modules))"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        == "False\n"
+    )
+
+    closed: list[bool] = []
+
+    class Echo:
+        @staticmethod
+        def is_public(path: str) -> bool:
+            return path == "/open"
+
+        async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+            body = f"echo {scope['path']}".encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-length", b"%d" % len(body))],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+
+        def close(self) -> None:
+            closed.append(True)
+
+    store = MemoryStore()
+    with serve_in_thread(store, token="t0") as url:
+        r = httpx.get(f"{url}/ui/", headers={"Authorization": "Bearer t0"})
+        assert r.status_code == 404 and r.json()["error"]["code"]
+    with serve_in_thread(store, token="t0", mounts={"/x": Echo()}) as url:
+        assert httpx.get(f"{url}/x/open").text.startswith("echo ")
+        assert httpx.get(f"{url}/x/secret").status_code == 401
+        assert httpx.get(f"{url}/x/secret", headers={"Authorization": "Bearer t0"}).status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200
+    assert closed == [True]
+    for bad in ({"ui": Echo()}, {"/ui/": Echo()}, {"/ui": 3}, [("/ui", Echo())]):
+        with pytest.raises(ValueError, match="mount"):
+            create_app(store, mounts=bad)  # type: ignore[arg-type]

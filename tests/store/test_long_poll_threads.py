@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,9 +19,30 @@ from agl.types import NewRollout
 N_POLLS = 2000
 
 
+@pytest.fixture
+def enough_open_files() -> Iterator[None]:
+    """Both this process and the server (which inherits the limit) hold one socket per long-poll, past
+    the 1,024 open files a non-root login gets by default; raise the soft limit to the hard one."""
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = N_POLLS + 512
+    if hard != resource.RLIM_INFINITY and hard < need:
+        pytest.skip(f"needs {need} open files per process; the hard limit (ulimit -Hn) is {hard}")
+    if (
+        soft != resource.RLIM_INFINITY and soft < need
+    ):  # to the hard limit: an earlier run's sockets may linger
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (4 * N_POLLS if hard == resource.RLIM_INFINITY else hard, hard)
+        )
+    yield  # not lowered again: a limit below the descriptors still open would fail later tests
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 def server(
-    request: pytest.FixtureRequest, tmp_path: Path, pg_database_url: Callable[[], str]
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    pg_database_url: Callable[[], str],
+    enough_open_files: None,
 ) -> ServerProcess:
     if request.param == "sqlite":
         proc = ServerProcess(tmp_path / "polls.db", log_path=tmp_path / "server.log")
@@ -38,6 +59,19 @@ def _threads(pid: int) -> int:
 
 async def _claim(port: int, worker: str, ready: asyncio.Event, opened: list[int]) -> dict:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        return await _exchange(reader, writer, worker, ready, opened)
+    finally:
+        writer.close()  # also when cancelled: 2,000 sockets must not outlive the test
+
+
+async def _exchange(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    worker: str,
+    ready: asyncio.Event,
+    opened: list[int],
+) -> dict:
     body = json.dumps({"worker_id": worker, "timeout_s": 55}).encode()
     writer.write(
         b"POST /claim HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -52,9 +86,7 @@ async def _claim(port: int, worker: str, ready: asyncio.Event, opened: list[int]
     length = int(
         next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1]
     )
-    payload = json.loads(await reader.readexactly(length))
-    writer.close()
-    return payload  # type: ignore[no-any-return]
+    return json.loads(await reader.readexactly(length))  # type: ignore[no-any-return]  # type: ignore[no-any-return]
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts threads through /proc")

@@ -25,7 +25,7 @@ Where things are:
 - :mod:`~agl.algorithms.apo.text`: the optimiser's instructions, reply parsing, trace summaries;
 - :mod:`~agl.algorithms.apo.environment`: the stores, gateways and runners a run starts;
 - :mod:`~agl.algorithms.apo.artifacts`: the run directory's files;
-- :mod:`~agl.algorithms.apo.cli`: ``agl apo``.
+- ``agl apo`` is :mod:`agl.cli.apo`.
 
 The optimiser's calls go through an agl gateway of their own, each as a rollout in the optimiser
 store (``run_dir/optimizer.db`` by default), so ``agl spans`` shows every critique and rewrite with
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 from agl.algorithms.apo.algorithm import APO
 from agl.algorithms.apo.beam import Candidate
-from agl.algorithms.apo.cli import load_jsonl, register_cli
 from agl.algorithms.apo.settings import RunSettings
 from agl.algorithms.apo.text import (
     CRITIQUE_SYSTEM,
@@ -65,8 +64,6 @@ __all__ = [
     "OptimizerError",
     "REWRITE_SYSTEM",
     "RunSettings",
-    "load_jsonl",
     "parse_rewrite",
-    "register_cli",
     "summarize_trace",
 ]

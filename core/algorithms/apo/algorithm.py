@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from agl.algorithms.apo.settings import RunSettings, as_tasks
 from agl.algorithms.apo.text import CRITIQUE_SYSTEM, REWRITE_SYSTEM
+from agl.errors import UsageError
 from agl.prompts import placeholders
 
 __all__ = ["APO"]
@@ -36,25 +37,38 @@ class APO:
     ``"text"`` (the reply is the prompt; for small models that cannot keep to JSON).
     """
 
-    rounds: int = 3
-    beam_width: int = 2
-    branch_factor: int = 2
-    rollouts_per_candidate: int = 8
-    max_optimizer_tokens: int | None = None
+    rounds: int = field(default=3, metadata={"help": "optimisation rounds"})
+    beam_width: int = field(default=2, metadata={"help": "candidate prompts kept per round"})
+    branch_factor: int = field(default=2, metadata={"help": "rewrites per kept candidate per round"})
+    rollouts_per_candidate: int = field(
+        default=8, metadata={"help": "training tasks each beam candidate runs per round (to find failures)"}
+    )
+    max_optimizer_tokens: int | None = field(
+        default=None, metadata={"help": "the optimiser's token budget for the run (default: unlimited)"}
+    )
     prompts: dict[str, str] | None = None
     agents: Sequence[str] | None = None
-    optimizer_base_url: str | None = None
-    optimizer_model: str | None = None
-    optimizer_api_key: str | None = None
+    optimizer_base_url: str | None = field(
+        default=None, metadata={"help": "the optimiser's OpenAI-compatible endpoint"}
+    )
+    optimizer_model: str | None = field(default=None, metadata={"help": "the model name there"})
+    optimizer_api_key: str | None = field(
+        default=None, metadata={"help": "its API key (default: $OPENAI_API_KEY)"}
+    )
     optimizer_backend: Any = None
     optimizer_store: Any = None
     optimizer_sampling: dict[str, Any] = field(
         default_factory=lambda: {"temperature": 1.0, "max_tokens": 1024}
     )
     optimizer_timeout_s: float = 600.0
-    rewrite_format: Literal["json", "text"] = "json"
+    rewrite_format: Literal["json", "text"] = field(
+        default="json",
+        metadata={
+            "help": 'json: the rewrite is {"prompt": ...}; text: the reply is the prompt (small models)'
+        },
+    )
     repair_retries: int = 1
-    failure_below: float = 1.0
+    failure_below: float = field(default=1.0, metadata={"help": "a reward below this is a failure"})
     max_failures: int = 4
     trace_chars: int = 2000
     critique_system: str = CRITIQUE_SYSTEM
@@ -68,7 +82,7 @@ class APO:
                 or not isinstance(value, int)
                 or value < (0 if name == "rounds" else 1)
             ):
-                raise ValueError(
+                raise UsageError(
                     f"APO {name} must be an integer >= {0 if name == 'rounds' else 1}, got {value!r}"
                 )
         if self.max_optimizer_tokens is not None and (
@@ -76,29 +90,29 @@ class APO:
             or not isinstance(self.max_optimizer_tokens, int)
             or self.max_optimizer_tokens < 1
         ):
-            raise ValueError(
+            raise UsageError(
                 f"max_optimizer_tokens must be a positive integer or None, got {self.max_optimizer_tokens!r}"
             )
         if self.rewrite_format not in ("json", "text"):
-            raise ValueError(f"rewrite_format must be 'json' or 'text', got {self.rewrite_format!r}")
+            raise UsageError(f"rewrite_format must be 'json' or 'text', got {self.rewrite_format!r}")
         if self.repair_retries < 0:
-            raise ValueError("repair_retries must be >= 0")
+            raise UsageError("repair_retries must be >= 0")
         if not math.isfinite(self.failure_below):
-            raise ValueError("failure_below must be finite")
+            raise UsageError("failure_below must be finite")
         if self.prompts is not None:
             if not isinstance(self.prompts, dict) or not self.prompts:
-                raise ValueError("prompts must be a non-empty dict {name: template} or None")
+                raise UsageError("prompts must be a non-empty dict {name: template} or None")
             for name, text in self.prompts.items():
                 if not isinstance(name, str) or not name or not isinstance(text, str) or not text.strip():
-                    raise ValueError(f"prompts: {name!r} must map to a non-empty template string")
+                    raise UsageError(f"prompts: {name!r} must map to a non-empty template string")
                 try:
                     placeholders(text)
                 except ValueError as exc:
-                    raise ValueError(f"prompts[{name!r}] is not a valid f-string template: {exc}") from None
+                    raise UsageError(f"prompts[{name!r}] is not a valid f-string template: {exc}") from None
         if isinstance(self.agents, str):
             self.agents = [self.agents]
         if self.optimizer_base_url is not None and self.optimizer_backend is not None:
-            raise ValueError("give optimizer_base_url or optimizer_backend, not both")
+            raise UsageError("give optimizer_base_url or optimizer_backend, not both")
 
     # ---------------------------------------------------------------------------- entry points
     def fit(
@@ -137,7 +151,7 @@ class APO:
         val_tasks = as_tasks(val, "val")
         test_tasks = as_tasks(test, "test")
         if not train_tasks:
-            raise ValueError("APO needs at least one training task (their failures drive the rewrites)")
+            raise UsageError("APO needs at least one training task (their failures drive the rewrites)")
         if not val_tasks:
-            raise ValueError("APO needs validation tasks (val=...): candidates are chosen on them")
+            raise UsageError("APO needs validation tasks (val=...): candidates are chosen on them")
         return ApoRun(self, setup, agent, train_tasks, val_tasks, test_tasks).run()

@@ -42,7 +42,12 @@ class Evaluator:
         """A resources version with the agent's LLM and ``prompts``; returns its number."""
         env = self.env
         items: dict[str, Any] = {
-            "main": LLM(base_url=env.agent_url, model=env.model_name, sampling=dict(self.settings.sampling))
+            "main": LLM(
+                base_url=env.agent_url,
+                model=env.model_name,
+                sampling=dict(self.settings.sampling),
+                api_key=env.api_key,
+            )
         }
         for name, text in (prompts or {}).items():
             items[name] = PromptTemplate(template=text)

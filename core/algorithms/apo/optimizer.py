@@ -33,6 +33,7 @@ from agl.algorithms.apo.text import (
     parse_rewrite,
     summarize_trace,
 )
+from agl.errors import AglError
 from agl.prompts import placeholders
 from agl.types import NewRollout, RolloutConfig, Span
 
@@ -47,7 +48,7 @@ __all__ = ["BudgetExhausted", "OptimizerClient"]
 log = logging.getLogger("agl.apo")
 
 
-class BudgetExhausted(Exception):
+class BudgetExhausted(AglError):
     """The next optimiser call would not fit in ``max_optimizer_tokens``."""
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from agl import semconv as sc
+from agl.errors import AglError
 from agl.types import Span
 
 __all__ = [
@@ -45,7 +46,7 @@ TEXT_ASK = "Reply with the complete new prompt only, nothing before or after it.
 REPAIR_ASK = 'That reply was not valid JSON of the form {"prompt": "..."}. ' + JSON_ASK
 
 
-class OptimizerError(Exception):
+class OptimizerError(AglError):
     """An optimiser call that produced nothing usable (HTTP error, bad JSON, empty or invalid rewrite)."""
 
     def __init__(self, reason: str, message: str) -> None:

@@ -137,6 +137,13 @@ function KeyMetrics({ records, keys }) {
     <tbody>${present.map(([label, k]) => html`<tr data-key=${k}><td>${label}</td><td class="num">${fmtNum(last(k))}</td><td class="num">${fmtNum(mean(k))}</td></tr>`)}</tbody></table>`;
 }
 
+function MonitorWarnings({ warnings }) {
+  if (!warnings.length) return null;
+  return html`<div class="banner warn monitor-warnings"><strong>Reward-hacking monitors fired ${warnings.length} time(s)</strong>
+    <ul>${warnings.map((w) => html`<li data-monitor=${w.monitor}><span class="mono">step ${w.step} · ${w.monitor}</span>: ${w.message}
+      ${w.rollouts.length ? html` — evidence: ${w.rollouts.slice(0, 5).map((id) => html`<a class="mono" href=${rolloutHref(id)}>${id}</a> `)}${w.rollouts.length > 5 ? `(+${w.rollouts.length - 5})` : ""}` : null}</li>`)}</ul></div>`;
+}
+
 function VersionMetrics({ versions }) {
   const [v, setV] = useState(versions.length ? versions[versions.length - 1] : "");
   const [mode, setMode] = useState("train");
@@ -170,6 +177,7 @@ function RunsPage() {
           { name: "train reward", cls: "train", color: "#1f6feb", points: points(run.records, "train_reward") },
           { name: "held-out reward", cls: "val", color: "#cf222e", points: points(run.records, "val_reward") },
         ]} />
+        <${MonitorWarnings} warnings=${run.warnings || []} />
         <${KeyMetrics} records=${run.records} keys=${data.key_metrics} />
         ${run.skipped_lines ? html`<p class="muted">${run.skipped_lines} unreadable line(s) skipped.</p>` : null}`}
     </div>`)}
@@ -181,9 +189,9 @@ function RunsPage() {
       ]} />
       ${data.rewards_pending ? html`<p class="muted">${data.rewards_pending} reward(s) still being read.</p>` : null}
       <table id="store-curve-table"><thead><tr><th>version</th><th class="num">train reward</th><th class="num">rollouts</th><th class="num">held-out reward</th><th class="num">rollouts</th></tr></thead>
-      <tbody>${data.store_curve.map((r) => html`<tr><td><a href=${`#/rollouts?resources_version=${r.step}`}>v${r.step}</a></td><td class="num">${fmtNum(r.train_reward)}</td><td class="num">${r.rollouts}</td><td class="num">${fmtNum(r.val_reward)}</td><td class="num">${r.val_rollouts}</td></tr>`)}</tbody></table>
+      <tbody>${data.store_curve.map((r) => html`<tr><td><a href=${`#/rollouts?resources_version=${r.version}`}>v${r.version}</a> (step ${r.step})</td><td class="num">${fmtNum(r.train_reward)}</td><td class="num">${r.rollouts}</td><td class="num">${fmtNum(r.val_reward)}</td><td class="num">${r.val_rollouts}</td></tr>`)}</tbody></table>
     </div>
-    <${VersionMetrics} versions=${data.store_curve.map((r) => r.step)} />
+    <${VersionMetrics} versions=${data.store_curve.map((r) => r.version)} />
   </div>`;
 }
 

@@ -44,6 +44,8 @@ class Row:
     generator: Any
     eos: frozenset[int] = frozenset()
     stops: Sequence[str] = ()
+    #: strings that end the reply with them kept (a forced tool call's closing tag): ``ended="closed"``
+    closers: Sequence[str] = ()
     #: token ids -> text, to find stop strings in the tail of the reply
     decode: Callable[[list[int]], str] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -53,7 +55,7 @@ class Row:
     on_token: Callable[[int, float], None] | None = None
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    #: why the row left: "eos", "length", "stop" or "cancelled"; None while it runs
+    #: why the row left: "eos", "length", "stop", "closed" or "cancelled"; None while it runs
     ended: str | None = None
     #: the caller's own record (the backend's job)
     payload: Any = None
@@ -313,9 +315,11 @@ def _append(row: Row, token: int, logprob: float) -> bool:
         end = "cancelled"
     elif len(row.ids) >= row.max_new:
         end = "length"
-    elif row.stops and row.decode is not None:
+    elif (row.stops or row.closers) and row.decode is not None:
         tail = row.decode(row.ids[-32:])
         if any(s in tail for s in row.stops):
             end = "stop"
+        elif any(c in tail for c in row.closers):
+            end = "closed"
     row.ended = end
     return end is not None

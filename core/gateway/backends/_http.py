@@ -164,9 +164,12 @@ class HttpUpstreamBackend(Backend):
                 ("top_p", request.top_p),
                 ("max_tokens", request.max_tokens),
                 ("seed", request.seed),
+                ("stop", request.stop or None),
             ):
                 if value is not None:
                     body[key] = value
+            if request.api == "messages" and isinstance(request.raw.get("top_k"), int):
+                body["top_k"] = request.raw["top_k"]  # vLLM takes it as an extra field
         body["model"] = model
         body["stream"] = False
         return body

@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from agl.errors import AglError
+
 __all__ = [
     "Backend",
     "BackendError",
@@ -25,7 +27,7 @@ __all__ = [
 ]
 
 
-class BackendError(Exception):
+class BackendError(AglError):
     """The backend failed to produce a reply; the gateway answers 502 and records an ERROR span."""
 
 
@@ -38,7 +40,7 @@ class UpstreamError(BackendError):
         self.body = body
 
 
-class ContextWindowError(Exception):
+class ContextWindowError(AglError):
     """The rendered prompt does not fit the model's context window (the gateway answers 400)."""
 
     def __init__(self, prompt_tokens: int, limit: int) -> None:
@@ -50,7 +52,7 @@ class ContextWindowError(Exception):
         self.limit = limit
 
 
-class UnknownModelError(Exception):
+class UnknownModelError(AglError):
     """The request names a model this backend does not serve (the gateway answers 404)."""
 
     def __init__(self, model: str, available: list[str]) -> None:
@@ -137,6 +139,9 @@ class GenerationResult:
     raw: dict[str, Any] | None = None
     #: completion tokens as an upstream reported them (pass-through backends without ids)
     reported_completion_tokens: int | None = None
+    #: tokens the backend appended to the prompt to honour ``tool_choice`` (the tool-call opening): the
+    #: end of ``prompt_ids``, so they are context, outside the loss; the reply's text starts with them
+    forced_tokens: int = 0
 
     @property
     def completion_tokens(self) -> int:

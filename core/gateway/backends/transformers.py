@@ -25,9 +25,12 @@ running ones finish, and happens between batches, never during one.
 A client that disconnects cancels its request: a queued request is dropped, a running one leaves the
 batch before the next step.
 
-Not enforced: ``response_format`` (no constrained decoding; the request is served as plain text) and
-``tool_choice`` other than ``"none"`` (which hides the tools); the scripted, vllm and openai
-backends cover those where it matters.
+``tool_choice``: ``"none"`` hides the tools; ``"required"`` and a named function start the reply with
+the tool-call opening (and the function's name), appended to the prompt as forced tokens: they are the
+end of ``prompt_ids`` (context, outside the loss), counted in ``GenerationResult.forced_tokens`` (the
+span's ``agl.llm.forced_tokens``), and the reply's text starts with them. A value it cannot honour (an
+unknown one, a function not among the tools) is answered 400. Not enforced: ``response_format`` (no
+constrained decoding; the request is served as plain text).
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ import copy
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agl.gateway.backends._batching import Batch, Row
+from agl.gateway.backends._stream_text import StreamText, tail_delta, token_logprobs
 from agl.gateway.backends.base import (
     Backend,
     BackendError,
@@ -52,8 +56,9 @@ from agl.gateway.backends.base import (
     GenerationRequest,
     GenerationResult,
     UnknownModelError,
+    UpstreamError,
 )
-from agl.gateway.chat_format import parse_tool_calls
+from agl.gateway.chat_format import forced_tool_prefix, parse_tool_calls
 from agl.gateway.tokenizer import ChatTokenizer, load_default_tokenizer
 
 __all__ = ["TransformersBackend"]
@@ -77,40 +82,21 @@ class _Job:
     weight_version: int = 0
 
 
-_TOOL_TAG = "<tool_call>"
-
-
-def _safe_prefix(text: str, stops: Sequence[str], tools: bool) -> str:
-    """The part of the text decoded so far that later tokens cannot change or cut."""
-    if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence
-        text = text.rstrip("\ufffd")
-    if stops:  # the reply is cut before a stop string: never send one, nor the start of one
-        cuts = [k for k in (text.find(x) for x in stops if x) if k >= 0]
-        if cuts:
-            text = text[: min(cuts)]
-        else:
-            text = text[: max(0, len(text) - (max(len(x) for x in stops) - 1))]
-    if tools:
-        cut = text.find(_TOOL_TAG)
-        if cut >= 0:
-            text = text[:cut]
-        else:  # a tag may be starting at the end
-            for k in range(len(_TOOL_TAG) - 1, 0, -1):
-                if text.endswith(_TOOL_TAG[:k]):
-                    text = text[:-k]
-                    break
-        text = text.rstrip()  # the parsed content is stripped around calls
-        if not text.strip():
-            return ""
-    return text
-
-
 def _top_k(request: GenerationRequest) -> int | None:
     """``top_k`` is not an OpenAI parameter; vLLM-style clients send it as an extra body field."""
     value = request.raw.get("top_k") if isinstance(request.raw, dict) else None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         return None
     return value
+
+
+def _forced_prefix(request: GenerationRequest) -> str:
+    """The tool-call opening ``request.tool_choice`` forces (``""`` for none); an unsupported value is
+    the client's error (400), never silently ignored."""
+    try:
+        return forced_tool_prefix(request.tool_choice, request.tools)
+    except ValueError as exc:
+        raise UpstreamError(400, str(exc), {"error": {"message": str(exc), "param": "tool_choice"}}) from None
 
 
 class TransformersBackend(Backend):
@@ -299,6 +285,9 @@ class TransformersBackend(Backend):
             prompt_text, prompt_ids = await tok.aencode_chat(
                 request.messages, tools
             )  # off the loop when long
+            forced = _forced_prefix(request)
+            if forced:  # honour tool_choice: the reply starts with the tool-call opening
+                prompt_text, prompt_ids = prompt_text + forced, [*prompt_ids, *await tok.aencode(forced)]
         else:
             prompt_text = request.prompt or ""
             prompt_ids = await tok.aencode(prompt_text)
@@ -355,23 +344,8 @@ class TransformersBackend(Backend):
         a possible ``<tool_call>``), and tool calls are sent as deltas once parsed at the end.
         """
         if request.n != 1:  # several choices: generated together, then sent as whole deltas
-            result = await self.generate(request)
-            yield {"type": "start", "prompt_ids": result.prompt_ids}
-            for i, c in enumerate(result.choices):
-                delta: dict[str, Any] = {"role": "assistant", "content": c.content}
-                if c.tool_calls:
-                    delta["tool_calls"] = [
-                        {"index": k, **tc.to_openai()} for k, tc in enumerate(c.tool_calls)
-                    ]
-                yield {
-                    "type": "delta",
-                    "index": i,
-                    "delta": delta,
-                    "token_ids": c.response_ids,
-                    "logprobs": None,
-                    "finish_reason": c.finish_reason,
-                }
-            yield {"type": "end", "result": result}
+            async for event in self._stream_whole(request):
+                yield event
             return
         prompt_text, prompt_ids, max_new = await self._prepare(request)
         tok = self.tokenizer
@@ -382,36 +356,21 @@ class TransformersBackend(Backend):
         )
         self._submit(job)
         want_lp = bool(isinstance(request.raw, dict) and request.raw.get("logprobs"))
-        tools = bool(request.messages is not None and request.tools and request.tool_choice != "none")
-        eos = set(self._eos_ids)
+        forced = bool(request.messages is not None and _forced_prefix(request))
+        text = StreamText(tok, request, set(self._eos_ids), forced=forced)
         ids: list[int] = []
-        sent = ""
-        done_text = False
         try:
             yield {"type": "start", "prompt_ids": list(prompt_ids)}
-            first = True
             while True:
                 item = await job.tokens.get()  # type: ignore[union-attr]
                 if item is None:
                     break
-                if done_text or len(ids) >= max_new:
+                if text.done or len(ids) >= max_new:
                     continue
                 tid, lp = item
                 ids.append(tid)
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-                first = False
-                if tid in eos:
-                    done_text = True
-                else:
-                    text = tok.decode([t for t in ids if t not in eos])
-                    safe = _safe_prefix(text, request.stop, tools)
-                    if len(safe) > len(sent) and safe.startswith(sent):
-                        delta["content"] = safe[len(sent) :]
-                        sent = safe
-                lps = None
-                if want_lp:
-                    piece = tok.decode([tid])
-                    lps = [{"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}]
+                delta = text.delta(ids, tid)
+                lps = token_logprobs(tok, tid, lp) if want_lp else None
                 yield {
                     "type": "delta",
                     "index": 0,
@@ -422,22 +381,10 @@ class TransformersBackend(Backend):
                 }
             result = await job.future
             choice = result.choices[0]
-            content = choice.content or ""
-            tail: dict[str, Any] = {}
-            if content.startswith(sent) and len(content) > len(sent):
-                tail["content"] = content[len(sent) :]
-            elif not content.startswith(sent):
-                log.warning(
-                    "agl gateway: streamed text diverged from the final reply (stop string or tool call)"
-                )
-            if choice.tool_calls:
-                tail["tool_calls"] = [
-                    {"index": k, **tc.to_openai()} for k, tc in enumerate(choice.tool_calls)
-                ]
             yield {
                 "type": "delta",
                 "index": 0,
-                "delta": tail,
+                "delta": tail_delta(choice, text.sent),
                 "token_ids": [],
                 "logprobs": [] if want_lp else None,
                 "finish_reason": choice.finish_reason,
@@ -446,6 +393,24 @@ class TransformersBackend(Backend):
         finally:
             if not job.future.done():  # the client went away: stop generating this row
                 self._withdraw(job)
+
+    async def _stream_whole(self, request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
+        """Several choices are generated together, then sent as one whole delta each."""
+        result = await self.generate(request)
+        yield {"type": "start", "prompt_ids": result.prompt_ids}
+        for i, c in enumerate(result.choices):
+            delta: dict[str, Any] = {"role": "assistant", "content": c.content}
+            if c.tool_calls:
+                delta["tool_calls"] = [{"index": k, **tc.to_openai()} for k, tc in enumerate(c.tool_calls)]
+            yield {
+                "type": "delta",
+                "index": i,
+                "delta": delta,
+                "token_ids": c.response_ids,
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+            }
+        yield {"type": "end", "result": result}
 
     async def _run_worker(self) -> None:
         assert self._wakeup is not None and self._lock is not None
@@ -534,6 +499,9 @@ class TransformersBackend(Backend):
             generator=job.generator or self._generator_for(r.seed, self.device),
             eos=frozenset(self._eos_ids),
             stops=tuple(x for x in r.stop if x),
+            # a reply forced to open a tool call ends once that call is closed (vLLM's "required" ends
+            # with the call too); what follows would be prose the client asked not to get
+            closers=("</tool_call>",) if r.messages is not None and _forced_prefix(r) else (),
             decode=tok.decode,
             cancel=job.cancel,
             processors=self._processors(len(job.prompt_ids)),
@@ -600,7 +568,7 @@ class TransformersBackend(Backend):
         ids = list(row.ids)
         hit_eos = row.ended == "eos"
         text = tok.decode(ids[:-1] if hit_eos else ids)
-        finish = "stop" if hit_eos else "length"
+        finish = "stop" if hit_eos or row.ended == "closed" else "length"
         r = job.request
         for s in r.stop:
             cut = text.find(s) if s else -1
@@ -608,6 +576,8 @@ class TransformersBackend(Backend):
                 text, finish = text[:cut], "stop"
         if finish == "length" and row.ended == "cancelled":
             finish = "cancelled"
+        forced = _forced_prefix(r) if r.messages is not None else ""
+        text = forced + text  # what the model said: the forced opening, then what it drew
         content: str | None = text
         calls = []
         if r.messages is not None and r.tools and r.tool_choice != "none" and finish == "stop":
@@ -629,6 +599,7 @@ class TransformersBackend(Backend):
             prompt_tokens=len(job.prompt_ids),
             weight_version=job.weight_version,
             prompt_text=job.prompt_text,
+            forced_tokens=len(tok.encode(forced)) if forced else 0,  # the ids _prepare appended
         )
 
     def _generator_for(self, seed: int | None, device: Any) -> Any:

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from agl.cli._util import check_port, check_port_free, read_secret
+from agl.errors import UsageError
 from agl.http_limits import HttpLimits
 
 __all__ = ["register_cli"]
@@ -85,27 +87,26 @@ def _serve(args: argparse.Namespace) -> int:
     # pydantic scans every installed distribution for plugins when it builds its first model; a store
     # server has no use for them and answers sooner without the scan (set the variable to override).
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
-    from agl.cli import read_secret
     from agl.store.server import DEFAULT_MAX_BODY_BYTES, is_loopback, serve
 
     token = read_secret(args.token, args.token_file, TOKEN_ENV, "store token")
     if not token and not is_loopback(args.host):
-        raise ValueError(
+        raise UsageError(
             f"refusing to listen on {args.host!r} without a token: anyone who can reach it could read and "
             f"change the store. Set {TOKEN_ENV} or pass --token-file, or bind 127.0.0.1"
         )
     limits = HttpLimits.from_args(args)
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be 0-65535, got {args.port}")
-    from agl.cli import check_port_free
-
+    check_port(args.port)
     check_port_free(args.host, args.port)
     max_body = args.max_body_bytes if args.max_body_bytes is not None else DEFAULT_MAX_BODY_BYTES
     if max_body <= 0:
-        raise ValueError(f"--max-body-bytes must be positive, got {max_body}")
+        raise UsageError(f"--max-body-bytes must be positive, got {max_body}")
+    from agl.dashboard.mount import ui_mounts
+
     store = _open(args)
     serve(
         store,
+        mounts=ui_mounts(store),  # the dashboard at /ui
         host=args.host,
         port=args.port,
         token=token,

@@ -1,4 +1,4 @@
-"""``agl apo``: APO from the command line — tasks from JSONL files, the agent as ``module:function``,
+"""``agl apo``: APO (:mod:`agl.algorithms.apo`) from the command line — tasks from JSONL files, the agent as ``module:function``,
 the optimiser as any OpenAI-compatible endpoint. It builds an ``agl.Trainer`` with an ``agl.APO`` and
 runs it, printing the summary as JSON; bad input is a one-line error and exit status 2.
 """
@@ -13,10 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from agl.algorithms.apo.algorithm import APO
+from agl.cli.config_args import add_config_arguments, config_from_args
+from agl.config import LoopConfig, RunConfig
+from agl.errors import UsageError
+from agl.run.settings import Serving
 
 __all__ = ["load_jsonl", "register_cli"]
 
 log = logging.getLogger("agl.apo")
+
+#: APO's budget fields, flags of ``agl apo`` (with ``failure_below``)
+_BUDGETS = ("rounds", "beam_width", "branch_factor", "rollouts_per_candidate", "max_optimizer_tokens")
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[Any]:
@@ -31,9 +38,9 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[Any]:
         try:
             out.append(json.loads(line))
         except ValueError as exc:
-            raise ValueError(f"{p}:{n} is not JSON: {exc}") from None
+            raise UsageError(f"{p}:{n} is not JSON: {exc}") from None
     if not out:
-        raise ValueError(f"{p} holds no tasks")
+        raise UsageError(f"{p} holds no tasks")
     return out
 
 
@@ -53,32 +60,46 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     )
     a("--agents", action="append", default=None, metavar="NAME", help="optimise only these prompts")
     g = parser.add_argument_group("optimiser (any OpenAI-compatible endpoint; default: the agent's model)")
-    g.add_argument("--optimizer-base-url", default=None)
-    g.add_argument("--optimizer-model", default=None)
-    g.add_argument("--optimizer-api-key", default=None, help="default: $OPENAI_API_KEY")
-    g.add_argument("--optimizer-temperature", type=float, default=1.0)
+    add_config_arguments(g, APO, only=["optimizer_base_url", "optimizer_model", "optimizer_api_key"])
+    g.add_argument("--optimizer-temperature", type=float, default=1.0, help="the optimiser's temperature")
     g.add_argument("--optimizer-max-tokens", type=int, default=1024, help="per optimiser reply")
-    g.add_argument("--rewrite-format", choices=["json", "text"], default="json")
+    add_config_arguments(g, APO, only=["rewrite_format"])
     b = parser.add_argument_group("budgets")
-    b.add_argument("--rounds", type=int, default=3)
-    b.add_argument("--beam-width", type=int, default=2)
-    b.add_argument("--branch-factor", type=int, default=2)
-    b.add_argument("--rollouts-per-candidate", type=int, default=8)
-    b.add_argument("--max-optimizer-tokens", type=int, default=None)
-    b.add_argument("--failure-below", type=float, default=1.0, help="a reward below this is a failure")
+    add_config_arguments(b, APO, only=[*_BUDGETS, "failure_below"])
     m = parser.add_argument_group("the agent's model")
-    m.add_argument("--base-url", default=None, help="an OpenAI-compatible endpoint for the agent")
-    m.add_argument("--model", default=None, help="model name at --base-url, or a local model path")
-    m.add_argument("--api-key", default=None, help="API key for --base-url (default: $OPENAI_API_KEY)")
-    m.add_argument("--vllm-url", default=None, help="a vLLM server for the agent instead")
-    m.add_argument("--temperature", type=float, default=0.0)
-    m.add_argument("--max-tokens", type=int, default=256)
+    add_config_arguments(
+        m,
+        Serving,
+        only=["base_url", "model", "api_key", "vllm_url"],
+        overrides={
+            "base_url": {"help": "an OpenAI-compatible endpoint for the agent"},
+            "model": {"help": "model name at --base-url, or a local model path"},
+            "api_key": {"help": "API key for --base-url (default: $OPENAI_API_KEY)"},
+            "vllm_url": {"help": "a vLLM server for the agent instead"},
+        },
+    )
+    add_config_arguments(
+        m,
+        RunConfig,
+        only=["temperature", "max_tokens"],
+        overrides={
+            "temperature": {"default": 0.0, "help": "the agent's sampling temperature (0: greedy)"},
+            "max_tokens": {"default": 256, "help": "the longest reply the agent's model may write"},
+        },
+    )
     r = parser.add_argument_group("run")
-    r.add_argument("--store", default=None, help="store URL (default: sqlite in --run-dir)")
-    r.add_argument("--runners", type=int, default=4, help="rollouts run at once (0: external agl runner)")
-    r.add_argument("--run-dir", default="runs/apo")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--no-progress", action="store_true")
+    add_config_arguments(
+        r,
+        Serving,
+        only=["store", "runners", "run_dir"],
+        overrides={
+            "store": {"help": "store URL (default: sqlite in --run-dir)"},
+            "runners": {"help": "rollouts run at once (0: external agl runner)"},
+            "run_dir": {"default": "runs/apo"},
+        },
+    )
+    add_config_arguments(r, LoopConfig, only=["seed"], overrides={"seed": {"help": "seed of the task order"}})
+    add_config_arguments(r, Serving, only=["progress"])
     r.add_argument(
         "--no-instrument",
         action="store_true",
@@ -95,16 +116,14 @@ def _cli(args: argparse.Namespace) -> int:
     for spec in args.prompt:
         name, sep, path = spec.partition("=")
         if not sep or not name:
-            raise ValueError(f"--prompt must be NAME=FILE, got {spec!r}")
+            raise UsageError(f"--prompt must be NAME=FILE, got {spec!r}")
         if not Path(path).is_file():
             raise FileNotFoundError(f"--prompt {name}: no such file: {path}")
         prompts[name] = Path(path).read_text().strip()
-    apo = APO(
-        rounds=args.rounds,
-        beam_width=args.beam_width,
-        branch_factor=args.branch_factor,
-        rollouts_per_candidate=args.rollouts_per_candidate,
-        max_optimizer_tokens=args.max_optimizer_tokens,
+    apo = config_from_args(
+        APO,
+        args,
+        {name: name for name in (*_BUDGETS, "failure_below", "rewrite_format")},
         prompts=prompts or None,
         agents=args.agents,
         optimizer_base_url=args.optimizer_base_url,
@@ -114,8 +133,6 @@ def _cli(args: argparse.Namespace) -> int:
             "temperature": args.optimizer_temperature,
             "max_tokens": args.optimizer_max_tokens,
         },
-        rewrite_format=args.rewrite_format,
-        failure_below=args.failure_below,
     )
     train, val = load_jsonl(args.train), load_jsonl(args.val)
     test = load_jsonl(args.test) if args.test else None
@@ -126,21 +143,26 @@ def _cli(args: argparse.Namespace) -> int:
         names = instrument_imported_frameworks()
         log.info("agl apo: instrumented %s", ", ".join(names) or "nothing (no framework imported)")
     backend = "openai" if args.base_url else ("vllm" if args.vllm_url else "transformers")
-    trainer = Trainer(
-        apo,
-        model=args.model if backend == "transformers" else None,
-        backend=backend,
-        base_url=args.base_url,
-        api_key=args.api_key,
-        vllm_url=args.vllm_url,
-        model_name=args.model if backend != "transformers" else None,
-        store=args.store,
-        runners=args.runners,
-        run_dir=args.run_dir,
-        sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
-        seed=args.seed,
-        progress=not args.no_progress,
-    )
+    try:  # the Trainer checks the flags it is given: a refusal is the user's mistake, one line
+        trainer = Trainer(
+            apo,
+            model=args.model if backend == "transformers" else None,
+            backend=backend,
+            base_url=args.base_url,
+            api_key=args.api_key,
+            vllm_url=args.vllm_url,
+            model_name=args.model if backend != "transformers" else None,
+            store=args.store,
+            runners=args.runners,
+            run_dir=args.run_dir,
+            sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+    except ValueError as exc:
+        if isinstance(exc, UsageError):
+            raise
+        raise UsageError(str(exc)) from None
     if test is None:
         summary = trainer.fit(agent, train, val)
     else:  # Trainer.fit has no held-out split; APO.fit is the same run with the Trainer's settings

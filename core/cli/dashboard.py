@@ -1,4 +1,5 @@
-"""``agl dashboard --store URL [--run-dir DIR]``: serve the dashboard for a store (and a trainer run).
+"""``agl dashboard --store URL [--run-dir DIR]``: serve the dashboard (:mod:`agl.dashboard`) for a store
+(and a trainer run).
 
 Imports stay inside the command function so ``agl --help`` stays fast.
 """
@@ -9,6 +10,9 @@ import argparse
 import os
 import webbrowser
 from typing import Any
+
+from agl.cli._util import check_port, tokenizer_from_arg
+from agl.errors import UsageError
 
 __all__ = ["register_cli", "serve_dashboard"]
 
@@ -78,7 +82,7 @@ def serve_dashboard(
     from agl.store.server import _bind, is_loopback
 
     if not token and not is_loopback(host):
-        raise ValueError(
+        raise UsageError(
             f"refusing to listen on {host!r} without a token: the dashboard shows prompts and can cancel "
             f"rollouts. Pass --token or set {TOKEN_ENV}, or bind 127.0.0.1"
         )
@@ -107,16 +111,13 @@ def serve_dashboard(
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    from agl.export import load_tokenizer
-
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be 0-65535, got {args.port}")
+    check_port(args.port)
     for d in args.run_dir:
         if not os.path.isdir(d):
             raise FileNotFoundError(f"--run-dir {d!r} is not a directory")
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     url = args.store or os.environ.get(STORE_ENV) or "sqlite:///agl.db"
-    tokenizer = None if args.tokenizer in ("none", "") else load_tokenizer(args.tokenizer)
+    tokenizer = None if args.tokenizer in ("none", "") else tokenizer_from_arg(args.tokenizer)
     store = _open_store(url, token)
     try:
         serve_dashboard(

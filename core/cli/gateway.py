@@ -8,24 +8,19 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from agl.http_limits import HttpLimits, is_loopback
+from agl.cli._util import check_port, check_port_free, read_secret
+from agl.errors import UsageError
+from agl.gateway.serve import API_KEY_ENV, check_public_bind
+from agl.http_limits import HttpLimits
 
-__all__ = ["API_KEY_ENV", "build_backend", "check_public_bind", "register_cli"]
+__all__ = [
+    "API_KEY_ENV",
+    "build_backend",
+    "check_public_bind",
+    "register_cli",
+]  # the two bind names: from agl.gateway.serve
 
 log = logging.getLogger("agl.gateway")
-
-#: where ``agl gateway serve`` reads its API key when no --api-key/--api-key-file is given
-API_KEY_ENV = "AGL_GATEWAY_API_KEY"
-
-
-def check_public_bind(host: str, api_key: str | None) -> None:
-    """Refuse a non-loopback address without an API key (the store server's rule): anyone who can
-    reach the gateway could use the model, read its status and swap its weights."""
-    if not api_key and not is_loopback(host):
-        raise ValueError(
-            f"refusing to listen on {host!r} without an API key: anyone who can reach it could use the "
-            f"model and swap its weights. Set {API_KEY_ENV} or pass --api-key-file, or bind 127.0.0.1"
-        )
 
 
 def register_cli(parser: argparse.ArgumentParser) -> None:
@@ -100,40 +95,48 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
 
 
 def build_backend(args: Any) -> Any:
-    """The backend the command-line arguments describe (also used by the trainer's embedded default)."""
+    """The backend the command-line arguments describe (through :func:`agl.gateway.backends.from_spec`)."""
+    from agl.gateway.backends import from_spec
+
     if args.backend == "transformers":
         _require_torch()
-        from agl.gateway.backends.transformers import TransformersBackend
-
-        return TransformersBackend(
-            args.model,
+        return from_spec(
+            "transformers",
+            model=args.model,
             model_name=args.model_name,
             max_batch_size=args.max_batch_size,
             threads=getattr(args, "threads", None),
         )
     if args.backend == "scripted":
-        from agl.gateway.backends.scripted import ScriptedBackend
-
-        script: list[Any] = ["Hello from the agl scripted backend."]
-        if args.script:
-            path = Path(args.script)
-            if not path.exists():
-                raise FileNotFoundError(f"script file {path} not found")
-            script = json.loads(path.read_text())
-            if not isinstance(script, list) or not script:
-                raise ValueError(f"{path}: a script is a non-empty JSON list of replies")
-        return ScriptedBackend(script, models=[args.model or "scripted"], on_exhausted="cycle")
+        return from_spec(
+            "scripted",
+            script=_read_script(args.script),
+            models=[args.model or "scripted"],
+            on_exhausted="cycle",
+        )
     if not args.upstream:
-        raise ValueError(f"--backend {args.backend} needs --upstream URL")
+        raise UsageError(f"--backend {args.backend} needs --upstream URL")
     if args.backend == "vllm":
-        from agl.gateway.backends.vllm import VLLMBackend
-
-        return VLLMBackend(args.upstream, model=args.model, api_key=args.upstream_api_key)
-    from agl.gateway.backends.openai import OpenAIBackend
-
-    return OpenAIBackend(
-        args.upstream, api_key=args.upstream_api_key, models=[args.model] if args.model else ()
+        return from_spec("vllm", url=args.upstream, model=args.model, api_key=args.upstream_api_key)
+    return from_spec(
+        "openai", url=args.upstream, api_key=args.upstream_api_key, models=[args.model] if args.model else ()
     )
+
+
+def _read_script(path_arg: str | None) -> list[Any]:
+    """``--script``: a JSON list of replies (a greeting when none is given)."""
+    if not path_arg:
+        return ["Hello from the agl scripted backend."]
+    path = Path(path_arg)
+    if not path.exists():
+        raise FileNotFoundError(f"script file {path} not found")
+    try:
+        script = json.loads(path.read_text())
+    except ValueError as exc:
+        raise UsageError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(script, list) or not script:
+        raise UsageError(f"{path}: a script is a non-empty JSON list of replies")
+    return script
 
 
 def _require_torch() -> None:
@@ -142,7 +145,7 @@ def _require_torch() -> None:
 
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
-        raise ValueError(
+        raise UsageError(
             f"the transformers backend needs {' and '.join(missing)}: pip install 'agl[train]' (on CPU with "
             "torch==2.13.0), or serve another backend: --backend scripted|vllm|openai"
         )
@@ -154,14 +157,12 @@ def _serve(args: Any) -> int:
         return 2
     import uvicorn
 
-    from agl.cli import check_port_free, read_secret
     from agl.gateway.app import create_app
 
     api_key = read_secret(args.api_key, args.api_key_file, API_KEY_ENV, "API key")
     check_public_bind(args.host, api_key)
     limits = HttpLimits.from_args(args)
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be 0-65535, got {args.port}")
+    check_port(args.port)
     check_port_free(args.host, args.port)
     backend = build_backend(args)
     store = None

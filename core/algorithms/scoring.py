@@ -1,0 +1,166 @@
+"""How the policy scores response tokens: TRL's ``GRPOTrainer`` fed with transitions, and a chunked LM head.
+
+:class:`TransitionGRPOTrainer` is the ``trl.GRPOTrainer`` that :class:`agl.algorithms.update.PolicyUpdate`
+drives. It never generates or computes rewards (transitions and advantages come from the store), and where
+TRL's fused head would score every position (no Triton: CPU), it runs the decoder and scores only the
+response positions, ``SCORE_CHUNK_TOKENS`` at a time under activation checkpointing
+(:func:`chunked_token_logps`), so no batch x length x vocab logits tensor is held for backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+__all__ = [
+    "SCORE_CHUNK_TOKENS",
+    "TransitionGRPOTrainer",
+    "backbone_and_head",
+    "chunked_token_logps",
+    "is_peft",
+]
+
+
+#: response positions scored per chunk: bounds the (chunk x vocab) logits that exist at once
+SCORE_CHUNK_TOKENS = 512
+
+
+def _score_chunk(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each target and the (detached) entropy, for one chunk of positions."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+    logz = torch.logsumexp(logits, dim=-1)
+    logps = logits.gather(-1, targets[:, None])[:, 0] - logz
+    with torch.no_grad():
+        probs = torch.softmax(logits, dim=-1)
+        entropy = logz - (probs * logits).sum(-1)
+    return logps, entropy
+
+
+def chunked_token_logps(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: torch.nn.Module,
+    temperature: float,
+    *,
+    chunk: int = SCORE_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs (and entropies) of ``targets`` given the final hidden states, at
+    ``temperature``, without a batch x length x vocab tensor held for backward.
+
+    Positions are scored ``chunk`` at a time; under autograd each chunk runs in
+    ``torch.utils.checkpoint``, so only its hidden states are kept and its logits are recomputed during
+    the backward pass (the same trade TRL's and Liger's fused heads make). Shapes: ``hidden`` (B, R, H),
+    ``targets`` (B, R) -> two (B, R) tensors.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    b, r, h = hidden.shape
+    flat_h, flat_t = hidden.reshape(b * r, h), targets.reshape(b * r)
+    weight, bias = head.weight, getattr(head, "bias", None)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    logps, ents = [], []
+    for start in range(0, b * r, chunk):
+        args = (flat_h[start : start + chunk], flat_t[start : start + chunk], weight, bias, temperature)
+        lp, ent = checkpoint(_score_chunk, *args, use_reentrant=False) if grad else _score_chunk(*args)
+        logps.append(lp)
+        ents.append(ent)
+    return torch.cat(logps).view(b, r), torch.cat(ents).view(b, r)
+
+
+def backbone_and_head(model: Any) -> tuple[Any, Any] | None:
+    """The decoder stack and LM head of a (peft-wrapped) causal LM whose logits are a plain projection
+    of the last hidden state; None for models that scale or soft-cap their logits."""
+    base = model.get_base_model() if is_peft(model) else model
+    cfg = getattr(base, "config", None)
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    for attr in (
+        "final_logit_softcapping",
+        "logit_scale",
+        "output_multiplier",
+        "lm_head_multiplier",
+        "logits_scaling",
+    ):
+        if getattr(text, attr, None) not in (None, 1, 1.0):
+            return None
+    get_decoder = getattr(base, "get_decoder", None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    decoder = get_decoder() if callable(get_decoder) else None
+    if decoder is None or head is None or not isinstance(head, torch.nn.Linear):
+        return None
+    return decoder, head
+
+
+class TransitionGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` fed with precomputed transitions: generation and rewards are never used."""
+
+    #: the policy's per-token log-probs of the last scored batch (detached), for the on-policy check
+    last_logps: torch.Tensor | None = None
+
+    def _get_per_token_logps_and_entropies(  # type: ignore[override]
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """TRL's fused LM head scores only response positions where Triton runs (CUDA/XPU); elsewhere
+        it scores every position, prompt included — several times the work for agent transitions,
+        whose prompts are long and responses short. There, run the decoder, then score only the
+        response positions, in checkpointed chunks (:func:`chunked_token_logps`)."""
+        try:
+            from trl.kernels.chunked_logprob import _use_triton
+        except ImportError:  # pragma: no cover - a TRL that moved it: assume Triton wherever CUDA is
+
+            def _use_triton(device: torch.device) -> bool:
+                return device.type in ("cuda", "xpu")
+
+        parts = None
+        if not (
+            _use_triton(input_ids.device) or compute_aux_loss or any(v is not None for v in kwargs.values())
+        ):
+            parts = backbone_and_head(self.accelerator.unwrap_model(model))
+        if parts is None:
+            logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size=batch_size,
+                compute_entropy=compute_entropy,
+                compute_aux_loss=compute_aux_loss,
+                **kwargs,
+            )
+        else:
+            decoder, head = parts
+            with self.accelerator.autocast():
+                hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)[0]
+            logps, ent = chunked_token_logps(
+                hidden[:, -logits_to_keep - 1 : -1, :], input_ids[:, -logits_to_keep:], head, self.temperature
+            )
+            entropies, aux = (ent if compute_entropy else None), None
+        self.last_logps = logps.detach()
+        return logps, entropies, aux
+
+    def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:  # pragma: no cover - guard
+        raise RuntimeError("agl's policy update gets transitions from the store; it never generates")
+
+
+def is_peft(model: Any) -> bool:
+    """Whether ``model`` is a peft-wrapped (LoRA) model; False when peft is not installed."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is part of agl[train]
+        return False
+    return isinstance(model, PeftModel)

@@ -1,0 +1,66 @@
+"""``StepChecks``: what the training loop checks after each step, so a run that cannot learn says so.
+
+- a step whose agent selection matched none of its LLM calls is refused (the update would train on
+  nothing), and calls outside any agent span are warned about once;
+- an update whose first PPO ratio is far from 1 (the recorded behaviour policy is not the policy the
+  update scores) is warned about once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from agl.config import RunConfig
+
+__all__ = ["StepChecks"]
+
+log = logging.getLogger("agl.trainer")
+
+
+class StepChecks:
+    """The loop's per-step sanity checks; each warning is given once per run."""
+
+    def __init__(self) -> None:
+        self.warned_unattributed = False
+        self.warned_off_policy = False
+
+    def adapted(self, step: int, stats: Any, agents: Any) -> None:
+        """Refuse a step whose agent selection matched none of its LLM calls (the update would
+        silently train on nothing), and warn once when calls lost their agent spans."""
+        if stats.unattributed_calls and not self.warned_unattributed:
+            self.warned_unattributed = True
+            log.warning(
+                "agl trainer: step %d: %d LLM calls ran outside every agent span in attempts whose own spans "
+                "show an agent framework at work. The framework's hooks were bypassed or removed — e.g. "
+                "an Agents SDK app calling set_trace_processors() after agl.instrument(), or an agent run "
+                "outside the rollout's context — so agents= cannot select these calls",
+                step,
+                stats.unattributed_calls,
+            )
+        if stats.llm_calls and stats.unselected == stats.llm_calls and stats.transitions == 0:
+            seen = ", ".join(f"{name or '<no agent span>'} ({n})" for name, n in sorted(stats.agents.items()))
+            raise RuntimeError(
+                f"step {step}: the agent selection agents={agents!r} matched 0 of "
+                f"{stats.llm_calls} LLM calls, so there is nothing to train on. Agents seen: {seen}. "
+                "Check the names given as agents= (they match invoke_agent span names) and that the "
+                "agent framework is instrumented (agl.instrument()) before the agent is built"
+            )
+
+    #: a first-micro-batch ratio further than this from 1 means the recorded behaviour policy is not
+    #: the policy the update scores (bf16 on a GPU stays well under it)
+    OFF_POLICY_WARN = 0.05
+
+    def on_policy(self, ratio_dev: float | None, config: RunConfig) -> None:
+        if ratio_dev is None or ratio_dev <= self.OFF_POLICY_WARN or self.warned_off_policy:
+            return
+        self.warned_off_policy = True
+        log.warning(
+            "agl trainer: before its first optimizer step the update's PPO ratio is off by %.3g: the "
+            "log-probs the engine recorded are not the policy's at temperature %g. Most likely the agent "
+            "sends its own temperature/top_p instead of resources.llm.sampling (%s), or the engine "
+            "serves other weights than the policy's",
+            ratio_dev,
+            config.temperature,
+            config.sampling,
+        )

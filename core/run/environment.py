@@ -1,0 +1,282 @@
+"""``Environment(serving)``: the running pieces of a run, started and stopped in one place.
+
+- the store (a URL, a Store, or SQLite at ``run_dir/store.db``);
+- the backend (through :func:`agl.gateway.backends.from_spec`), served by an in-process gateway in a
+  thread (:class:`~agl.gateway.serve.ServedGateway`), or a gateway started elsewhere
+  (``gateway_url``); the URL published to the agents (advertised name, ``/v1`` normalised once);
+- the in-process runners (a ``Runner``'s asyncio workers in a daemon thread);
+- weight pushes: in process through the serving loop (``Backend.push``), or to an external gateway
+  as saved files announced on its ``/agl/v1`` API; old weight files pruned;
+- :meth:`close`, which stops them all.
+
+It never calls back into its user: the trainer builds the policy and the tokenizer and hands them to
+:meth:`Environment.start`, so ``agl.run`` sits below ``agl.trainer`` and every algorithm can use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agl.gateway.serve import ServedGateway, root_url, v1_url
+from agl.run.settings import Serving
+from agl.types import LLM
+
+if TYPE_CHECKING:
+    from agl.store.base import Store
+
+__all__ = ["Environment", "open_store"]
+
+log = logging.getLogger("agl.run")
+
+#: the in-process gateway may load a model in its lifespan (minutes on a first prepare)
+GATEWAY_STARTUP_S = 600.0
+
+
+def open_store(spec: Any, default_path: Path) -> Store:
+    """A store from a URL, a store object, or (None) SQLite at ``default_path``."""
+    import agl.store
+
+    if spec is None:
+        default_path.parent.mkdir(parents=True, exist_ok=True)
+        return agl.store.open(f"sqlite:///{default_path.resolve()}")
+    return agl.store.open(spec) if isinstance(spec, str) else spec
+
+
+class RunnerThread:
+    """In-process runners: a ``Runner``'s asyncio workers on their own loop in a daemon thread."""
+
+    def __init__(self, runner: Any, name: str = "agl-runners") -> None:
+        self.runner = runner
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.runner.run_async())
+        except Exception:  # noqa: BLE001
+            log.exception("agl: the in-process runner crashed")
+
+    def close(self) -> None:
+        self.runner.stop(now=True)
+        self._thread.join(timeout=30)
+
+
+class Environment:
+    """The store, gateway and runners of one run described by ``serving``.
+
+    ``store`` (after :meth:`open_store`), ``url`` (the ``/v1`` URL published to the agents),
+    ``model_name`` (the served model's name) and ``gateway`` (the in-process one, or None) are set by
+    :meth:`start`.
+    """
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+        self.store: Store | None = None
+        self.gateway: ServedGateway | None = None
+        self.url: str | None = None
+        self.model_name: str | None = None
+        self._runner: RunnerThread | None = None
+
+    # ------------------------------------------------------------------------------ start
+    def open_store(self) -> Store:
+        """Open (once) the run's store."""
+        if self.store is None:
+            self.store = open_store(self.serving.store, self.serving.run_dir / "store.db")
+        return self.store
+
+    def model_source(self) -> Any:
+        """The model to train or serve: ``serving.model``, or the default model (prepared on first use)."""
+        if self.serving.model is not None:
+            return self.serving.model
+        from agl.gateway.models import prepare_default_model
+
+        return str(prepare_default_model(progress=self.serving.progress))
+
+    def served_name(self, source: Any) -> str | None:
+        """The model's name for the agents: ``model_name``, else a path's last part."""
+        if self.serving.model_name:
+            return self.serving.model_name
+        return Path(str(source)).name if isinstance(source, (str, os.PathLike)) else None
+
+    def start(
+        self,
+        agent: Any = None,
+        *,
+        policy: Any = None,
+        tokenizer: Any = None,
+        source: Any = None,
+        base_url: str | None = None,
+        engine: dict[str, Any] | None = None,
+        worker_id: str = "agl-trainer",
+    ) -> None:
+        """Open the store, serve the backend (``policy``: the engine shares the trainer's policy;
+        ``source``: the model to load otherwise; ``base_url``: serve that OpenAI-compatible endpoint
+        instead; ``engine``: extra transformers-engine options) and start the runners for ``agent``
+        (none when ``serving.runners`` is 0 or ``agent`` is None)."""
+        self.open_store()
+        s = self.serving
+        if s.gateway_url is None or base_url is not None:
+            backend = self.make_backend(
+                policy=policy, tokenizer=tokenizer, source=source, base_url=base_url, engine=engine
+            )
+            host, port = s.bind
+            self.gateway = ServedGateway.for_backend(
+                backend,
+                self.store,
+                api_key=s.gateway_api_key,
+                host=host,
+                port=port,
+                startup_timeout_s=GATEWAY_STARTUP_S,
+            )
+            self.url = self._advertised(self.gateway.url, host)
+            models = backend.models()
+        else:
+            self.url = v1_url(s.gateway_url)
+            models = [s.model_name] if s.model_name else []
+        self.model_name = s.model_name or (models[0] if models else "model")
+        if s.runners > 0 and agent is not None:
+            self.start_runners(agent, worker_id=worker_id)
+
+    def make_backend(
+        self,
+        *,
+        policy: Any = None,
+        tokenizer: Any = None,
+        source: Any = None,
+        base_url: str | None = None,
+        engine: dict[str, Any] | None = None,
+    ) -> Any:
+        """The backend ``serving`` names, through the one factory (``gateway.backends.from_spec``)."""
+        from agl.gateway.backends import from_spec
+
+        s = self.serving
+        if not isinstance(s.backend, str):
+            return s.backend
+        if base_url is not None or s.backend == "openai":
+            models = [s.model_name] if s.model_name else []
+            return from_spec("openai", url=base_url or s.base_url, api_key=s.api_key, models=models)
+        if s.backend == "scripted":
+            return from_spec("scripted", script=s.script, accept_any_model=True, on_exhausted="repeat")
+        if s.backend == "vllm":
+            return from_spec("vllm", url=s.vllm_url, model=s.model_name)
+        options = dict(engine or {}, model_name=self.served_name(source))
+        if policy is not None:
+            # the engine serves the policy itself: frozen base weights shared, LoRA tensors pushed
+            return from_spec("transformers", policy=policy, tokenizer=tokenizer, **options)
+        if source is None:
+            source = self.model_source()
+            options["model_name"] = self.served_name(source)
+        if isinstance(source, (str, os.PathLike)):
+            return from_spec("transformers", model=str(source), **options)
+        return from_spec("transformers", model=copy.deepcopy(source), tokenizer=tokenizer, **options)
+
+    def _advertised(self, bound_url: str, host: str) -> str:
+        """The URL published to the runners: ``gateway_advertise``, this host's name for a wildcard
+        bind, else the bound address."""
+        if self.serving.gateway_advertise:
+            return v1_url(self.serving.gateway_advertise)
+        if host in ("0.0.0.0", "::"):
+            return bound_url.replace(f"//{host}:", f"//{socket.getfqdn()}:", 1)
+        return bound_url
+
+    def start_runners(self, agent: Any, *, worker_id: str = "agl-trainer") -> None:
+        """``serving.runners`` in-process runners of ``agent`` against the store."""
+        from agl.runner import Runner
+
+        runner = Runner(
+            agent,
+            self.open_store(),
+            concurrency=self.serving.runners,
+            claim_timeout_s=1.0,
+            worker_id=worker_id,
+        )
+        self._runner = RunnerThread(runner, name=f"{worker_id}-runners")
+
+    # ------------------------------------------------------------------------------ use
+    def publish(self, sampling: dict[str, Any]) -> int:
+        """Publish the ``LLM`` resource (gateway URL, model, ``sampling``, key); returns its version."""
+        assert self.store is not None, "start() the environment first"
+        llm = LLM(
+            base_url=self.url or "",
+            model=self.model_name or "model",
+            sampling=sampling,
+            api_key=self.serving.gateway_api_key,
+        )
+        return self.store.add_resources({"main": llm}).version
+
+    def push_weights(self, policy: Any, version: int) -> float:
+        """Push ``policy``'s weights to the inference engine as ``version`` (``Backend.push``: shared
+        tensors in process, a LoRA adapter or full weights as files elsewhere); returns seconds taken."""
+        t0 = time.perf_counter()
+        if policy is None:
+            return 0.0
+        run_dir = self.serving.run_dir
+        staging = run_dir / ("adapters" if policy.is_lora else "weights")
+        if self.gateway is not None:
+            backend = self.gateway.backend
+            if not backend.can_push:  # scripted replies: there is nothing to serve new weights with
+                return 0.0
+            self.gateway.call(lambda: backend.push(policy, version=version, staging_dir=staging))
+        else:
+            self._push_remote(policy, version, staging)
+        # Old weight files are dead weight (a full model each); vLLM keeps the last adapters loaded.
+        prune(run_dir / "weights", keep=1)
+        prune(run_dir / "adapters", keep=3)
+        return time.perf_counter() - t0
+
+    def _push_remote(self, policy: Any, version: int, staging: Path) -> None:
+        """An external gateway (``agl gateway serve``): save the adapter (or, under full fine-tuning,
+        the weights) where it can read them and tell it through its ``/agl/v1`` API."""
+        import httpx
+
+        target = staging / f"v{version}"
+        if policy.is_lora:
+            path, route = policy.save_adapter(target), "/agl/v1/adapters"
+        else:
+            path, route = policy.save_weights(target), "/agl/v1/weights"
+        key = self.serving.gateway_api_key
+        resp = httpx.post(
+            root_url(self.url or "") + route,
+            json={"path": str(Path(path).resolve()), "version": version},
+            headers={"Authorization": f"Bearer {key}"} if key else {},
+            timeout=600,
+        )
+        if resp.status_code >= 400:
+            raise RuntimeError(f"the gateway refused the new weights: {resp.text[:300]}")
+
+    # ------------------------------------------------------------------------------ stop
+    def stop_runners(self) -> None:
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+
+    def close(self) -> None:
+        """Stop the runners, flush the spans, stop the gateway (the store stays open for reading)."""
+        self.stop_runners()
+        try:
+            from agl.tracing import flush
+
+            flush(10.0)
+        except Exception:  # noqa: BLE001 - a flush failure must not keep the gateway running
+            log.debug("agl: flushing spans on close failed", exc_info=True)
+        if self.gateway is not None:
+            self.gateway.close()
+            self.gateway = None
+
+
+def prune(folder: Path, keep: int) -> None:
+    """Remove all but the ``keep`` newest ``v<N>`` directories in ``folder``."""
+    if not folder.is_dir():
+        return
+    versions = sorted((int(p.name[1:]), p) for p in folder.iterdir() if p.is_dir() and p.name[1:].isdigit())
+    for _, path in versions[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,110 @@
+"""``MetricsLog``: a run's metrics, one record per step, where the tools read them.
+
+Each record is appended to ``run_dir/metrics.jsonl`` (what ``agl plot``, the dashboard and a resumed
+run read) and its numbers to TensorBoard under ``run_dir/tb`` (optional: without TensorBoard the
+JSONL is still written). ``history`` keeps the records in memory; :func:`bar_postfix` is the progress
+bar's summary of a step. The Trainer and SFT both write through it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsLog", "bar_postfix", "rollouts_postfix"]
+
+
+class MetricsLog:
+    """``metrics.jsonl`` + TensorBoard scalars for the run in ``run_dir``; ``history``: records so far."""
+
+    def __init__(self, run_dir: str | Path, history: Sequence[dict[str, Any]] = ()) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.history: list[dict[str, Any]] = list(history)
+        self._tb: Any = None
+
+    def reset(self) -> None:
+        """Start a fresh log: remove an earlier run's ``metrics.jsonl`` and forget the history."""
+        self.path.unlink(missing_ok=True)
+        self.history.clear()
+
+    def load(self) -> list[dict[str, Any]]:
+        """Read the records already in ``metrics.jsonl`` into ``history`` (a resumed run); returns them."""
+        text = self.path.read_text() if self.path.exists() else ""
+        self.history[:] = [json.loads(line) for line in text.splitlines() if line.strip()]
+        return self.history
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` (it has a ``step``) to the history, the JSONL file and TensorBoard."""
+        self.history.append(record)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+            except Exception:  # noqa: BLE001 - TensorBoard is optional
+                self._tb = False
+        if self._tb:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                    self._tb.add_scalar(key, value, record["step"])
+            self._tb.flush()
+
+    def summary(self, steps: int) -> dict[str, Any]:
+        """A finished run's summary: its held-out reward before and after, the run's steps and history."""
+        checks = [h for h in self.history if h.get("val_reward") is not None]
+        after = checks[-1] if checks else None
+        # the held-out reward before any update: the step-0 check (None when val_before=False skipped
+        # it), and only when it was given as many held-out tasks as the last check -- a resumed run
+        # re-checked on a larger held-out set must not be compared with the smaller set's figure. The
+        # tasks given, not the rollouts that finished with a reward: a held-out rollout the step timeout
+        # cancelled must not hide the comparison (histories written before val_tasks existed fall back).
+        before = next((h for h in checks if h["step"] == 0), None)
+        if before is not None and after is not None and _val_set_size(before) != _val_set_size(after):
+            before = None
+        return {
+            "run_dir": str(self.run_dir),
+            "steps": steps,
+            "val_reward_before": before["val_reward"] if before else None,
+            "val_reward_after": after["val_reward"] if after else None,
+            "history": self.history,
+        }
+
+    def close(self) -> None:
+        if self._tb:
+            self._tb.close()
+        self._tb = None
+
+
+def _val_set_size(record: dict[str, Any]) -> int | None:
+    """How many held-out tasks a check was given (``val_rollouts`` for records older than ``val_tasks``)."""
+    return record.get("val_tasks", record.get("val_rollouts"))
+
+
+def bar_postfix(record: dict[str, Any], history: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """A progress bar's postfix after a step: its training reward, its held-out reward only when the step
+    measured one (an older ``val=`` would read as this step's), and ``update=none`` for a step that
+    trained nothing."""
+    reward = record.get("train_reward")
+    post = {"reward": f"{reward:.3f}" if reward is not None else "-"}
+    if record.get("val_reward") is not None:
+        post["val"] = f"{record['val_reward']:.3f}"
+    if record.get("no_update"):
+        post["update"] = "none"
+    return post
+
+
+def rollouts_postfix(total: int, finished: Sequence[Any], rewards: dict[str, float]) -> dict[str, str]:
+    """A progress bar's postfix while a step's rollouts finish: how many of ``total``, and the mean
+    training and held-out reward of those that have one."""
+    post = {"rollouts": f"{len(finished)}/{total}"}
+    for mode, key in (("train", "reward"), ("val", "val")):
+        rs = [rewards[r.id] for r in finished if r.mode == mode and r.id in rewards]
+        if rs:
+            post[key] = f"{sum(rs) / len(rs):.3f}"
+    return post

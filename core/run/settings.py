@@ -1,0 +1,105 @@
+"""``Serving``: how a run serves its policy to the agent and where its rollouts go.
+
+One value holds the serving and deployment settings that ``agl.Trainer``, APO and the examples' CLI
+share (the loop's numbers live in :class:`agl.config.LoopConfig`, the update's in
+:class:`agl.config.RunConfig`). It validates itself on construction, so a bad value fails before
+anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agl.errors import UsageError
+from agl.gateway.serve import API_KEY_ENV, check_public_bind
+
+__all__ = ["BACKENDS", "Serving"]
+
+#: the backend names a run can serve with (besides a ``Backend`` instance)
+BACKENDS = ("transformers", "vllm", "scripted", "openai")
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class Serving:
+    """Serving and deployment settings of a run (see the field help texts)."""
+
+    backend: Any = field(
+        default="transformers",
+        metadata=_help(
+            "what serves the policy: transformers (embedded, in-process weight swaps), vllm (vllm_url; "
+            "LoRA adapters loaded at run time), scripted (script; tests), openai (base_url; dev only), "
+            "or an agl.gateway Backend instance"
+        ),
+    )
+    model: Any = field(
+        default=None, metadata=_help("a local path or a loaded PreTrainedModel (None: SmolLM2-135M-Instruct)")
+    )
+    model_name: str | None = field(default=None, metadata=_help("the name agents call the model by"))
+    tokenizer: Any = field(default=None, metadata=_help("a tokenizer (None: the model's, or SmolLM2's)"))
+    base_url: str | None = field(default=None, metadata=_help("openai backend: the endpoint's URL"))
+    api_key: str | None = field(default=None, metadata=_help("openai backend: the endpoint's API key"))
+    vllm_url: str | None = field(default=None, metadata=_help("vllm backend: the vLLM OpenAI server's URL"))
+    script: Any = field(default=None, metadata=_help("scripted backend: the replies"))
+    store: Any = field(default=None, metadata=_help("a Store or URL (None: SQLite in run_dir)"))
+    run_dir: Path = field(default=Path("runs/agl"), metadata=_help("where metrics, checkpoints, store go"))
+    runners: int = field(
+        default=4, metadata=_help("in-process rollout concurrency (0: external `agl runner` processes)")
+    )
+    gateway_url: str | None = field(
+        default=None, metadata=_help("a gateway started elsewhere (`agl gateway serve`) to use instead")
+    )
+    gateway_bind: str = field(
+        default="127.0.0.1:0", metadata=_help("HOST:PORT the in-process gateway binds (port 0: a free one)")
+    )
+    gateway_advertise: str | None = field(
+        default=None, metadata=_help("the gateway URL published to runners (default: the bound address)")
+    )
+    gateway_api_key: str | None = field(
+        default=None, metadata=_help(f"the gateway's bearer token (default: ${API_KEY_ENV})")
+    )
+    progress: bool = field(default=True, metadata=_help("show progress bars"))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.backend, str) and self.backend not in BACKENDS:
+            raise UsageError(
+                f"backend must be one of {', '.join(BACKENDS)} or a Backend instance, got {self.backend!r}"
+            )
+        if isinstance(self.runners, bool) or not isinstance(self.runners, int) or self.runners < 0:
+            raise UsageError(f"runners must be an integer >= 0, got {self.runners!r}")
+        if self.backend == "vllm" and not self.vllm_url:
+            raise UsageError(
+                "backend='vllm' needs vllm_url (the vLLM OpenAI server, e.g. http://host:8000/v1)"
+            )
+        if self.backend == "scripted" and self.script is None:
+            raise UsageError("backend='scripted' needs script= (replies, see agl.gateway.ScriptedBackend)")
+        self.run_dir = Path(self.run_dir)
+        self.gateway_api_key = self.gateway_api_key or os.environ.get(API_KEY_ENV) or None
+        host, _ = self.bind
+        if self.gateway_url is None:
+            check_public_bind(host, self.gateway_api_key)
+
+    @property
+    def bind(self) -> tuple[str, int]:
+        """``gateway_bind`` as ``(host, port)``."""
+        host, _, port = str(self.gateway_bind).rpartition(":")
+        if not host or not port.isdigit():
+            raise UsageError(
+                f"gateway_bind must be HOST:PORT (port 0 for a free one), got {self.gateway_bind!r}"
+            )
+        return host, int(port)
+
+    def store_url(self) -> str | None:
+        """The run's store as a URL the ``agl`` commands open: SQLite in ``run_dir`` when none was given,
+        the URL given, or None for an in-memory store or a store object (nothing to point a command at)."""
+        if self.store is None:
+            return f"sqlite:///{(Path(self.run_dir) / 'store.db').resolve()}"
+        if isinstance(self.store, str) and not self.store.startswith("memory"):
+            return self.store
+        return None

@@ -1,0 +1,161 @@
+"""Trainer(judge=..., reward="judge"): an agent with no reward function trains on the judge's scores.
+
+Real pieces throughout: a tiny random Llama as the policy, agl's scripted backend as the engine,
+the openai client in the agent, in-process runners, and the judge — another scripted backend — behind
+the judge's own gateway, recording its calls in the run's judge store.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+openai = pytest.importorskip("openai")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import agl  # noqa: E402
+from agl import tracing  # noqa: E402
+from agl.gateway.testing import ScriptedBackend  # noqa: E402
+from agl.trainer import Trainer, load_tokenizer  # noqa: E402
+
+GOOD, BAD = "Answer: 42", "I am not sure."
+
+
+@pytest.fixture(autouse=True)
+def _instrumented() -> Any:
+    agl.instrument("openai")
+    yield
+    agl.uninstrument()
+    tracing.reset_tracing()
+
+
+def tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+class Engine:
+    """The policy's replies alternate good/bad, so every group has a judged difference."""
+
+    def __init__(self) -> None:
+        self.n, self.lock = 0, threading.Lock()
+
+    def __call__(self, request: Any) -> str:
+        with self.lock:
+            self.n += 1
+            return GOOD if self.n % 2 else BAD
+
+
+def no_reward_agent(task: dict, resources: agl.Resources) -> None:
+    """An agent without a grader: it answers and returns nothing."""
+    llm = resources.llm
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key or "x")
+    client.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": task["q"]}], max_tokens=16
+    )
+
+
+def judge_script(request: Any) -> str:
+    """The judge: 1 for a trajectory whose answer says 42, else 0."""
+    prompt = request.messages[-1]["content"]
+    blocks = re.findall(r"=== trajectory (t\d+) ===\n(.*?)(?=\n\n=== |\n\nCompare|\Z)", prompt, re.S)
+    scores = [{"id": lbl, "score": float("Answer: 42" in text), "reason": "42?"} for lbl, text in blocks]
+    return json.dumps({"scores": scores})
+
+
+def test_an_agent_without_a_reward_trains_on_the_judge(tmp_path: Path) -> None:
+    judge = agl.Judge(backend=ScriptedBackend(judge_script, accept_any_model=True), model="judge-m")
+    trainer = Trainer(
+        agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
+        model=tiny_model(),
+        backend="scripted",
+        script=Engine(),
+        runners=2,
+        run_dir=tmp_path / "run",
+        tokenizer=load_tokenizer(),
+        tasks_per_step=2,
+        steps=2,
+        val_every=0,
+        val_before=False,
+        progress=False,
+        judge=judge,
+        reward="judge",
+    )
+    trainer.fit(no_reward_agent, [{"q": f"What is {i} * 6?"} for i in range(4)])
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r.get("rollouts")]
+    assert len(train) == 2
+    for r in train:
+        assert r["judge_calls"] == 2 and r["judge_groups"] == 2 and r["judge_groups_skipped"] == 0
+        assert r["judge_prompt_tokens"] > 0 and r["judge_s"] > 0
+        assert r["train_task_reward"] == 0.0  # the agent gave none: the missing-reward fill
+        assert r["train_reward"] == r["judge_reward"] == 0.5  # one good, one bad per group
+        assert "monitor_warnings" in r and r["response_tokens"] > 0
+    # the judge store holds one judge rollout per group, each with its call and scores
+    judge_store = agl.store.open(f"sqlite:///{tmp_path / 'run' / 'judge.db'}")
+    try:
+        assert len(judge_store.query_rollouts(mode="test", status="succeeded")) == 4
+    finally:
+        judge_store.close()
+
+
+def test_reward_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="needs judge"):
+        Trainer(backend="scripted", script=["x"], reward="judge")
+    with pytest.raises(ValueError, match="reward must be"):
+        Trainer(backend="scripted", script=["x"], reward={"task": 1, "vibes": 1})
+    with pytest.raises(ValueError, match="reward must be"):
+        Trainer(backend="scripted", script=["x"], reward={"task": -1})
+
+
+def test_the_gate_rolls_back_to_the_last_checkpoint_when_its_monitor_fires(tmp_path: Path) -> None:
+    """The engine gives every task the same answer, so ``identical_answers`` fires every step: the
+    gate logs at step 0 (no checkpoint yet), then reloads checkpoint-1 after each later update."""
+    trainer = Trainer(
+        agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
+        model=tiny_model(),
+        backend="scripted",
+        script=lambda request: GOOD,
+        runners=2,
+        run_dir=tmp_path / "run",
+        tokenizer=load_tokenizer(),
+        tasks_per_step=2,
+        steps=3,
+        val_every=0,
+        val_before=False,
+        progress=False,
+        checkpoint_every=1,
+        gate=agl.Gate(monitors=("identical_answers",), val_drop=None),
+    )
+    trainer.fit(no_reward_agent, [{"q": f"What is {i} * 6?"} for i in range(6)])
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    gates = [r.get("gate_rollback") for r in records]
+    assert gates[0]["checkpoint"] is None and "identical_answers fired at step 0" in gates[0]["reason"]
+    assert len(gates) == 3
+    for g in gates[1:]:
+        assert g["checkpoint"].endswith("checkpoint-1") and g["update_step"] == 1
+    assert trainer.policy.global_step == 1
+
+
+def test_a_gate_needs_checkpoints_and_known_monitors() -> None:
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        Trainer(backend="scripted", script=["x"], gate=agl.Gate())
+    with pytest.raises(ValueError, match="Gate.monitors"):
+        agl.Gate(monitors=("vibes",))
