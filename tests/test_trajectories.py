@@ -297,9 +297,9 @@ def test_merged_update_equals_the_per_call_update(tmp_path) -> None:
     m1 = merged_up.step(ts, advantages, merge_turns=True)
     m2 = per_call_up.step(ts, advantages, merge_turns=False)
     assert m1["sequences"] == 2 and m2["sequences"] == 6  # the zero-advantage call is left out
-    assert m1["transitions"] == m2["transitions"] == 6
+    assert m1["trained_transitions"] == m2["trained_transitions"] == 6
     assert m1["response_tokens"] == m2["response_tokens"]
-    assert m1["tokens"] < m2["tokens"]
+    assert m1["update_tokens"] < m2["update_tokens"]
     assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-5)
     assert m1["behaviour_ratio_dev"] < 1e-4
     for (name, p1), (_, p2) in zip(

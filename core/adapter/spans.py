@@ -53,11 +53,13 @@ class _Tree:
     notable: list[int]
     #: nearest agent name per span index, filled lazily by :meth:`agent_of`
     agent_at: dict[int, str | None] = field(default_factory=dict)
+    #: server LLM spans whose parent is not among the spans (another provider or exporter holds it)
+    orphaned: list[int] = field(default_factory=list)
 
     @classmethod
     def build(cls, S: list[Span], st: AdapterStats) -> _Tree:
         """Classify every span (one pass), then link parents: orphans go to their trace's root, parent
-        cycles are broken, and parentless server chat spans are relinked to their client span."""
+        cycles are broken, and server chat spans with no parent here are relinked to their client span."""
         n = len(S)
         kind = [_OTHER] * n
         server = bytearray(n)
@@ -102,6 +104,7 @@ class _Tree:
                 if r is None or (s.start_ns, _seq(s)) < (S[r].start_ns, _seq(S[r])):
                     roots[s.trace_id] = i
         parent = [-1] * n
+        orphaned: list[int] = []
         for i, s in enumerate(S):
             pid = s.parent_id
             if pid is None:
@@ -109,11 +112,13 @@ class _Tree:
             p = index.get((s.trace_id, pid), -1)
             if p < 0:
                 st.orphans += 1
+                if server[i]:
+                    orphaned.append(i)
                 p = roots.get(s.trace_id, -1)
             if p != i:
                 parent[i] = p
         st.cycles += _break_cycles(parent)
-        tree = cls(S, kind, server, parent, llm, rewards, notable)
+        tree = cls(S, kind, server, parent, llm, rewards, notable, orphaned=orphaned)
         tree.relink(st)
         return tree
 
@@ -122,10 +127,13 @@ class _Tree:
         return _agent_of(i, self.S, self.kind, self.parent, self.agent_at)
 
     def relink(self, st: AdapterStats) -> None:
-        """Join a parentless server chat span (a framework dropped ``traceparent``) to the client chat
-        span with the same response id, so it is attributed and not counted twice."""
+        """Join a server chat span with no parent here to the client chat span with the same response id,
+        so it is attributed and not counted twice: a framework dropped ``traceparent``, or a span between
+        the two went to another tracer provider (the anthropic SDK's own call span, an httpx
+        instrumentation) and only its id reached the gateway."""
         S, server, parent, llm = self.S, self.server, self.parent, self.llm
-        loose = [i for i in llm if server[i] and parent[i] < 0]
+        orphaned = set(self.orphaned)
+        loose = [i for i in llm if server[i] and (parent[i] < 0 or i in orphaned)]
         if not loose:
             return
         clients: dict[str, int] = {}

@@ -149,5 +149,6 @@ class Traced:
         with agl.rollout_context(rollout_id, attempt):
             yield out
         assert tracing.flush(10)
-        out["tree"] = Tree(self.store.query_spans(rollout_id=rollout_id, attempt=attempt))
+        out["spans"] = self.store.query_spans(rollout_id=rollout_id, attempt=attempt)
+        out["tree"] = Tree(out["spans"])
         out["record"] = list(self.backend.record)

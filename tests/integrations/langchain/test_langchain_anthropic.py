@@ -15,6 +15,7 @@ from langgraph.graph import END, START, MessagesState, StateGraph  # noqa: E402
 from lc_support import Traced  # noqa: E402
 
 from agl import semconv as sc  # noqa: E402
+from agl.adapter import Adapter  # noqa: E402
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -46,11 +47,14 @@ def test_chat_anthropic_in_a_node_is_attributed_to_it(
     tree = out["tree"]
     (server,) = tree.server_chats()
     assert server.attributes[sc.AGL_LLM_API] == "messages"
-    assert tree.agent_of(server) == "writer", tree.shape()
     (agent,) = tree.agents()
     assert agent.attributes[sc.AGL_LANGGRAPH_NODE] == "writer"
     (_, engine) = out["record"][0]
     assert list(server.attributes[sc.AGL_LLM_PROMPT_TOKEN_IDS]) == engine.prompt_ids
     assert list(server.attributes[sc.AGL_LLM_RESPONSE_TOKEN_IDS]) == engine.choices[0].response_ids
     clients = [c for c in tree.client_chats() if c.attributes.get(sc.AGL_INTEGRATION) == "anthropic"]
-    assert len(clients) == 1 and tree.parent(server).span_id == clients[0].span_id, tree.shape()
+    assert len(clients) == 1 and clients[0].trace_id == server.trace_id, tree.shape()
+    # the anthropic SDK's own call span may sit between the two (in the global tracer provider, not
+    # this store): the adapter still makes one call of them, attributed to the node
+    (t,) = Adapter().transitions(out["spans"])
+    assert t.agent == "writer" and t.exact
