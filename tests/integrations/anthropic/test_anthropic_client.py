@@ -71,7 +71,9 @@ def test_client_span_is_the_gateway_spans_parent(traced: Any, how: str) -> None:
     # call span, exported elsewhere, between them) the adapter joins them by response id: one call
     adapter = Adapter()
     (t,) = adapter.transitions(traced.store.query_spans(rollout_id=rid, attempt=attempt))
-    assert t.exact and list(t.response_ids) == list(server_span.attributes[semconv.AGL_LLM_RESPONSE_TOKEN_IDS])
+    assert t.exact and list(t.response_ids) == list(
+        server_span.attributes[semconv.AGL_LLM_RESPONSE_TOKEN_IDS]
+    )
     assert server_span.parent_id == client_span.span_id or adapter.last_stats.relinked == 1
     a = client_span.attributes
     assert a[semconv.AGL_INTEGRATION] == "anthropic" and a[semconv.GEN_AI_REQUEST_MAX_TOKENS] == 128
