@@ -91,15 +91,15 @@ def plot_runs(
     ``baselines`` (label -> held-out reward) are drawn as dashed lines on the held-out panel: the
     figure a run started from when it did not re-measure it (``--no-val-before``), e.g. the warm start.
     """
+    if not run_dirs:
+        raise UsageError("plot needs at least one run directory")
+    runs = [(Path(d), read_metrics(d)) for d in run_dirs]  # the user's files are checked first
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    if not run_dirs:
-        raise UsageError("plot needs at least one run directory")
-    runs = [(Path(d), read_metrics(d)) for d in run_dirs]
     apo = all(r.get("algorithm") == "apo" for _, records in runs for r in records)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True, sharex=apo)
     drawn = 0

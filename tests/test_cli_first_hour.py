@@ -164,10 +164,13 @@ def test_runner_warns_once_when_nothing_is_instrumented(caplog: pytest.LogCaptur
     assert len(warnings) == 1
 
 
-def test_demo_store_is_inspectable_after_dev(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_store_is_inspectable_after_dev(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The main job's `dev` path keeps its rollouts in a SQLite store in its run dir, prints how to
     look at it, and `agl rollouts list` on that store lists them; rerunning into it needs --overwrite."""
     pytest.importorskip("openai")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # `examples` from the checkout
     from agl.gateway.testing import ScriptedBackend, serve_gateway
     from examples.learn_on_cpu.__main__ import main as demo
 
