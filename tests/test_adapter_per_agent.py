@@ -131,3 +131,55 @@ def test_a_checkpoint_holds_one_folder_per_adapter_and_loads_back(tok, tmp_path)
 def test_adapter_per_agent_needs_lora(tok, tmp_path) -> None:
     with pytest.raises(UsageError, match="lora=False"):
         make(tok, tmp_path, lora=False)
+
+
+def test_grpo_groups_per_agent() -> None:
+    """A group is one task's rollouts seen per agent: the writer's calls are compared with the writer's,
+    the rewriter's with the rewriter's (here the rewriter only acted in rollouts that scored the same)."""
+    from agl.algorithms.lightning_rl import compute_advantages
+
+    def t(rid: str, agent: str, reward: float) -> Transition:
+        return Transition(
+            rollout_id=rid,
+            attempt=1,
+            index=0 if agent == "writer" else 1,
+            agent=agent,
+            group_id="g",
+            prompt_ids=(1,),
+            response_ids=(2,),
+            final_reward=reward,
+            reward=reward,
+        )
+
+    ts = [
+        t("a", "writer", 1.0),
+        t("b", "writer", 0.0),
+        t("c", "writer", 0.0),
+        t("b", "rewriter", 0.0),
+        t("c", "rewriter", 0.0),
+    ]
+    shared, _ = compute_advantages(ts, LightningRL(group_size=3))
+    per, stats = compute_advantages(ts, LightningRL(group_size=3), per_agent=True)
+    assert shared[3] < 0.0, "shared: the rewriter's calls take the writer's group statistics"
+    assert per[3:] == [0.0, 0.0], "per agent: the rewriter's own group has no variance"
+    assert per[0] > 0.0 > per[1]
+    assert stats["groups"] == 2 and stats["zero_variance_groups"] == 1
+
+
+def test_trainer_validates_adapter_per_agent() -> None:
+    from agl import Trainer
+
+    with pytest.raises(UsageError, match="needs the agents to train by name"):
+        Trainer(backend="scripted", script=["x"], adapter_per_agent=True)
+    with pytest.raises(UsageError, match="map to one adapter name"):
+        Trainer(backend="scripted", script=["x"], agents=["a.b", "a:b"], adapter_per_agent=True)
+    with pytest.raises(UsageError, match="needs lora=True"):
+        Trainer(
+            backend="scripted",
+            script=["x"],
+            agents=AGENTS,
+            adapter_per_agent=True,
+            update_options={"lora": False},
+        )
+    trainer = Trainer(backend="scripted", script=["x"], agents=AGENTS, adapter_per_agent=True)
+    assert trainer.agent_adapters == {"writer": "writer", "rewriter": "rewriter"}
