@@ -183,3 +183,122 @@ def test_trainer_validates_adapter_per_agent() -> None:
         )
     trainer = Trainer(backend="scripted", script=["x"], agents=AGENTS, adapter_per_agent=True)
     assert trainer.agent_adapters == {"writer": "writer", "rewriter": "rewriter"}
+
+
+# ------------------------------------------------------------------------------------------- serving
+def distinct_adapters(policy: PolicyUpdate) -> None:
+    """Give every adapter weights of its own (peft starts each B at zero: every adapter = the base)."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for k, p in policy.model.named_parameters():
+            if "lora_B" in k:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+def serve(policy: PolicyUpdate):
+    from agl.gateway.backends.transformers import TransformersBackend
+
+    return TransformersBackend.for_policy(policy, model_name="tiny", max_batch_size=8, batch_window_s=0.05)
+
+
+def test_a_mixed_batch_matches_each_adapter_served_alone(tok, tmp_path) -> None:
+    import asyncio
+
+    from agl.gateway.backends.base import GenerationRequest
+
+    policy = make(tok, tmp_path)
+    distinct_adapters(policy)
+    backend = serve(policy)
+    assert backend.models() == ["tiny", "tiny:writer", "tiny:rewriter"]
+    asks = [(f"question {i}", adapter) for i in range(2) for adapter in ("writer", "rewriter", None)]
+
+    def request(prompt: str, adapter: str | None) -> GenerationRequest:
+        messages = [{"role": "user", "content": prompt}]
+        return GenerationRequest(
+            model="tiny", messages=messages, temperature=0.0, max_tokens=8, adapter=adapter
+        )
+
+    async def alone() -> list:
+        return [await backend.generate(request(p, a)) for p, a in asks]
+
+    async def together() -> list:
+        return await asyncio.gather(*(backend.generate(request(p, a)) for p, a in asks))
+
+    solo = asyncio.run(alone())
+    mixed = asyncio.run(together())
+    assert max(backend.batch_sizes) == len(asks), "all six rows decoded in one batch"
+    for s, m, (_, adapter) in zip(solo, mixed, asks, strict=True):
+        assert m.adapter == s.adapter == (adapter or "__base__")
+        assert m.choices[0].response_ids == s.choices[0].response_ids
+        assert m.choices[0].logprobs == pytest.approx(s.choices[0].logprobs, abs=1e-4)
+    # the adapters really differ: one prompt's three replies are not scored alike
+    first = [solo[i].choices[0].logprobs for i in range(3)]
+    assert first[0] != pytest.approx(first[1], abs=1e-3) and first[1] != pytest.approx(first[2], abs=1e-3)
+
+
+def test_the_gateway_routes_by_model_name_and_agent_baggage(tok, tmp_path) -> None:
+    """``/v1/models`` lists the adapters; ``"tiny:writer"`` picks one by name; an ``agl.agent(...)``
+    span's baggage picks the agent's own; the server span records the adapter, and the adapter (spans ->
+    transitions) leaves out the writer's call that the rewriter's adapter served."""
+    import httpx
+    import openai
+    from opentelemetry.sdk.trace import TracerProvider
+
+    import agl
+    from agl import semconv as sc
+    from agl import tracing
+    from agl.adapter import Adapter
+    from agl.emit import emit_reward
+    from agl.gateway.testing import serve_gateway
+    from agl.store.memory import MemoryStore
+    from agl.types import NewRollout
+
+    policy = make(tok, tmp_path)
+    distinct_adapters(policy)
+    store = MemoryStore()
+    (ro,) = store.enqueue([NewRollout(group_id="g")])
+    claim = store.claim("w")
+    provider = TracerProvider()
+    tracing.setup_tracing(store, provider)
+    agl.instrument("openai", tracer_provider=provider)
+    try:
+        with serve_gateway(serve(policy), store) as url:
+            ids = [m["id"] for m in httpx.get(f"{url}/models").json()["data"]]
+            assert ids == ["tiny", "tiny:writer", "tiny:rewriter"]
+            client = openai.OpenAI(base_url=str(url), api_key="x")
+            msgs = [{"role": "user", "content": "hi"}]
+            with tracing.rollout_context(ro.id, claim.attempt.number):
+                with agl.agent("writer"):
+                    client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4)
+                    client.chat.completions.create(model="tiny:rewriter", messages=msgs, max_tokens=4)
+                with agl.agent("rewriter"):
+                    client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4)
+                client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4)
+                emit_reward(1.0)
+            assert tracing.flush(10)
+        store.finish_attempt(ro.id, claim.attempt.number, "succeeded")
+        servers = sorted(
+            (
+                s
+                for s in store.query_spans(rollout_id=ro.id, name=sc.SPAN_CHAT)
+                if s.attributes.get(sc.AGL_SIDE) == sc.SIDE_SERVER
+            ),
+            key=lambda s: s.start_ns,
+        )
+        assert [s.attributes.get(sc.AGL_LLM_ADAPTER) for s in servers] == [
+            "writer",
+            "rewriter",
+            "rewriter",
+            "__base__",
+        ]
+        assert all(sc.AGL_LLM_WEIGHT_VERSION in s.attributes for s in servers)
+        adapter = Adapter(agents=AGENTS)
+        ts = adapter.from_store(store, [ro.id])
+        assert [t.agent for t in ts] == ["writer", "rewriter"]
+        assert [t.span_id for t in ts] == [servers[0].span_id, servers[2].span_id]
+        assert adapter.last_stats.other_adapter == 1
+    finally:
+        agl.uninstrument()
+        tracing.reset_tracing()
+        provider.shutdown()
+        store.close()

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from agl.errors import UsageError
+from agl.semconv import BASE_ADAPTER
 
 if TYPE_CHECKING:
     from agl.algorithms.update import PolicyUpdate
@@ -42,8 +43,6 @@ __all__ = [
     "step_per_adapter",
 ]
 
-#: peft's name for "no adapter" in a forward's per-row ``adapter_names`` (the base model)
-BASE_ADAPTER = "__base__"
 #: the metrics a per-adapter step reports per adapter, as ``<metric>/<adapter>``
 PER_ADAPTER_METRICS = (
     "loss",

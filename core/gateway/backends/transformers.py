@@ -60,6 +60,7 @@ from agl.gateway.backends.base import (
 )
 from agl.gateway.chat_format import forced_tool_prefix, parse_tool_calls
 from agl.gateway.tokenizer import ChatTokenizer, load_default_tokenizer
+from agl.semconv import BASE_ADAPTER
 
 __all__ = ["TransformersBackend"]
 
@@ -165,6 +166,8 @@ class TransformersBackend(Backend):
         self._lock: asyncio.Lock | None = None
         self._worker: asyncio.Task[None] | None = None
         self._peft_adapter: str | None = None
+        #: the named LoRA adapters served beside the base model (one per agent; see :meth:`route`)
+        self.agent_adapters: list[str] = []
         if model is not None and not isinstance(model, (str, Path)):
             self._load_sync()
 
@@ -174,6 +177,7 @@ class TransformersBackend(Backend):
         its frozen weights (see :meth:`push`); ``kwargs`` as for the constructor."""
         backend = cls(_engine_copy(policy.model), **kwargs)
         backend._pushed_from = policy.model
+        backend.agent_adapters = list(getattr(policy, "adapters", {}).values())
         return backend
 
     # -------------------------------------------------------------------------- loading
@@ -251,7 +255,12 @@ class TransformersBackend(Backend):
             self._worker = None
 
     def models(self) -> list[str]:
-        return [self.model_name or "model"]
+        """The base model's name, then ``"<base>:<adapter>"`` for each named adapter."""
+        base = self.model_name or "model"
+        return [base, *(f"{base}:{name}" for name in self.agent_adapters)]
+
+    def adapters(self) -> list[str]:
+        return list(self.agent_adapters)
 
     def max_prompt_chars(self) -> int | None:
         tok = self.tokenizer
@@ -449,7 +458,7 @@ class TransformersBackend(Backend):
 
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
-        batch = Batch(self.model, self._pad_id)
+        batch = Batch(self.model, self._pad_id, per_row_adapters=bool(self.agent_adapters))
         with torch.inference_mode():
             while True:
                 admitting: list[Row] = []
@@ -507,6 +516,7 @@ class TransformersBackend(Backend):
             processors=self._processors(len(job.prompt_ids)),
             on_token=on_token,
             payload=job,
+            adapter=r.adapter if self.agent_adapters else None,
         )
 
     def _processors(self, prompt_len: int) -> Any:
@@ -598,6 +608,7 @@ class TransformersBackend(Backend):
             prompt_ids=list(job.prompt_ids),
             prompt_tokens=len(job.prompt_ids),
             weight_version=job.weight_version,
+            adapter=(r.adapter or BASE_ADAPTER) if self.agent_adapters else None,
             prompt_text=job.prompt_text,
             forced_tokens=len(tok.encode(forced)) if forced else 0,  # the ids _prepare appended
         )
@@ -710,6 +721,7 @@ class TransformersBackend(Backend):
             if self._pushed_from is not source:
                 self.model = _engine_copy(source)
                 self._pushed_from = source
+                self.agent_adapters = list(getattr(policy, "adapters", {}).values())
             else:
                 with torch.no_grad():
                     for (name, dst), (_, src) in zip(
