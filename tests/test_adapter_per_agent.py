@@ -302,3 +302,59 @@ def test_the_gateway_routes_by_model_name_and_agent_baggage(tok, tmp_path) -> No
         tracing.reset_tracing()
         provider.shutdown()
         store.close()
+
+
+def test_fit_trains_an_adapter_per_agent_end_to_end(tmp_path) -> None:
+    """``Trainer(agents=[...], adapter_per_agent=True)`` on the transformers backend: each agent's calls
+    are served by its own adapter (the span says so), each adapter trains on its own agent's calls, the
+    step's metrics are per adapter, and the checkpoint holds one folder per adapter."""
+    import itertools
+    import json
+    import threading
+
+    import openai
+
+    import agl
+
+    counter, lock = itertools.count(), threading.Lock()
+
+    def app(task: dict, resources: agl.Resources) -> float:
+        llm = resources.llm
+        client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key or "x")
+        msgs = [{"role": "user", "content": task["q"]}]
+        for agent in AGENTS:
+            with agl.agent(agent):
+                client.chat.completions.create(model=llm.model, messages=msgs, max_tokens=4)
+        with lock:
+            return float(next(counter) % 2)  # every group has a good and a bad rollout
+
+    trainer = agl.Trainer(
+        LightningRL(group_size=2, lora_r=4, lora_alpha=8, learning_rate=1e-2, mixed_precision="no"),
+        model=tiny_model(),
+        tokenizer=load_tokenizer(),
+        agents=AGENTS,
+        adapter_per_agent=True,
+        steps=1,
+        tasks_per_step=1,
+        val_before=False,
+        runners=2,
+        run_dir=tmp_path / "run",
+        progress=False,
+        store="memory://",
+    )
+    agl.instrument("openai")
+    try:
+        trainer.fit(app, [{"q": "hello"}])
+    finally:
+        agl.uninstrument()
+    (record,) = trainer.history
+    for name in AGENTS:
+        assert record[f"trained_transitions/{name}"] == 2.0
+        assert record[f"grad_norm/{name}"] > 0.0
+        assert record[f"train_reward/{name}"] == 0.5
+        assert (
+            tmp_path / "run" / "checkpoints" / "checkpoint-1" / name / "adapter_model.safetensors"
+        ).is_file()
+    assert record["unadapted"] == 0.0 and record["transitions"] == 4
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert "loss/writer" in json.loads(lines[-1])
