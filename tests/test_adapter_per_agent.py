@@ -358,3 +358,57 @@ def test_fit_trains_an_adapter_per_agent_end_to_end(tmp_path) -> None:
     assert record["unadapted"] == 0.0 and record["transitions"] == 4
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert "loss/writer" in json.loads(lines[-1])
+
+
+def test_a_checkpoint_is_served_again_per_adapter_and_bad_folders_are_refused(tok, tmp_path) -> None:
+    """``agl gateway serve --adapter writer=DIR --adapter rewriter=DIR``: a checkpoint's adapter folders
+    served on the base model decode exactly as the training policy's engine did; a folder that is not a
+    peft adapter, or one of another rank, is refused by name."""
+    import argparse
+    import asyncio
+    import json
+    import shutil
+
+    from agl.cli.gateway import build_backend, register_cli
+    from agl.gateway.backends.base import GenerationRequest
+
+    policy = make(tok, tmp_path)
+    distinct_adapters(policy)
+    path = tmp_path / "ckpt" / "checkpoint-0"
+    policy.save_checkpoint()
+    base_dir = tmp_path / "base"
+    tiny_model(0).save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+
+    def args(*adapters: str):
+        parser = argparse.ArgumentParser()
+        register_cli(parser)
+        flags = [f"--adapter={a}" for a in adapters]
+        return parser.parse_args(["serve", "--model", str(base_dir), "--model-name", "tiny", *flags])
+
+    served = build_backend(args(f"writer={path / 'writer'}", f"rewriter={path / 'rewriter'}"))
+    trained = serve(policy)
+
+    async def reply(backend, adapter: str):
+        messages = [{"role": "user", "content": "hi"}]
+        req = GenerationRequest(
+            model="tiny", messages=messages, temperature=0.0, max_tokens=6, adapter=adapter
+        )
+        return (await backend.generate(req)).choices[0]
+
+    for name in AGENTS:
+        a, b = asyncio.run(reply(served, name)), asyncio.run(reply(trained, name))
+        assert a.response_ids == b.response_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert served.models() == ["tiny", "tiny:writer", "tiny:rewriter"]
+
+    with pytest.raises(UsageError, match="not a peft adapter folder"):
+        build_backend(args(f"writer={base_dir}"))
+    other = tmp_path / "other_rank"
+    shutil.copytree(path / "rewriter", other)
+    cfg = json.loads((other / "adapter_config.json").read_text())
+    (other / "adapter_config.json").write_text(json.dumps({**cfg, "r": 8}))
+    with pytest.raises(UsageError, match="'rewriter' has rank/target modules"):
+        build_backend(args(f"writer={path / 'writer'}", f"rewriter={other}"))
+    with pytest.raises(UsageError, match="NAME=DIR"):
+        build_backend(args("writer"))

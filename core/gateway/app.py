@@ -194,7 +194,7 @@ class Gateway:
     def _route(self, request: Request, gen: GenerationRequest) -> GenerationRequest:
         """The adapter that serves ``gen`` on a backend with named adapters (one per agent): a model name
         ``"<base>:<adapter>"`` picks one, else the calling agent's (W3C baggage ``agl.agent``)."""
-        if self.backend.adapters():
+        if self.backend.agent_adapter_names():
             _, _, bag = parse_trace_headers(None, request.headers.get(sc.HEADER_BAGGAGE))
             gen.agent = bag.get(sc.BAGGAGE_AGENT) or None
             self.backend.route(gen)

@@ -195,7 +195,7 @@ class Backend(abc.ABC):
         tokenised, and derives its request-body limit from it, so one huge prompt cannot stall it."""
         return None
 
-    def adapters(self) -> list[str]:
+    def agent_adapter_names(self) -> list[str]:
         """The named LoRA adapters (one per agent) this backend serves beside its base model."""
         return []
 
@@ -203,7 +203,7 @@ class Backend(abc.ABC):
         """Pick the adapter that serves ``request`` (sets ``request.adapter``): the one a model name
         ``"<base>:<adapter>"`` names, else the calling agent's (baggage ``agl.agent``) when this backend
         serves one, else none (the base model)."""
-        adapters = self.adapters()
+        adapters = self.agent_adapter_names()
         if not adapters:
             return
         from agl.algorithms.adapters import adapter_name

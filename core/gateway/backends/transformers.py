@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agl.gateway.backends._adapters import check_adapter_dirs, with_adapters
 from agl.gateway.backends._batching import Batch, Row
 from agl.gateway.backends._stream_text import StreamText, tail_delta, token_logprobs
 from agl.gateway.backends.base import (
@@ -131,8 +132,11 @@ class TransformersBackend(Backend):
         default_temperature: float = 1.0,
         default_top_p: float = 1.0,
         batch_window_s: float = 0.005,
+        adapters: dict[str, str] | None = None,
     ) -> None:
         super().__init__()
+        #: named LoRA adapter folders to serve beside the base model (``agl gateway serve --adapter``)
+        self._adapter_paths = check_adapter_dirs(adapters) if adapters else {}
         self.batch_window_s = batch_window_s
         #: the running batch's size after each admission of new rows (what concurrency actually bought)
         self.batch_sizes: deque[int] = deque(maxlen=256)
@@ -217,6 +221,9 @@ class TransformersBackend(Backend):
             )
         elif self._chat_template:
             tok.chat_template = self._chat_template
+        if self._adapter_paths:
+            model = with_adapters(model, self._adapter_paths)
+            self.agent_adapters = list(self._adapter_paths)
         model.eval()
         self.model = model
         self.tokenizer = tok
@@ -259,7 +266,7 @@ class TransformersBackend(Backend):
         base = self.model_name or "model"
         return [base, *(f"{base}:{name}" for name in self.agent_adapters)]
 
-    def adapters(self) -> list[str]:
+    def agent_adapter_names(self) -> list[str]:
         return list(self.agent_adapters)
 
     def max_prompt_chars(self) -> int | None:
