@@ -28,8 +28,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
-from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from agl import semconv as sc
@@ -91,7 +91,11 @@ class _Spec:
         attrs = {**self.attributes, **(extra or {})}
         attrs[sc.GEN_AI_AGENT_NAME if self.span_name == sc.SPAN_INVOKE_AGENT else sc.GEN_AI_TOOL_NAME] = name
         span = get_tracer("agl").start_span(self.span_name, attributes=attrs)
-        return SpanHandle(span, otel_context.attach(trace.set_span_in_context(span)))
+        ctx = trace.set_span_in_context(span)
+        if self.span_name == sc.SPAN_INVOKE_AGENT:
+            # the calls inside carry the agent's name to the gateway, which serves them with its adapter
+            ctx = baggage.set_baggage(sc.BAGGAGE_AGENT, name, ctx)
+        return SpanHandle(span, otel_context.attach(ctx))
 
     # ------------------------------------------------------------------------- context manager
     def __enter__(self) -> SpanHandle:

@@ -243,8 +243,17 @@ class LoopConfig:
             "the trained weights, i.e. transformers or vllm)"
         ),
     )
+    adapter_per_agent: bool = field(
+        default=False,
+        metadata=_help(
+            "train one LoRA adapter per selected agent (agents=[...]) on one frozen base model, each "
+            "served to its own agent's calls; GRPO groups per agent"
+        ),
+    )
 
     def __post_init__(self) -> None:
+        if not isinstance(self.adapter_per_agent, bool):
+            raise UsageError(f"adapter_per_agent must be True or False, got {self.adapter_per_agent!r}")
         for name in ("tasks_per_step", "steps"):
             _check_count(name, getattr(self, name))
         if self.tasks_per_step < 1:

@@ -63,6 +63,10 @@ AGL_LLM_PROMPT_TOKEN_IDS = "agl.llm.prompt_token_ids"
 AGL_LLM_RESPONSE_TOKEN_IDS = "agl.llm.response_token_ids"
 AGL_LLM_RESPONSE_LOGPROBS = "agl.llm.response_logprobs"
 AGL_LLM_WEIGHT_VERSION = "agl.llm.weight_version"
+# the named LoRA adapter that served the call (an adapter per agent); BASE_ADAPTER: the base model did,
+# on a backend that serves adapters. Absent on a backend without named adapters.
+AGL_LLM_ADAPTER = "agl.llm.adapter"
+BASE_ADAPTER = "__base__"
 AGL_LLM_BACKEND = "agl.llm.backend"
 AGL_LLM_API = "agl.llm.api"  # the gateway route a call came in by: chat, completions, responses, messages
 AGL_LLM_EXACT = "agl.llm.exact"  # False when token ids were re-derived rather than taken from the engine
@@ -115,6 +119,9 @@ AGL_TOOL_RETRIED = "agl.tool.retried"
 # ------------------------------------------------------------------------------------- baggage/http
 BAGGAGE_ROLLOUT_ID = AGL_ROLLOUT_ID
 BAGGAGE_ATTEMPT = AGL_ATTEMPT
+# the agent making the call (set by agl.agent(...) spans and the integrations): the gateway serves the
+# call with that agent's adapter when it has one
+BAGGAGE_AGENT = "agl.agent"
 HEADER_TRACEPARENT = "traceparent"
 HEADER_TRACESTATE = "tracestate"
 HEADER_BAGGAGE = "baggage"

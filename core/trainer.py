@@ -136,6 +136,8 @@ class Trainer:
         ):
             log.info("agl trainer: runners=0 — rollouts wait for external `agl runner` processes")
         self.agents = agents
+        #: ``{agent: adapter name}`` with an adapter per agent (LoopConfig.adapter_per_agent), else {}
+        self.agent_adapters = self._agent_adapters(agents)
         self.adapter_arg = adapter
         #: the per-rollout limits the store keeps (timeout, lease, attempts)
         self.rollout_config = self.rollout.for_store()
@@ -150,6 +152,18 @@ class Trainer:
         if gate is not None and not self.loop.checkpoint_every:
             raise UsageError("gate= rolls back to the last checkpoint: it needs checkpoint_every >= 1")
         self.gate = gate
+
+    def _agent_adapters(self, agents: Any) -> dict[str, str]:
+        """The adapter of each selected agent when each trains its own (checked now, before anything
+        starts): named agents, distinct adapter names, LoRA on."""
+        if not self.loop.adapter_per_agent:
+            return {}
+        from agl.algorithms.adapters import adapter_names
+
+        names = adapter_names(agents)
+        if not self.config.lora:
+            raise UsageError("adapter_per_agent trains a LoRA adapter per agent: it needs lora=True")
+        return names
 
     # ------------------------------------------------------------------------ read-only views
     @property
@@ -226,6 +240,7 @@ class Trainer:
             self.config,
             output_dir=self.run_dir / "checkpoints",
             seed=self.loop.seed,
+            adapters=list(self.agent_adapters) or None,
         )
 
     def close(self) -> None:
@@ -433,6 +448,7 @@ class Trainer:
                 exact_token_ratio=(sum(1 for t in train_ts if t.exact) / len(train_ts)) if train_ts else None,
             )
             record.update(reward_split(train_ts, self.history))
+            record.update(self._agent_rewards(ids, transitions, rewards))
             if sampled:
                 keep = set(sampled.pop("kept_groups"))
                 # nothing informative after every round: the update still runs (it skips zero
@@ -449,6 +465,22 @@ class Trainer:
         )
         record.update(rollout_s=rollout_s, sync_s=sync_s, step_s=time.perf_counter() - t_step)
         return record
+
+    def _agent_rewards(
+        self, ids: Sequence[str], transitions: dict[str, list[Transition]], rewards: dict[str, float]
+    ) -> dict[str, float]:
+        """With an adapter per agent: ``train_reward/<adapter>``, the mean reward of the rollouts in
+        which that agent made a trained call."""
+        out: dict[str, float] = {}
+        for agent, name in self.agent_adapters.items():
+            seen = [
+                rewards[r]
+                for r in ids
+                if r in rewards and any(t.agent == agent for t in transitions.get(r, []))
+            ]
+            if seen:
+                out[f"train_reward/{name}"] = float(sum(seen) / len(seen))
+        return out
 
     def _informative_groups(
         self, ids: Sequence[str], transitions: dict[str, list[Transition]]
@@ -504,7 +536,9 @@ class Trainer:
             return {}
         if not self.behaviour_logprobs:
             train_ts = [t.model_copy(update={"response_logprobs": None}) for t in train_ts]
-        advantages, adv_stats = self.algorithm.compute_advantages(train_ts)
+        # GRPO groups per agent with an adapter per agent (each agent's weights are compared alone)
+        per_agent = {"per_agent": True} if self.agent_adapters else {}
+        advantages, adv_stats = self.algorithm.compute_advantages(train_ts, **per_agent)
         update = self.policy.step(train_ts, advantages)
         self.checks.on_policy(update.get("behaviour_ratio_dev"), self.config)
         # the update's metrics under their final names (PolicyUpdate.step names them for the record)

@@ -104,7 +104,10 @@ def add_train_options(t: argparse.ArgumentParser, name: str, item: str) -> None:
 def add_schedule_options(t: argparse.ArgumentParser) -> None:
     """``train``'s options every example shares for how a run samples and validates."""
     add_config_options(
-        t, LoopConfig, ["val_before", "dynamic_sampling"], dynamic_sampling={"metavar": "ROUNDS"}
+        t,
+        LoopConfig,
+        ["val_before", "dynamic_sampling", "adapter_per_agent"],
+        dynamic_sampling={"metavar": "ROUNDS"},
     )
 
 

@@ -273,6 +273,9 @@ class Adapter:
         """The selected agents' calls as transitions (token ids, rewards, credited return), in order."""
         selected = [k for k, c in enumerate(calls) if self._match(c.agent)]
         st.unselected = len(calls) - len(selected)
+        mine = [k for k in selected if not _served_by_other(tree.S, calls[k])]
+        st.other_adapter += len(selected) - len(mine)
+        selected = mine
         sel_set = set(selected)
         for k, value in enumerate(inter):
             if value != 0.0 and k not in sel_set:
@@ -439,3 +442,14 @@ class Adapter:
             return None
         st.retokenised += 1
         return ids[0], ids[1], None
+
+
+def _served_by_other(S: list[Span], c: _Call) -> bool:
+    """Whether a named adapter other than the call's agent's own (or the base model, on a backend with
+    adapters) served the call (``agl.llm.adapter`` on its server span; absent: one shared policy)."""
+    served = S[c.idx].attributes.get(sc.AGL_LLM_ADAPTER) if c.server else None
+    if served is None:
+        return False
+    from agl.algorithms.adapters import adapter_name
+
+    return served != adapter_name(c.agent or "")

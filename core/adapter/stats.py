@@ -26,6 +26,9 @@ class AdapterStats:
     exact: int = 0  #: ... of which with engine token ids
     retokenised: int = 0  #: ... of which re-tokenised from messages
     unselected: int = 0  #: LLM calls of agents not selected
+    #: selected agents' calls another agent's adapter (or the base model) served: their behaviour
+    #: policy is not the one being trained, so they are left out
+    other_adapter: int = 0
     no_tokenizer: int = 0  #: calls that needed re-tokenising but no tokenizer was given
     retokenise_failed: int = 0  #: calls the tokenizer could not render (e.g. template errors)
     failed_calls: int = 0  #: LLM calls that errored without a response

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from agl.config import UpdateSettings, check_number
@@ -95,13 +95,19 @@ class LightningRL(UpdateSettings):
         return assign_credit(transitions, self, include_intermediate=include_intermediate)
 
     def compute_advantages(
-        self, transitions: Sequence[Transition], *, include_intermediate: bool | None = None
+        self,
+        transitions: Sequence[Transition],
+        *,
+        include_intermediate: bool | None = None,
+        per_agent: bool = False,
     ) -> tuple[list[float], dict[str, Any]]:
         """Advantages from the returns the adapter already credited (``Transition.reward``: an
         ``Adapter(algorithm=self)`` credits them under this configuration), not credited again. Pass
         ``include_intermediate=True``/``False`` to recompute them from ``final_reward`` and
         ``intermediate_reward`` instead (see :func:`compute_advantages`)."""
-        return compute_advantages(transitions, self, include_intermediate=include_intermediate)
+        return compute_advantages(
+            transitions, self, include_intermediate=include_intermediate, per_agent=per_agent
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -198,6 +204,29 @@ def _statistics(
     return stats, positions_of
 
 
+def _agent_statistics(
+    transitions: Sequence[Transition],
+    returns: Sequence[float],
+    by_rollout: dict[tuple[str, int], list[int]],
+    cfg: LightningRL,
+) -> tuple[dict[str, GroupStats], dict[str, list[int]]]:
+    """:func:`_statistics` per agent: groups keyed ``<group>@<agent>``, each over the agent's calls in
+    the group's rollouts (a rollout in which the agent made no call is not in its group)."""
+    parts: dict[str, dict[tuple[str, int], list[int]]] = {}
+    for key, positions in by_rollout.items():
+        for p in positions:
+            parts.setdefault(transitions[p].agent or "", {}).setdefault(key, []).append(p)
+    stats: dict[str, GroupStats] = {}
+    positions_of: dict[str, list[int]] = {}
+    for agent, part in parts.items():
+        s, pos = _statistics(transitions, returns, part, cfg)
+        for gid, gs in s.items():
+            key = f"{gid}@{agent}"
+            stats[key] = replace(gs, group_id=key)
+            positions_of[key] = pos[gid]
+    return stats, positions_of
+
+
 def group_statistics(
     transitions: Sequence[Transition],
     cfg: LightningRL | None = None,
@@ -217,6 +246,7 @@ def compute_advantages(
     cfg: LightningRL | None = None,
     *,
     include_intermediate: bool | None = True,
+    per_agent: bool = False,
 ) -> tuple[list[float], dict[str, Any]]:
     """One advantage per transition (same order as given) and batch statistics.
 
@@ -224,11 +254,17 @@ def compute_advantages(
     the result never depends on which rule filled ``Transition.reward`` earlier; with
     ``include_intermediate=None`` the returns are ``Transition.reward`` as the adapter credited them
     (what :meth:`LightningRL.compute_advantages` uses: credit is computed once). Groups come from
-    ``group_id`` (a transition without one is grouped with its own rollout only).
+    ``group_id`` (a transition without one is grouped with its own rollout only). With ``per_agent``
+    (an adapter per agent) a group is one task's rollouts seen per agent: each agent's transitions are
+    normalised by the statistics of that agent's rollouts in the group, since each agent trains weights
+    of its own; returns are still credited over the whole rollout.
     """
     cfg = cfg or _DEFAULT
     returns, by_rollout = _returns(transitions, cfg, include_intermediate)
-    stats, positions_of = _statistics(transitions, returns, by_rollout, cfg)
+    if per_agent:
+        stats, positions_of = _agent_statistics(transitions, returns, by_rollout, cfg)
+    else:
+        stats, positions_of = _statistics(transitions, returns, by_rollout, cfg)
     advantages = [0.0] * len(transitions)
     zero_groups = 0
     incomplete = 0

@@ -76,6 +76,8 @@ class PolicyUpdate:
     logits are divided by ``cfg.temperature``: the temperature the gateway sampled at, so the ratio is
     one of the policy that acted. ``temperature``/``gradient_checkpointing``/``mixed_precision``
     override the config's. Call ``step(transitions, advantages)`` once per training step.
+    ``adapters`` (agent names): train one LoRA adapter per agent on the one frozen base model
+    (:mod:`agl.algorithms.adapters`).
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class PolicyUpdate:
         seed: int = 0,
         lora_target_modules: str | list[str] = "all-linear",
         lr_scheduler_type: str = "constant",
+        adapters: Sequence[str] | None = None,
     ) -> None:
         overrides = {
             "temperature": temperature,
@@ -130,6 +133,10 @@ class PolicyUpdate:
             seed=seed,
         )
         peft_config = _lora_config(config, model, lora_target_modules)
+        #: ``{agent: adapter name}`` when each agent trains its own LoRA adapter (agl.algorithms.adapters)
+        self.adapters: dict[str, str] = {}
+        if adapters is not None:
+            model, peft_config = self._agent_adapters(model, peft_config, adapters)
         # GRPOTrainer builds a non-LoRA reference by re-loading the model from its hub id; agl's models are
         # local objects, so the reference (only needed for full fine-tuning with KL) is a copy instead.
         ref_model = None
@@ -151,6 +158,18 @@ class PolicyUpdate:
         self.trainer.current_gradient_accumulation_steps = 1
         self.global_step = 0
         self._rng = random.Random(seed)
+
+    def _agent_adapters(self, model: Any, peft_config: Any, agents: Sequence[str]) -> tuple[Any, None]:
+        """``model`` with one named LoRA adapter per agent (the run's LoRA config), for TRL to train as
+        given; refuses a run without LoRA or a model that already has adapters."""
+        from agl.algorithms.adapters import adapter_names, agent_peft_model
+        from agl.errors import UsageError
+
+        self.adapters = adapter_names(agents)
+        if peft_config is None:
+            why = "the model already has LoRA adapters" if is_peft(model) else "lora=False"
+            raise UsageError(f"adapter_per_agent trains a LoRA adapter per agent; it cannot run with {why}")
+        return agent_peft_model(model, peft_config, list(self.adapters.values())), None
 
     def _attach_reference(self, ref_model: Any) -> None:
         """Score the KL term against ``ref_model`` (a frozen copy of the initial policy), with the same
@@ -248,16 +267,31 @@ class PolicyUpdate:
         sequences, micro_batches, skipped (zero-advantage transitions left out), the merge statistics
         (merge_rate, tokens_saved, breaks_*) and, when the transitions carry the engine's log-probs,
         ``behaviour_ratio_dev``: max |ratio - 1| before the first optimizer step (~0 when the run is
-        on-policy; see :func:`_ratio_deviation`).
+        on-policy; see :func:`_ratio_deviation`). With an adapter per agent, each adapter is updated on
+        its own agent's transitions and its metrics are also reported as ``<metric>/<adapter>``
+        (:func:`agl.algorithms.adapters.step_per_adapter`).
         """
         _check_advantages(transitions, advantages)
-        plan = self._plan(
-            transitions, advantages, self.config.merge_turns if merge_turns is None else merge_turns
-        )
+        merge = self.config.merge_turns if merge_turns is None else merge_turns
+        if self.adapters:
+            from agl.algorithms.adapters import step_per_adapter
+
+            metrics = step_per_adapter(self, transitions, advantages, merge)
+            for _ in range(max(1, int(self.config.epochs_per_step))):  # one schedule for all adapters
+                self.trainer.lr_scheduler.step()
+        else:
+            metrics = self._step_once(transitions, advantages, merge)
+        self._advance()
+        return metrics
+
+    def _step_once(
+        self, transitions: Sequence[Transition], advantages: Sequence[float], merge: bool
+    ) -> dict[str, float]:
+        """:meth:`step`'s work on the active adapter (or the whole policy), without advancing the step."""
+        plan = self._plan(transitions, advantages, merge)
         n_resp, n_tok, n_mb_max = self._totals(plan)
         metrics = _count_metrics(plan, transitions, n_tok)
         if n_mb_max == 0:
-            self._advance()
             return {
                 **metrics,
                 "loss": 0.0,
@@ -272,7 +306,6 @@ class PolicyUpdate:
         t0 = time.perf_counter()
         losses, grad_norms, ratio_dev = self._train_epochs(plan, epochs, n_resp, n_mb_max)
         elapsed = max(time.perf_counter() - t0, 1e-9)
-        self._advance()
         m = tr._metrics["train"]
         metrics.update(
             loss=float(sum(losses) / len(losses)),
@@ -391,7 +424,8 @@ class PolicyUpdate:
         tr = self.trainer
         norm = tr.accelerator.clip_grad_norm_(self._wrapped.parameters(), tr.args.max_grad_norm)
         tr.optimizer.step()
-        tr.lr_scheduler.step()
+        if not self.adapters:  # per adapter, step() advances the shared schedule once per epoch
+            tr.lr_scheduler.step()
         tr.optimizer.zero_grad(set_to_none=True)
         return float(norm.item()) if torch.is_tensor(norm) else float(norm or 0.0)
 
@@ -483,7 +517,11 @@ class PolicyUpdate:
             raise FileNotFoundError(f"{path} is not an agl checkpoint (no trainer_state.json)")
         tr = self.trainer
         model = self.model
-        if is_peft(model):
+        if self.adapters:
+            from agl.algorithms.adapters import load_adapter_checkpoint
+
+            load_adapter_checkpoint(self, path)
+        elif is_peft(model):
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 

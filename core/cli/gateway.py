@@ -81,6 +81,15 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         help="store each call's span before its reply is sent (default; a runner may finish its attempt "
         "right after) or just after it, batched (lower latency; readers must POST /agl/v1/flush first)",
     )
+    p.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="transformers: serve the peft LoRA adapter in DIR as NAME (an agent's adapter: a checkpoint's "
+        "NAME/ folder); repeat for each agent. Clients reach it by model '<model>:NAME' or the baggage "
+        "agl.agent=NAME",
+    )
     p.add_argument("--max-batch-size", type=int, default=8, help="transformers: requests generated together")
     p.add_argument("--threads", type=int, help="transformers: torch CPU threads (default: torch's choice)")
     HttpLimits.add_arguments(p)
@@ -106,6 +115,7 @@ def build_backend(args: Any) -> Any:
             model_name=args.model_name,
             max_batch_size=args.max_batch_size,
             threads=getattr(args, "threads", None),
+            adapters=_adapter_args(getattr(args, "adapter", None) or []) or None,
         )
     if args.backend == "scripted":
         return from_spec(
@@ -121,6 +131,19 @@ def build_backend(args: Any) -> Any:
     return from_spec(
         "openai", url=args.upstream, api_key=args.upstream_api_key, models=[args.model] if args.model else ()
     )
+
+
+def _adapter_args(values: list[str]) -> dict[str, str]:
+    """``--adapter NAME=DIR`` values as ``{name: dir}``; a malformed or repeated name is a UsageError."""
+    out: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise UsageError(f"--adapter takes NAME=DIR, got {value!r}")
+        if name in out:
+            raise UsageError(f"--adapter {name} is given twice")
+        out[name] = path
+    return out
 
 
 def _read_script(path_arg: str | None) -> list[Any]:

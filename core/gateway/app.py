@@ -191,6 +191,15 @@ class Gateway:
             )
         return (rid, int(raw_attempt)), trace_id, parent_id
 
+    def _route(self, request: Request, gen: GenerationRequest) -> GenerationRequest:
+        """The adapter that serves ``gen`` on a backend with named adapters (one per agent): a model name
+        ``"<base>:<adapter>"`` picks one, else the calling agent's (W3C baggage ``agl.agent``)."""
+        if self.backend.agent_adapter_names():
+            _, _, bag = parse_trace_headers(None, request.headers.get(sc.HEADER_BAGGAGE))
+            gen.agent = bag.get(sc.BAGGAGE_AGENT) or None
+            self.backend.route(gen)
+        return gen
+
     async def _run(self, request: Request, gen: GenerationRequest) -> GenerationResult:
         """Generate; a client that disconnects first cancels the generation."""
         try:
@@ -316,7 +325,7 @@ class Gateway:
             body = await self._body(request)
             req = parse_request(ChatCompletionRequest, body)
             rollout, trace_id, parent_id = self._context(request)
-            gen = req.to_generation(rollout, body)
+            gen = self._route(request, req.to_generation(rollout, body))
             response_id = new_id("chatcmpl")
             if req.stream and self.backend.streams:
                 events, first, start_ns = await self._open_stream(gen, (trace_id, parent_id), response_id)
@@ -457,7 +466,7 @@ class Gateway:
             body = await self._body(request)
             req = parse_request(CompletionRequest, body)
             rollout, trace_id, parent_id = self._context(request)
-            gen = req.to_generation(rollout, body)
+            gen = self._route(request, req.to_generation(rollout, body))
             response_id = new_id("cmpl")
             result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
         except ApiError as exc:
@@ -478,7 +487,7 @@ class Gateway:
             body = await self._body(request)
             req = parse_request(ResponsesRequest, body)
             rollout, trace_id, parent_id = self._context(request)
-            gen = responses_to_generation(req, rollout)
+            gen = self._route(request, responses_to_generation(req, rollout))
             response_id = new_id("resp")
             created = time.time()
             if req.stream and self.backend.streams:
@@ -508,7 +517,7 @@ class Gateway:
             body = await self._body(request)
             req = anthropic.parse(body)
             rollout, trace_id, parent_id = self._context(request)
-            gen = anthropic.to_generation(req, body, rollout)
+            gen = self._route(request, anthropic.to_generation(req, body, rollout))
             message_id = new_id("msg")
             trace = (trace_id, parent_id)
             if req.stream and self.backend.streams:

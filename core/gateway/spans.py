@@ -242,6 +242,8 @@ def _result_attrs(base: dict[str, Any], result: GenerationResult, prefix_match: 
     base[sc.AGL_LLM_EXACT] = bool(result.exact)
     if result.weight_version is not None:
         base[sc.AGL_LLM_WEIGHT_VERSION] = int(result.weight_version)
+    if getattr(result, "adapter", None) is not None:
+        base[sc.AGL_LLM_ADAPTER] = str(result.adapter)
     if result.prompt_ids is not None:
         base[sc.AGL_LLM_PROMPT_TOKEN_IDS] = list(result.prompt_ids)
     if getattr(result, "forced_tokens", 0):

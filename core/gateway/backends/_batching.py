@@ -59,6 +59,8 @@ class Row:
     ended: str | None = None
     #: the caller's own record (the backend's job)
     payload: Any = None
+    #: the named LoRA adapter this row decodes with (None: the base model), on a model with adapters
+    adapter: str | None = None
 
 
 def truncate(logp: Any, top_p: float, top_k: int | None) -> Any:
@@ -141,9 +143,12 @@ class Batch:
     """The running batch: rows, their left-padded KV cache and attention mask, and their next input
     token (drawn, not yet fed to the model)."""
 
-    def __init__(self, model: Any, pad_id: int) -> None:
+    def __init__(self, model: Any, pad_id: int, *, per_row_adapters: bool = False) -> None:
         self.model = model
         self.pad_id = pad_id
+        #: a peft model with named adapters: every forward names each row's adapter (peft's per-row
+        #: ``adapter_names``), so rows of one batch decode with different adapters
+        self.per_row_adapters = per_row_adapters
         self.rows: list[Row] = []
         self.cache: Any = None
         self.mask: Any = None  # (rows, cached length) long
@@ -155,7 +160,7 @@ class Batch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def _forward(self, input_ids: Any, mask: Any, positions: Any, cache: Any) -> Any:
+    def _forward(self, rows: Sequence[Row], input_ids: Any, mask: Any, positions: Any, cache: Any) -> Any:
         kwargs: dict[str, Any] = {
             "input_ids": input_ids,
             "attention_mask": mask,
@@ -164,6 +169,10 @@ class Batch:
             # a policy trained with gradient checkpointing has use_cache=False in its config
             "use_cache": True,
         }
+        if self.per_row_adapters:
+            from agl.semconv import BASE_ADAPTER
+
+            kwargs["adapter_names"] = [r.adapter or BASE_ADAPTER for r in rows]
         if self._logits_to_keep:
             try:
                 return self.model(**kwargs, logits_to_keep=1).logits[:, -1, :]
@@ -204,7 +213,7 @@ class Batch:
             mask[i, width - n :] = 1
         ids, mask = ids.to(device), mask.to(device)
         cache = self._new_cache()
-        logits = self._forward(ids, mask, _position_ids(mask), cache)
+        logits = self._forward(rows, ids, mask, _position_ids(mask), cache)
         tokens, lps = sample(rows, logits)
         keep = [i for i, r in enumerate(rows) if not _append(r, tokens[i], lps[i])]
         ended = [r for i, r in enumerate(rows) if i not in keep]
@@ -248,7 +257,7 @@ class Batch:
         ids = torch.tensor(self.next_tokens, dtype=torch.long, device=device)[:, None]
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
         positions = torch.tensor(self.lengths, dtype=torch.long, device=device)[:, None]
-        logits = self._forward(ids, self.mask, positions, self.cache)
+        logits = self._forward(self.rows, ids, self.mask, positions, self.cache)
         self.lengths = [n + 1 for n in self.lengths]
         tokens, lps = sample(self.rows, logits)
         done = [_append(r, t, lp) for r, t, lp in zip(self.rows, tokens, lps, strict=True)]

@@ -102,6 +102,10 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     rollout: tuple[str, int] | None = None
+    #: the calling agent (W3C baggage ``agl.agent``), and the named adapter that serves the call (None:
+    #: the base model), chosen by :meth:`Backend.route`
+    agent: str | None = None
+    adapter: str | None = None
     api: str = "chat"
     raw: dict[str, Any] = field(default_factory=dict)
 
@@ -134,6 +138,9 @@ class GenerationResult:
     prompt_ids: list[int] | None = None
     prompt_tokens: int | None = None
     weight_version: int | None = None
+    #: the named adapter that served the call (``BASE_ADAPTER``: the base model); None on a backend
+    #: without named adapters
+    adapter: str | None = None
     exact: bool = True
     prompt_text: str | None = None
     raw: dict[str, Any] | None = None
@@ -187,6 +194,25 @@ class Backend(abc.ABC):
         (None: unknown, no check). The gateway refuses longer requests before anything is rendered or
         tokenised, and derives its request-body limit from it, so one huge prompt cannot stall it."""
         return None
+
+    def agent_adapter_names(self) -> list[str]:
+        """The named LoRA adapters (one per agent) this backend serves beside its base model."""
+        return []
+
+    def route(self, request: GenerationRequest) -> None:
+        """Pick the adapter that serves ``request`` (sets ``request.adapter``): the one a model name
+        ``"<base>:<adapter>"`` names, else the calling agent's (baggage ``agl.agent``) when this backend
+        serves one, else none (the base model)."""
+        adapters = self.agent_adapter_names()
+        if not adapters:
+            return
+        from agl.algorithms.adapters import adapter_name
+
+        _, sep, suffix = request.model.rpartition(":")
+        if sep and suffix in adapters:
+            request.adapter = suffix
+        elif request.agent and adapter_name(request.agent) in adapters:
+            request.adapter = adapter_name(request.agent)
 
     def check_model(self, model: str) -> None:
         available = self.models()

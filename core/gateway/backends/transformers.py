@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agl.gateway.backends._adapters import check_adapter_dirs, with_adapters
 from agl.gateway.backends._batching import Batch, Row
 from agl.gateway.backends._stream_text import StreamText, tail_delta, token_logprobs
 from agl.gateway.backends.base import (
@@ -60,6 +61,7 @@ from agl.gateway.backends.base import (
 )
 from agl.gateway.chat_format import forced_tool_prefix, parse_tool_calls
 from agl.gateway.tokenizer import ChatTokenizer, load_default_tokenizer
+from agl.semconv import BASE_ADAPTER
 
 __all__ = ["TransformersBackend"]
 
@@ -130,8 +132,11 @@ class TransformersBackend(Backend):
         default_temperature: float = 1.0,
         default_top_p: float = 1.0,
         batch_window_s: float = 0.005,
+        adapters: dict[str, str] | None = None,
     ) -> None:
         super().__init__()
+        #: named LoRA adapter folders to serve beside the base model (``agl gateway serve --adapter``)
+        self._adapter_paths = check_adapter_dirs(adapters) if adapters else {}
         self.batch_window_s = batch_window_s
         #: the running batch's size after each admission of new rows (what concurrency actually bought)
         self.batch_sizes: deque[int] = deque(maxlen=256)
@@ -165,6 +170,8 @@ class TransformersBackend(Backend):
         self._lock: asyncio.Lock | None = None
         self._worker: asyncio.Task[None] | None = None
         self._peft_adapter: str | None = None
+        #: the named LoRA adapters served beside the base model (one per agent; see :meth:`route`)
+        self.agent_adapters: list[str] = []
         if model is not None and not isinstance(model, (str, Path)):
             self._load_sync()
 
@@ -174,6 +181,7 @@ class TransformersBackend(Backend):
         its frozen weights (see :meth:`push`); ``kwargs`` as for the constructor."""
         backend = cls(_engine_copy(policy.model), **kwargs)
         backend._pushed_from = policy.model
+        backend.agent_adapters = list(getattr(policy, "adapters", {}).values())
         return backend
 
     # -------------------------------------------------------------------------- loading
@@ -213,6 +221,9 @@ class TransformersBackend(Backend):
             )
         elif self._chat_template:
             tok.chat_template = self._chat_template
+        if self._adapter_paths:
+            model = with_adapters(model, self._adapter_paths)
+            self.agent_adapters = list(self._adapter_paths)
         model.eval()
         self.model = model
         self.tokenizer = tok
@@ -251,7 +262,12 @@ class TransformersBackend(Backend):
             self._worker = None
 
     def models(self) -> list[str]:
-        return [self.model_name or "model"]
+        """The base model's name, then ``"<base>:<adapter>"`` for each named adapter."""
+        base = self.model_name or "model"
+        return [base, *(f"{base}:{name}" for name in self.agent_adapters)]
+
+    def agent_adapter_names(self) -> list[str]:
+        return list(self.agent_adapters)
 
     def max_prompt_chars(self) -> int | None:
         tok = self.tokenizer
@@ -449,7 +465,7 @@ class TransformersBackend(Backend):
 
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
-        batch = Batch(self.model, self._pad_id)
+        batch = Batch(self.model, self._pad_id, per_row_adapters=bool(self.agent_adapters))
         with torch.inference_mode():
             while True:
                 admitting: list[Row] = []
@@ -507,6 +523,7 @@ class TransformersBackend(Backend):
             processors=self._processors(len(job.prompt_ids)),
             on_token=on_token,
             payload=job,
+            adapter=r.adapter if self.agent_adapters else None,
         )
 
     def _processors(self, prompt_len: int) -> Any:
@@ -598,6 +615,7 @@ class TransformersBackend(Backend):
             prompt_ids=list(job.prompt_ids),
             prompt_tokens=len(job.prompt_ids),
             weight_version=job.weight_version,
+            adapter=(r.adapter or BASE_ADAPTER) if self.agent_adapters else None,
             prompt_text=job.prompt_text,
             forced_tokens=len(tok.encode(forced)) if forced else 0,  # the ids _prepare appended
         )
@@ -710,6 +728,7 @@ class TransformersBackend(Backend):
             if self._pushed_from is not source:
                 self.model = _engine_copy(source)
                 self._pushed_from = source
+                self.agent_adapters = list(getattr(policy, "adapters", {}).values())
             else:
                 with torch.no_grad():
                     for (name, dst), (_, src) in zip(

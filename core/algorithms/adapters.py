@@ -1,0 +1,183 @@
+"""An adapter per agent: one LoRA adapter for each selected agent, on one frozen base model (issue 35).
+
+A multi-agent app (a SQL writer and a rewriter, a solver and a verifier) trains one shared policy by
+default, so agents that need different behaviour pull one set of weights two ways. With
+``adapter_per_agent`` the policy is one peft model holding a named LoRA adapter per selected agent
+(peft's ``add_adapter``; the adapter is named after its agent, :func:`adapter_name`). What holds:
+
+- the base weights are shared and frozen; each adapter's A/B matrices are its own parameters, in the
+  one optimizer, so each has its own AdamW moments and step count (an adapter with no gradient in a
+  step is skipped by the optimizer: its weights and moments stay as they were);
+- a step groups the transitions by agent and runs the ordinary update (:class:`PolicyUpdate`'s
+  plan, micro-batches, PPO-clip loss) once per adapter, with that adapter active (peft's
+  ``set_adapter``), its gradient clipped on its own; learning rate, KL and clip settings are shared.
+  The KL reference is the base model (adapters disabled), the same for every agent;
+- an agent whose transitions all have zero advantage (and no KL term) trains nothing: its adapter is
+  left bit-for-bit unchanged;
+- checkpoints hold one folder per adapter (peft's layout for named adapters: ``<checkpoint>/<name>/``).
+
+Agents that are not selected have no adapter: the gateway serves them with the base model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from agl.errors import UsageError
+from agl.semconv import BASE_ADAPTER
+
+if TYPE_CHECKING:
+    from agl.algorithms.update import PolicyUpdate
+    from agl.types import Transition
+
+__all__ = [
+    "BASE_ADAPTER",
+    "adapter_name",
+    "adapter_names",
+    "agent_peft_model",
+    "load_adapter_checkpoint",
+    "step_per_adapter",
+]
+
+#: the metrics a per-adapter step reports per adapter, as ``<metric>/<adapter>``
+PER_ADAPTER_METRICS = (
+    "loss",
+    "kl",
+    "clip_fraction",
+    "entropy",
+    "grad_norm",
+    "trained_transitions",
+    "response_tokens",
+    "behaviour_ratio_dev",
+)
+_SUM_METRICS = (
+    "trained_transitions",
+    "sequences",
+    "skipped",
+    "truncated_calls",
+    "update_tokens",
+    "response_tokens",
+    "micro_batches",
+    "update_s",
+)
+_MEAN_METRICS = ("loss", "kl", "clip_fraction", "entropy", "grad_norm")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def adapter_name(agent: str) -> str:
+    """The adapter an agent trains: its name with every character peft cannot key a module by (``.``,
+    spaces, ``:``, ...) replaced by ``_``."""
+    return _UNSAFE.sub("_", agent)
+
+
+def adapter_names(agents: Any) -> dict[str, str]:
+    """``{agent: adapter name}`` for the selected agents, in order. Raises UsageError when there are
+    no named agents, or when two agents would share one adapter name (each needs weights of its own)."""
+    if agents is None or isinstance(agents, str) or not isinstance(agents, Iterable):
+        raise UsageError(
+            "adapter_per_agent=True needs the agents to train by name, e.g. "
+            f"Trainer(agents=['writer', 'rewriter'], adapter_per_agent=True); got agents={agents!r}"
+        )
+    out: dict[str, str] = {}
+    owner: dict[str, str] = {}
+    for agent in agents:
+        if not isinstance(agent, str) or not agent.strip():
+            raise UsageError(f"agent names must be non-empty strings, got {agent!r}")
+        name = adapter_name(agent)
+        if name in (BASE_ADAPTER, "default"):
+            raise UsageError(f"agent {agent!r} cannot have an adapter: {name!r} is a reserved adapter name")
+        if name in owner and owner[name] != agent:
+            raise UsageError(
+                f"agents {owner[name]!r} and {agent!r} map to one adapter name {name!r}: rename one"
+            )
+        owner[name] = agent
+        out[agent] = name
+    if not out:
+        raise UsageError("adapter_per_agent=True needs at least one agent name in agents=")
+    return out
+
+
+def agent_peft_model(model: Any, lora_config: Any, names: Sequence[str]) -> Any:
+    """``model`` wrapped by peft with one LoRA adapter per name (same config), every adapter trainable."""
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(model, lora_config, adapter_name=names[0])
+    for name in names[1:]:
+        peft_model.add_adapter(name, lora_config)
+    peft_model.set_requires_grad(list(names), True)
+    return peft_model
+
+
+def _group(
+    transitions: Sequence[Transition], advantages: Sequence[float], agents: dict[str, str]
+) -> dict[str, tuple[list[Transition], list[float]]]:
+    """Each adapter's transitions and advantages (every adapter present, maybe empty). Transitions of
+    agents without an adapter are left out."""
+    groups: dict[str, tuple[list[Transition], list[float]]] = {name: ([], []) for name in agents.values()}
+    for t, a in zip(transitions, advantages, strict=True):
+        name = agents.get(t.agent or "")
+        if name is not None:
+            groups[name][0].append(t)
+            groups[name][1].append(float(a))
+    return groups
+
+
+def step_per_adapter(
+    policy: PolicyUpdate, transitions: Sequence[Transition], advantages: Sequence[float], merge: bool
+) -> dict[str, float]:
+    """One update of every adapter on its own agent's transitions (see the module docstring). Returns
+    the step's totals (counts summed, losses averaged over the adapters that trained) and each
+    adapter's metrics as ``<metric>/<adapter>``, plus ``unadapted`` (transitions of agents with no
+    adapter, left out)."""
+    model = policy.model
+    names = list(policy.adapters.values())
+    per: dict[str, dict[str, float]] = {}
+    try:
+        for name, (ts, adv) in _group(transitions, advantages, policy.adapters).items():
+            model.set_adapter(name)  # marks only ``name`` trainable: the others get no gradient
+            per[name] = policy._step_once(ts, adv, merge)
+    finally:
+        model.set_requires_grad(names, True)  # every adapter stays in the optimizer and the push
+    out = _totals(per)
+    out["unadapted"] = float(sum(1 for t in transitions if (t.agent or "") not in policy.adapters))
+    for name, m in per.items():
+        for key in PER_ADAPTER_METRICS:
+            if key in m:
+                out[f"{key}/{name}"] = m[key]
+    return out
+
+
+def _totals(per: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The step's metrics over all adapters: counts and times summed, loss-like metrics averaged over
+    the adapters that trained, the largest behaviour-ratio deviation, the last learning rate."""
+    trained = [m for m in per.values() if m.get("micro_batches", 0.0) > 0]
+    out: dict[str, float] = {k: float(sum(m.get(k, 0.0) for m in per.values())) for k in _SUM_METRICS}
+    for key in _MEAN_METRICS:
+        out[key] = float(sum(m[key] for m in trained) / len(trained)) if trained else 0.0
+    elapsed = out["update_s"]
+    out["tokens_per_s"] = out["update_tokens"] / elapsed if elapsed > 0 else 0.0
+    devs = [m["behaviour_ratio_dev"] for m in trained if "behaviour_ratio_dev" in m]
+    finite = [d for d in devs if math.isfinite(d)]
+    if devs:
+        out["behaviour_ratio_dev"] = max(finite) if finite else devs[0]
+    rates = [m["learning_rate"] for m in trained if "learning_rate" in m]
+    if rates:
+        out["learning_rate"] = rates[-1]
+    return out
+
+
+def load_adapter_checkpoint(policy: PolicyUpdate, path: str) -> None:
+    """Load every adapter's weights from its folder of a checkpoint (``<path>/<adapter>/``)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    for name in policy.adapters.values():
+        weights = os.path.join(path, name, "adapter_model.safetensors")
+        if not os.path.isfile(weights):
+            raise FileNotFoundError(f"{path} holds no adapter {name!r} ({weights} is missing)")
+        state = load_file(weights, device=str(policy.device))
+        set_peft_model_state_dict(policy.model, state, adapter_name=name)

@@ -1,0 +1,57 @@
+"""Named LoRA adapters the transformers backend serves beside its base model (an adapter per agent,
+``agl gateway serve --adapter writer=DIR``): checked before anything loads, then loaded by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from agl.errors import UsageError
+
+__all__ = ["check_adapter_dirs", "with_adapters"]
+
+
+def check_adapter_dirs(adapters: dict[str, str]) -> dict[str, str]:
+    """``{adapter name: folder}`` checked before anything loads: names an agent's adapter can have, each
+    folder a peft LoRA adapter, all of one rank and one set of target modules (a run's adapters share
+    its LoRA config). Raises UsageError naming the offending adapter."""
+    from agl.algorithms.adapters import adapter_names
+
+    names = adapter_names(list(adapters))
+    first: tuple[str, Any] | None = None
+    for agent, path in adapters.items():
+        if names[agent] != agent:
+            raise UsageError(
+                f"adapter name {agent!r} is not one an agent's adapter has; use {names[agent]!r}"
+            )
+        config = Path(path) / "adapter_config.json"
+        if not config.is_file():
+            raise UsageError(f"--adapter {agent}={path}: not a peft adapter folder (no adapter_config.json)")
+        cfg = json.loads(config.read_text())
+        shape = (
+            cfg.get("r"),
+            sorted(cfg.get("target_modules") or [])
+            if isinstance(cfg.get("target_modules"), list)
+            else cfg.get("target_modules"),
+        )
+        if first is None:
+            first = (agent, shape)
+        elif shape != first[1]:
+            raise UsageError(
+                f"adapter {agent!r} has rank/target modules {shape}, but {first[0]!r} has {first[1]}: "
+                "every adapter of a run shares its LoRA config"
+            )
+    return dict(adapters)
+
+
+def with_adapters(model: Any, paths: dict[str, str]) -> Any:
+    """``model`` wrapped by peft with each named adapter loaded from its folder."""
+    from peft import PeftModel
+
+    items = list(paths.items())
+    name, path = items[0]
+    model = PeftModel.from_pretrained(model, path, adapter_name=name)
+    for name, path in items[1:]:
+        model.load_adapter(path, adapter_name=name)
+    return model
