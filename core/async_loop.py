@@ -9,9 +9,10 @@ differences that keep the engine busy while the policy updates:
 - **collect in completion order**: the update takes the next ``tasks_per_step`` complete groups, in the
   order they completed. A group with a call served by weights older than ``current - k`` (the served
   version is on each transition, read from the gateway's span) is dropped, counted in
-  ``stale_groups_dropped``, and replaced by a fresh group.
+  ``stale_groups_dropped``, and replaced by a fresh group. So is a group with a call whose served
+  version was not recorded (its gateway span lost with a killed process): it cannot be proven fresh.
 
-Each step's record adds ``staleness_mean``/``staleness_max`` (versions behind the update, over the
+Each step's record adds ``staleness_mean``/``staleness_max`` (updates behind this one, over the
 trained transitions), ``stale_groups_dropped`` (their rollouts in ``dropped_rollout_ids``), ``trained_rollout_ids``, ``trainer_idle_s`` (waiting
 for complete groups) and, with the in-process engine, ``engine_busy_s``/``engine_idle_s``.
 
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from agl.rewards import reward_split
 from agl.run.order import TaskOrder
-from agl.run.pipeline import PIPELINE_KEY, Group, GroupPipeline, staleness, wait_for_groups
+from agl.run.pipeline import PIPELINE_KEY, Group, GroupPipeline, VersionLedger, group_lag, wait_for_groups
 from agl.types import Rollout, Task, Transition
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class AsyncLoop:
         self.budget = (self.k + 1) * self.cfg.tasks_per_step
         #: a scripted or hosted engine never serves the pushed versions: staleness is unknown there
         self.versions_known = trainer.env is not None and trainer.env.serves_pushed_weights
+        self.ledger = VersionLedger()
 
     def draw(self, n: int) -> list[Task]:
         return [self.train_tasks[i] for i in self.order.take(n)]
@@ -112,7 +114,8 @@ class AsyncLoop:
                 bar.update(1)
                 done = step + 1
                 if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
-                    t._checkpoint(self.order, {"next_step": done, **self.pipe.state()})
+                    extra = {"next_step": done, **self.pipe.state(), **self.ledger.state()}
+                    t._checkpoint(self.order, extra)
         self.pipe.cancel_outstanding()
         bar.close()
 
@@ -124,8 +127,9 @@ class AsyncLoop:
         busy0 = t.env.engine_busy_s()
         version = t._publish()
         sync_s = t.sync_weights(version)
+        self.ledger.pushed(version, t.policy.global_step)
         if not final:
-            self.pipe.fill(self.budget, version, step, self.draw)
+            self.pipe.fill(self.budget, step, self.draw)
         val_ids = t._enqueue(val_tasks, version, step, 1)
         record: dict[str, Any] = {"step": step, "resources_version": version, "max_staleness": self.k}
         ids: list[str] = []
@@ -151,12 +155,14 @@ class AsyncLoop:
         dropped: list[Group] = []
 
         def fresh(g: Group) -> bool:
-            lag = staleness(g, version) if self.versions_known else None
-            return lag is None or lag <= self.k or self.cfg.off_policy == "tis"
+            if not self.versions_known:
+                return True
+            lag = group_lag(g, self.ledger, version)  # None: not provably fresh
+            return lag is not None and (lag <= self.k or self.cfg.off_policy == "tis")
 
         def drop(g: Group) -> None:
             dropped.append(g)
-            self.pipe.enqueue(self.draw(1), version, step)
+            self.pipe.enqueue(self.draw(1), step)
 
         t0 = time.perf_counter()
         groups = wait_for_groups(self.pipe, self.cfg.tasks_per_step, fresh, drop)
@@ -178,9 +184,8 @@ class AsyncLoop:
         transitions, rewards, judged = t.rewarding.assemble(t.store, ids, transitions, rewards)
         record.update(judged)
         train_ts = [x for rid in ids for x in transitions.get(rid, [])]
-        lags = [version - x.weight_version for x in train_ts if x.weight_version is not None]
-        if not self.versions_known:
-            lags = []
+        lags = [self.ledger.lag(x.weight_version, version) for x in train_ts] if self.versions_known else []
+        lags = [x for x in lags if x is not None]
         record.update(
             train_reward=_mean([rewards[r] for r in ids if r in rewards]),
             rollouts=len(ids),
@@ -211,6 +216,7 @@ class AsyncLoop:
             return 0
         state = json.loads(state_file.read_text())
         global_step = t.policy.load_checkpoint(state["checkpoint"])
+        self.ledger.restore(state, global_step)
         start = int(state.get("next_step", global_step))
         self.order.restore(state)
         t.metrics.load()

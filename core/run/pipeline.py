@@ -7,9 +7,9 @@ rollout's ``ended_at``), never in enqueue order, so a slow group does not hold t
 
 Staleness is read from the data, not assumed: every call's served weight version is on its gateway
 span (``agl.llm.weight_version``), carried on :class:`agl.types.Transition`. A group's staleness is
-``current - min(weight_version)`` over its transitions; a group older than ``max_staleness`` is
-*consumed as dropped*. A call without a recorded version (not served by agl's gateway) does not count
-towards the staleness statistics.
+how many policy updates its oldest call's weights are behind the update about to train on it
+(:class:`VersionLedger`); a group older than ``max_staleness``, or one with a call whose lag cannot
+be proven, is *consumed as dropped*.
 
 What holds for resume: a group id is *consumed* (trained or dropped) exactly once; the consumed ids are
 saved with each checkpoint (:meth:`state`), and :meth:`restore` rebuilds the outstanding groups from
@@ -26,7 +26,7 @@ from typing import Any
 
 from agl.types import NewRollout, Rollout, Task, Transition
 
-__all__ = ["Group", "GroupPipeline", "PIPELINE_KEY"]
+__all__ = ["Group", "GroupPipeline", "PIPELINE_KEY", "VersionLedger", "group_lag", "wait_for_groups"]
 
 #: the rollout metadata key that marks a rollout as the pipeline's (so a resumed run finds its groups)
 PIPELINE_KEY = "pipeline"
@@ -54,9 +54,6 @@ class Group:
     def all_transitions(self) -> list[Transition]:
         return [t for rid in self.ids for t in self.transitions.get(rid, [])]
 
-    def versions(self) -> list[int]:
-        return [t.weight_version for t in self.all_transitions() if t.weight_version is not None]
-
 
 #: adapt one terminal rollout: its transitions and its reward (None: no reward, e.g. cancelled)
 Adapt = Callable[[Rollout], "tuple[list[Transition], float | None]"]
@@ -76,8 +73,10 @@ class GroupPipeline:
         self.consumed: list[str] = []
 
     # ---------------------------------------------------------------------------- enqueue
-    def enqueue(self, tasks: Sequence[Task], version: int, step: int) -> list[Group]:
-        """``group_size`` rollouts of each task, one new group each, pinned to resources ``version``."""
+    def enqueue(self, tasks: Sequence[Task], step: int) -> list[Group]:
+        """``group_size`` rollouts of each task, one new group each. Not pinned to a resources version:
+        each attempt runs with the latest one, so a rollout retried after the trainer restarted reaches
+        the new gateway (a pinned version would name the dead process's URL)."""
         made: list[Group] = []
         rollouts: list[NewRollout] = []
         for task in tasks:
@@ -86,7 +85,6 @@ class GroupPipeline:
                 NewRollout.from_task(
                     task,
                     group_id=gid,
-                    resources_version=version,
                     config=self.rollout_config,
                     metadata={"step": step, PIPELINE_KEY: True},
                 )
@@ -100,11 +98,11 @@ class GroupPipeline:
         self.outstanding.update(by_gid)
         return made
 
-    def fill(self, budget: int, version: int, step: int, draw: Callable[[int], list[Task]]) -> int:
+    def fill(self, budget: int, step: int, draw: Callable[[int], list[Task]]) -> int:
         """Enqueue fresh groups until ``budget`` are outstanding; returns how many were added."""
         missing = budget - len(self.outstanding)
         if missing > 0:
-            self.enqueue(draw(missing), version, step)
+            self.enqueue(draw(missing), step)
         return max(missing, 0)
 
     # ------------------------------------------------------------------------------- poll
@@ -160,19 +158,55 @@ class GroupPipeline:
         return len(self.outstanding)
 
 
-def staleness(group: Group, current: int) -> int | None:
-    """How many versions behind ``current`` the oldest weights that served ``group`` are (None: no call
-    carries a version). A version newer than ``current`` was never published by this trainer: an
-    error, not a statistic."""
-    versions = group.versions()
-    if not versions:
+class VersionLedger:
+    """Which policy update (the policy's ``global_step``) each pushed weight version holds, so staleness
+    counts updates, not published versions: a resumed run publishes a new version for the weights
+    it reloaded, and a call served by the killed run's last push holds those same weights.
+
+    Saved with every checkpoint. A version newer than every saved one was pushed by a killed run after
+    its last checkpoint: its weights are the checkpoint's (``resumed_update``). Any other version it
+    does not know, or a call without a recorded version (its gateway span lost with a killed process),
+    has no provable lag (None)."""
+
+    def __init__(self) -> None:
+        self.updates: dict[int, int] = {}
+        self.resumed_update: int | None = None
+
+    def pushed(self, version: int, update: int) -> None:
+        self.updates[version] = update
+
+    def lag(self, version: int | None, current: int) -> int | None:
+        """How many updates the weights of ``version`` are behind those of ``current`` (just pushed)."""
+        if version is None:
+            return None
+        if version > current:
+            raise RuntimeError(
+                f"a call was served by weight version {version}, newer than the trainer's {current}: "
+                "the engine serves weights this trainer did not publish"
+            )
+        held = self.updates.get(version)
+        if held is None and self.resumed_update is not None and version > self._saved_max:
+            held = self.resumed_update
+        return None if held is None else self.updates[current] - held
+
+    def state(self) -> dict[str, Any]:
+        return {"version_updates": {str(v): u for v, u in self.updates.items()}}
+
+    def restore(self, state: dict[str, Any], resumed_update: int) -> None:
+        self.updates = {int(v): int(u) for v, u in state.get("version_updates", {}).items()}
+        self._saved_max = max(self.updates, default=-1)
+        self.resumed_update = resumed_update
+
+    _saved_max = -1
+
+
+def group_lag(group: Group, ledger: VersionLedger, current: int) -> int | None:
+    """The largest lag (in updates) of ``group``'s calls behind version ``current``; None when a call's
+    lag cannot be proven. A group without transitions (every rollout failed) lags 0."""
+    lags = [ledger.lag(t.weight_version, current) for t in group.all_transitions()]
+    if any(x is None for x in lags):
         return None
-    if max(versions) > current:
-        raise RuntimeError(
-            f"group {group.group_id}: a call was served by weight version {max(versions)}, newer than "
-            f"the trainer's {current}: the engine serves weights this trainer did not publish"
-        )
-    return current - min(versions)
+    return max((x for x in lags if x is not None), default=0)
 
 
 def wait_for_groups(
