@@ -104,7 +104,11 @@ def add_train_options(t: argparse.ArgumentParser, name: str, item: str) -> None:
 def add_schedule_options(t: argparse.ArgumentParser) -> None:
     """``train``'s options every example shares for how a run samples and validates."""
     add_config_options(
-        t, LoopConfig, ["val_before", "dynamic_sampling"], dynamic_sampling={"metavar": "ROUNDS"}
+        t,
+        LoopConfig,
+        ["val_before", "dynamic_sampling", "max_staleness"],
+        dynamic_sampling={"metavar": "ROUNDS"},
+        max_staleness={"metavar": "K"},
     )
 
 
