@@ -246,3 +246,11 @@ def test_a_sigkilled_trainer_resumes_and_trains_every_rollout_exactly_once(tmp_p
         assert untrained_at_kill <= used  # finished while no one trained: picked up, none lost
     finally:
         store.close()
+
+
+def test_examples_take_max_staleness() -> None:
+    import importlib
+
+    parser = importlib.import_module("examples.calc_agent.cli").parser()
+    assert parser.parse_args(["train", "--max-staleness", "2"]).max_staleness == 2
+    assert parser.parse_args(["train"]).max_staleness == 0
