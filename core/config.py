@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, NamedTuple, get_type_hints
+from typing import Any, Literal, NamedTuple, get_type_hints
 
 from agl.errors import UsageError
 
@@ -250,6 +250,23 @@ class LoopConfig:
             "served to its own agent's calls; GRPO groups per agent"
         ),
     )
+    max_staleness: int = field(
+        default=0,
+        metadata=_help(
+            "asynchronous training: rollouts run up to K policy versions ahead of the update, and a "
+            "group with a call served by weights older than K versions is dropped (0: synchronous)"
+        ),
+    )
+    off_policy: Literal["drop", "tis"] = field(
+        default="drop",
+        metadata=_help(
+            "asynchronous training: a group older than --max-staleness is dropped ('drop') or kept with "
+            "truncated importance weights ('tis')"
+        ),
+    )
+    tis_cap: float = field(
+        default=2.0, metadata=_help("the cap of the truncated importance weights (off_policy='tis')")
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.adapter_per_agent, bool):
@@ -270,6 +287,14 @@ class LoopConfig:
             raise UsageError(
                 "dynamic_sampling must be an integer >= 0 (extra sampling rounds), "
                 f"got {self.dynamic_sampling!r}"
+            )
+        _check_count("max_staleness", self.max_staleness)
+        if self.off_policy not in ("drop", "tis"):
+            raise UsageError(f"off_policy must be 'drop' or 'tis', got {self.off_policy!r}")
+        check_number("LoopConfig", "tis_cap", self.tis_cap, lo=1.0)
+        if self.max_staleness and self.dynamic_sampling:
+            raise UsageError(
+                "dynamic_sampling works on the synchronous loop only: use it with max_staleness=0"
             )
 
 

@@ -149,6 +149,8 @@ class Trainer:
         from agl.judge.assembly import RewardAssembly
 
         self.rewarding = RewardAssembly(judge=judge, reward=reward, monitors=monitors)
+        if self.loop.off_policy == "tis":
+            raise UsageError("off_policy='tis' is not implemented yet: use off_policy='drop'")
         if gate is not None and not self.loop.checkpoint_every:
             raise UsageError("gate= rolls back to the last checkpoint: it needs checkpoint_every >= 1")
         self.gate = gate
@@ -361,6 +363,11 @@ class Trainer:
         from agl import malloc
 
         cfg = self.loop
+        if cfg.max_staleness:  # asynchronous training: its own loop (agl.async_loop)
+            from agl.async_loop import AsyncLoop
+
+            AsyncLoop(self, train_tasks, val_tasks).run()
+            return
         order = TaskOrder(len(train_tasks), cfg.seed)
         start_step = self._resume(order)
         bar = tqdm(
@@ -530,8 +537,9 @@ class Trainer:
             "resample_rounds": rounds,
         }
 
-    def _update(self, train_ts: list[Transition]) -> dict[str, Any]:
-        """Advantages and one policy update over a step's transitions; returns their metrics."""
+    def _update(self, train_ts: list[Transition], *, on_policy: bool = True) -> dict[str, Any]:
+        """Advantages and one policy update over a step's transitions; returns their metrics.
+        ``on_policy=False`` (older weights served some calls) skips the on-policy ratio check."""
         if not train_ts:
             return {}
         if not self.behaviour_logprobs:
@@ -540,7 +548,8 @@ class Trainer:
         per_agent = {"per_agent": True} if self.agent_adapters else {}
         advantages, adv_stats = self.algorithm.compute_advantages(train_ts, **per_agent)
         update = self.policy.step(train_ts, advantages)
-        self.checks.on_policy(update.get("behaviour_ratio_dev"), self.config)
+        if on_policy:
+            self.checks.on_policy(update.get("behaviour_ratio_dev"), self.config)
         # the update's metrics under their final names (PolicyUpdate.step names them for the record)
         return {
             "zero_variance_groups": adv_stats["zero_variance_groups"],
@@ -564,9 +573,15 @@ class Trainer:
         log.info("agl trainer: resumed at step %d from %s", start_step, state["checkpoint"])
         return start_step
 
-    def _checkpoint(self, order: TaskOrder) -> None:
+    def _checkpoint(self, order: TaskOrder, extra: dict[str, Any] | None = None) -> None:
+        """Save the policy, then ``trainer_state.json`` atomically (the task order and ``extra``)."""
         path = self.policy.save_checkpoint()
-        state = {"checkpoint": str(Path(path).resolve()), "step": self.policy.global_step, **order.state()}
+        state = {
+            "checkpoint": str(Path(path).resolve()),
+            "step": self.policy.global_step,
+            **order.state(),
+            **(extra or {}),
+        }
         tmp = self.run_dir / "trainer_state.json.tmp"
         tmp.write_text(json.dumps(state))
         os.replace(tmp, self.run_dir / "trainer_state.json")

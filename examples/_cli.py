@@ -106,8 +106,9 @@ def add_schedule_options(t: argparse.ArgumentParser) -> None:
     add_config_options(
         t,
         LoopConfig,
-        ["val_before", "dynamic_sampling", "adapter_per_agent"],
+        ["val_before", "dynamic_sampling", "max_staleness", "adapter_per_agent"],
         dynamic_sampling={"metavar": "ROUNDS"},
+        max_staleness={"metavar": "K"},
     )
 
 

@@ -253,6 +253,20 @@ class Environment:
         if resp.status_code >= 400:
             raise RuntimeError(f"the gateway refused the new weights: {resp.text[:300]}")
 
+    def engine_busy_s(self) -> float | None:
+        """Seconds the in-process engine has spent generating so far (None: no such engine here)."""
+        backend = self.gateway.backend if self.gateway is not None else None
+        busy = getattr(backend, "busy_s", None)
+        return float(busy) if isinstance(busy, (int, float)) else None
+
+    @property
+    def serves_pushed_weights(self) -> bool:
+        """Whether a weight push reaches an engine (False for a scripted or hosted backend, whose weight
+        version never follows the trainer's)."""
+        if self.gateway is None:
+            return self.url is not None
+        return bool(self.gateway.backend.can_push)
+
     # ------------------------------------------------------------------------------ stop
     def stop_runners(self) -> None:
         if self._runner is not None:

@@ -9,6 +9,7 @@ bar's summary of a step. The Trainer and SFT both write through it.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,17 @@ class MetricsLog:
         text = self.path.read_text() if self.path.exists() else ""
         self.history[:] = [json.loads(line) for line in text.splitlines() if line.strip()]
         return self.history
+
+    def truncate(self, before_step: int) -> None:
+        """Keep only the records of steps before ``before_step`` (in ``history`` and, rewritten
+        atomically, in ``metrics.jsonl``): a resumed run drops the steps its checkpoint does not hold."""
+        keep = [h for h in self.history if h.get("step", 0) < before_step]
+        if len(keep) == len(self.history):
+            return
+        self.history[:] = keep
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(h) + "\n" for h in keep))
+        os.replace(tmp, self.path)
 
     def write(self, record: dict[str, Any]) -> None:
         """Append ``record`` (it has a ``step``) to the history, the JSONL file and TensorBoard."""

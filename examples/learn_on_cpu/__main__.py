@@ -50,6 +50,7 @@ def _trainer(args: argparse.Namespace, seed: int, run_dir: Path) -> Any:
         tasks_per_step=args.tasks_per_step,
         steps=args.steps,
         val_every=args.val_every,
+        max_staleness=args.max_staleness,
         seed=seed,
         store=f"sqlite:///{(run_dir / 'store.db').resolve()}",  # inspectable after the run
     )
@@ -250,8 +251,11 @@ def _train_flags(sp: argparse.ArgumentParser, name: str) -> None:
     add_config_arguments(
         sp,
         LoopConfig,
-        only=["val_every"],
-        overrides={"val_every": {"default": 2, "help": "measure held-out reward every N steps (default: 2)"}},
+        only=["val_every", "max_staleness"],
+        overrides={
+            "val_every": {"default": 2, "help": "measure held-out reward every N steps (default: 2)"},
+            "max_staleness": {"metavar": "K"},
+        },
     )
     if name == "train":
         add_config_arguments(

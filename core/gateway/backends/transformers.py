@@ -39,6 +39,7 @@ import asyncio
 import copy
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -165,6 +166,8 @@ class TransformersBackend(Backend):
         self._queue: list[_Job] = []  # guarded by _queue_lock: the worker thread takes from it
         self._queue_lock = threading.Lock()
         self._swaps_waiting = 0
+        #: seconds the engine spent generating (its scheduler running a batch), for idle-time metrics
+        self.busy_s = 0.0
         self._processors_cache: dict[Any, Any] = {}  # per prompt length (min_length rules)
         self._wakeup: asyncio.Event | None = None
         self._lock: asyncio.Lock | None = None
@@ -446,10 +449,13 @@ class TransformersBackend(Backend):
                     break
             while self._queue:
                 async with self._lock:
+                    t0 = time.perf_counter()
                     try:
                         await loop.run_in_executor(self._executor, self._serve)
                     except Exception:  # noqa: BLE001 - _serve fails its rows itself; keep serving
                         log.exception("agl gateway: the generation loop failed")
+                    finally:
+                        self.busy_s += time.perf_counter() - t0
 
     def _take(self, room: int) -> list[_Job]:
         """Up to ``room`` queued jobs (the cancelled ones are dropped)."""

@@ -1,0 +1,235 @@
+"""Asynchronous training: the ``Trainer``'s loop when ``LoopConfig.max_staleness = k > 0``.
+
+One step reads like the synchronous one (publish -> push -> enqueue -> collect -> update) with two
+differences that keep the engine busy while the policy updates:
+
+- **enqueue ahead**: the step tops the store up to ``(k + 1) * tasks_per_step`` outstanding groups
+  (:class:`agl.run.pipeline.GroupPipeline`), so runners keep claiming rollouts during the update and
+  the weight push; rollouts run at most ``k`` policy versions ahead of the update that trains on them;
+- **collect in completion order**: the update takes the next ``tasks_per_step`` complete groups, in the
+  order they completed. A group with a call served by weights older than ``current - k`` (the served
+  version is on each transition, read from the gateway's span) is dropped, counted in
+  ``stale_groups_dropped``, and replaced by a fresh group. So is a group with a call whose served
+  version was not recorded (its gateway span lost with a killed process): it cannot be proven fresh.
+
+Each step's record adds ``staleness_mean``/``staleness_max`` (updates behind this one, over the
+trained transitions), ``stale_groups_dropped`` (their rollouts in ``dropped_rollout_ids``), ``trained_rollout_ids``, ``trainer_idle_s`` (waiting
+for complete groups) and, with the in-process engine, ``engine_busy_s``/``engine_idle_s``.
+
+Resume (``resume=True``) after a kill, even SIGKILL: the policy, task order and the ids of the groups
+already consumed come from the last checkpoint's ``trainer_state.json`` (written atomically after the
+step's metrics); metrics of steps after that checkpoint are discarded (their updates were lost with the
+process) and the groups they trained are trained again. Every other group in the store is picked up:
+finished ones are trained, queued ones run, and running ones a dead runner held are retried by the
+store once their lease lapses. So every rollout id is trained in exactly one recorded step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agl.rewards import reward_split
+from agl.run.order import TaskOrder
+from agl.run.pipeline import PIPELINE_KEY, Group, GroupPipeline, VersionLedger, group_lag, wait_for_groups
+from agl.types import Rollout, Task, Transition
+
+if TYPE_CHECKING:
+    from agl.trainer import Trainer
+
+__all__ = ["AsyncLoop"]
+
+log = logging.getLogger("agl.trainer")
+
+
+def _mean(xs: list[float]) -> float | None:
+    return float(sum(xs) / len(xs)) if xs else None
+
+
+class AsyncLoop:
+    """The asynchronous loop of one ``Trainer.fit`` (see the module docstring)."""
+
+    def __init__(self, trainer: Trainer, train_tasks: list[Task], val_tasks: list[Task]) -> None:
+        self.t = trainer
+        self.cfg = trainer.loop
+        self.k = self.cfg.max_staleness
+        self.train_tasks = train_tasks
+        self.val_tasks = val_tasks
+        self.order = TaskOrder(len(train_tasks), self.cfg.seed)
+        self.pipe = GroupPipeline(
+            trainer.store, self._adapt, trainer.algorithm.group_size, trainer.rollout_config
+        )
+        #: groups kept outstanding: the current step's and k steps' ahead
+        self.budget = (self.k + 1) * self.cfg.tasks_per_step
+        #: a scripted or hosted engine never serves the pushed versions: staleness is unknown there
+        self.versions_known = trainer.env is not None and trainer.env.serves_pushed_weights
+        self.ledger = VersionLedger()
+
+    def draw(self, n: int) -> list[Task]:
+        return [self.train_tasks[i] for i in self.order.take(n)]
+
+    def _adapt(self, r: Rollout) -> tuple[list[Transition], float | None]:
+        if r.status == "cancelled":
+            return [], None
+        ts = self.t.adapter.from_store(self.t.store, [r])
+        return ts, self.t._rollout_reward(r, ts)
+
+    # -------------------------------------------------------------------------------- loop
+    def run(self) -> None:
+        """Steps from the start (or resumed) step to ``steps``; the last only measures held-out reward."""
+        from tqdm.auto import tqdm
+
+        from agl import malloc
+
+        cfg, t = self.cfg, self.t
+        start = self._resume()
+        bar = tqdm(
+            total=cfg.steps,
+            initial=start,
+            desc="agl fit",
+            unit="step",
+            disable=not t.serving.progress,
+            dynamic_ncols=True,
+        )
+        for step in range(start, cfg.steps + 1):
+            final = step == cfg.steps
+            periodic = (
+                cfg.val_before
+                if step == start and not final
+                else bool(cfg.val_every and step % cfg.val_every == 0)
+            )
+            do_val = bool(self.val_tasks) and (final or periodic)
+            if final and not do_val:
+                break
+            record = self._step(step, final, self.val_tasks if do_val else [])
+            malloc.trim()
+            if t.gate is not None and not final:
+                t.gate.apply(t, record)
+            t.metrics.write(record)
+            if not final:
+                bar.update(1)
+                done = step + 1
+                if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
+                    extra = {"next_step": done, **self.pipe.state(), **self.ledger.state()}
+                    t._checkpoint(self.order, extra)
+        self.pipe.cancel_outstanding()
+        bar.close()
+
+    def _step(self, step: int, final: bool, val_tasks: list[Task]) -> dict[str, Any]:
+        """publish -> push -> top up the pipeline -> take complete groups -> update -> held-out."""
+        t = self.t
+        assert t.env is not None
+        t_step = time.perf_counter()
+        busy0 = t.env.engine_busy_s()
+        version = t._publish()
+        sync_s = t.sync_weights(version)
+        self.ledger.pushed(version, t.policy.global_step)
+        if not final:
+            self.pipe.fill(self.budget, step, self.draw)
+        val_ids = t._enqueue(val_tasks, version, step, 1)
+        record: dict[str, Any] = {"step": step, "resources_version": version, "max_staleness": self.k}
+        ids: list[str] = []
+        transitions: dict[str, list[Transition]] = {}
+        if not final:
+            ids, transitions = self._train(step, version, record)
+        if val_ids:  # the held-out rollouts ran on this step's weights while the update ran
+            vt, rewards, _ = t._collect(val_ids, None, f"step {step} held-out")
+            transitions.update(vt)
+            vr = [rewards[r] for r in val_ids if r in rewards]
+            record.update(val_reward=_mean(vr), val_rollouts=len(vr), val_tasks=len(val_tasks))
+        record.update(t.rewarding.monitor(t.store, step, ids, val_ids, transitions, record, t.history))
+        step_s = time.perf_counter() - t_step
+        busy1 = t.env.engine_busy_s()
+        record.update(sync_s=sync_s, step_s=step_s)
+        if busy0 is not None and busy1 is not None:
+            record.update(engine_busy_s=busy1 - busy0, engine_idle_s=max(step_s - (busy1 - busy0), 0.0))
+        return record
+
+    def _take(self, step: int, version: int) -> tuple[list[Group], list[Group], float]:
+        """The step's groups (complete, fresh enough, in completion order), the dropped ones, and the
+        seconds the trainer waited for them. A dropped group is replaced at once, keeping the budget."""
+        dropped: list[Group] = []
+
+        def fresh(g: Group) -> bool:
+            if not self.versions_known:
+                return True
+            lag = group_lag(g, self.ledger, version)  # None: not provably fresh
+            return lag is not None and (lag <= self.k or self.cfg.off_policy == "tis")
+
+        def drop(g: Group) -> None:
+            dropped.append(g)
+            self.pipe.enqueue(self.draw(1), step)
+
+        t0 = time.perf_counter()
+        groups = wait_for_groups(self.pipe, self.cfg.tasks_per_step, fresh, drop)
+        return groups, dropped, time.perf_counter() - t0
+
+    def _train(
+        self, step: int, version: int, record: dict[str, Any]
+    ) -> tuple[list[str], dict[str, list[Transition]]]:
+        """Take the step's groups and update on them; fills ``record``; returns the trained ids and
+        transitions."""
+        t = self.t
+        stats_before = t.adapter.stats.copy()
+        groups, dropped, idle_s = self._take(step, version)
+        t.checks.adapted(step, t.adapter.stats.since(stats_before), t.adapter.agents)
+        ids = [rid for g in groups for rid in g.ids]
+        transitions = {rid: ts for g in groups for rid, ts in g.transitions.items()}
+        rewards = {rid: r for g in groups for rid, r in g.rewards.items()}
+        failed = sum(1 for g in groups for r in g.finished.values() if r.status != "succeeded")
+        transitions, rewards, judged = t.rewarding.assemble(t.store, ids, transitions, rewards)
+        record.update(judged)
+        train_ts = [x for rid in ids for x in transitions.get(rid, [])]
+        lags = [self.ledger.lag(x.weight_version, version) for x in train_ts] if self.versions_known else []
+        lags = [x for x in lags if x is not None]
+        record.update(
+            train_reward=_mean([rewards[r] for r in ids if r in rewards]),
+            rollouts=len(ids),
+            rollouts_failed=failed,
+            transitions=len(train_ts),
+            exact_token_ratio=(sum(1 for x in train_ts if x.exact) / len(train_ts)) if train_ts else None,
+            staleness_mean=_mean([float(x) for x in lags]),
+            staleness_max=max(lags) if lags else None,
+            stale_groups_dropped=len(dropped),
+            dropped_rollout_ids=[rid for g in dropped for rid in g.ids],
+            trained_groups=len(groups),
+            trained_rollout_ids=ids,
+            trainer_idle_s=idle_s,
+            rollout_s=idle_s,
+        )
+        record.update(reward_split(train_ts, t.history))
+        record.update(t._update(train_ts, on_policy=not any(lags)))
+        return ids, transitions
+
+    # ------------------------------------------------------------------------------ resume
+    def _resume(self) -> int:
+        """With ``resume=True`` and a saved state: restore the policy, task order and consumed groups,
+        keep the metrics of the checkpointed steps only, and pick up the store's outstanding groups;
+        returns the step to continue from (0 otherwise)."""
+        t = self.t
+        state_file = Path(t.run_dir) / "trainer_state.json"
+        if not (self.cfg.resume and state_file.exists()):
+            return 0
+        state = json.loads(state_file.read_text())
+        global_step = t.policy.load_checkpoint(state["checkpoint"])
+        self.ledger.restore(state, global_step)
+        start = int(state.get("next_step", global_step))
+        self.order.restore(state)
+        t.metrics.load()
+        t.metrics.truncate(start)  # steps after the checkpoint: their updates died with the process
+        restored = self.pipe.restore(state)
+        for r in t.store.query_rollouts(status=["queued", "running"]):
+            if r.mode != "train" or not r.metadata.get(PIPELINE_KEY):  # held-out checks are re-run
+                with contextlib.suppress(Exception):
+                    t.store.cancel(r.id)
+        log.info(
+            "agl trainer: resumed at step %d from %s with %d outstanding groups",
+            start,
+            state["checkpoint"],
+            restored,
+        )
+        return start

@@ -1,0 +1,256 @@
+"""Asynchronous training (``max_staleness=k``) on a tiny random Llama served by the real transformers
+engine behind agl's gateway, with the real openai client as the agent's LLM client.
+
+Asserts: the served weight version of every trained call (read back from the gateway's spans in the
+store, not from the trainer's bookkeeping) is at most ``k`` versions behind the update that trains it;
+a group served by older weights is dropped and counted; every rollout is trained at most once; a
+trainer SIGKILLed mid-run resumes from its checkpoint and every trained rollout id appears in exactly
+one step of metrics.jsonl, up to the final step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+openai = pytest.importorskip("openai")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import agl  # noqa: E402
+import agl.store  # noqa: E402
+from agl import semconv as sc  # noqa: E402
+from agl import tracing  # noqa: E402
+from agl.config import LoopConfig  # noqa: E402
+from agl.errors import UsageError  # noqa: E402
+from agl.trainer import Trainer, load_tokenizer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _instrumented() -> Iterator[None]:
+    agl.instrument("openai")
+    yield
+    agl.uninstrument()
+    tracing.reset_tracing()
+
+
+def tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=49152,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        )
+    )
+
+
+def _served_versions(store: Any) -> dict[str, list[int]]:
+    """Each rollout's served weight versions, from the gateway's server-side chat spans."""
+    out: dict[str, list[int]] = {}
+    for s in store.query_spans(name=sc.SPAN_CHAT, include_stale=False):
+        a = s.attributes
+        if a.get(sc.AGL_SIDE) == sc.SIDE_SERVER and sc.AGL_LLM_WEIGHT_VERSION in a:
+            out.setdefault(s.rollout_id, []).append(int(a[sc.AGL_LLM_WEIGHT_VERSION]))
+    return out
+
+
+def test_max_staleness_is_validated() -> None:
+    assert LoopConfig().max_staleness == 0 and LoopConfig().off_policy == "drop"
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(UsageError, match="max_staleness"):
+            LoopConfig(max_staleness=bad)
+    with pytest.raises(UsageError, match="off_policy"):
+        LoopConfig(off_policy="keep")
+    with pytest.raises(UsageError, match="dynamic_sampling"):
+        LoopConfig(max_staleness=1, dynamic_sampling=2)
+    with pytest.raises(UsageError, match="max_staleness"):
+        Trainer(backend="scripted", script=["hi"], max_staleness=-2)
+
+
+def test_no_trained_call_is_older_than_k_and_stale_groups_are_dropped(tmp_path: Path) -> None:
+    """k=1, one task a step. The first group's calls are served by the first version, then its agents wait
+    until two updates are recorded; by then the policy is two versions ahead, so the group must be
+    dropped (counted) and replaced, while the updates go on with the groups enqueued ahead."""
+    k = 1
+    box: dict[str, Trainer] = {}
+
+    def agent(task: dict, resources: agl.Resources) -> float:
+        llm = resources.llm
+        client = openai.OpenAI(base_url=llm.base_url, api_key="x")
+        out = client.chat.completions.create(
+            model=llm.model, messages=[{"role": "user", "content": task["q"]}], **llm.sampling
+        )
+        store = box["t"].store
+        rid = tracing.current_rollout()[0]
+        first_group = store.get_rollout(rid).group_id == store.query_rollouts(mode="train")[0].group_id
+        deadline = time.monotonic() + 30
+        while first_group and len(box["t"].history) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return float(len(out.choices[0].message.content or "") % 2)
+
+    trainer = Trainer(
+        agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
+        model=tiny_model(),
+        backend="transformers",
+        model_name="tiny",
+        tokenizer=load_tokenizer(),
+        store="memory://",
+        runners=4,
+        run_dir=tmp_path,
+        tasks_per_step=1,
+        steps=4,
+        val_every=0,
+        max_staleness=k,
+        config=agl.RunConfig(temperature=1.0, max_tokens=4),
+        progress=False,
+    )
+    box["t"] = trainer
+    trainer.fit(agent, [{"q": "hello"}, {"q": "count"}, {"q": "ten"}])
+    history = trainer.history
+    assert [r["step"] for r in history] == [0, 1, 2, 3]
+    served = _served_versions(trainer.store)
+    trained: list[str] = []
+    for r in history:
+        ids = r["trained_rollout_ids"]
+        assert len(ids) == 2 and r["trained_groups"] == 1
+        for rid in ids:  # the spans, not the record, prove the bound
+            assert served[rid] and min(served[rid]) >= r["resources_version"] - k, (rid, r)
+        assert 0 <= r["staleness_max"] <= k
+        assert r["engine_busy_s"] >= 0 and r["trainer_idle_s"] >= 0
+        trained += ids
+    assert len(trained) == len(set(trained))  # no rollout trained twice
+    assert sum(r["stale_groups_dropped"] for r in history) >= 1
+    for r in history:  # a dropped group was served by weights older than current - k, and not trained
+        assert len(r["dropped_rollout_ids"]) == 2 * r["stale_groups_dropped"]
+        for rid in r["dropped_rollout_ids"]:
+            assert min(served[rid]) < r["resources_version"] - k and rid not in trained
+
+
+RUN_SCRIPT = """
+import sys, time
+import torch
+torch.set_num_threads(1)
+from transformers import LlamaConfig, LlamaForCausalLM
+import agl, openai
+from agl.trainer import Trainer, load_tokenizer
+
+agl.instrument("openai")
+
+
+def agent(task, resources):
+    llm = resources.llm
+    client = openai.OpenAI(base_url=llm.base_url, api_key="x")
+    out = client.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": task["q"]}], **llm.sampling
+    )
+    time.sleep(0.2)
+    return float(len(out.choices[0].message.content or "") % 2)
+
+
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(
+    vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+))
+trainer = Trainer(
+    agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
+    model=model, backend="transformers", model_name="tiny", tokenizer=load_tokenizer(),
+    run_dir=sys.argv[1], runners=4, tasks_per_step=2, steps=STEPS, val_every=0, checkpoint_every=1,
+    max_staleness=1, lease_s=2.0, max_attempts=5, resume=sys.argv[2] == "1",
+    config=agl.RunConfig(max_tokens=4), progress=False,
+)
+trainer.fit(agent, [{"q": w} for w in ("a", "b", "c", "d", "e")])
+"""
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def test_a_sigkilled_trainer_resumes_and_trains_every_rollout_exactly_once(tmp_path: Path) -> None:
+    """The trainer (a subprocess: tiny model, SQLite store, a checkpoint every step) is SIGKILLed after
+    its second step, in the middle of the next; a second process resumes with resume=True. From the
+    metrics alone: every step 0..STEPS-1 appears once, every trained rollout id appears in exactly one
+    step; and every group that had finished in the store but was not yet trained at the kill is
+    trained (or, too stale, counted as dropped) after the resume: none is lost."""
+    steps = 6
+    script = tmp_path / "run_async.py"
+    script.write_text(RUN_SCRIPT.replace("STEPS", str(steps)))
+    run = tmp_path / "run"
+    log = open(tmp_path / "first.log", "w")  # noqa: SIM115 - closed below
+    first = subprocess.Popen([sys.executable, str(script), str(run), "0"], stdout=log, stderr=log, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while len(_records(run / "metrics.jsonl")) < 2 and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.3)  # into the next step: rollouts queued, running and finished but untrained
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(timeout=30)
+    log.close()
+    assert first.returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-3000:]
+    killed_at = time.time()
+    state = json.loads((run / "trainer_state.json").read_text())
+    assert state["next_step"] < steps  # killed mid-run
+    second = subprocess.run(
+        [sys.executable, str(script), str(run), "1"], capture_output=True, text=True, cwd=ROOT, timeout=240
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    records = _records(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(steps))  # the final step reached, each once
+    trained = [rid for r in records for rid in r["trained_rollout_ids"]]
+    dropped = {rid for r in records for rid in r["dropped_rollout_ids"]}
+    assert len(trained) == len(set(trained)) == steps * 2 * 2  # no rollout trained twice
+    assert not dropped & set(trained)
+    store = agl.store.open(f"sqlite:///{run / 'store.db'}")
+    try:
+        rollouts = {r.id: r for r in store.query_rollouts(mode="train")}
+        assert all(rollouts[rid].status in ("succeeded", "failed") for rid in trained)
+        groups: dict[str, list[Any]] = {}
+        for r in rollouts.values():
+            groups.setdefault(r.group_id, []).append(r)
+        done_before_kill = {
+            gid
+            for gid, rs in groups.items()
+            if all(r.ended_at is not None and r.ended_at < killed_at and r.status != "cancelled" for r in rs)
+        }
+        untrained_at_kill = done_before_kill - set(state["consumed_groups"])
+        used = {rollouts[rid].group_id for rid in trained} | {rollouts[rid].group_id for rid in dropped}
+        assert untrained_at_kill <= used  # finished while no one trained: picked up, none lost
+    finally:
+        store.close()
+
+
+def test_examples_take_max_staleness() -> None:
+    import importlib
+
+    parser = importlib.import_module("examples.calc_agent.cli").parser()
+    assert parser.parse_args(["train", "--max-staleness", "2"]).max_staleness == 2
+    assert parser.parse_args(["train"]).max_staleness == 0
