@@ -34,12 +34,78 @@ from opentelemetry.trace import Status, StatusCode
 
 from agl import semconv as sc
 
-__all__ = ["SpanHandle", "agent", "tool"]
+__all__ = ["SpanHandle", "agent", "agent_context", "request_context", "tool"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: tool arguments and results longer than this are truncated on the span (with ``…``)
 MAX_ATTRIBUTE_CHARS = 16_000
+
+
+class _AgentScope:
+    """Who set the agent baggage of a context: ``name`` (None: removed it) while ``live()``; ``before``
+    was the name in the context it was made from, ``outer`` the scope that context had."""
+
+    __slots__ = ("name", "before", "outer", "live")
+
+    def __init__(
+        self, name: str | None, before: str | None, outer: _AgentScope | None, live: Callable[[], bool]
+    ) -> None:
+        self.name, self.before, self.outer, self.live = name, before, outer, live
+
+
+_SCOPE_KEY = otel_context.create_key("agl.agent_scope")
+
+
+def _always() -> bool:
+    return True
+
+
+def agent_context(
+    ctx: otel_context.Context, name: str | None, *, live: Callable[[], bool] | None = None
+) -> otel_context.Context:
+    """``ctx`` with the calling agent in its baggage (``agl.agent`` = ``name``), or without one (None).
+
+    Every place that opens an ``invoke_agent`` span (``agl.agent`` here, and each framework
+    integration) makes the context the agent's code runs in with this, ``name`` exactly the span's
+    ``gen_ai.agent.name``: the instrumented clients send the baggage on each request, and the gateway
+    serves the call with that agent's adapter. None removes a name inherited from an enclosing agent
+    (code that runs outside any agent is served by the base model). The baggage ends with the context:
+    detaching it (when the span ends) restores the enclosing agent's name.
+
+    ``live`` is for an integration that cannot always detach the context it attached (LangChain ends
+    async runs in a copy of the caller's context): once ``live()`` is false, :func:`request_context`
+    sends the name that was there before, so a leaked context never names a finished agent.
+    """
+    before = baggage.get_baggage(sc.BAGGAGE_AGENT, ctx)
+    outer = otel_context.get_value(_SCOPE_KEY, ctx)
+    if name:
+        if before != name:
+            ctx = baggage.set_baggage(sc.BAGGAGE_AGENT, name, ctx)
+    elif before is not None:
+        ctx = baggage.remove_baggage(sc.BAGGAGE_AGENT, ctx)
+    if live is None and outer is None:
+        return ctx  # nothing can go stale: no scope to record
+    kept = before if isinstance(before, str) else None
+    scope = _AgentScope(
+        name or None, kept, outer if isinstance(outer, _AgentScope) else None, live or _always
+    )
+    return otel_context.set_value(_SCOPE_KEY, scope, ctx)
+
+
+def request_context(ctx: otel_context.Context) -> otel_context.Context:
+    """The context whose baggage an outgoing request carries: ``ctx``, unless the agent scope that set
+    its ``agl.agent`` has ended (a leaked context, see :func:`agent_context`); then the name of the
+    nearest scope still live around it, or of none."""
+    scope = otel_context.get_value(_SCOPE_KEY, ctx)
+    if scope is None or scope.live():  # type: ignore[attr-defined]
+        return ctx
+    name: str | None = None
+    while isinstance(scope, _AgentScope) and not scope.live():
+        name, scope = scope.before, scope.outer
+    if name:
+        return baggage.set_baggage(sc.BAGGAGE_AGENT, name, ctx)
+    return baggage.remove_baggage(sc.BAGGAGE_AGENT, ctx)
 
 
 class SpanHandle:
@@ -94,7 +160,7 @@ class _Spec:
         ctx = trace.set_span_in_context(span)
         if self.span_name == sc.SPAN_INVOKE_AGENT:
             # the calls inside carry the agent's name to the gateway, which serves them with its adapter
-            ctx = baggage.set_baggage(sc.BAGGAGE_AGENT, name, ctx)
+            ctx = agent_context(ctx, name)
         return SpanHandle(span, otel_context.attach(ctx))
 
     # ------------------------------------------------------------------------- context manager

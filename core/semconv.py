@@ -67,6 +67,9 @@ AGL_LLM_WEIGHT_VERSION = "agl.llm.weight_version"
 # on a backend that serves adapters. Absent on a backend without named adapters.
 AGL_LLM_ADAPTER = "agl.llm.adapter"
 BASE_ADAPTER = "__base__"
+# the agent that made the call, as the request's W3C baggage (``agl.agent``) named it: recorded on every
+# backend, with or without named adapters
+AGL_LLM_AGENT = "agl.llm.agent"
 AGL_LLM_BACKEND = "agl.llm.backend"
 AGL_LLM_API = "agl.llm.api"  # the gateway route a call came in by: chat, completions, responses, messages
 AGL_LLM_EXACT = "agl.llm.exact"  # False when token ids were re-derived rather than taken from the engine

@@ -193,10 +193,13 @@ class Gateway:
 
     def _route(self, request: Request, gen: GenerationRequest) -> GenerationRequest:
         """The adapter that serves ``gen`` on a backend with named adapters (one per agent): a model name
-        ``"<base>:<adapter>"`` picks one, else the calling agent's (W3C baggage ``agl.agent``)."""
-        if self.backend.agent_adapter_names():
-            _, _, bag = parse_trace_headers(None, request.headers.get(sc.HEADER_BAGGAGE))
+        ``"<base>:<adapter>"`` picks one, else the calling agent's (W3C baggage ``agl.agent``). The
+        calling agent is recorded on every backend (the server span's ``agl.llm.agent``)."""
+        raw = request.headers.get(sc.HEADER_BAGGAGE)
+        if raw and sc.BAGGAGE_AGENT in raw:  # the common case (no agent) parses nothing twice
+            _, _, bag = parse_trace_headers(None, raw)
             gen.agent = bag.get(sc.BAGGAGE_AGENT) or None
+        if self.backend.agent_adapter_names():
             self.backend.route(gen)
         return gen
 

@@ -220,6 +220,8 @@ def _request_attrs(
         sc.GEN_AI_REQUEST_MODEL: request.model,
         sc.GEN_AI_RESPONSE_ID: response_id,
     }
+    if request.agent:
+        base[sc.AGL_LLM_AGENT] = request.agent
     if request.temperature is not None:
         base[sc.GEN_AI_REQUEST_TEMPERATURE] = float(request.temperature)
     if request.top_p is not None:

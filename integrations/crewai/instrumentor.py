@@ -32,6 +32,7 @@ from opentelemetry import trace
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from agl.agent_spans import request_context
 from agl.instrumentation import Instrumentor, guarded, is_instrumented
 
 __all__ = ["CrewAIInstrumentor"]
@@ -76,7 +77,7 @@ def _emit_wrapper(listener: Any) -> Callable[..., Any]:
 
 def _trace_headers() -> dict[str, str]:
     carrier: dict[str, str] = {}
-    ctx = otel_context.get_current()
+    ctx = request_context(otel_context.get_current())
     _TRACECONTEXT.inject(carrier, context=ctx)
     _BAGGAGE.inject(carrier, context=ctx)
     return carrier

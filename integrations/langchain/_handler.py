@@ -41,6 +41,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agl import semconv as sc
+from agl.agent_spans import agent_context
 from agl.instrumentation import guarded, safe_json
 from agl.integrations.langchain._scope import ScopeSpan, current_span
 
@@ -185,6 +186,7 @@ class _Run:
         "is_node",
         "call_id",
         "pending",
+        "agent",
     )
 
     def __init__(self, run_id: UUID, parent: _Run | None, name: str, metadata: dict[str, Any]) -> None:
@@ -201,6 +203,7 @@ class _Run:
         self.is_node = False
         self.call_id: str | None = None
         self.pending: list[_Pending] | None = None  # failed tool runs without a call id (see on_tool_error)
+        self.agent: str | None = None  # the gen_ai.agent.name of this run's invoke_agent span, if any
 
     def owner_run(self) -> _Run | None:
         """This run or its nearest ancestor that has a span."""
@@ -215,6 +218,15 @@ class _Run:
         """The span of this run or of its nearest ancestor that has one."""
         run = self.owner_run()
         return run.span if run is not None else None
+
+    def agent_name(self) -> str | None:
+        """The name of the agent this run belongs to: its own or its nearest agent ancestor's."""
+        run: _Run | None = self
+        while run is not None:
+            if run.agent is not None:
+                return run.agent
+            run = run.parent
+        return None
 
     def inside_agent(self) -> bool:
         return self.owner() is not None
@@ -287,16 +299,20 @@ class AglCallbackHandler(BaseCallbackHandler):
             if isinstance(step, int) and not isinstance(step, bool):
                 attributes[sc.AGL_LANGGRAPH_STEP] = step
         self._open(run, sc.SPAN_INVOKE_AGENT, attributes)
+        run.agent = agent
 
     @staticmethod
     def _attach(run: _Run, span: trace.Span, base: otel_context.Context | None = None) -> None:
         """Make ``span`` current for the code this run executes (see ``_scope``); ``base`` supplies the
-        rest of the context (baggage: the rollout) when the current one lost it."""
+        rest of the context (baggage: the rollout) when the current one lost it. The baggage names the
+        run's agent (none outside agents), so the run's LLM calls reach that agent's adapter."""
         if not span.get_span_context().is_valid:
             return
         ctx = otel_context.get_current()
         scope = ScopeSpan(span, trace.get_current_span(ctx))
         attached = trace.set_span_in_context(scope, base if base is not None else ctx)
+        # a context LangChain leaves attached after the run names the agent only while the run is live
+        attached = agent_context(attached, run.agent_name(), live=lambda: scope.live)
         otel_context.attach(attached)
         run.scope = scope
         run.attached = attached

@@ -34,6 +34,7 @@ from opentelemetry.trace import SpanKind
 from pydantic import BaseModel
 
 from agl import semconv
+from agl.agent_spans import request_context
 from agl.instrumentation import Instrumentor, guarded
 from agl.integrations.openai._spans import ChatSpan, classify, request_attributes
 from agl.tracing import current_rollout
@@ -119,7 +120,9 @@ def _only_w3c(textmap: Any) -> bool:
 
 def _carrier(ctx: otel_context.Context) -> dict[str, str]:
     """The trace headers for ``ctx``: W3C traceparent + baggage always (the gateway reads them), plus
-    whatever else the application's global propagator adds (B3, Jaeger...)."""
+    whatever else the application's global propagator adds (B3, Jaeger...). The baggage names the
+    calling agent only while its scope is live (``agl.agent_spans.request_context``)."""
+    ctx = request_context(ctx)
     carrier: dict[str, str] = {}
     textmap = propagate.get_global_textmap()
     if not _only_w3c(textmap):

@@ -106,6 +106,8 @@ def assert_llm_calls_nested(tree: Tree, record: list[Any], expected: Counter[str
         assert messages[0]["role"] == "system" and messages[0]["content"].startswith(agent), (agent, messages)
         servers = tree.children(client, sc.SPAN_CHAT)
         assert len(servers) == 1 and servers[0].attributes[sc.AGL_SIDE] == sc.SIDE_SERVER, tree.shape()
+        # the request's baggage named the same agent (the gateway serves it with that agent's adapter)
+        assert servers[0].attributes.get(sc.AGL_LLM_AGENT) == agent, tree.shape()
         seen[agent] += 1
     assert seen == expected, tree.shape()
     engine = Counter(
