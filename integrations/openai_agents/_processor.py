@@ -39,6 +39,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agl import semconv
+from agl.agent_spans import agent_context
 from agl.instrumentation import guarded, safe_json
 
 __all__ = ["AglTracingProcessor"]
@@ -234,6 +235,8 @@ class AglTracingProcessor(TracingProcessor):
             span_kind = SpanKind.CLIENT if name == semconv.SPAN_CHAT else SpanKind.INTERNAL
             otel_span = self._tracer.start_span(name, context=parent_ctx, kind=span_kind, attributes=attrs)
             ctx = trace.set_span_in_context(otel_span, parent_ctx)
+            if kind == "agent":  # the agent's model calls carry its name: the gateway serves its adapter
+                ctx = agent_context(ctx, data.name)
         entry = _Entry(otel=otel_span, ctx=ctx, agent=agent, trace_id=span.trace_id)
         if kind in _ATTACHING:
             entry.tokens = (otel_context.attach(ctx), _ATTACHED.set(span.span_id))

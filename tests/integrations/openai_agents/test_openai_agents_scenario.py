@@ -136,6 +136,8 @@ def test_retrieval_qa_end_to_end(
             client = index[server.parent_id]  # the gateway span is the client span's child
             assert client.name == sc.SPAN_CHAT and client.attributes[sc.AGL_SIDE] == sc.SIDE_CLIENT
         assert [agent_above(s) for s in servers] == [agent for agent, _ in expected]
+        # each call's baggage named its agent: the gateway would serve it with that agent's adapter
+        assert [s.attributes.get(sc.AGL_LLM_AGENT) for s in servers] == [agent for agent, _ in expected]
         tools = sorted((s for s in spans if s.name == sc.SPAN_EXECUTE_TOOL), key=lambda s: s.start_ns)
         n_search = sum(1 for _, what in expected if what == "search")
         assert [t.attributes[sc.GEN_AI_TOOL_NAME] for t in tools] == ["search"] * n_search
