@@ -32,10 +32,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, contextmanager
 from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agl import semconv
+from agl.agent_spans import agent_context
 from agl.instrumentation import guarded
 
 __all__ = ["AglTracer", "Hooks", "ToolCall"]
@@ -220,7 +222,16 @@ class AglTracer(trace.Tracer):
         ) as span:
             if claim is not None:
                 claim.span = span
-            yield span
+            agent = attrs.get(semconv.GEN_AI_AGENT_NAME) if name == semconv.SPAN_INVOKE_AGENT else None
+            if not isinstance(agent, str) or not agent:
+                yield span
+                return
+            # the agent's model calls carry its name (W3C baggage): the gateway serves its adapter
+            token = otel_context.attach(agent_context(otel_context.get_current(), agent))
+            try:
+                yield span
+            finally:
+                otel_context.detach(token)
 
 
 class Hooks:

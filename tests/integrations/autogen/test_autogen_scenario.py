@@ -126,6 +126,8 @@ def test_math_team_end_to_end(
             client = index[server.parent_id]
             assert client.name == sc.SPAN_CHAT and client.attributes[sc.AGL_SIDE] == sc.SIDE_CLIENT
         assert [agent_above(s) for s in servers] == [agent for agent, _ in expected]
+        # each call's baggage named its agent: the gateway would serve it with that agent's adapter
+        assert [s.attributes.get(sc.AGL_LLM_AGENT) for s in servers] == [agent for agent, _ in expected]
 
         # --- tools: one execute_tool per call, under the solver, ERROR for the malformed expression
         tools = sorted((s for s in spans if s.name == sc.SPAN_EXECUTE_TOOL), key=lambda s: s.start_ns)
