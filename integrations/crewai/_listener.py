@@ -38,6 +38,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agl import semconv
+from agl.agent_spans import agent_context
 from agl.instrumentation import guarded, safe_json
 
 __all__ = ["AglEventListener"]
@@ -108,6 +109,7 @@ class _Entry:
     failure: tuple[dict[str, Any], str, BaseException | None, int] | None = None
     failed_tool: _Entry | None = None  # agent: its tool entry whose failure is not settled yet
     instant: bool = False  # tool: a call CrewAI refused without running it
+    role: str | None = None  # agent: its gen_ai.agent.name (the role), which its calls' baggage carries
 
 
 def _get(obj: Any, key: str) -> Any:
@@ -333,6 +335,12 @@ class AglEventListener:
             agent_id=agent_id,
         )
         entry.agent = entry if kind == "agent" else (parent.agent if parent is not None else None)
+        if kind == "agent":
+            role = attrs.get(semconv.GEN_AI_AGENT_NAME)
+            entry.role = role if isinstance(role, str) and role else None
+        if entry.agent is not None and entry.agent.role is not None:
+            # the agent's (and its tools') LLM calls carry its role: the gateway serves its adapter
+            entry.ctx = agent_context(entry.ctx, entry.agent.role)
         if kind == "tool" and entry.agent is not None:
             call_id = self._match_call(entry.agent, getattr(event, "tool_name", None), event)
             if call_id is not None:

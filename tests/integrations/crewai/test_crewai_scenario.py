@@ -143,6 +143,8 @@ def test_research_crew_end_to_end(
             assert client.attributes[sc.AGL_INTEGRATION] == "openai"  # one client span per call
             assert index[client.parent_id].name == sc.SPAN_INVOKE_AGENT  # made by that agent
         assert [agent_above(s, index) for s in servers] == expected
+        # each call's baggage named its agent (the role): the gateway would serve that agent's adapter
+        assert [s.attributes.get(sc.AGL_LLM_AGENT) for s in servers] == expected
 
         tools = by_time(s for s in spans if s.name == sc.SPAN_EXECUTE_TOOL)
         lookups = [t for t in tools if t.attributes[sc.GEN_AI_TOOL_NAME] == "lookup"]
