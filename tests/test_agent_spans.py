@@ -12,12 +12,15 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from opentelemetry import baggage
+from opentelemetry import context as otel_context
 
 openai = pytest.importorskip("openai")
 
 import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
+from agl.agent_spans import agent_context, request_context  # noqa: E402
 from agl.gateway.testing import reply, tool_call  # noqa: E402
 from agl.rewards import AIR  # noqa: E402
 from agl.runner import Runner  # noqa: E402
@@ -114,6 +117,12 @@ def test_plain_agent_gets_agent_and_tool_spans(agl_gateway: Any, agl_tracer: Any
     agents = {s.attributes[sc.GEN_AI_AGENT_NAME] for s in spans if s.name == sc.SPAN_INVOKE_AGENT}
     assert agents == {"counter", "checker"}
 
+    servers = sorted(
+        (s for s in spans if s.attributes.get(sc.AGL_SIDE) == sc.SIDE_SERVER), key=lambda s: s.start_ns
+    )
+    # each call's baggage named its agent to the gateway (which serves that agent's adapter by it)
+    assert [s.attributes.get(sc.AGL_LLM_AGENT) for s in servers] == ["counter", "counter", "checker"]
+
     transitions = Adapter(air=AIR()).transitions(spans, rollout=store.get_rollout(boom))
     assert [t.agent for t in transitions] == ["counter", "counter", "checker"]
     # the failing tool is charged to the call that issued it (the first), not to the others
@@ -177,3 +186,34 @@ def test_bad_names_are_refused() -> None:
     with pytest.raises(TypeError, match="name is needed"):
         with agl.tool():
             pass
+
+
+# ------------------------------------------------------------------ the calling agent in the baggage
+
+
+def test_agent_baggage_nests_and_ends_with_the_span(agl_tracer: Any) -> None:
+    def calling() -> str | None:
+        return baggage.get_baggage(sc.BAGGAGE_AGENT, request_context(otel_context.get_current()))
+
+    assert calling() is None
+    with agl.agent("writer"):
+        assert calling() == "writer"
+        with agl.agent("rewriter"):
+            assert calling() == "rewriter"
+        assert calling() == "writer"  # the inner agent's end restores the outer one's name
+    assert calling() is None
+
+
+def test_agent_context_removes_and_a_dead_scope_names_the_live_one_around_it() -> None:
+    outer_live, inner_live = [True], [True]
+    ctx = agent_context(otel_context.Context(), "writer", live=lambda: outer_live[0])
+    assert baggage.get_baggage(sc.BAGGAGE_AGENT, agent_context(ctx, None)) is None
+    inner = agent_context(ctx, "rewriter", live=lambda: inner_live[0])
+    assert baggage.get_baggage(sc.BAGGAGE_AGENT, request_context(inner)) == "rewriter"
+    inner_live[0] = False  # the inner run ended but its context leaked: the outer agent's name is sent
+    assert baggage.get_baggage(sc.BAGGAGE_AGENT, request_context(inner)) == "writer"
+    outer_live[0] = False  # both ended: nobody's call
+    assert baggage.get_baggage(sc.BAGGAGE_AGENT, request_context(inner)) is None
+    # an agent opened in the leaked context (agl.agent: always live) names itself again
+    again = agent_context(inner, "checker")
+    assert baggage.get_baggage(sc.BAGGAGE_AGENT, request_context(again)) == "checker"
