@@ -49,3 +49,31 @@ def test_each_agent_calls_as_itself(mode: str, gateway: Any, scripted_model: Any
     assert [s.attributes.get(sc.AGL_LLM_AGENT) for s in servers] == expected
     # and the backend itself was handed the same agent with each request (what it routes by)
     assert [call.request.agent for call in scripted_model.of(rid)] == expected
+
+
+@pytest.mark.parametrize("adapter_gateway", [["solver", "verifier"]], indirect=True)
+def test_each_agent_is_served_by_its_own_adapter(adapter_gateway: Any, agl_tracer: Any) -> None:
+    """The whole way: a tiny random Llama with a LoRA adapter per trained agent behind the gateway;
+    each AutoGen agent's turn is served by its own adapter, an untrained agent's by the base model."""
+    import asyncio
+
+    from autogen_agentchat.agents import AssistantAgent
+    from autogen_agentchat.teams import RoundRobinGroupChat
+    from autogen_math_app import make_client
+
+    assert agl_tracer.instrument("openai", "autogen") == ["openai", "autogen"]
+
+    async def run_team() -> None:
+        client = make_client(adapter_gateway.url, adapter_gateway.MODEL, max_tokens=3)
+        agents = [AssistantAgent(name, model_client=client) for name in ("solver", "verifier", "critic")]
+        try:
+            await RoundRobinGroupChat(agents, max_turns=3).run(task="What is 6*7?")
+        finally:
+            await client.close()
+
+    rid = adapter_gateway.run(lambda: asyncio.run(run_team()))
+    assert adapter_gateway.served(rid) == [
+        ("solver", "solver"),
+        ("verifier", "verifier"),
+        ("critic", sc.BASE_ADAPTER),  # not trained: served by the base model
+    ]

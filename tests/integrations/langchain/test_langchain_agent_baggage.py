@@ -22,7 +22,6 @@ from langgraph.graph import START, MessagesState, StateGraph  # noqa: E402
 from lc_support import MODEL, Traced, Tree  # noqa: E402
 from test_langchain_spans import INPUT, by_role, llm_for, two_node_graph  # noqa: E402
 
-import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 
 
@@ -65,40 +64,18 @@ def test_calls_after_the_graph_name_no_agent(traced: Traced) -> None:
     assert served_agents(tree) == [("writer", "writer"), ("checker", "checker"), (None, None)], tree.shape()
 
 
-def test_each_node_is_served_by_its_own_adapter(agl_tracer: Any, tmp_path: Any) -> None:
+@pytest.mark.parametrize("adapter_gateway", [["writer", "rewriter"]], indirect=True)
+def test_each_node_is_served_by_its_own_adapter(adapter_gateway: Any, agl_tracer: Any) -> None:
     """The whole way: a tiny random Llama with a LoRA adapter per trained agent behind the gateway;
     each LangGraph node's calls are served by its own adapter, an untrained node's by the base model."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("peft")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from agl import tracing
-    from agl.algorithms.lightning_rl import LightningRL
-    from agl.algorithms.update import PolicyUpdate
-    from agl.config import RunConfig
-    from agl.gateway.backends.transformers import TransformersBackend
-    from agl.gateway.testing import serve_gateway
-    from agl.store.memory import MemoryStore
-    from agl.trainer import load_tokenizer
-    from agl.types import NewRollout
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=49152,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-        )
+    assert agl_tracer.instrument("openai", "langchain") == ["openai", "langchain"]
+    llm = ChatOpenAI(
+        model=adapter_gateway.MODEL,
+        base_url=adapter_gateway.url,
+        api_key="sk-test",
+        max_retries=0,
+        max_tokens=3,
     )
-    config = RunConfig.resolve(LightningRL(lora_r=4, lora_alpha=8, mixed_precision="no"))
-    policy = PolicyUpdate(
-        model, load_tokenizer(), config, output_dir=tmp_path / "ckpt", seed=0, adapters=["writer", "rewriter"]
-    )
-    backend = TransformersBackend.for_policy(policy, model_name="tiny", max_batch_size=4, batch_window_s=0.01)
 
     def node(role: str) -> Any:
         def run(state: Any) -> dict[str, Any]:
@@ -113,17 +90,9 @@ def test_each_node_is_served_by_its_own_adapter(agl_tracer: Any, tmp_path: Any) 
     g.add_edge("writer", "rewriter")
     g.add_edge("rewriter", "checker")
     graph = g.compile()
-    store = MemoryStore()
-    tracing.setup_tracing(store, agl_tracer.provider)
-    assert agl_tracer.instrument("openai", "langchain") == ["openai", "langchain"]
-    (rollout,) = store.enqueue([NewRollout()])
-    claim = store.claim("w")
-    assert claim is not None
-    with serve_gateway(backend, store) as url:
-        llm = ChatOpenAI(model="tiny", base_url=str(url), api_key="sk-test", max_retries=0, max_tokens=3)
-        with agl.rollout_context(rollout.id, claim.attempt.number):
-            graph.invoke(INPUT)
-        assert tracing.flush(10)
-    tree = Tree(store.query_spans(rollout_id=rollout.id, attempt=claim.attempt.number))
-    served = [(tree.agent_of(s), s.attributes.get(sc.AGL_LLM_ADAPTER)) for s in tree.server_chats()]
-    assert served == [("writer", "writer"), ("rewriter", "rewriter"), ("checker", sc.BASE_ADAPTER)]
+    rid = adapter_gateway.run(lambda: graph.invoke(INPUT))
+    assert adapter_gateway.served(rid) == [
+        ("writer", "writer"),
+        ("rewriter", "rewriter"),
+        ("checker", sc.BASE_ADAPTER),
+    ]
