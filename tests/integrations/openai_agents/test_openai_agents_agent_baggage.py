@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("agents")
 
-from openai_agents_rag_app import expected_calls  # noqa: E402
+from openai_agents_rag_app import expected_calls, make_model  # noqa: E402
 from test_openai_agents_scenario import make_agent, run_rollouts  # noqa: E402
 
 import agl  # noqa: E402
@@ -46,3 +46,33 @@ def test_each_agent_calls_as_itself(api: str, gateway: Any, scripted_model: Any,
     assert [s.attributes.get(sc.AGL_LLM_AGENT) for s in servers] == expected
     # and the backend itself was handed the same agent with each request (what it routes by)
     assert [call.request.agent for call in scripted_model.of(rid)] == expected
+
+
+@pytest.mark.parametrize("adapter_gateway", [["researcher", "answerer"]], indirect=True)
+def test_each_agent_is_served_by_its_own_adapter(
+    adapter_gateway: Any, agl_tracer: Any, clean_agl: None
+) -> None:
+    """The whole way: a tiny random Llama with a LoRA adapter per trained agent behind the gateway;
+    each SDK ``Agent``'s model call is served by its own adapter, an untrained agent's by the base."""
+    import asyncio
+
+    from agents import Agent, ModelSettings
+    from agents import Runner as SdkRunner
+
+    assert agl_tracer.instrument("openai", "openai_agents") == ["openai", "openai_agents"]
+    settings = ModelSettings(max_tokens=3)
+
+    async def run() -> None:
+        model = make_model("chat", adapter_gateway.url, adapter_gateway.MODEL)
+        for name in ("researcher", "answerer", "triage"):
+            agent = Agent(
+                name=name, instructions=f"You are the {name}.", model=model, model_settings=settings
+            )
+            await SdkRunner.run(agent, "What is the capital of France?")
+
+    rid = adapter_gateway.run(lambda: asyncio.run(run()))
+    assert adapter_gateway.served(rid) == [
+        ("researcher", "researcher"),
+        ("answerer", "answerer"),
+        ("triage", sc.BASE_ADAPTER),  # not trained: served by the base model
+    ]
