@@ -48,3 +48,28 @@ def test_each_role_calls_as_itself(
     assert [s.attributes.get(sc.AGL_LLM_AGENT) for s in servers] == expected
     # and the backend itself was handed the same agent with each request (what it routes by)
     assert [call.request.agent for call in scripted_model.of(rid)] == expected
+
+
+@pytest.mark.parametrize("adapter_gateway", [["researcher", "writer"]], indirect=True)
+def test_each_role_is_served_by_its_own_adapter(adapter_gateway: Any, agl_tracer: Any) -> None:
+    """The whole way: a tiny random Llama with a LoRA adapter per trained role behind the gateway;
+    each CrewAI agent's calls are served by its own adapter, an untrained role's by the base model."""
+    from crewai import LLM, Agent, Crew, Process, Task
+
+    assert agl_tracer.instrument("openai", "crewai") == ["openai", "crewai"]
+    llm = LLM(
+        model=f"openai/{adapter_gateway.MODEL}",
+        base_url=adapter_gateway.url,
+        api_key="sk-agl-test",
+        max_tokens=3,
+    )
+    roles = ("researcher", "writer", "editor")  # editor is not trained: no adapter of its own
+    agents = [Agent(role=r, goal=f"do the {r}'s job", backstory="", llm=llm, max_iter=1) for r in roles]
+    tasks = [
+        Task(description=f"{r}: one word", expected_output="a word", agent=a)
+        for r, a in zip(roles, agents, strict=True)
+    ]
+    crew = Crew(agents=agents, tasks=tasks, process=Process.sequential)
+    rid = adapter_gateway.run(crew.kickoff)
+    served = adapter_gateway.served(rid)
+    assert served == [("researcher", "researcher"), ("writer", "writer"), ("editor", sc.BASE_ADAPTER)]
