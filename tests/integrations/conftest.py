@@ -83,6 +83,7 @@ def adapter_gateway(
     ``@pytest.mark.parametrize("adapter_gateway", [["writer", "rewriter"]], indirect=True)``."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("peft")
+    pytest.importorskip("trl")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from agl import tracing
