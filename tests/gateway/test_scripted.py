@@ -182,6 +182,25 @@ def test_baggage_and_traceparent_on_plain_v1(store: Any, rollout: tuple[str, int
     assert (span.rollout_id, span.attempt) == rollout
 
 
+def test_the_calling_agent_in_the_baggage_is_on_the_server_span(store: Any, rollout: tuple[str, int]) -> None:
+    """``agl.llm.agent`` is exactly the name the baggage carried (percent-encoded by W3C rules, spaces,
+    ``+`` and commas included), on a backend without named adapters; absent when no agent is named."""
+    rollout_entries = f"{sc.BAGGAGE_ROLLOUT_ID}={rollout[0]},{sc.BAGGAGE_ATTEMPT}={rollout[1]}"
+    named = f"{rollout_entries},{sc.BAGGAGE_AGENT}=C%2B%2B+Senior%2C+Researcher"
+    with serve_gateway(ScriptedBackend(["ok"], on_exhausted="repeat"), store) as url:
+        client = openai.OpenAI(base_url=url, api_key="x")
+        for baggage in (named, rollout_entries):
+            client.chat.completions.create(
+                model="scripted",
+                messages=[{"role": "user", "content": "hi"}],
+                extra_headers={"baggage": baggage},
+            )
+    first, second = sorted(server_spans(store, rollout[0]), key=lambda s: s.start_ns)
+    assert first.attributes[sc.AGL_LLM_AGENT] == "C++ Senior, Researcher"
+    assert sc.AGL_LLM_AGENT not in second.attributes
+    assert sc.AGL_LLM_ADAPTER not in first.attributes  # no named adapters here: nothing was routed
+
+
 def test_calls_without_a_rollout_are_served_and_counted_not_stored(
     store: Any, rollout: tuple[str, int]
 ) -> None:
