@@ -149,8 +149,6 @@ class Trainer:
         from agl.judge.assembly import RewardAssembly
 
         self.rewarding = RewardAssembly(judge=judge, reward=reward, monitors=monitors)
-        if self.loop.off_policy == "tis":
-            raise UsageError("off_policy='tis' is not implemented yet: use off_policy='drop'")
         if gate is not None and not self.loop.checkpoint_every:
             raise UsageError("gate= rolls back to the last checkpoint: it needs checkpoint_every >= 1")
         self.gate = gate
@@ -547,7 +545,8 @@ class Trainer:
         # GRPO groups per agent with an adapter per agent (each agent's weights are compared alone)
         per_agent = {"per_agent": True} if self.agent_adapters else {}
         advantages, adv_stats = self.algorithm.compute_advantages(train_ts, **per_agent)
-        update = self.policy.step(train_ts, advantages)
+        tis_cap = self.loop.tis_cap if self.loop.off_policy == "tis" else None  # decoupled PPO
+        update = self.policy.step(train_ts, advantages, tis_cap=tis_cap)
         if on_policy:
             self.checks.on_policy(update.get("behaviour_ratio_dev"), self.config)
         # the update's metrics under their final names (PolicyUpdate.step names them for the record)
