@@ -178,9 +178,7 @@ def test_off_policy_tis_keeps_a_too_stale_group_and_weights_it(tmp_path: Path) -
     ]
     assert len(too_stale) == 2  # the first group, kept
     assert max(r["staleness_max"] for r in history) > k
-    updated = [r for r in history if r["update_tokens"]]  # a step of zero advantages trains no token
-    assert updated
-    for r in updated:
+    for r in history:  # every step logs it (0 when no token was trained: zero advantages)
         assert 0.0 <= r["tis_clip_fraction"] <= 1.0 and r["tis_weight_mean"] > 0, r
     trained = [rid for r in history for rid in r["trained_rollout_ids"]]
     assert len(trained) == len(set(trained))

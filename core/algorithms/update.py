@@ -296,9 +296,10 @@ class PolicyUpdate:
         plan = self._plan(transitions, advantages, merge)
         n_resp, n_tok, n_mb_max = self._totals(plan)
         metrics = _count_metrics(plan, transitions, n_tok)
-        if n_mb_max == 0:
+        if n_mb_max == 0:  # nothing to train (a step of zero advantages): no token weighted either
             return {
                 **metrics,
+                **(DecoupledWeights().metrics() if self.tis_cap is not None else {}),
                 "loss": 0.0,
                 "kl": 0.0,
                 "clip_fraction": 0.0,
