@@ -167,6 +167,7 @@ class Gateway:
         trace_id, parent_id, bag = parse_trace_headers(
             headers.get(sc.HEADER_TRACEPARENT), headers.get(sc.HEADER_BAGGAGE)
         )
+        request.state.agl_agent = bag.get(sc.BAGGAGE_AGENT) or None  # for _route: parsed once
         params = request.path_params
         if "rollout_id" in params:
             rid, attempt = params["rollout_id"], params["attempt"]
@@ -195,10 +196,7 @@ class Gateway:
         """The adapter that serves ``gen`` on a backend with named adapters (one per agent): a model name
         ``"<base>:<adapter>"`` picks one, else the calling agent's (W3C baggage ``agl.agent``). The
         calling agent is recorded on every backend (the server span's ``agl.llm.agent``)."""
-        raw = request.headers.get(sc.HEADER_BAGGAGE)
-        if raw and sc.BAGGAGE_AGENT in raw:  # the common case (no agent) parses nothing twice
-            _, _, bag = parse_trace_headers(None, raw)
-            gen.agent = bag.get(sc.BAGGAGE_AGENT) or None
+        gen.agent = getattr(request.state, "agl_agent", None)  # set by _context, which runs first
         if self.backend.agent_adapter_names():
             self.backend.route(gen)
         return gen
