@@ -45,6 +45,24 @@ def test_each_node_calls_as_its_own_agent(traced: Traced, mode: str) -> None:
     assert [r.agent for r, _ in out["record"]] == ["writer", "checker"]  # what the backend was given
 
 
+def test_instrument_twice_is_once_and_uninstrument_names_no_agent(traced: Traced) -> None:
+    """Instrumenting again changes nothing; once LangChain is uninstrumented (openai still is), the
+    nodes' calls carry the rollout but no agent: nothing of the agent baggage is left behind."""
+    import agl
+
+    traced.backend.policy = by_role
+    graph = two_node_graph(llm_for(traced), "invoke")
+    assert agl.instrument("langchain", tracer_provider=traced.provider) == ["langchain"]
+    with traced.rollout() as out:
+        graph.invoke(INPUT)
+    assert served_agents(out["tree"]) == [("writer", "writer"), ("checker", "checker")]
+    assert agl.uninstrument("langchain") == ["langchain"]
+    with traced.rollout() as out:
+        graph.invoke(INPUT)
+    assert [agent for _, agent in served_agents(out["tree"])] == [None, None]
+    assert len(out["tree"].server_chats()) == 2  # still in the rollout: the openai integration's baggage
+
+
 def test_calls_after_the_graph_name_no_agent(traced: Traced) -> None:
     """A call the application makes after an (async) graph run is nobody's: no agent in its baggage,
     even where LangChain ended the run in a copy of the caller's context."""
