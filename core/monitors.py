@@ -10,8 +10,10 @@ threshold is crossed, naming the step and the rollouts that are its evidence:
   the held-out task reward fell — the signature of reward hacking;
 - ``length_drift``: mean response tokens relative to the run's first training step;
 - ``identical_answers``: rollouts of *different* tasks giving the same final answer, compared as a
-  fingerprint (lower case, whitespace collapsed, quoted strings and numbers replaced by ``?``), so one
-  answer template stamped over every task (``SELECT COUNT(*) FROM t WHERE x = '…'``) counts as one;
+  fingerprint (lower case, whitespace collapsed, quoted strings replaced by ``?``), so one answer
+  template stamped over every task (``SELECT COUNT(*) FROM t WHERE x = '…'``) counts as one. Numbers
+  are kept: a strict answer format (``Answer: 8``) is one template for every task by design, and
+  masking its number flagged every run that learned the format;
 - ``tool_rate_drift``: tool calls per rollout relative to the run's first training step.
 
 Baselines come from the metrics history (the first record that has them), so a resumed run keeps them.
@@ -181,11 +183,12 @@ def _drift(
     return out, MonitorWarning(name, d.step, msg, tuple(extreme[:_EVIDENCE]))
 
 
-_LITERALS = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"\\]|\\.)*\"|\b\d+(?:\.\d+)?\b")
+_LITERALS = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"\\]|\\.)*\"")
 
 
 def fingerprint(answer: str) -> str:
-    """An answer with its literals masked: two tasks answered from one template get one fingerprint."""
+    """An answer with its quoted literals masked: two tasks answered from one template get one
+    fingerprint; numbers stay, so ``Answer: 8`` and ``Answer: 12`` are different answers."""
     return " ".join(_LITERALS.sub("?", answer.strip().lower()).split())
 
 

@@ -99,6 +99,21 @@ def test_identical_answers_across_tasks_and_divergence_name_their_rollouts() -> 
     assert by["divergence"]["rollouts"][:2] == ["a", "b"]
 
 
+def test_a_strict_answer_format_learned_across_tasks_is_not_a_hack() -> None:
+    """learn_on_cpu's agent must reply ``Answer: <number>``: once it learns that, every task's answer
+    has one shape. Different numbers are different answers, so the monitor stays quiet (it fired on
+    every such run while numbers were masked)."""
+    trans = {f"r{i}": ts(f"r{i}", f"Answer: {n}", final=1.0) for i, n in enumerate([8, 12, 15, 3, 21, 7])}
+    data = StepData(step=2, transitions=trans, task_of={f"r{i}": f"t{i}" for i in range(6)})
+    out = Monitors().observe(data, {"step": 2}, [])
+    assert out["monitor_identical_answers"] == 0.0
+    assert not [w for w in out["monitor_warnings"] if w["monitor"] == "identical_answers"]
+    # two tasks that really share the answer still count: the monitor still compares answers
+    trans["r6"] = ts("r6", "Answer: 8", final=1.0)
+    data = StepData(step=2, transitions=trans, task_of={f"r{i}": f"t{i}" for i in range(7)})
+    assert Monitors().observe(data, {"step": 2}, [])["monitor_identical_answers"] == pytest.approx(2 / 7)
+
+
 def test_length_and_tool_rate_drift_against_the_first_step() -> None:
     monitors, history = Monitors(), []
     for step, (tokens, tools) in enumerate([(10, 2), (11, 2), (30, 0)]):
