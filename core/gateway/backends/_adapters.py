@@ -9,7 +9,7 @@ from typing import Any
 
 from agl.errors import UsageError
 
-__all__ = ["check_adapter_dirs", "with_adapters"]
+__all__ = ["check_adapter_dirs", "load_named_adapters", "with_adapters"]
 
 
 def check_adapter_dirs(adapters: dict[str, str]) -> dict[str, str]:
@@ -54,4 +54,22 @@ def with_adapters(model: Any, paths: dict[str, str]) -> Any:
     model = PeftModel.from_pretrained(model, path, adapter_name=name)
     for name, path in items[1:]:
         model.load_adapter(path, adapter_name=name)
+    return model
+
+
+def load_named_adapters(model: Any, paths: dict[str, str], device: Any) -> Any:
+    """``model`` serving each named adapter's weights from its folder: an adapter it already has gets
+    the folder's tensors in place (no new modules), a new one is loaded beside the others."""
+    from peft import PeftModel, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    for name, path in paths.items():
+        if isinstance(model, PeftModel) and name in model.peft_config:
+            state = load_file(str(Path(path) / "adapter_model.safetensors"), device=str(device))
+            set_peft_model_state_dict(model, state, adapter_name=name)
+        elif isinstance(model, PeftModel):
+            model.load_adapter(path, adapter_name=name)
+        else:
+            model = PeftModel.from_pretrained(model, path, adapter_name=name)
+    model.eval()
     return model

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agl.gateway.backends._adapters import check_adapter_dirs, with_adapters
+from agl.gateway.backends._adapters import check_adapter_dirs, load_named_adapters, with_adapters
 from agl.gateway.backends._batching import Batch, Row
 from agl.gateway.backends._stream_text import StreamText, tail_delta, token_logprobs
 from agl.gateway.backends.base import (
@@ -693,7 +693,10 @@ class TransformersBackend(Backend):
         return await self._swap(swap)
 
     async def load_adapter(self, path: str, *, name: str | None = None, version: int | None = None) -> int:
-        """A LoRA adapter (peft) on top of the base weights; replaces the previous adapter."""
+        """A LoRA adapter (peft) on top of the base weights; replaces the previous adapter (``name`` an
+        agent's adapter: that adapter's new weights, :meth:`load_agent_adapters`)."""
+        if name is not None and name in self.agent_adapters:
+            return await self.load_agent_adapters({name: path}, version=version)
 
         def swap() -> int:
             if not Path(path).exists():
@@ -710,6 +713,19 @@ class TransformersBackend(Backend):
                 self.model = PeftModel.from_pretrained(self.model, path, adapter_name=adapter)
             self.model.eval()
             self._peft_adapter = adapter
+            return self._bump_version(version)
+
+        return await self._swap(swap)
+
+    async def load_agent_adapters(self, paths: dict[str, str], *, version: int | None = None) -> int:
+        """New weights for named agent adapters (``{adapter: peft folder}``), swapped together between
+        decode steps as one version: an adapter already served gets the folder's tensors in place, a new
+        one is loaded beside the others (each folder checked first: a peft adapter, the run's LoRA shape)."""
+        check_adapter_dirs(paths)
+
+        def swap() -> int:
+            self.model = load_named_adapters(self.model, paths, self.device)
+            self.agent_adapters += [n for n in paths if n not in self.agent_adapters]
             return self._bump_version(version)
 
         return await self._swap(swap)
