@@ -38,6 +38,7 @@ __all__ = [
     "BASE_ADAPTER",
     "adapter_name",
     "adapter_names",
+    "adapter_pattern",
     "agent_peft_model",
     "load_adapter_checkpoint",
     "step_per_adapter",
@@ -99,6 +100,18 @@ def adapter_names(agents: Any) -> dict[str, str]:
     if not out:
         raise UsageError("adapter_per_agent=True needs at least one agent name in agents=")
     return out
+
+
+def adapter_pattern(name: str) -> re.Pattern[str]:
+    """The agent names whose adapter is ``name`` (:func:`adapter_name`), as a regular expression: an
+    agent selection for ``agl export --adapter`` and the dashboard (a ``_`` stands for itself or any
+    character an adapter name cannot hold). Raises UsageError for a name no adapter can have."""
+    if not isinstance(name, str) or not name or adapter_name(name) != name:
+        raise UsageError(
+            f"{name!r} is not an adapter name: adapters are named after their agent with every character "
+            "other than letters, digits, '_' and '-' replaced by '_'"
+        )
+    return re.compile("".join("[^A-Za-z0-9-]" if c == "_" else re.escape(c) for c in name))
 
 
 def agent_peft_model(model: Any, lora_config: Any, names: Sequence[str]) -> Any:
