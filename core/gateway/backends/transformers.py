@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from agl.gateway.backends._adapters import check_adapter_dirs, load_named_adapters, with_adapters
+from agl.gateway.backends._batched_lora import batched_lora as stack_adapters
 from agl.gateway.backends._batching import Batch, Row
 from agl.gateway.backends._stream_text import StreamText, tail_delta, token_logprobs
 from agl.gateway.backends.base import (
@@ -134,8 +135,10 @@ class TransformersBackend(Backend):
         default_top_p: float = 1.0,
         batch_window_s: float = 0.005,
         adapters: dict[str, str] | None = None,
+        batched_lora: bool = False,
     ) -> None:
         super().__init__()
+        self.batched_lora, self._lora_stack = batched_lora, None  # mixed batches: see _batched_lora
         #: named LoRA adapter folders to serve beside the base model (``agl gateway serve --adapter``)
         self._adapter_paths = check_adapter_dirs(adapters) if adapters else {}
         self.batch_window_s = batch_window_s
@@ -471,7 +474,8 @@ class TransformersBackend(Backend):
 
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
-        batch = Batch(self.model, self._pad_id, per_row_adapters=bool(self.agent_adapters))
+        lora = self._stacked_adapters() if self.batched_lora and self.agent_adapters else None
+        batch = Batch(self.model, self._pad_id, per_row_adapters=bool(self.agent_adapters), lora=lora)
         with torch.inference_mode():
             while True:
                 admitting: list[Row] = []
@@ -641,6 +645,11 @@ class TransformersBackend(Backend):
         return self._generator
 
     # ----------------------------------------------------------------------- weight swap
+    def _stacked_adapters(self) -> Any:
+        """The agent adapters stacked for the batched LoRA product (None: peft's per-row path)."""
+        self._lora_stack = self._lora_stack or stack_adapters(self.model, self.agent_adapters)
+        return self._lora_stack
+
     async def _swap(self, fn: Any) -> int:
         if self.model is None:
             await self.start()
@@ -651,6 +660,7 @@ class TransformersBackend(Backend):
                 return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
         finally:
             self._swaps_waiting -= 1
+            self._lora_stack = None  # the stacks copy the adapters' tensors: rebuilt after a swap
 
     async def set_model(self, model: Any, *, version: int | None = None) -> int:
         """Serve ``model`` (same tokenizer) from the next request on."""
@@ -693,8 +703,7 @@ class TransformersBackend(Backend):
         return await self._swap(swap)
 
     async def load_adapter(self, path: str, *, name: str | None = None, version: int | None = None) -> int:
-        """A LoRA adapter (peft) on top of the base weights; replaces the previous adapter (``name`` an
-        agent's adapter: that adapter's new weights, :meth:`load_agent_adapters`)."""
+        """A LoRA adapter (peft) replacing the previous one (an agent adapter's ``name``: its new weights)."""
         if name is not None and name in self.agent_adapters:
             return await self.load_agent_adapters({name: path}, version=version)
 
@@ -718,9 +727,8 @@ class TransformersBackend(Backend):
         return await self._swap(swap)
 
     async def load_agent_adapters(self, paths: dict[str, str], *, version: int | None = None) -> int:
-        """New weights for named agent adapters (``{adapter: peft folder}``), swapped together between
-        decode steps as one version: an adapter already served gets the folder's tensors in place, a new
-        one is loaded beside the others (each folder checked first: a peft adapter, the run's LoRA shape)."""
+        """New weights for agent adapters (``{adapter: peft folder}``, checked first), swapped together
+        as one version: a served adapter gets the tensors in place, a new one is added."""
         check_adapter_dirs(paths)
 
         def swap() -> int:
