@@ -100,3 +100,19 @@ def test_per_agent_sft_refuses_bad_input(tmp_path: Path) -> None:
         SFT(adapter_per_agent=True).fit(_demos(), tiny_model(), run_dir=tmp_path)
     with pytest.raises(UsageError, match="needs lora=True"):
         SFT(adapter_per_agent=True, lora=False)
+
+
+def test_the_examples_train_warm_starts_each_adapter(sft_run: tuple[Path, dict[str, Any]]) -> None:
+    """``train --adapter-per-agent --warm-start SFT_DIR``: the base model the adapters were trained on
+    (``--model`` when the SFT ran on a loaded model), and ``warm_adapters`` for the Trainer."""
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples package
+    from examples._cli import model_arg, warm_adapters_arg
+
+    run, _ = sft_run
+    per_agent = argparse.Namespace(warm_start=str(run), adapter_per_agent=True, model="base-dir")
+    assert model_arg(per_agent) == "base-dir" and warm_adapters_arg(per_agent) == str(run)
+    shared = argparse.Namespace(warm_start=None, adapter_per_agent=False, model="base-dir")
+    assert model_arg(shared) == "base-dir" and warm_adapters_arg(shared) is None
