@@ -291,3 +291,31 @@ def test_vllm_adapter_per_agent_refused_load_keeps_the_routing(
         assert httpx.get(url.root + "/agl/v1/status").json()["weight_version"] == 0
     assert ("unload_lora_adapter", {"lora_name": f"{MODEL}-writer-v1"}) in fake.requests
     assert backend.agent_adapters == {"writer": None, "rewriter": None}
+
+
+def test_vllm_serves_adapters_given_up_front(
+    store: Any, upstream: tuple[FakeVLLM, str], tmp_path: Any
+) -> None:
+    """``agl gateway serve --backend vllm --adapter writer=DIR``: vLLM loads each folder by name when the
+    gateway starts; the writer's calls go to it, the others to the base model; a bad name is refused."""
+    from agl.cli.gateway import build_backend, register_cli
+
+    fake, root = upstream
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    register_cli(parser)
+    folder = _adapter_dir(tmp_path, "writer", b"w")
+    args = parser.parse_args(
+        ["serve", "--backend", "vllm", "--upstream", root + "/v1", f"--adapter=writer={folder}"]
+    )
+    backend = build_backend(args)
+    msg = [{"role": "user", "content": "hi"}]
+    with serve_gateway(backend, store) as url:
+        client = openai.OpenAI(base_url=url.root + "/v1", api_key="x")
+        client.chat.completions.create(model=f"{MODEL}:writer", messages=msg)
+        client.chat.completions.create(model=MODEL, messages=msg)
+    assert ("load_lora_adapter", {"lora_name": f"{MODEL}-writer-v0", "lora_path": folder}) in fake.requests
+    assert [b["model"] for k, b in fake.requests if k == "chat"] == [f"{MODEL}-writer-v0", MODEL]
+    with pytest.raises(ValueError, match="not one an agent's adapter has"):
+        VLLMBackend(root, adapters={"a.b": folder})

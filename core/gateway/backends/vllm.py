@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from agl.errors import UsageError
 from agl.gateway.backends._http import HttpUpstreamBackend
 from agl.gateway.backends.base import BackendError, GenerationRequest, GenerationResult, UnknownModelError
 from agl.semconv import BASE_ADAPTER
@@ -48,7 +49,7 @@ class VLLMBackend(HttpUpstreamBackend):
         api_key: str | None = None,
         timeout_s: float = 600.0,
         keep_adapters: int = 2,
-        adapters: Sequence[str] | None = None,
+        adapters: Sequence[str] | dict[str, str] | None = None,
     ) -> None:
         super().__init__(base_url, api_key=api_key, timeout_s=timeout_s)
         self.policy_name = model
@@ -62,6 +63,13 @@ class VLLMBackend(HttpUpstreamBackend):
         self.agent_adapters: dict[str, str | None] = {name: None for name in adapters or ()}
         self._agent_loras: dict[str, list[str]] = {name: [] for name in self.agent_adapters}
         self._agent_digest: dict[str, str] = {}
+        #: ``{adapter: folder}`` given up front (``agl gateway serve --adapter``): loaded once vLLM answers
+        self._initial = dict(adapters) if isinstance(adapters, dict) else {}
+        from agl.algorithms.adapters import adapter_name
+
+        for name in self.agent_adapters:
+            if adapter_name(name) != name or name in (BASE_ADAPTER, "default"):
+                raise UsageError(f"adapter name {name!r} is not one an agent's adapter has")
 
     async def start(self) -> None:
         """List the upstream's models; an upstream that is not up yet is retried on the first request."""
@@ -84,6 +92,9 @@ class VLLMBackend(HttpUpstreamBackend):
             self.policy_name = self.upstream_models[0]
         if self.current_upstream is None:
             self.current_upstream = self.policy_name
+        if self._initial and self._start_error is None:
+            await self.load_agent_adapters(self._initial, version=self.weight_version)
+            self._initial = {}
 
     async def _ensure_started(self) -> None:
         if not self.upstream_models:
