@@ -319,3 +319,29 @@ def test_vllm_serves_adapters_given_up_front(
     assert [b["model"] for k, b in fake.requests if k == "chat"] == [f"{MODEL}-writer-v0", MODEL]
     with pytest.raises(ValueError, match="not one an agent's adapter has"):
         VLLMBackend(root, adapters={"a.b": folder})
+
+
+def test_vllm_adapter_per_agent_streams_from_the_agents_adapter(
+    store: Any, rollout: tuple[str, int], upstream: tuple[FakeVLLM, str], tmp_path: Any
+) -> None:
+    fake, root = upstream
+    backend = VLLMBackend(root, adapters=["writer", "rewriter"])
+    with serve_gateway(backend, store) as url:
+        paths = {a: _adapter_dir(tmp_path, a, a.encode()) for a in ("writer", "rewriter")}
+        assert (
+            httpx.post(url.root + "/agl/v1/adapters", json={"adapters": paths, "version": 4}).status_code
+            == 200
+        )
+        client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            extra_headers={sc.HEADER_BAGGAGE: f"{sc.BAGGAGE_AGENT}=rewriter"},
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "Hello from vLLM."
+    assert [b["model"] for k, b in fake.requests if k == "chat"] == [f"{MODEL}-rewriter-v4"]
+    (span,) = server_spans(store, rollout[0])
+    assert (
+        span.attributes[sc.AGL_LLM_ADAPTER] == "rewriter" and span.attributes[sc.AGL_LLM_WEIGHT_VERSION] == 4
+    )

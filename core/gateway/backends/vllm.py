@@ -15,6 +15,17 @@ Weight swap: new weights arrive as LoRA adapters loaded at run time through vLLM
 by default the upstream's first model) are sent to the newest adapter, so agents keep their model
 name while the weights change; the adapter two versions back is unloaded. Requests that name another
 upstream model explicitly go to it unchanged.
+
+An adapter per agent (``adapters=["writer", "rewriter"]``, :mod:`agl.algorithms.adapters`): each agent's
+adapter is loaded by name at run time as ``<policy>-<adapter>-v<version>`` (vLLM refuses a name twice),
+and each call goes to the adapter :meth:`Backend.route` picked for it (``model="<base>:writer"`` or the
+caller's baggage ``agl.agent``). Until an adapter's first load its calls go to the base model, which is
+what a fresh LoRA adapter computes (B = 0). A push (:meth:`load_agent_adapters`) loads every adapter
+whose weights changed, then switches the routing of all of them at once, so one weight version names
+one set of adapters. An unchanged adapter keeps serving its loaded copy only when the push just before
+loaded it (else it is loaded again from this push's folder): vLLM may re-read an evicted adapter from
+its path, and the trainer keeps only the last few pushes' folders. Calls of agents without an adapter
+go to the base model.
 """
 
 from __future__ import annotations
@@ -62,7 +73,7 @@ class VLLMBackend(HttpUpstreamBackend):
         #: its first load); the loaded names of each, oldest first; the digest of each one's last file
         self.agent_adapters: dict[str, str | None] = {name: None for name in adapters or ()}
         self._agent_loras: dict[str, list[str]] = {name: [] for name in self.agent_adapters}
-        self._agent_digest: dict[str, str] = {}
+        self._agent_digest: dict[str, tuple[str, int]] = {}
         #: ``{adapter: folder}`` given up front (``agl gateway serve --adapter``): loaded once vLLM answers
         self._initial = dict(adapters) if isinstance(adapters, dict) else {}
         from agl.algorithms.adapters import adapter_name
@@ -206,8 +217,8 @@ class VLLMBackend(HttpUpstreamBackend):
         try:
             for adapter, path in paths.items():
                 digest = _digest(path)
-                if self.agent_adapters.get(adapter) and self._agent_digest.get(adapter) == digest:
-                    continue  # unchanged (its agent had no gradient): keep serving the loaded copy
+                if digest and self._agent_digest.get(adapter) == (digest, self.weight_version):
+                    continue  # unchanged since the last push (no gradient): keep serving the loaded copy
                 lora_name = f"{self.policy_name}-{adapter}-v{new_version}"
                 await self._load_lora(lora_name, path)
                 loaded[adapter], digests[adapter] = lora_name, digest
@@ -217,7 +228,7 @@ class VLLMBackend(HttpUpstreamBackend):
             raise
         for adapter, lora_name in loaded.items():
             self.agent_adapters[adapter] = lora_name
-            self._agent_digest[adapter] = digests[adapter]
+            self._agent_digest[adapter] = (digests[adapter], new_version)
             names = self._agent_loras.setdefault(adapter, [])
             names.append(lora_name)
         self._bump_version(new_version)
