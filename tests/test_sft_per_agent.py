@@ -116,3 +116,23 @@ def test_the_examples_train_warm_starts_each_adapter(sft_run: tuple[Path, dict[s
     assert model_arg(per_agent) == "base-dir" and warm_adapters_arg(per_agent) == str(run)
     shared = argparse.Namespace(warm_start=None, adapter_per_agent=False, model="base-dir")
     assert model_arg(shared) == "base-dir" and warm_adapters_arg(shared) is None
+
+
+def test_warm_adapters_of_other_target_modules_are_refused(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    for name in ("writer", "re_writer"):  # rank 4 as the run's, but LoRA on q_proj only
+        model = get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+        model.save_pretrained(str(tmp_path / "adapters" / name))
+    trainer = Trainer(
+        agl.LightningRL(lora_r=4, lora_alpha=8),
+        backend="scripted",
+        script=["x"],
+        agents=AGENTS,
+        adapter_per_agent=True,
+        run_dir=tmp_path / "run",
+        warm_adapters=tmp_path,
+    )
+    trainer._tokenizer = load_tokenizer()
+    with pytest.raises(UsageError, match=r"adapter 'writer' in .* has other target modules.*missing \(e.g. "):
+        trainer._build_policy(tiny_model())

@@ -184,7 +184,8 @@ def _totals(per: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 def load_adapter_checkpoint(policy: PolicyUpdate, path: str) -> None:
-    """Load every adapter's weights from its folder of a checkpoint (``<path>/<adapter>/``)."""
+    """Load every adapter's weights from its folder of a checkpoint (``<path>/<adapter>/``); an adapter
+    whose LoRA layers are not the run's (other target modules) is a UsageError."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -193,4 +194,14 @@ def load_adapter_checkpoint(policy: PolicyUpdate, path: str) -> None:
         if not os.path.isfile(weights):
             raise FileNotFoundError(f"{path} holds no adapter {name!r} ({weights} is missing)")
         state = load_file(weights, device=str(policy.device))
-        set_peft_model_state_dict(policy.model, state, adapter_name=name)
+        result = set_peft_model_state_dict(policy.model, state, adapter_name=name)
+        # peft loads leniently: an adapter of other target modules would leave layers at their start
+        extra = [k for k in result.unexpected_keys if "lora_" in k]
+        lacking = [k for k in result.missing_keys if "lora_" in k and f".{name}." in k]
+        if extra or lacking:
+            raise UsageError(
+                f"adapter {name!r} in {path} has other target modules than the run's LoRA config: "
+                + (f"{len(extra)} tensor(s) the run has no layer for (e.g. {extra[0]})" if extra else "")
+                + ("; " if extra and lacking else "")
+                + (f"{len(lacking)} of the run's tensor(s) missing (e.g. {lacking[0]})" if lacking else "")
+            )
