@@ -3,8 +3,9 @@
 - a step whose agent selection matched none of its LLM calls is refused (the update would train on
   nothing), and calls outside any agent span are warned about once;
 - after the first step with LLM calls, an agent selected by name that made none of them is refused when
-  other, unselected agents did (most likely a typo: the error names the agents seen), and warned about
-  once otherwise (an agent called only on some tasks, like a rewriter that runs when a query fails);
+  named agents that are not selected did (most likely a typo: the error names the agents seen), and
+  warned about once otherwise (an agent called only on some tasks, like a rewriter that runs when a
+  query fails);
 - an update whose first PPO ratio is far from 1 (the recorded behaviour policy is not the policy the
   update scores) is warned about once.
 """
@@ -66,11 +67,13 @@ class StepChecks:
         if not missing:
             return
         seen = ", ".join(f"{name or '<no agent span>'} ({n})" for name, n in sorted(stats.agents.items()))
-        if stats.unselected:
+        others = sorted(name for name in made if name and name not in set(agents))
+        if others:  # calls of named agents that are not selected: most likely a misspelt selection
             raise UsageError(
                 f"step {step}: the selected agent(s) {', '.join(map(repr, missing))} made none of the "
-                f"{stats.llm_calls} LLM calls, while agents that are not selected made {stats.unselected}. "
-                f"Agents seen: {seen}. Check the names given as agents= (they match invoke_agent span names)"
+                f"{stats.llm_calls} LLM calls, while agents that are not selected ({', '.join(others)}) "
+                f"made some. Agents seen: {seen}. Check the names given as agents= (they match "
+                "invoke_agent span names)"
             )
         log.warning(
             "agl trainer: step %d: the selected agent(s) %s made no LLM call (agents seen: %s); fine for an "
