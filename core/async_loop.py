@@ -165,7 +165,7 @@ class AsyncLoop:
             self.pipe.enqueue(self.draw(1), step)
 
         t0 = time.perf_counter()
-        groups = wait_for_groups(self.pipe, self.cfg.tasks_per_step, fresh, drop)
+        groups = wait_for_groups(self.pipe, self.cfg.tasks_per_step, fresh, drop, self.cfg.step_timeout_s)
         return groups, dropped, time.perf_counter() - t0
 
     def _train(

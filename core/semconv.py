@@ -62,7 +62,11 @@ AGL_INTEGRATION = "agl.integration"  # which integration made the span (langchai
 AGL_LLM_PROMPT_TOKEN_IDS = "agl.llm.prompt_token_ids"
 AGL_LLM_RESPONSE_TOKEN_IDS = "agl.llm.response_token_ids"
 AGL_LLM_RESPONSE_LOGPROBS = "agl.llm.response_logprobs"
-AGL_LLM_WEIGHT_VERSION = "agl.llm.weight_version"
+AGL_LLM_WEIGHT_VERSION = "agl.llm.weight_version"  # the oldest weights that served the call
+# the weights that drew the response tokens, run-length and flattened (an attribute holds no nested
+# list): [version, n_tokens, version, n_tokens, ...] in token order; two runs or more when the weights
+# were swapped during the call (the transformers backend swaps between decode steps)
+AGL_LLM_WEIGHT_VERSIONS = "agl.llm.weight_versions"
 # the named LoRA adapter that served the call (an adapter per agent); BASE_ADAPTER: the base model did,
 # on a backend that serves adapters. Absent on a backend without named adapters.
 AGL_LLM_ADAPTER = "agl.llm.adapter"

@@ -46,6 +46,7 @@ from agl.run.keywords import merged, route_keywords
 from agl.run.metrics import MetricsLog, bar_postfix, rollouts_postfix
 from agl.run.notes import inspect_commands, no_update_note
 from agl.run.order import TaskOrder
+from agl.run.served import prove_calls
 from agl.run.settings import Serving
 from agl.types import NewRollout, Rollout, Task, Transition, as_tasks
 
@@ -154,8 +155,6 @@ class Trainer:
         from agl.judge.assembly import RewardAssembly
 
         self.rewarding = RewardAssembly(judge=judge, reward=reward, monitors=monitors)
-        if self.loop.off_policy == "tis":
-            raise UsageError("off_policy='tis' is not implemented yet: use off_policy='drop'")
         if gate is not None and not self.loop.checkpoint_every:
             raise UsageError("gate= rolls back to the last checkpoint: it needs checkpoint_every >= 1")
         self.gate = gate
@@ -441,7 +440,7 @@ class Trainer:
                 bar.set_postfix(bar_postfix(record, self.history))
                 done = step + 1
                 if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
-                    self._checkpoint(order)
+                    self._checkpoint(order, {"next_step": done})
         bar.close()
 
     def _step(
@@ -481,6 +480,8 @@ class Trainer:
         if batch:
             train_ids = set(ids)
             train_ts = [t for rid in ids for t in transitions.get(rid, [])]
+            if self.env is not None and self.env.serves_pushed_weights:  # all ran after this push
+                prove_calls(train_ts, {version}, f"step {step}")
             record.update(
                 train_reward=_mean([rewards[r] for r in ids if r in rewards]),
                 rollouts=len(ids),
@@ -581,7 +582,8 @@ class Trainer:
         # GRPO groups per agent with an adapter per agent (each agent's weights are compared alone)
         per_agent = {"per_agent": True} if self.agent_adapters else {}
         advantages, adv_stats = self.algorithm.compute_advantages(train_ts, **per_agent)
-        update = self.policy.step(train_ts, advantages)
+        tis = {"tis_cap": self.loop.tis_cap} if self.loop.off_policy == "tis" else {}  # decoupled PPO
+        update = self.policy.step(train_ts, advantages, **tis)
         if on_policy:
             self.checks.on_policy(update.get("behaviour_ratio_dev"), self.config)
         # the update's metrics under their final names (PolicyUpdate.step names them for the record)
@@ -599,8 +601,10 @@ class Trainer:
             return 0
         state = json.loads(state_file.read_text())
         start_step = self.policy.load_checkpoint(state["checkpoint"])
+        start_step = int(state.get("next_step", start_step))
         order.restore(state)
         self.metrics.load()
+        self.metrics.truncate(start_step)  # steps after the checkpoint: their updates died with the process
         for r in self.store.query_rollouts(status=["queued", "running"]):
             with contextlib.suppress(Exception):
                 self.store.cancel(r.id)

@@ -442,6 +442,9 @@ class Transition(_Model):
     span_id: str | None = None
     model: str | None = None
     weight_version: int | None = None
+    #: the weights that drew the response tokens, run-length ``((version, n_tokens), ...)`` in token
+    #: order (several runs: weights swapped during the call); ``weight_version`` is the oldest of them
+    weight_versions: tuple[tuple[int, int], ...] | None = None
     #: the engine stopped the response at ``max_tokens`` (finish reason ``length``): an unfinished answer,
     #: which ``UpdateSettings.mask_truncated`` leaves out of the loss (DAPO's overlong filtering)
     truncated: bool = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+import sys
 from pathlib import Path
 
 from mkdocs.exceptions import PluginError
@@ -20,6 +21,14 @@ INCLUDE = "<!-- docs-site: include README.md -->"
 # [text](target) and ![alt](target), not inside inline code; targets without spaces
 LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)", re.M)
+
+
+def on_startup(command: str, dirty: bool) -> None:  # noqa: ARG001 - mkdocs' hook signature
+    """Run as ``mkdocs build``, the venv's ``bin/`` is first on ``sys.path`` and holds the ``agl``
+    console script: mkdocstrings (griffe) would take that file for the ``agl`` package and find none of
+    its modules. Drop such entries so the installed package is what gets documented (at startup: after
+    mkdocs restored ``sys.path`` from loading this module, before mkdocstrings reads it)."""
+    sys.path[:] = [p for p in sys.path if not (Path(p or ".") / "agl").is_file()]
 
 
 def _rewrite(markdown: str, source: str, page_dir: str, repo_url: str) -> str:

@@ -95,11 +95,9 @@ def test_max_staleness_is_validated() -> None:
         Trainer(backend="scripted", script=["hi"], max_staleness=-2)
 
 
-def test_no_trained_call_is_older_than_k_and_stale_groups_are_dropped(tmp_path: Path) -> None:
-    """k=1, one task a step. The first group's calls are served by the first version, then its agents wait
-    until two updates are recorded; by then the policy is two versions ahead, so the group must be
-    dropped (counted) and replaced, while the updates go on with the groups enqueued ahead."""
-    k = 1
+def _stale_first_group_fit(tmp_path: Path, k: int, **kw: Any) -> Trainer:
+    """k, one task a step. The first group's calls are served by the first version, then its agents wait
+    until two updates are recorded: by then the policy is two versions ahead of it."""
     box: dict[str, Trainer] = {}
 
     def agent(task: dict, resources: agl.Resources) -> float:
@@ -131,9 +129,18 @@ def test_no_trained_call_is_older_than_k_and_stale_groups_are_dropped(tmp_path: 
         max_staleness=k,
         config=agl.RunConfig(temperature=1.0, max_tokens=4),
         progress=False,
+        **kw,
     )
     box["t"] = trainer
     trainer.fit(agent, [{"q": "hello"}, {"q": "count"}, {"q": "ten"}])
+    return trainer
+
+
+def test_no_trained_call_is_older_than_k_and_stale_groups_are_dropped(tmp_path: Path) -> None:
+    """k=1: the first group, two versions behind when it completes, must be dropped (counted) and
+    replaced, while the updates go on with the groups enqueued ahead."""
+    k = 1
+    trainer = _stale_first_group_fit(tmp_path, k)
     history = trainer.history
     assert [r["step"] for r in history] == [0, 1, 2, 3]
     served = _served_versions(trainer.store)
@@ -152,6 +159,29 @@ def test_no_trained_call_is_older_than_k_and_stale_groups_are_dropped(tmp_path: 
         assert len(r["dropped_rollout_ids"]) == 2 * r["stale_groups_dropped"]
         for rid in r["dropped_rollout_ids"]:
             assert min(served[rid]) < r["resources_version"] - k and rid not in trained
+
+
+def test_off_policy_tis_keeps_a_too_stale_group_and_weights_it(tmp_path: Path) -> None:
+    """The same run with off_policy="tis": the first group, too stale for k=1, is trained (decoupled PPO
+    on its recorded behaviour log-probs) instead of dropped, and each step logs tis_clip_fraction."""
+    k = 1
+    trainer = _stale_first_group_fit(tmp_path, k, off_policy="tis", tis_cap=1.5)
+    history = trainer.history
+    served = _served_versions(trainer.store)
+    assert [r["step"] for r in history] == [0, 1, 2, 3]
+    assert all(r["stale_groups_dropped"] == 0 for r in history)
+    too_stale = [
+        rid
+        for r in history
+        for rid in r["trained_rollout_ids"]
+        if min(served[rid]) < r["resources_version"] - k
+    ]
+    assert len(too_stale) == 2  # the first group, kept
+    assert max(r["staleness_max"] for r in history) > k
+    for r in history:  # every step logs it (0 when no token was trained: zero advantages)
+        assert 0.0 <= r["tis_clip_fraction"] <= 1.0 and r["tis_weight_mean"] > 0, r
+    trained = [rid for r in history for rid in r["trained_rollout_ids"]]
+    assert len(trained) == len(set(trained))
 
 
 RUN_SCRIPT = """

@@ -382,6 +382,9 @@ class Adapter:
         if model is None:
             model = anchor.get(sc.GEN_AI_REQUEST_MODEL)
         wv = a.get(sc.AGL_LLM_WEIGHT_VERSION)
+        runs = weight_runs(a.get(sc.AGL_LLM_WEIGHT_VERSIONS), len(response_ids)) if exact else None
+        if runs:  # the call's staleness is that of its oldest tokens
+            wv = min(v for v, _ in runs)
         finish = a.get(sc.GEN_AI_RESPONSE_FINISH_REASONS) or anchor.get(sc.GEN_AI_RESPONSE_FINISH_REASONS)
         return {
             "prompt_ids": prompt_ids,
@@ -393,6 +396,7 @@ class Adapter:
             "span_id": s.span_id,
             "model": model if isinstance(model, str) else None,
             "weight_version": wv if isinstance(wv, int) and not isinstance(wv, bool) else None,
+            "weight_versions": runs,
             "truncated": _cut_at_max_tokens(finish),
         }
 
@@ -442,6 +446,18 @@ class Adapter:
             return None
         st.retokenised += 1
         return ids[0], ids[1], None
+
+
+def weight_runs(raw: Any, n_tokens: int) -> tuple[tuple[int, int], ...] | None:
+    """The span's ``agl.llm.weight_versions`` (flattened ``[version, n, ...]``) as run-length pairs;
+    None when absent or malformed: odd length, a non-integer or negative entry, or run lengths that do
+    not add up to the response's ``n_tokens``."""
+    if not isinstance(raw, (list, tuple)) or not raw or len(raw) % 2:
+        return None
+    if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in raw):
+        return None
+    runs = tuple((int(raw[i]), int(raw[i + 1])) for i in range(0, len(raw), 2))
+    return runs if sum(n for _, n in runs) == n_tokens else None
 
 
 def _served_by_other(S: list[Span], c: _Call) -> bool:

@@ -46,6 +46,7 @@ import torch
 from trl import GRPOConfig
 from trl.trainer.utils import pad, use_adapter
 
+from agl.algorithms.offpolicy import DecoupledWeights, decoupled_weights
 from agl.algorithms.packing import MicroBatch, pack_micro_batches
 from agl.algorithms.scoring import TransitionGRPOTrainer, chunked_token_logps, is_peft
 from agl.config import RunConfig
@@ -157,6 +158,7 @@ class PolicyUpdate:
         # step's response-token count, so TRL's own accumulation scaling must be neutral.
         self.trainer.current_gradient_accumulation_steps = 1
         self.global_step = 0
+        self.tis_cap: float | None = None  # this step's truncated-importance-weight cap (step(tis_cap=))
         self._rng = random.Random(seed)
 
     def _agent_adapters(self, model: Any, peft_config: Any, agents: Sequence[str]) -> tuple[Any, None]:
@@ -255,6 +257,7 @@ class PolicyUpdate:
         advantages: Sequence[float],
         *,
         merge_turns: bool | None = None,
+        tis_cap: float | None = None,
     ) -> dict[str, float]:
         """One LightningRL update: ``epochs_per_step`` optimizer steps over the given transitions.
 
@@ -269,9 +272,11 @@ class PolicyUpdate:
         ``behaviour_ratio_dev``: max |ratio - 1| before the first optimizer step (~0 when the run is
         on-policy; see :func:`_ratio_deviation`). With an adapter per agent, each adapter is updated on
         its own agent's transitions and its metrics are also reported as ``<metric>/<adapter>``
-        (:func:`agl.algorithms.adapters.step_per_adapter`).
+        (:func:`agl.algorithms.adapters.step_per_adapter`). With ``tis_cap``, transitions with behaviour
+        log-probs train by decoupled PPO (:mod:`agl.algorithms.offpolicy`), adding ``tis_clip_fraction``.
         """
         _check_advantages(transitions, advantages)
+        self.tis_cap = tis_cap
         merge = self.config.merge_turns if merge_turns is None else merge_turns
         if self.adapters:
             from agl.algorithms.adapters import step_per_adapter
@@ -291,15 +296,19 @@ class PolicyUpdate:
         plan = self._plan(transitions, advantages, merge)
         n_resp, n_tok, n_mb_max = self._totals(plan)
         metrics = _count_metrics(plan, transitions, n_tok)
-        if n_mb_max == 0:
+        if n_mb_max == 0:  # nothing to train (a step of zero advantages): no token weighted either
             return {
                 **metrics,
+                **(DecoupledWeights().metrics() if self.tis_cap is not None else {}),
                 "loss": 0.0,
                 "kl": 0.0,
                 "clip_fraction": 0.0,
                 "grad_norm": 0.0,
                 "tokens_per_s": 0.0,
             }
+        if self.tis_cap is not None:
+            plan.tis = decoupled_weights(self, plan, self.tis_cap)
+            metrics.update(plan.tis.metrics())
         tr = self.trainer
         epochs = max(1, int(self.config.epochs_per_step))
         tr._metrics["train"].clear()
@@ -406,6 +415,8 @@ class PolicyUpdate:
         mb = plan.mbs[k]
         inputs = self._tensors(plan.seqs, mb, plan.token_adv, plan.train_masks)
         inputs["num_items_in_batch"] = n_resp
+        if plan.tis is not None:
+            plan.tis.apply(k, inputs)
         if tr.beta != 0.0:
             inputs["ref_per_token_logps"] = self._ref_logps(inputs)
         sync = contextlib.nullcontext() if last else acc.no_sync(model)
@@ -551,6 +562,7 @@ class _StepPlan:
     mbs: list[MicroBatch]
     n_calls: int
     merge_stats: dict[str, Any]
+    tis: DecoupledWeights | None = None  # decoupled PPO's proximal log-probs and weights (tis_cap)
 
     @property
     def response_tokens(self) -> int:

@@ -242,6 +242,8 @@ def _result_attrs(base: dict[str, Any], result: GenerationResult, prefix_match: 
     base[sc.AGL_LLM_EXACT] = bool(result.exact)
     if result.weight_version is not None:
         base[sc.AGL_LLM_WEIGHT_VERSION] = int(result.weight_version)
+    if getattr(result, "weight_versions", None):
+        base[sc.AGL_LLM_WEIGHT_VERSIONS] = [int(x) for run in result.weight_versions for x in run]
     if getattr(result, "adapter", None) is not None:
         base[sc.AGL_LLM_ADAPTER] = str(result.adapter)
     if result.prompt_ids is not None:

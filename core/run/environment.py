@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agl.gateway.serve import ServedGateway, root_url, v1_url
+from agl.run.served import prove_push
 from agl.run.settings import Serving
 from agl.types import LLM
 
@@ -227,6 +228,7 @@ class Environment:
             if not backend.can_push:  # scripted replies: there is nothing to serve new weights with
                 return 0.0
             self.gateway.call(lambda: backend.push(policy, version=version, staging_dir=staging))
+            prove_push(backend.weight_version, version, "the in-process gateway")
         else:
             self._push_remote(policy, version, staging)
         # Old weight files are dead weight (a full model each); vLLM keeps the last adapters loaded.
@@ -251,14 +253,19 @@ class Environment:
             path, route = policy.save_weights(target), "/agl/v1/weights"
             body = {"path": str(Path(path).resolve())}
         key = self.serving.gateway_api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         resp = httpx.post(
             root_url(self.url or "") + route,
             json={**body, "version": version},
-            headers={"Authorization": f"Bearer {key}"} if key else {},
+            headers=headers,
             timeout=600,
         )
         if resp.status_code >= 400:
             raise RuntimeError(f"the gateway refused the new weights: {resp.text[:300]}")
+        prove_push(resp.json().get("weight_version"), version, f"the gateway's reply to {route}")
+        status = httpx.get(root_url(self.url or "") + "/agl/v1/status", headers=headers, timeout=60)
+        reported = status.json().get("weight_version") if status.status_code < 400 else status.text[:200]
+        prove_push(reported, version, "the gateway's /agl/v1/status")
 
     def engine_busy_s(self) -> float | None:
         """Seconds the in-process engine has spent generating so far (None: no such engine here)."""

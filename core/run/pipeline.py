@@ -19,12 +19,16 @@ held are retried by the store when their lease lapses.
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from agl.types import NewRollout, Rollout, Task, Transition
+
+log = logging.getLogger("agl.trainer")
 
 __all__ = ["Group", "GroupPipeline", "PIPELINE_KEY", "VersionLedger", "group_lag", "wait_for_groups"]
 
@@ -133,13 +137,21 @@ class GroupPipeline:
 
     def cancel_outstanding(self) -> None:
         """Cancel the outstanding groups' unfinished rollouts (the run is over)."""
-        for g in self.outstanding.values():
+        self.cancel_unfinished(list(self.outstanding.values()))
+
+    def cancel_unfinished(self, groups: Sequence[Group]) -> int:
+        """Cancel the unfinished rollouts of ``groups``; returns how many it asked to cancel. A
+        cancelled rollout ends its attempt, so its group completes without it."""
+        n = 0
+        for g in groups:
             for rid in g.ids:
                 if rid not in g.finished:
+                    n += 1
                     try:
                         self.store.cancel(rid)
                     except Exception:  # noqa: BLE001 - it may have finished meanwhile
                         pass
+        return n
 
     # ----------------------------------------------------------------------------- resume
     def state(self) -> dict[str, Any]:
@@ -164,9 +176,10 @@ class VersionLedger:
     it reloaded, and a call served by the killed run's last push holds those same weights.
 
     Saved with every checkpoint. A version newer than every saved one was pushed by a killed run after
-    its last checkpoint: its weights are the checkpoint's (``resumed_update``). Any other version it
-    does not know, or a call without a recorded version (its gateway span lost with a killed process),
-    has no provable lag (None)."""
+    its last checkpoint: its weights are the checkpoint's (``resumed_update``). A call without a
+    recorded version (its gateway span lost with a killed process) has no provable lag (None); a call
+    served by any other version the ledger does not know was served by weights this trainer never
+    published, and fails the step (``RuntimeError``, :mod:`agl.run.served`)."""
 
     def __init__(self) -> None:
         self.updates: dict[int, int] = {}
@@ -187,7 +200,13 @@ class VersionLedger:
         held = self.updates.get(version)
         if held is None and self.resumed_update is not None and version > self._saved_max:
             held = self.resumed_update
-        return None if held is None else self.updates[current] - held
+        if held is None:
+            raise RuntimeError(
+                f"a call was served by weight version {version}, which this trainer did not publish "
+                f"(it published {sorted(self.updates)}; current {current}): another writer pushed to the "
+                "engine, or it reloaded old weights"
+            )
+        return self.updates[current] - held
 
     def state(self) -> dict[str, Any]:
         return {"version_updates": {str(v): u for v, u in self.updates.items()}}
@@ -214,10 +233,15 @@ def wait_for_groups(
     want: int,
     accept: Callable[[Group], bool],
     on_drop: Callable[[Group], None],
+    timeout_s: float | None = None,
 ) -> list[Group]:
     """The next ``want`` complete groups that ``accept`` keeps, in completion order; each group it
-    refuses is consumed and handed to ``on_drop`` (which may enqueue a replacement)."""
+    refuses is consumed and handed to ``on_drop`` (which may enqueue a replacement). After waiting
+    ``timeout_s`` (``LoopConfig.step_timeout_s``), the unfinished rollouts of the oldest outstanding
+    groups it still needs are cancelled, so those groups complete with the rollouts that finished (the
+    groups enqueued ahead keep running)."""
     taken: list[Group] = []
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while len(taken) < want:
         for g in pipe.completed():
             if len(taken) == want:
@@ -230,5 +254,10 @@ def wait_for_groups(
         if len(taken) < want:
             if not pipe.outstanding:
                 raise RuntimeError("the pipeline ran dry: no outstanding group left to wait for")
+            if deadline is not None and time.monotonic() > deadline:
+                late = list(pipe.outstanding.values())[: want - len(taken)]
+                n = pipe.cancel_unfinished(late)
+                log.warning("agl trainer: %d rollouts did not finish within step_timeout_s; cancelled", n)
+                deadline = None
             pipe.poll()
     return taken

@@ -9,7 +9,7 @@ from typing import Any
 
 from agl.errors import UsageError
 
-__all__ = ["check_adapter_dirs", "load_named_adapters", "with_adapters"]
+__all__ = ["AgentAdapters", "check_adapter_dirs", "load_named_adapters", "with_adapters"]
 
 
 def check_adapter_dirs(adapters: dict[str, str]) -> dict[str, str]:
@@ -73,3 +73,44 @@ def load_named_adapters(model: Any, paths: dict[str, str], device: Any) -> Any:
             model = PeftModel.from_pretrained(model, path, adapter_name=name)
     model.eval()
     return model
+
+
+class AgentAdapters:
+    """The transformers backend's agent-adapter swaps and batched-LoRA stacks (a mixin: it uses the
+    backend's ``model``, ``device``, ``agent_adapters``, ``batched_lora``, ``_swap`` and
+    ``_bump_version``)."""
+
+    model: Any
+    agent_adapters: list[str]
+    batched_lora: bool
+    _lora_stack: Any
+
+    async def load_agent_adapters(self, paths: dict[str, str], *, version: int | None = None) -> int:
+        """New weights for agent adapters (``{adapter: peft folder}``, checked first), swapped together
+        once the running batch drained, as one version: a served adapter gets the tensors in place, a
+        new one is added beside the others."""
+        check_adapter_dirs(paths)
+
+        def swap() -> int:
+            self.model = load_named_adapters(self.model, paths, self.device)  # type: ignore[attr-defined]
+            self.agent_adapters += [n for n in paths if n not in self.agent_adapters]
+            return int(self._bump_version(version))  # type: ignore[attr-defined]
+
+        return int(await self._swap(swap))  # type: ignore[attr-defined]
+
+    def _stacked_adapters(self) -> Any:
+        """The agent adapters stacked for the batched LoRA product, or None (off, no agent adapters, or
+        layers it cannot stack: peft's per-row path); built on first use after each swap."""
+        if not (self.batched_lora and self.agent_adapters):
+            return None
+        if self._lora_stack is None:
+            from agl.gateway.backends._batched_lora import batched_lora
+
+            self._lora_stack = batched_lora(self.model, self.agent_adapters)
+        return self._lora_stack
+
+    def _bump_version(self, version: int | None) -> int:
+        """Every swap ends here, in the worker thread, after the tensors changed: the stacks (copies)
+        are dropped, so the next forward (or the running batch, after an in-place swap) rebuilds them."""
+        self._lora_stack = None
+        return int(super()._bump_version(version))  # type: ignore[misc]

@@ -8,8 +8,8 @@ matmuls: ``delta = scaling[row] * (x @ A[row]^T) @ B[row]^T``, added to the froz
 The result is peft's to within float rounding (``lora_dropout`` is the identity in eval).
 
 What holds: the stacks are copies, built on first use from the model's current LoRA tensors, so the
-backend drops them (:meth:`BatchedLora` is rebuilt) after every weight swap; swaps happen between
-batches, never inside one. Layers this does not cover (DoRA, LoRA bias, embeddings, adapters of
+backend drops them at every weight swap (``AgentAdapters._bump_version``) and rebuilds them before the
+next forward, the running batch's included after an in-place swap between two decode steps. Layers this does not cover (DoRA, LoRA bias, embeddings, adapters of
 different ranks) make :func:`batched_lora` return None, and the backend keeps peft's per-row path.
 """
 

@@ -61,6 +61,9 @@ class Row:
     payload: Any = None
     #: the named LoRA adapter this row decodes with (None: the base model), on a model with adapters
     adapter: str | None = None
+    #: the weight version that drew each token, run-length: ``[[version, n_tokens], ...]`` in order (a
+    #: weight swap between decode steps starts a new run: the rest of the reply comes from the new weights)
+    versions: list[list[int]] = field(default_factory=list)
 
 
 def truncate(logp: Any, top_p: float, top_k: int | None) -> Any:
@@ -157,6 +160,8 @@ class Batch:
         self.mask: Any = None  # (rows, cached length) long
         self.next_tokens: list[int] = []
         self.lengths: list[int] = []  # real tokens in each row's cache
+        #: the weight version the model serves now (the backend sets it after a swap between steps)
+        self.version = 0
         self._logits_to_keep = True
         self._cache_arg = _cache_kwarg(model)
 
@@ -225,7 +230,7 @@ class Batch:
         cache = self._new_cache()
         logits = self._forward(rows, ids, mask, _position_ids(mask), cache)
         tokens, lps = sample(rows, logits)
-        keep = [i for i, r in enumerate(rows) if not _append(r, tokens[i], lps[i])]
+        keep = [i for i, r in enumerate(rows) if not _append(r, tokens[i], lps[i], self.version)]
         ended = [r for i, r in enumerate(rows) if i not in keep]
         if not keep:
             return ended
@@ -270,7 +275,7 @@ class Batch:
         logits = self._forward(self.rows, ids, self.mask, positions, self.cache)
         self.lengths = [n + 1 for n in self.lengths]
         tokens, lps = sample(self.rows, logits)
-        done = [_append(r, t, lp) for r, t, lp in zip(self.rows, tokens, lps, strict=True)]
+        done = [_append(r, t, lp, self.version) for r, t, lp in zip(self.rows, tokens, lps, strict=True)]
         self.next_tokens = tokens
         return self._drop([i for i, d in enumerate(done) if d])
 
@@ -321,10 +326,15 @@ class Batch:
             self.mask = self.mask[:, first:]
 
 
-def _append(row: Row, token: int, logprob: float) -> bool:
-    """Record a drawn token (and stream it); returns whether the row has ended."""
+def _append(row: Row, token: int, logprob: float, version: int = 0) -> bool:
+    """Record a drawn token, drawn by weight ``version`` (and stream it); returns whether the row has
+    ended."""
     row.ids.append(token)
     row.logprobs.append(logprob)
+    if row.versions and row.versions[-1][0] == version:
+        row.versions[-1][1] += 1
+    else:
+        row.versions.append([version, 1])
     if row.on_token is not None:
         row.on_token(token, logprob)
     end: str | None = None

@@ -138,6 +138,9 @@ class GenerationResult:
     prompt_ids: list[int] | None = None
     prompt_tokens: int | None = None
     weight_version: int | None = None
+    #: the weight versions that drew the response tokens, run-length ``[(version, n_tokens), ...]`` in
+    #: order (more than one run when weights were swapped during the call); None when not tracked
+    weight_versions: list[tuple[int, int]] | None = None
     #: the named adapter that served the call (``BASE_ADAPTER``: the base model); None on a backend
     #: without named adapters
     adapter: str | None = None

@@ -19,8 +19,13 @@ Concurrency: continuous batching (:mod:`agl.gateway.backends._batching`). One wo
 model and runs one batch: a request arriving while it runs is prefilled and joins the batch before
 the next decode step, a finished one leaves it at once, and every row keeps its own temperature,
 top_p, top_k, max_tokens, stop strings and seed (``max_batch_size`` rows at most; the others wait).
-Weight swaps take the same lock as generation: a waiting swap stops new rows from joining, lets the
-running ones finish, and happens between batches, never during one.
+Weight swaps that keep the model object (every :meth:`push` after the first, ``load_weights``, a new
+adapter on a peft model) do not drain the engine: the worker runs them between two decode steps
+(:mod:`agl.gateway.backends._swaps`), and a running call draws its remaining tokens from the new
+weights, each token tagged with the version that drew it (``GenerationResult.weight_versions``; the
+result's ``weight_version`` is the oldest, the version that admitted it). A swap that replaces the model
+(``set_model``, the first push) takes the generation lock instead: new rows stop joining, the running
+ones finish, and the swap happens between batches.
 
 A client that disconnects cancels its request: a queued request is dropped, a running one leaves the
 batch before the next step.
@@ -47,10 +52,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agl.gateway.backends._adapters import check_adapter_dirs, load_named_adapters, with_adapters
-from agl.gateway.backends._batched_lora import batched_lora as stack_adapters
+from agl.gateway.backends._adapters import AgentAdapters, check_adapter_dirs, with_adapters
 from agl.gateway.backends._batching import Batch, Row
 from agl.gateway.backends._stream_text import StreamText, tail_delta, token_logprobs
+from agl.gateway.backends._swaps import LiveSwaps
 from agl.gateway.backends.base import (
     Backend,
     BackendError,
@@ -103,7 +108,7 @@ def _forced_prefix(request: GenerationRequest) -> str:
         raise UpstreamError(400, str(exc), {"error": {"message": str(exc), "param": "tool_choice"}}) from None
 
 
-class TransformersBackend(Backend):
+class TransformersBackend(AgentAdapters, Backend):
     """Serve a Hugging Face causal LM.
 
     ``model``: None (the default SmolLM2-135M-Instruct, prepared on first use), a local path or a hub
@@ -169,6 +174,8 @@ class TransformersBackend(Backend):
         self._queue: list[_Job] = []  # guarded by _queue_lock: the worker thread takes from it
         self._queue_lock = threading.Lock()
         self._swaps_waiting = 0
+        #: in-place swaps waiting for the worker's next scheduler iteration (between decode steps)
+        self._live_swaps = LiveSwaps()
         #: seconds the engine spent generating (its scheduler running a batch), for idle-time metrics
         self.busy_s = 0.0
         self._processors_cache: dict[Any, Any] = {}  # per prompt length (min_length rules)
@@ -474,13 +481,17 @@ class TransformersBackend(Backend):
 
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
-        lora = self._stacked_adapters() if self.batched_lora and self.agent_adapters else None
-        batch = Batch(self.model, self._pad_id, per_row_adapters=bool(self.agent_adapters), lora=lora)
+        batch = Batch(self.model, self._pad_id, per_row_adapters=bool(self.agent_adapters))
+        batch.version, batch.lora = self.weight_version, self._stacked_adapters()
         with torch.inference_mode():
             while True:
                 admitting: list[Row] = []
                 ended: list[Row] = []
                 try:
+                    if self._live_swaps:  # between two decode steps: the rows go on with the new weights
+                        with torch.inference_mode(False):
+                            self._live_swaps.run()
+                        batch.version, batch.lora = self.weight_version, self._stacked_adapters()
                     ended = batch.cancel_ended()
                     room = self.max_batch_size - len(batch)
                     if room > 0 and not self._swaps_waiting and batch.joinable():
@@ -625,6 +636,7 @@ class TransformersBackend(Backend):
             prompt_ids=list(job.prompt_ids),
             prompt_tokens=len(job.prompt_ids),
             weight_version=job.weight_version,
+            weight_versions=[(v, n) for v, n in row.versions],
             adapter=(r.adapter or BASE_ADAPTER) if self.agent_adapters else None,
             prompt_text=job.prompt_text,
             forced_tokens=len(tok.encode(forced)) if forced else 0,  # the ids _prepare appended
@@ -645,22 +657,20 @@ class TransformersBackend(Backend):
         return self._generator
 
     # ----------------------------------------------------------------------- weight swap
-    def _stacked_adapters(self) -> Any:
-        """The agent adapters stacked for the batched LoRA product (None: peft's per-row path)."""
-        self._lora_stack = self._lora_stack or stack_adapters(self.model, self.agent_adapters)
-        return self._lora_stack
-
-    async def _swap(self, fn: Any) -> int:
+    async def _swap(self, fn: Any, *, in_place: bool = False) -> int:
+        """Run the swap ``fn`` in the worker thread: ``in_place`` (the model object stays) between two
+        decode steps of the running batch, else once the batch has drained."""
         if self.model is None:
             await self.start()
         self._lock = self._lock or asyncio.Lock()
+        if in_place:
+            return await self._live_swaps.submit(fn, self._lock, self._executor, self._live_swaps.run)
         self._swaps_waiting += 1  # the running batch admits no new rows: it drains, then the swap runs
         try:
             async with self._lock:
                 return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
         finally:
             self._swaps_waiting -= 1
-            self._lora_stack = None  # the stacks copy the adapters' tensors: rebuilt after a swap
 
     async def set_model(self, model: Any, *, version: int | None = None) -> int:
         """Serve ``model`` (same tokenizer) from the next request on."""
@@ -700,7 +710,7 @@ class TransformersBackend(Backend):
                 raise ValueError("the weights share no parameter with this model")
             return self._bump_version(version)
 
-        return await self._swap(swap)
+        return await self._swap(swap, in_place=self.model is not None)
 
     async def load_adapter(self, path: str, *, name: str | None = None, version: int | None = None) -> int:
         """A LoRA adapter (peft) replacing the previous one (an agent adapter's ``name``: its new weights)."""
@@ -724,19 +734,8 @@ class TransformersBackend(Backend):
             self._peft_adapter = adapter
             return self._bump_version(version)
 
-        return await self._swap(swap)
-
-    async def load_agent_adapters(self, paths: dict[str, str], *, version: int | None = None) -> int:
-        """New weights for agent adapters (``{adapter: peft folder}``, checked first), swapped together
-        as one version: a served adapter gets the tensors in place, a new one is added."""
-        check_adapter_dirs(paths)
-
-        def swap() -> int:
-            self.model = load_named_adapters(self.model, paths, self.device)
-            self.agent_adapters += [n for n in paths if n not in self.agent_adapters]
-            return self._bump_version(version)
-
-        return await self._swap(swap)
+        # a new adapter on a peft model keeps the model object: applied between decode steps
+        return await self._swap(swap, in_place=getattr(self.model, "peft_config", None) is not None)
 
     async def push(self, policy: Any, *, version: int | None = None, staging_dir: Any = None) -> int:
         """Serve ``policy`` (a :class:`~agl.algorithms.update.PolicyUpdate` in this process) from the next
@@ -745,7 +744,7 @@ class TransformersBackend(Backend):
         The first push builds the engine's model from the policy's: a copy of the module tree whose
         frozen tensors (the base weights under LoRA) *are* the policy's tensors, shared, and whose
         trainable tensors (the LoRA A/B matrices, a few MB) are its own. Every later push copies the
-        trainable tensors in place, under the generation lock — nothing else is allocated or cloned.
+        trainable tensors in place, between two decode steps — nothing else is allocated or cloned.
         The engine keeps its own trainable copy so an update running while a late request still
         generates never changes the weights under it. Under full fine-tuning every tensor is trainable,
         so the engine holds one full copy (made once) and each push copies all weights in place.
@@ -769,7 +768,7 @@ class TransformersBackend(Backend):
                         dst.copy_(src.detach())
             return self._bump_version(version)
 
-        return await self._swap(swap)
+        return await self._swap(swap, in_place=self.model is not None and self._pushed_from is source)
 
 
 def _trainable(model: Any, reference: Any) -> list[tuple[str, Any]]:
