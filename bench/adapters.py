@@ -10,7 +10,10 @@ same 8 prompts, ``min_tokens``-free: tokens counted as the backend returns them)
 - ``plain``: one adapter, active in peft, served the way a shared-policy run serves it (no per-row
   ``adapter_names``): the reference;
 - ``1 adapter/row``: the same adapter named per row (the per-agent path with one agent);
-- ``2 adapters``, ``4 adapters``: the 8 rows spread round-robin over 2 or 4 adapters.
+- ``2 adapters``, ``4 adapters``: the 8 rows spread round-robin over 2 or 4 adapters;
+- with ``--batched-lora``, also ``2 batched``/``4 batched``: the same rows through the batched LoRA
+  product (``TransformersBackend(batched_lora=True)``: each row's A and B gathered, two ``bmm`` per
+  LoRA layer) instead of peft's per-adapter loop.
 
 Target (issue 35): 2 and 4 adapters >= 0.8x ``plain`` tokens/s. Figures: bench/README.md.
 """
@@ -84,6 +87,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batched-lora", action="store_true", help="also the batched LoRA product's cases")
     args = ap.parse_args()
     import torch
 
@@ -92,17 +96,20 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = peft_model()
     backend = TransformersBackend(model, model_name="m", max_batch_size=8, threads=args.threads)
-    cases: list[tuple[str, list[str], list[str | None]]] = [
-        ("plain", [], [None]),
-        ("1 adapter/row", NAMES[:1], NAMES[:1]),
-        ("2 adapters", NAMES[:2], NAMES[:2]),
-        ("4 adapters", NAMES, NAMES),
+    cases: list[tuple[str, list[str], list[str | None], bool]] = [
+        ("plain", [], [None], False),
+        ("1 adapter/row", NAMES[:1], NAMES[:1], False),
+        ("2 adapters", NAMES[:2], NAMES[:2], False),
+        ("4 adapters", NAMES, NAMES, False),
     ]
+    if args.batched_lora:
+        cases += [("2 batched", NAMES[:2], NAMES[:2], True), ("4 batched", NAMES, NAMES, True)]
     run(backend, [None], 4)  # warm-up
     for rnd in range(args.rounds):
         ref = None
-        for label, served, rows in cases:
+        for label, served, rows, batched in cases:
             backend.agent_adapters = served
+            backend.batched_lora, backend._lora_stack = batched, None  # stacks of this case's adapters
             seconds, tokens = run(backend, rows, args.new_tokens)
             rate = tokens / seconds
             ref = ref or rate

@@ -3,8 +3,9 @@
 Reads each run's ``metrics.jsonl`` (written by ``Trainer.fit``) and draws, like the LightningRL
 paper's Figure 6, the training reward and the validation reward against the training step; several
 run directories (e.g. seeds) go on one figure. APO runs (records with ``"algorithm": "apo"``) are
-drawn against the round, with every new candidate's validation reward as a dot. Uses matplotlib's
-Agg backend: no display needed.
+drawn against the round, with every new candidate's validation reward as a dot. A run that trained an
+adapter per agent (records with ``train_reward/<adapter>``) gets a train-reward curve per adapter too,
+named after it. Uses matplotlib's Agg backend: no display needed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from agl.errors import UsageError
 
-__all__ = ["plot_run", "plot_runs", "read_metrics"]
+__all__ = ["adapter_keys", "plot_run", "plot_runs", "read_metrics", "reward_figure"]
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -68,6 +69,39 @@ def _val_series(records: Sequence[dict[str, Any]]) -> list[tuple[int | None, lis
     return [(size, xs, ys) for size, (xs, ys) in out.items()]
 
 
+def adapter_keys(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The adapters with a per-adapter train reward (``train_reward/<adapter>``), in first-seen order."""
+    seen: dict[str, None] = {}
+    for r in records:
+        for key in r:
+            if key.startswith("train_reward/"):
+                seen.setdefault(key.split("/", 1)[1], None)
+    return list(seen)
+
+
+def _draw_train(
+    ax: Any,
+    records: Sequence[dict[str, Any]],
+    key: str,
+    label: str | None,
+    smooth: int,
+    apo: bool,
+    *,
+    style: str = "-",
+) -> int:
+    """Draw ``key`` against the step on the train panel (APO: points; else faint raw values under
+    their moving mean); returns how many curves were drawn (0: no values)."""
+    xs, ys = _series(records, key)
+    if not xs:
+        return 0
+    if apo:  # few rounds: points, no smoothing
+        ax.plot(xs, ys, marker="o", linestyle=style, label=label)
+        return 1
+    line = ax.plot(xs, ys, alpha=0.25, linestyle=style)[0]
+    ax.plot(xs, _smooth(ys, smooth), color=line.get_color(), linestyle=style, label=label)
+    return 1
+
+
 def _smooth(ys: list[float], k: int) -> list[float]:
     if k <= 1 or len(ys) < 3:
         return ys
@@ -91,6 +125,24 @@ def plot_runs(
     ``baselines`` (label -> held-out reward) are drawn as dashed lines on the held-out panel: the
     figure a run started from when it did not re-measure it (``--no-val-before``), e.g. the warm start.
     """
+    fig = reward_figure(run_dirs, title=title, smooth=smooth, baselines=baselines)
+    import matplotlib.pyplot as plt  # after reward_figure chose the Agg backend
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def reward_figure(
+    run_dirs: Sequence[str | Path],
+    *,
+    title: str | None = None,
+    smooth: int = 3,
+    baselines: dict[str, float] | None = None,
+) -> Any:
+    """The matplotlib figure :func:`plot_runs` saves (the caller closes it)."""
     if not run_dirs:
         raise UsageError("plot needs at least one run directory")
     runs = [(Path(d), read_metrics(d)) for d in run_dirs]  # the user's files are checked first
@@ -103,16 +155,14 @@ def plot_runs(
     apo = all(r.get("algorithm") == "apo" for _, records in runs for r in records)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True, sharex=apo)
     drawn = 0
+    per_adapter = False
     for d, records in runs:
         label = d.name if len(runs) > 1 else None
-        xs, ys = _series(records, "train_reward")
-        if xs and apo:  # few rounds: points, no smoothing
-            axes[0].plot(xs, ys, marker="o", label=label)
-            drawn += 1
-        elif xs:
-            line = axes[0].plot(xs, ys, alpha=0.25)[0]
-            axes[0].plot(xs, _smooth(ys, smooth), color=line.get_color(), label=label)
-            drawn += 1
+        drawn += _draw_train(axes[0], records, "train_reward", label, smooth, apo)
+        for adapter in adapter_keys(records):
+            per_adapter = True
+            named = f"{label}: {adapter}" if label else adapter
+            drawn += _draw_train(axes[0], records, f"train_reward/{adapter}", named, smooth, apo, style="--")
         series = _val_series(records)
         color = None  # one colour a run; a resumed re-check on another held-out set: its own marker, named
         for (size, xs, ys), marker in zip(series, itertools.cycle("osD^")):
@@ -146,13 +196,11 @@ def plot_runs(
     axes[0].set_ylabel("reward")
     if len(runs) > 1 or baselines or any(len(_val_series(r)) > 1 for _, r in runs):
         axes[1].legend(fontsize=8)
+    if per_adapter:
+        axes[0].legend(fontsize=8)
     fig.suptitle(title or ", ".join(d.name for d, _ in runs))
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None, **kw: Any) -> Path:

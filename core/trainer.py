@@ -83,7 +83,9 @@ class Trainer:
     Every field can also be given as a keyword (``Trainer(backend="scripted", steps=3)``, and
     ``rollout_timeout_s``, ``sampling={...}``, ``update_options={...}``); a keyword overrides the
     value's field, and an unknown keyword is a TypeError naming it. ``agents``: which agents' calls
-    to train on; ``adapter``: an ``Adapter`` to use instead of the default one.
+    to train on; ``adapter``: an ``Adapter`` to use instead of the default one. With an adapter per
+    agent (``adapter_per_agent=True``), ``warm_adapters`` (an ``agl sft --adapter-per-agent`` run
+    directory) starts each agent's adapter from its warm start instead of zero.
 
     Rewards (:mod:`agl.judge`, :mod:`agl.monitors`): ``judge`` (an :class:`agl.Judge`) scores each
     group; ``reward`` is ``"task"``, ``"judge"`` or weights ``{"task": 0.7, "judge": 0.3}``;
@@ -106,6 +108,7 @@ class Trainer:
         reward: Any = "task",
         monitors: Any = True,
         gate: Any = None,
+        warm_adapters: str | os.PathLike[str] | None = None,
         **keywords: Any,
     ) -> None:
         from agl.algorithms.lightning_rl import LightningRL
@@ -139,6 +142,8 @@ class Trainer:
         self.agents = agents
         #: ``{agent: adapter name}`` with an adapter per agent (LoopConfig.adapter_per_agent), else {}
         self.agent_adapters = self._agent_adapters(agents)
+        #: per-agent adapter folders the adapters start from (``agl sft --adapter-per-agent``), or None
+        self.warm_adapters = self._warm_adapters(warm_adapters)
         self.adapter_arg = adapter
         #: the per-rollout limits the store keeps (timeout, lease, attempts)
         self.rollout_config = self.rollout.for_store()
@@ -165,6 +170,31 @@ class Trainer:
         if not self.config.lora:
             raise UsageError("adapter_per_agent trains a LoRA adapter per agent: it needs lora=True")
         return names
+
+    def _warm_adapters(self, path: Any) -> Path | None:
+        """The folder of each agent's warm-start adapter, checked now: an adapter per agent is on, every
+        selected agent has a peft adapter there, of the run's LoRA rank."""
+        if path is None:
+            return None
+        if not self.agent_adapters:
+            raise UsageError("warm_adapters= starts each agent's adapter: it needs adapter_per_agent=True")
+        from agl.algorithms.sft import warm_adapters_dir
+        from agl.gateway.backends._adapters import check_adapter_dirs
+
+        try:
+            folder = warm_adapters_dir(path)
+        except FileNotFoundError as exc:
+            raise UsageError(f"warm_adapters={os.fspath(path)!r}: {exc}") from None
+        dirs = {name: str(folder / name) for name in self.agent_adapters.values()}
+        check_adapter_dirs(dirs)
+        rank = json.loads((folder / next(iter(dirs)) / "adapter_config.json").read_text()).get("r")
+        if rank != self.config.lora_r:
+            raise UsageError(
+                f"the warm-start adapters in {folder} have LoRA rank {rank}, the run's lora_r is "
+                f"{self.config.lora_r}: train with lora_r={rank} (or run agl sft with --lora-r "
+                f"{self.config.lora_r})"
+            )
+        return folder
 
     # ------------------------------------------------------------------------ read-only views
     @property
@@ -243,6 +273,10 @@ class Trainer:
             seed=self.loop.seed,
             adapters=list(self.agent_adapters) or None,
         )
+        if self.warm_adapters is not None:
+            from agl.algorithms.adapters import load_adapter_checkpoint
+
+            load_adapter_checkpoint(self.policy, str(self.warm_adapters))
 
     def close(self) -> None:
         """Stop the in-process runners and gateway, flush the spans and close TensorBoard."""

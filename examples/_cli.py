@@ -66,7 +66,8 @@ def add_train_options(t: argparse.ArgumentParser, name: str, item: str) -> None:
         "--warm-start",
         default=None,
         metavar="SFT_DIR",
-        help="start RL from an `agl sft` output (its merged model; overrides --model)",
+        help="start RL from an `agl sft` output (its merged model; overrides --model); with "
+        "--adapter-per-agent, each agent's adapter from an `agl sft --adapter-per-agent` output",
     )
     t.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
     t.add_argument("--vllm-url", default=None, help="the vLLM OpenAI server (with --backend vllm)")
@@ -151,9 +152,26 @@ def checkpointing_arg(args: argparse.Namespace) -> bool | None:
 
 
 def model_arg(args: argparse.Namespace) -> str | None:
-    """``train``'s model: the warm start's merged model when given, else ``--model``."""
+    """``train``'s model: the warm start's merged model when given, else ``--model``; with
+    ``--adapter-per-agent`` the base model the warm start's adapters were trained on (its
+    ``sft_summary.json``), else ``--model``."""
+    if getattr(args, "warm_start", None) and getattr(args, "adapter_per_agent", False):
+        import json
+        from pathlib import Path
+
+        summary = Path(args.warm_start) / "sft_summary.json"
+        base = json.loads(summary.read_text()).get("base_model") if summary.is_file() else None
+        return base or args.model
     if getattr(args, "warm_start", None):
         from agl.algorithms.sft import warm_start_model
 
         return str(warm_start_model(args.warm_start))
     return args.model
+
+
+def warm_adapters_arg(args: argparse.Namespace) -> str | None:
+    """``train --adapter-per-agent --warm-start SFT_DIR``: each agent's adapter starts from the
+    ``agl sft --adapter-per-agent`` run's (``Trainer(warm_adapters=...)``); None otherwise."""
+    if getattr(args, "warm_start", None) and getattr(args, "adapter_per_agent", False):
+        return str(args.warm_start)
+    return None

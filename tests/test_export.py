@@ -72,6 +72,7 @@ def run_rollout(store, rollout_id: str, calls: list[tuple[str, str, list[int]]],
                 sc.AGL_LLM_PROMPT_TOKEN_IDS: [1, 2, 3],
                 sc.AGL_LLM_RESPONSE_TOKEN_IDS: response_ids,
                 sc.AGL_LLM_RESPONSE_LOGPROBS: [-0.5] * len(response_ids),
+                **({sc.AGL_LLM_ADAPTER: kw["served"][agent]} if agent in kw.get("served", {}) else {}),
             },
         )
         if kw.get("tool_error") == agent:

@@ -38,6 +38,7 @@ __all__ = [
     "BASE_ADAPTER",
     "adapter_name",
     "adapter_names",
+    "adapter_pattern",
     "agent_peft_model",
     "load_adapter_checkpoint",
     "step_per_adapter",
@@ -99,6 +100,18 @@ def adapter_names(agents: Any) -> dict[str, str]:
     if not out:
         raise UsageError("adapter_per_agent=True needs at least one agent name in agents=")
     return out
+
+
+def adapter_pattern(name: str) -> re.Pattern[str]:
+    """The agent names whose adapter is ``name`` (:func:`adapter_name`), as a regular expression: an
+    agent selection for ``agl export --adapter`` and the dashboard (a ``_`` stands for itself or any
+    character an adapter name cannot hold). Raises UsageError for a name no adapter can have."""
+    if not isinstance(name, str) or not name or adapter_name(name) != name:
+        raise UsageError(
+            f"{name!r} is not an adapter name: adapters are named after their agent with every character "
+            "other than letters, digits, '_' and '-' replaced by '_'"
+        )
+    return re.compile("".join("[^A-Za-z0-9-]" if c == "_" else re.escape(c) for c in name))
 
 
 def agent_peft_model(model: Any, lora_config: Any, names: Sequence[str]) -> Any:
@@ -171,7 +184,8 @@ def _totals(per: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 def load_adapter_checkpoint(policy: PolicyUpdate, path: str) -> None:
-    """Load every adapter's weights from its folder of a checkpoint (``<path>/<adapter>/``)."""
+    """Load every adapter's weights from its folder of a checkpoint (``<path>/<adapter>/``); an adapter
+    whose LoRA layers are not the run's (other target modules) is a UsageError."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -180,4 +194,14 @@ def load_adapter_checkpoint(policy: PolicyUpdate, path: str) -> None:
         if not os.path.isfile(weights):
             raise FileNotFoundError(f"{path} holds no adapter {name!r} ({weights} is missing)")
         state = load_file(weights, device=str(policy.device))
-        set_peft_model_state_dict(policy.model, state, adapter_name=name)
+        result = set_peft_model_state_dict(policy.model, state, adapter_name=name)
+        # peft loads leniently: an adapter of other target modules would leave layers at their start
+        extra = [k for k in result.unexpected_keys if "lora_" in k]
+        lacking = [k for k in result.missing_keys if "lora_" in k and f".{name}." in k]
+        if extra or lacking:
+            raise UsageError(
+                f"adapter {name!r} in {path} has other target modules than the run's LoRA config: "
+                + (f"{len(extra)} tensor(s) the run has no layer for (e.g. {extra[0]})" if extra else "")
+                + ("; " if extra and lacking else "")
+                + (f"{len(lacking)} of the run's tensor(s) missing (e.g. {lacking[0]})" if lacking else "")
+            )

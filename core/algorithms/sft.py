@@ -30,6 +30,14 @@ In addition the LoRA deltas are merged into a plain model saved with its tokeniz
 run_dir/model``) and what RL continues from (``Trainer(model=warm_start_model(run_dir))``, the
 examples' ``train --warm-start run_dir``), with a fresh LoRA on top.
 
+An adapter per agent (``adapter_per_agent=True`` with ``agents=["writer", "rewriter"]``, ``agl sft
+--adapter-per-agent``): each agent's demonstrations train a LoRA adapter of its own on the unchanged
+base model (one TRL run per agent, each its own optimizer), saved as a peft adapter folder
+``run_dir/adapters/<adapter>/``; nothing is merged (one base model serves every adapter). RL continues
+from them with ``Trainer(agents=..., adapter_per_agent=True, warm_adapters=run_dir)`` (the examples'
+``train --adapter-per-agent --warm-start run_dir``), and ``agl gateway serve --adapter
+writer=run_dir/adapters/writer`` serves them.
+
 torch, transformers, TRL and peft are imported only when training starts.
 """
 
@@ -49,7 +57,7 @@ from typing import Any
 from agl.errors import UsageError
 from agl.types import Transition
 
-__all__ = ["SFT", "select_transitions", "warm_start_model"]
+__all__ = ["SFT", "select_transitions", "warm_adapters_dir", "warm_start_model"]
 
 log = logging.getLogger("agl.sft")
 
@@ -94,6 +102,10 @@ class SFT:
         default=True,
         metadata=_help("one sequence per agent conversation (False: one per LLM call)"),
     )
+    adapter_per_agent: bool = field(
+        default=False,
+        metadata=_help("train one LoRA adapter per agent named in agents (run_dir/adapters/<name>)"),
+    )
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "lora_r", "lora_alpha", "eval_examples"):
@@ -106,6 +118,8 @@ class SFT:
                 raise UsageError(f"SFT.{name} must be a finite number, got {value!r}")
             if value < 0 or (lo_open and value == 0):
                 raise UsageError(f"SFT.{name} must be {'> 0' if lo_open else '>= 0'}, got {value!r}")
+        if self.adapter_per_agent and not self.lora:
+            raise UsageError("SFT.adapter_per_agent trains a LoRA adapter per agent: it needs lora=True")
         if self.warmup_ratio >= 1:
             raise UsageError(f"SFT.warmup_ratio must be < 1, got {self.warmup_ratio!r}")
         if self.min_reward is not None and (
@@ -118,7 +132,7 @@ class SFT:
             isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 2
         ):
             raise UsageError(f"SFT.max_length must be an integer >= 2 or None, got {self.max_length!r}")
-        for name in ("best_of_group", "lora", "merge_turns"):
+        for name in ("best_of_group", "lora", "merge_turns", "adapter_per_agent"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"SFT.{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -179,13 +193,15 @@ class SFT:
             transitions = self.read(data, agents=agents, mode=mode, progress=progress)
         else:
             transitions = list(data)
-            if agents is not None:
+            if agents is not None and not self.adapter_per_agent:  # per agent: each adapter takes its own
                 from agl.adapter import _agent_matcher
 
                 match = _agent_matcher(agents)
                 transitions = [t for t in transitions if match(t.agent)]
         chosen = self.select(transitions)
         rows = [t for t in chosen if t.response_ids]
+        if self.adapter_per_agent:
+            return _train_per_agent(self, rows, model, tokenizer, Path(run_dir), seed, agents, progress)
         if not rows:
             raise UsageError(
                 f"no demonstrations to train on: {len(transitions)} transitions read, none left after "
@@ -361,7 +377,10 @@ def _train(
     seed: int,
     merge: bool,
     progress: bool,
+    adapter_dir: Path | None = None,
 ) -> dict[str, Any]:
+    """One TRL run on ``rows``; the merged model under ``run_dir/model`` when ``merge``, the LoRA
+    adapter as a peft folder in ``adapter_dir`` when given."""
     import torch
     from trl import SFTTrainer
 
@@ -415,10 +434,70 @@ def _train(
         {"step": int(trainer.state.global_step), "sft_loss_before": before, "sft_loss_after": after}
     )
     metrics.close()
+    if adapter_dir is not None:
+        trainer.model.save_pretrained(str(adapter_dir))
+        summary["adapter_dir"] = str(adapter_dir)
     if merge:
         summary["model_dir"] = str(_save_merged(trainer.model, tok, source, run_dir / "model"))
     (run_dir / "sft_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _train_per_agent(
+    cfg: SFT,
+    rows: Sequence[Transition],
+    model: Any,
+    tokenizer: Any,
+    run_dir: Path,
+    seed: int,
+    agents: Any,
+    progress: bool,
+) -> dict[str, Any]:
+    """An adapter per agent (see the module docstring): each agent's rows train its adapter from the
+    same base model; returns ``{"adapters": {name: that run's summary}, "adapters_dir", ...}``."""
+    import copy
+
+    from agl.algorithms.adapters import adapter_names
+
+    names = adapter_names(agents)
+    seen = sorted({t.agent or "" for t in rows})
+    missing = [a for a in names if not any(t.agent == a for t in rows)]
+    if missing:
+        raise UsageError(
+            f"no demonstrations of agent(s) {', '.join(map(repr, missing))} to train an adapter on; "
+            f"the selected demonstrations are of {', '.join(map(repr, seen)) or 'no agent'}"
+        )
+    per: dict[str, Any] = {}
+    for agent, name in names.items():
+        base = model if model is None or isinstance(model, (str, os.PathLike)) else copy.deepcopy(model)
+        mine = [t for t in rows if t.agent == agent]
+        sub, adapter_dir = run_dir / "agents" / name, run_dir / "adapters" / name
+        per[name] = _train(cfg, mine, base, tokenizer, sub, seed, False, progress, adapter_dir=adapter_dir)
+    first = next(iter(per.values()))
+    summary = {
+        "run_dir": str(run_dir),
+        "adapters_dir": str(run_dir / "adapters"),
+        "agents": names,
+        "examples": sum(p["examples"] for p in per.values()),
+        "base_model": first["base_model"],
+        "adapters": per,
+        "config": cfg.to_dict(),
+    }
+    (run_dir / "sft_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def warm_adapters_dir(path: str | os.PathLike[str]) -> Path:
+    """The folder of per-agent adapters of an ``agl sft --adapter-per-agent`` run (``run_dir/adapters``)
+    or ``path`` itself when it holds adapter folders; a clear error otherwise."""
+    p = Path(path)
+    for candidate in (p / "adapters", p):
+        if candidate.is_dir() and any((d / "adapter_config.json").is_file() for d in candidate.iterdir()):
+            return candidate
+    raise FileNotFoundError(
+        f"{p} holds no per-agent adapters (no adapters/<name>/adapter_config.json); run "
+        "`agl sft ... --adapter-per-agent --out DIR` first"
+    )
 
 
 def _save_merged(model: Any, tok: Any, source: str | None, target: Path) -> Path:

@@ -36,6 +36,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     sel = p.add_mutually_exclusive_group()
     sel.add_argument("--agents", help="comma-separated agent names to keep (default: all)")
     sel.add_argument("--agents-regex", help="keep agents whose name fully matches this regular expression")
+    sel.add_argument(
+        "--adapter",
+        metavar="NAME",
+        help="an adapter per agent: keep the calls of the agent(s) whose adapter is NAME (what it trains on)",
+    )
     p.add_argument(
         "--tokenizer", help="re-tokenise/decode with this tokenizer: 'default' or a local HF directory"
     )
@@ -81,6 +86,10 @@ def _adapter_from_args(args: argparse.Namespace) -> Adapter:
         agents = [a.strip() for a in args.agents.split(",") if a.strip()]
     elif args.agents_regex is not None:
         agents = args.agents_regex
+    elif args.adapter is not None:
+        from agl.algorithms.adapters import adapter_pattern
+
+        agents = adapter_pattern(args.adapter)
     tokenizer = tokenizer_from_arg(args.tokenizer) if args.tokenizer else None
     try:  # the flags' values are checked here: a refusal is the user's mistake, one line
         algorithm = LightningRL(credit=args.credit, gamma=args.gamma, advantage_level=args.advantage_level)

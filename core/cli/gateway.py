@@ -81,17 +81,7 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         help="store each call's span before its reply is sent (default; a runner may finish its attempt "
         "right after) or just after it, batched (lower latency; readers must POST /agl/v1/flush first)",
     )
-    p.add_argument(
-        "--adapter",
-        action="append",
-        default=[],
-        metavar="NAME=DIR",
-        help="transformers: serve the peft LoRA adapter in DIR as NAME (an agent's adapter: a checkpoint's "
-        "NAME/ folder); repeat for each agent. Clients reach it by model '<model>:NAME' or the baggage "
-        "agl.agent=NAME",
-    )
-    p.add_argument("--max-batch-size", type=int, default=8, help="transformers: requests generated together")
-    p.add_argument("--threads", type=int, help="transformers: torch CPU threads (default: torch's choice)")
+    _add_engine_options(p)
     HttpLimits.add_arguments(p)
     p.add_argument(
         "--log-level",
@@ -101,6 +91,27 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     )
     p.set_defaults(func=_serve)
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The options of the engine behind the gateway: per-agent adapters and the transformers batch."""
+    p.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="transformers, vllm: serve the peft LoRA adapter in DIR as NAME (an agent's adapter: a "
+        "checkpoint's NAME/ folder; vllm loads DIR itself); repeat for each agent. Clients reach it by "
+        "model '<model>:NAME' or the baggage agl.agent=NAME",
+    )
+    p.add_argument(
+        "--batched-lora",
+        action="store_true",
+        help="transformers, with --adapter: rows of different adapters in one batch through a batched LoRA "
+        "product (each row's A and B gathered) instead of peft's loop over adapters",
+    )
+    p.add_argument("--max-batch-size", type=int, default=8, help="transformers: requests generated together")
+    p.add_argument("--threads", type=int, help="transformers: torch CPU threads (default: torch's choice)")
 
 
 def build_backend(args: Any) -> Any:
@@ -116,6 +127,7 @@ def build_backend(args: Any) -> Any:
             max_batch_size=args.max_batch_size,
             threads=getattr(args, "threads", None),
             adapters=_adapter_args(getattr(args, "adapter", None) or []) or None,
+            batched_lora=bool(getattr(args, "batched_lora", False)),
         )
     if args.backend == "scripted":
         return from_spec(
@@ -127,7 +139,10 @@ def build_backend(args: Any) -> Any:
     if not args.upstream:
         raise UsageError(f"--backend {args.backend} needs --upstream URL")
     if args.backend == "vllm":
-        return from_spec("vllm", url=args.upstream, model=args.model, api_key=args.upstream_api_key)
+        adapters = _adapter_args(getattr(args, "adapter", None) or []) or None
+        return from_spec(
+            "vllm", url=args.upstream, model=args.model, api_key=args.upstream_api_key, adapters=adapters
+        )
     return from_spec(
         "openai", url=args.upstream, api_key=args.upstream_api_key, models=[args.model] if args.model else ()
     )

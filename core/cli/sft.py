@@ -26,6 +26,7 @@ _SFT_FLAGS = {
     "lora": "full",
     "max_length": "max_length",
     "merge_turns": "per_call",
+    "adapter_per_agent": "adapter_per_agent",
 }
 
 
@@ -57,7 +58,7 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(
         parser,
         SFT,
-        only=["merge_turns"],
+        only=["merge_turns", "adapter_per_agent"],
         overrides={
             "merge_turns": {
                 "flags": ["--per-call"],
@@ -89,12 +90,14 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
     store = agl.store.open(args.store)
     try:
-        transitions = cfg.read(store, agents=agents, mode=args.mode, progress=sys.stderr.isatty())
+        selection = None if cfg.adapter_per_agent else agents  # per agent: fit names what is missing
+        transitions = cfg.read(store, agents=selection, mode=args.mode, progress=sys.stderr.isatty())
     finally:
         store.close()
     summary = cfg.fit(
         transitions,
         args.model,
+        agents=agents if cfg.adapter_per_agent else None,  # read by agents already; per agent: named
         run_dir=args.out,
         seed=args.seed,
         merge=not args.no_merge,

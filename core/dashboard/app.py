@@ -307,6 +307,13 @@ class Dashboard:
             agents = [a.strip() for a in q["agents"].split(",") if a.strip()]
         elif q.get("agents_regex"):
             agents = q["agents_regex"]
+        elif q.get("adapter"):  # an adapter per agent: the calls of the agents this adapter serves
+            from agl.algorithms.adapters import adapter_pattern
+
+            try:
+                agents = adapter_pattern(q["adapter"])
+            except ValueError as exc:
+                raise _BadRequest(str(exc)) from None
         weights: dict[str, Any] = {}
         for rule in ("tool_error", "tool_success", "exception", "malformed_tool_call"):
             v = _float(q, f"air_{rule}")

@@ -587,11 +587,18 @@ class Gateway:
         )
 
     async def _swap(
-        self, request: Request, fn: Callable[[dict[str, Any]], Awaitable[int]], what: str
+        self,
+        request: Request,
+        fn: Callable[[dict[str, Any]], Awaitable[int]],
+        what: str,
+        *,
+        per_agent: bool = False,
     ) -> Response:
+        """A weight swap; ``per_agent``: the body may name ``adapters`` instead of one ``path``."""
         try:
             body = await self._body(request)
-            if not isinstance(body, dict) or not isinstance(body.get("path"), str):
+            many = per_agent and isinstance(body, dict) and "adapters" in body
+            if not isinstance(body, dict) or not (many or isinstance(body.get("path"), str)):
                 raise ApiError(400, f"{what}: the body needs a 'path' string", param="path")
             version = body.get("version")
             if version is not None and (
@@ -616,9 +623,26 @@ class Gateway:
     async def load_adapter(self, request: Request) -> Response:
         return await self._swap(
             request,
-            lambda b: self.backend.load_adapter(b["path"], name=b.get("name"), version=b.get("version")),
+            lambda b: self._load_adapter(b),
             "load adapter",
+            per_agent=True,
         )
+
+    async def _load_adapter(self, body: dict[str, Any]) -> int:
+        """``{"path", "name", "version"}``: one adapter; ``{"adapters": {name: path}, "version"}``: an
+        adapter per agent, swapped together as one version."""
+        adapters = body.get("adapters")
+        if adapters is None:
+            return await self.backend.load_adapter(
+                body["path"], name=body.get("name"), version=body.get("version")
+            )
+        if (
+            not isinstance(adapters, dict)
+            or not adapters
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in adapters.items())
+        ):
+            raise ApiError(400, "adapters must be a non-empty object {adapter name: path}", param="adapters")
+        return await self.backend.load_agent_adapters(adapters, version=body.get("version"))
 
     async def flush_spans(self, request: Request) -> Response:
         """``POST /agl/v1/flush``: answers once the spans of every call answered so far are stored."""

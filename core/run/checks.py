@@ -2,6 +2,10 @@
 
 - a step whose agent selection matched none of its LLM calls is refused (the update would train on
   nothing), and calls outside any agent span are warned about once;
+- after the first step with LLM calls, an agent selected by name that made none of them is refused when
+  named agents that are not selected did (most likely a typo: the error names the agents seen), and
+  warned about once otherwise (an agent called only on some tasks, like a rewriter that runs when a
+  query fails);
 - an update whose first PPO ratio is far from 1 (the recorded behaviour policy is not the policy the
   update scores) is warned about once.
 """
@@ -9,9 +13,11 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from agl.config import RunConfig
+from agl.errors import UsageError
 
 __all__ = ["StepChecks"]
 
@@ -24,6 +30,7 @@ class StepChecks:
     def __init__(self) -> None:
         self.warned_unattributed = False
         self.warned_off_policy = False
+        self.checked_names = False
 
     def adapted(self, step: int, stats: Any, agents: Any) -> None:
         """Refuse a step whose agent selection matched none of its LLM calls (the update would
@@ -46,6 +53,35 @@ class StepChecks:
                 "Check the names given as agents= (they match invoke_agent span names) and that the "
                 "agent framework is instrumented (agl.instrument()) before the agent is built"
             )
+        if stats.llm_calls and not self.checked_names:
+            self.checked_names = True
+            self._named_agents_seen(step, stats, agents)
+
+    def _named_agents_seen(self, step: int, stats: Any, agents: Any) -> None:
+        """The first step with LLM calls: every agent selected by name made some, or a clear error (see
+        the module docstring). A regular expression selects no particular name: nothing to check."""
+        if agents is None or isinstance(agents, (str, re.Pattern)):
+            return
+        made = {name for name, n in stats.agents.items() if n}
+        missing = [a for a in agents if a not in made]
+        if not missing:
+            return
+        seen = ", ".join(f"{name or '<no agent span>'} ({n})" for name, n in sorted(stats.agents.items()))
+        others = sorted(name for name in made if name and name not in set(agents))
+        if others:  # calls of named agents that are not selected: most likely a misspelt selection
+            raise UsageError(
+                f"step {step}: the selected agent(s) {', '.join(map(repr, missing))} made none of the "
+                f"{stats.llm_calls} LLM calls, while agents that are not selected ({', '.join(others)}) "
+                f"made some. Agents seen: {seen}. Check the names given as agents= (they match "
+                "invoke_agent span names)"
+            )
+        log.warning(
+            "agl trainer: step %d: the selected agent(s) %s made no LLM call (agents seen: %s); fine for an "
+            "agent called only on some tasks, else check the names given as agents=",
+            step,
+            ", ".join(map(repr, missing)),
+            seen,
+        )
 
     #: a first-micro-batch ratio further than this from 1 means the recorded behaviour policy is not
     #: the policy the update scores (bf16 on a GPU stays well under it)

@@ -168,7 +168,8 @@ class Environment:
         if s.backend == "scripted":
             return from_spec("scripted", script=s.script, accept_any_model=True, on_exhausted="repeat")
         if s.backend == "vllm":
-            return from_spec("vllm", url=s.vllm_url, model=s.model_name)
+            adapters = list(getattr(policy, "adapters", {}).values()) or None  # an adapter per agent
+            return from_spec("vllm", url=s.vllm_url, model=s.model_name, adapters=adapters)
         options = dict(engine or {}, model_name=self.served_name(source))
         if policy is not None:
             # the engine serves the policy itself: frozen base weights shared, LoRA tensors pushed
@@ -237,19 +238,25 @@ class Environment:
 
     def _push_remote(self, policy: Any, version: int, staging: Path) -> None:
         """An external gateway (``agl gateway serve``): save the adapter (or, under full fine-tuning,
-        the weights) where it can read them and tell it through its ``/agl/v1`` API."""
+        the weights) where it can read them and tell it through its ``/agl/v1`` API. With an adapter per
+        agent, every adapter's folder goes in one request, so the gateway swaps them as one version."""
         import httpx
 
         target = staging / f"v{version}"
+        body: dict[str, Any]
         if policy.is_lora:
-            path, route = policy.save_adapter(target), "/agl/v1/adapters"
+            path, route = Path(policy.save_adapter(target)).resolve(), "/agl/v1/adapters"
+            body = {"path": str(path)}
+            if getattr(policy, "adapters", None):  # an adapter per agent: each in its folder, one version
+                body = {"adapters": {n: str(path / n) for n in policy.adapters.values()}}
         else:
             path, route = policy.save_weights(target), "/agl/v1/weights"
+            body = {"path": str(Path(path).resolve())}
         key = self.serving.gateway_api_key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         resp = httpx.post(
             root_url(self.url or "") + route,
-            json={"path": str(Path(path).resolve()), "version": version},
+            json={**body, "version": version},
             headers=headers,
             timeout=600,
         )

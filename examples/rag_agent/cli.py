@@ -18,6 +18,7 @@ from examples._cli import (
     checkpointing_arg,
     model_arg,
     oracle_backend,
+    warm_adapters_arg,
 )
 
 __all__ = ["dev", "main", "parser", "train"]
@@ -199,6 +200,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         "val_before": not args.no_val_before,
         "dynamic_sampling": args.dynamic_sampling,
         "adapter_per_agent": args.adapter_per_agent,
+        "warm_adapters": warm_adapters_arg(args),
         "max_staleness": args.max_staleness,
         "seed": args.seed,
         "resume": args.resume,

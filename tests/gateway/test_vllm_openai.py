@@ -190,3 +190,158 @@ def test_openai_passthrough_is_marked_inexact(
     assert json.loads(a[sc.GEN_AI_INPUT_MESSAGES]) == messages
     assert json.loads(a[sc.GEN_AI_OUTPUT_MESSAGES])[0]["content"] == "Hello from vLLM."
     assert a[sc.GEN_AI_USAGE_OUTPUT_TOKENS] == usage.completion_tokens
+
+
+def _adapter_dir(root: Any, name: str, weights: bytes) -> str:
+    """A folder holding an adapter weights file (the fake vLLM reads only its path; the gateway
+    digests the file to skip reloading an unchanged adapter)."""
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    return str(path)
+
+
+def test_vllm_adapter_per_agent_loads_by_name_and_routes_each_call(
+    store: Any, rollout: tuple[str, int], upstream: tuple[FakeVLLM, str], tmp_path: Any
+) -> None:
+    """An adapter per agent on vLLM: until its first load an agent's calls go to the base model; a push
+    loads each adapter by name and routes each call to its agent's (model ``"<base>:<adapter>"`` or
+    baggage ``agl.agent``); an unchanged adapter is not reloaded; the old copies are unloaded; the
+    spans record the adapter and the weight version; calls of other agents stay on the base model."""
+    fake, root = upstream
+    backend = VLLMBackend(root, keep_adapters=1, adapters=["writer", "rewriter"])
+    msg = [{"role": "user", "content": "hi"}]
+    with serve_gateway(backend, store) as url:
+        client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
+        assert [m.id for m in client.models.list()] == [MODEL, f"{MODEL}:writer", f"{MODEL}:rewriter"]
+
+        def ask(model: str = MODEL, agent: str | None = None) -> None:
+            headers = {sc.HEADER_BAGGAGE: f"{sc.BAGGAGE_AGENT}={agent}"} if agent else {}
+            client.chat.completions.create(model=model, messages=msg, extra_headers=headers)
+
+        ask(agent="writer")  # v0: no adapter loaded yet, the base model serves it
+        v1 = {
+            "writer": _adapter_dir(tmp_path / "v1", "writer", b"w1"),
+            "rewriter": _adapter_dir(tmp_path / "v1", "rewriter", b"r1"),
+        }
+        r = httpx.post(url.root + "/agl/v1/adapters", json={"adapters": v1, "version": 1})
+        assert r.status_code == 200 and r.json() == {"weight_version": 1}
+        ask(agent="writer")
+        ask(model=f"{MODEL}:rewriter")
+        ask(agent="planner")  # an agent without an adapter: the base model
+        # v2: only the rewriter changed (the writer's agent had no gradient)
+        v2 = {
+            "writer": _adapter_dir(tmp_path / "v2", "writer", b"w1"),
+            "rewriter": _adapter_dir(tmp_path / "v2", "rewriter", b"r2"),
+        }
+        r = httpx.post(url.root + "/agl/v1/adapters", json={"adapters": v2, "version": 2})
+        assert r.status_code == 200 and r.json() == {"weight_version": 2}
+        ask(agent="writer")
+        ask(agent="rewriter")
+        # one adapter by name through the single-adapter body
+        w3 = _adapter_dir(tmp_path / "v3", "writer", b"w3")
+        r = httpx.post(url.root + "/agl/v1/adapters", json={"path": w3, "name": "writer", "version": 3})
+        assert r.status_code == 200 and r.json() == {"weight_version": 3}
+        ask(agent="writer")
+        bad = httpx.post(url.root + "/agl/v1/adapters", json={"adapters": {"planner": v2["writer"]}})
+        assert bad.status_code == 400 and "no agent adapter ['planner']" in bad.json()["error"]["message"]
+    loads = [(b["lora_name"], b["lora_path"]) for k, b in fake.requests if k == "load_lora_adapter"]
+    assert loads == [
+        (f"{MODEL}-writer-v1", v1["writer"]),
+        (f"{MODEL}-rewriter-v1", v1["rewriter"]),
+        (f"{MODEL}-rewriter-v2", v2["rewriter"]),
+        (f"{MODEL}-writer-v3", w3),
+    ]
+    chats = [b["model"] for k, b in fake.requests if k == "chat"]
+    assert chats == [
+        MODEL,
+        f"{MODEL}-writer-v1",
+        f"{MODEL}-rewriter-v1",
+        MODEL,
+        f"{MODEL}-writer-v1",
+        f"{MODEL}-rewriter-v2",
+        f"{MODEL}-writer-v3",
+    ]
+    assert sorted(fake.loras) == [f"{MODEL}-rewriter-v2", f"{MODEL}-writer-v3"]  # keep_adapters=1
+    spans = sorted(server_spans(store, rollout[0]), key=lambda s: s.start_ns)
+    assert [s.attributes[sc.AGL_LLM_ADAPTER] for s in spans] == [
+        "writer",
+        "writer",
+        "rewriter",
+        "__base__",
+        "writer",
+        "rewriter",
+        "writer",
+    ]
+    assert [s.attributes[sc.AGL_LLM_WEIGHT_VERSION] for s in spans] == [0, 1, 1, 1, 2, 2, 3]
+
+
+def test_vllm_adapter_per_agent_refused_load_keeps_the_routing(
+    store: Any, upstream: tuple[FakeVLLM, str], tmp_path: Any
+) -> None:
+    """A push whose second adapter vLLM refuses changes nothing: the first one's new copy is unloaded,
+    calls keep their adapters, the weight version stays."""
+    fake, root = upstream
+    fake.loras[f"{MODEL}-rewriter-v1"] = "/taken"
+    backend = VLLMBackend(root, adapters=["writer", "rewriter"])
+    with serve_gateway(backend, store) as url:
+        paths = {a: _adapter_dir(tmp_path, a, a.encode()) for a in ("writer", "rewriter")}
+        r = httpx.post(url.root + "/agl/v1/adapters", json={"adapters": paths, "version": 1})
+        assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
+        assert httpx.get(url.root + "/agl/v1/status").json()["weight_version"] == 0
+    assert ("unload_lora_adapter", {"lora_name": f"{MODEL}-writer-v1"}) in fake.requests
+    assert backend.agent_adapters == {"writer": None, "rewriter": None}
+
+
+def test_vllm_serves_adapters_given_up_front(
+    store: Any, upstream: tuple[FakeVLLM, str], tmp_path: Any
+) -> None:
+    """``agl gateway serve --backend vllm --adapter writer=DIR``: vLLM loads each folder by name when the
+    gateway starts; the writer's calls go to it, the others to the base model; a bad name is refused."""
+    from agl.cli.gateway import build_backend, register_cli
+
+    fake, root = upstream
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    register_cli(parser)
+    folder = _adapter_dir(tmp_path, "writer", b"w")
+    args = parser.parse_args(
+        ["serve", "--backend", "vllm", "--upstream", root + "/v1", f"--adapter=writer={folder}"]
+    )
+    backend = build_backend(args)
+    msg = [{"role": "user", "content": "hi"}]
+    with serve_gateway(backend, store) as url:
+        client = openai.OpenAI(base_url=url.root + "/v1", api_key="x")
+        client.chat.completions.create(model=f"{MODEL}:writer", messages=msg)
+        client.chat.completions.create(model=MODEL, messages=msg)
+    assert ("load_lora_adapter", {"lora_name": f"{MODEL}-writer-v0", "lora_path": folder}) in fake.requests
+    assert [b["model"] for k, b in fake.requests if k == "chat"] == [f"{MODEL}-writer-v0", MODEL]
+    with pytest.raises(ValueError, match="not one an agent's adapter has"):
+        VLLMBackend(root, adapters={"a.b": folder})
+
+
+def test_vllm_adapter_per_agent_streams_from_the_agents_adapter(
+    store: Any, rollout: tuple[str, int], upstream: tuple[FakeVLLM, str], tmp_path: Any
+) -> None:
+    fake, root = upstream
+    backend = VLLMBackend(root, adapters=["writer", "rewriter"])
+    with serve_gateway(backend, store) as url:
+        paths = {a: _adapter_dir(tmp_path, a, a.encode()) for a in ("writer", "rewriter")}
+        assert (
+            httpx.post(url.root + "/agl/v1/adapters", json={"adapters": paths, "version": 4}).status_code
+            == 200
+        )
+        client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x")
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            extra_headers={sc.HEADER_BAGGAGE: f"{sc.BAGGAGE_AGENT}=rewriter"},
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "Hello from vLLM."
+    assert [b["model"] for k, b in fake.requests if k == "chat"] == [f"{MODEL}-rewriter-v4"]
+    (span,) = server_spans(store, rollout[0])
+    assert (
+        span.attributes[sc.AGL_LLM_ADAPTER] == "rewriter" and span.attributes[sc.AGL_LLM_WEIGHT_VERSION] == 4
+    )

@@ -146,12 +146,15 @@ class Batch:
     """The running batch: rows, their left-padded KV cache and attention mask, and their next input
     token (drawn, not yet fed to the model)."""
 
-    def __init__(self, model: Any, pad_id: int, *, per_row_adapters: bool = False) -> None:
+    def __init__(self, model: Any, pad_id: int, *, per_row_adapters: bool = False, lora: Any = None) -> None:
         self.model = model
         self.pad_id = pad_id
         #: a peft model with named adapters: every forward names each row's adapter (peft's per-row
         #: ``adapter_names``), so rows of one batch decode with different adapters
         self.per_row_adapters = per_row_adapters
+        #: a :class:`~agl.gateway.backends._batched_lora.BatchedLora`: rows' adapters in two batched
+        #: matmuls per LoRA layer instead of peft's per-adapter loop (None: peft's ``adapter_names``)
+        self.lora = lora
         self.rows: list[Row] = []
         self.cache: Any = None
         self.mask: Any = None  # (rows, cached length) long
@@ -174,10 +177,17 @@ class Batch:
             # a policy trained with gradient checkpointing has use_cache=False in its config
             "use_cache": True,
         }
+        if self.lora is not None:
+            with self.lora.rows([r.adapter for r in rows]):
+                return self._call(kwargs)
         if self.per_row_adapters:
             from agl.semconv import BASE_ADAPTER
 
             kwargs["adapter_names"] = [r.adapter or BASE_ADAPTER for r in rows]
+        return self._call(kwargs)
+
+    def _call(self, kwargs: dict[str, Any]) -> Any:
+        """The model's last-position logits for ``kwargs``."""
         if self._logits_to_keep:
             try:
                 return self.model(**kwargs, logits_to_keep=1).logits[:, -1, :]

@@ -241,6 +241,10 @@ class Backend(abc.ABC):
             raise BackendError(f"the {self.name} backend loads weights from files: give staging_dir")
         target = os.path.join(os.fspath(staging_dir), f"v{version if version is not None else 'next'}")
         overrides = type(self).load_adapter is not Backend.load_adapter
+        if policy.is_lora and getattr(policy, "adapters", None):  # an adapter per agent
+            path = os.path.abspath(policy.save_adapter(target))
+            names = list(policy.adapters.values())
+            return await self.load_agent_adapters({n: os.path.join(path, n) for n in names}, version=version)
         if policy.is_lora and overrides:
             path = os.path.abspath(policy.save_adapter(target))
             return await self.load_adapter(path, version=version)
@@ -261,6 +265,7 @@ class Backend(abc.ABC):
             cls.push is not Backend.push
             or cls.load_adapter is not Backend.load_adapter
             or cls.load_weights is not Backend.load_weights
+            or cls.load_agent_adapters is not Backend.load_agent_adapters
         )
 
     async def load_weights(self, source: Any, *, version: int | None = None) -> int:
@@ -270,6 +275,11 @@ class Backend(abc.ABC):
     async def load_adapter(self, path: str, *, name: str | None = None, version: int | None = None) -> int:
         """Swap in a LoRA adapter; returns the new weight version."""
         raise BackendError(f"the {self.name} backend cannot load adapters")
+
+    async def load_agent_adapters(self, paths: dict[str, str], *, version: int | None = None) -> int:
+        """Swap in new weights of named agent adapters (``{adapter: peft adapter folder}``), all at
+        once as one weight version; returns it."""
+        raise BackendError(f"the {self.name} backend cannot serve an adapter per agent")
 
     def _bump_version(self, version: int | None) -> int:
         self.weight_version = self.weight_version + 1 if version is None else int(version)

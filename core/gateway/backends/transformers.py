@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agl.gateway.backends._adapters import check_adapter_dirs, with_adapters
+from agl.gateway.backends._adapters import AgentAdapters, check_adapter_dirs, with_adapters
 from agl.gateway.backends._batching import Batch, Row
 from agl.gateway.backends._stream_text import StreamText, tail_delta, token_logprobs
 from agl.gateway.backends._swaps import LiveSwaps
@@ -108,7 +108,7 @@ def _forced_prefix(request: GenerationRequest) -> str:
         raise UpstreamError(400, str(exc), {"error": {"message": str(exc), "param": "tool_choice"}}) from None
 
 
-class TransformersBackend(Backend):
+class TransformersBackend(AgentAdapters, Backend):
     """Serve a Hugging Face causal LM.
 
     ``model``: None (the default SmolLM2-135M-Instruct, prepared on first use), a local path or a hub
@@ -140,8 +140,10 @@ class TransformersBackend(Backend):
         default_top_p: float = 1.0,
         batch_window_s: float = 0.005,
         adapters: dict[str, str] | None = None,
+        batched_lora: bool = False,
     ) -> None:
         super().__init__()
+        self.batched_lora, self._lora_stack = batched_lora, None  # mixed batches: see _batched_lora
         #: named LoRA adapter folders to serve beside the base model (``agl gateway serve --adapter``)
         self._adapter_paths = check_adapter_dirs(adapters) if adapters else {}
         self.batch_window_s = batch_window_s
@@ -480,7 +482,7 @@ class TransformersBackend(Backend):
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         batch = Batch(self.model, self._pad_id, per_row_adapters=bool(self.agent_adapters))
-        batch.version = self.weight_version
+        batch.version, batch.lora = self.weight_version, self._stacked_adapters()
         with torch.inference_mode():
             while True:
                 admitting: list[Row] = []
@@ -489,7 +491,7 @@ class TransformersBackend(Backend):
                     if self._live_swaps:  # between two decode steps: the rows go on with the new weights
                         with torch.inference_mode(False):
                             self._live_swaps.run()
-                        batch.version = self.weight_version
+                        batch.version, batch.lora = self.weight_version, self._stacked_adapters()
                     ended = batch.cancel_ended()
                     room = self.max_batch_size - len(batch)
                     if room > 0 and not self._swaps_waiting and batch.joinable():
@@ -711,7 +713,9 @@ class TransformersBackend(Backend):
         return await self._swap(swap, in_place=self.model is not None)
 
     async def load_adapter(self, path: str, *, name: str | None = None, version: int | None = None) -> int:
-        """A LoRA adapter (peft) on top of the base weights; replaces the previous adapter."""
+        """A LoRA adapter (peft) replacing the previous one (an agent adapter's ``name``: its new weights)."""
+        if name is not None and name in self.agent_adapters:
+            return await self.load_agent_adapters({name: path}, version=version)
 
         def swap() -> int:
             if not Path(path).exists():

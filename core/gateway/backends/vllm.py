@@ -15,16 +15,31 @@ Weight swap: new weights arrive as LoRA adapters loaded at run time through vLLM
 by default the upstream's first model) are sent to the newest adapter, so agents keep their model
 name while the weights change; the adapter two versions back is unloaded. Requests that name another
 upstream model explicitly go to it unchanged.
+
+An adapter per agent (``adapters=["writer", "rewriter"]``, :mod:`agl.algorithms.adapters`): each agent's
+adapter is loaded by name at run time as ``<policy>-<adapter>-v<version>`` (vLLM refuses a name twice),
+and each call goes to the adapter :meth:`Backend.route` picked for it (``model="<base>:writer"`` or the
+caller's baggage ``agl.agent``). Until an adapter's first load its calls go to the base model, which is
+what a fresh LoRA adapter computes (B = 0). A push (:meth:`load_agent_adapters`) loads every adapter
+whose weights changed, then switches the routing of all of them at once, so one weight version names
+one set of adapters. An unchanged adapter keeps serving its loaded copy only when the push just before
+loaded it (else it is loaded again from this push's folder): vLLM may re-read an evicted adapter from
+its path, and the trainer keeps only the last few pushes' folders. Calls of agents without an adapter
+go to the base model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
+from agl.errors import UsageError
 from agl.gateway.backends._http import HttpUpstreamBackend
 from agl.gateway.backends.base import BackendError, GenerationRequest, GenerationResult, UnknownModelError
+from agl.semconv import BASE_ADAPTER
 
 __all__ = ["VLLMBackend"]
 
@@ -45,6 +60,7 @@ class VLLMBackend(HttpUpstreamBackend):
         api_key: str | None = None,
         timeout_s: float = 600.0,
         keep_adapters: int = 2,
+        adapters: Sequence[str] | dict[str, str] | None = None,
     ) -> None:
         super().__init__(base_url, api_key=api_key, timeout_s=timeout_s)
         self.policy_name = model
@@ -53,6 +69,18 @@ class VLLMBackend(HttpUpstreamBackend):
         self.current_upstream: str | None = model
         self.keep_adapters = max(1, keep_adapters)
         self._start_error: str | None = "not started"
+        #: an adapter per agent: ``{adapter: upstream LoRA name serving it}`` (None: the base model, until
+        #: its first load); the loaded names of each, oldest first; the digest of each one's last file
+        self.agent_adapters: dict[str, str | None] = {name: None for name in adapters or ()}
+        self._agent_loras: dict[str, list[str]] = {name: [] for name in self.agent_adapters}
+        self._agent_digest: dict[str, tuple[str, int]] = {}
+        #: ``{adapter: folder}`` given up front (``agl gateway serve --adapter``): loaded once vLLM answers
+        self._initial = dict(adapters) if isinstance(adapters, dict) else {}
+        from agl.algorithms.adapters import adapter_name
+
+        for name in self.agent_adapters:
+            if adapter_name(name) != name or name in (BASE_ADAPTER, "default"):
+                raise UsageError(f"adapter name {name!r} is not one an agent's adapter has")
 
     async def start(self) -> None:
         """List the upstream's models; an upstream that is not up yet is retried on the first request."""
@@ -75,6 +103,9 @@ class VLLMBackend(HttpUpstreamBackend):
             self.policy_name = self.upstream_models[0]
         if self.current_upstream is None:
             self.current_upstream = self.policy_name
+        if self._initial and self._start_error is None:
+            await self.load_agent_adapters(self._initial, version=self.weight_version)
+            self._initial = {}
 
     async def _ensure_started(self) -> None:
         if not self.upstream_models:
@@ -83,8 +114,13 @@ class VLLMBackend(HttpUpstreamBackend):
                 raise BackendError(f"vLLM at {self.base_url}: {self._start_error}")
 
     def models(self) -> list[str]:
+        """The policy's name and the upstream's models, then ``"<policy>:<adapter>"`` for each agent's."""
         names = [self.policy_name] if self.policy_name else []
-        return names + [m for m in self.upstream_models if m not in names]
+        names += [m for m in self.upstream_models if m not in names]
+        return names + [f"{self.policy_name}:{a}" for a in self.agent_adapters if self.policy_name]
+
+    def agent_adapter_names(self) -> list[str]:
+        return list(self.agent_adapters)
 
     def check_model(self, model: str) -> None:
         if not self.upstream_models:  # not listed yet: the call retries and says what the upstream answered
@@ -92,8 +128,20 @@ class VLLMBackend(HttpUpstreamBackend):
         if model not in self.models():
             raise UnknownModelError(model, self.models())
 
-    def _route(self, model: str) -> str:
+    def _route(self, request: GenerationRequest) -> str:
+        """The upstream model that serves ``request``: its agent's adapter (the base model until that
+        is loaded), the base for another call under per-agent adapters, else the newest policy adapter."""
+        model = request.model
+        if self.agent_adapters:
+            if request.adapter is not None:
+                return self.agent_adapters.get(request.adapter) or self.policy_name or model
+            base, sep, _ = model.rpartition(":")
+            return (self.policy_name or model) if sep and base == self.policy_name else model
         return (self.current_upstream or model) if model == self.policy_name else model
+
+    def _served_by(self, request: GenerationRequest) -> str | None:
+        """The adapter recorded on the call's span (``agl.llm.adapter``): None without agent adapters."""
+        return (request.adapter or BASE_ADAPTER) if self.agent_adapters else None
 
     def chat_body(self, request: GenerationRequest, model: str) -> dict[str, Any]:
         body = super().chat_body(request, model)
@@ -114,9 +162,10 @@ class VLLMBackend(HttpUpstreamBackend):
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         await self._ensure_started()
         version = self.weight_version
-        upstream = self._route(request.model)
+        upstream = self._route(request)
         result = await self.forward(request, upstream)
         result.weight_version = version
+        result.adapter = self._served_by(request)
         if not result.exact:
             log.warning("agl gateway: vLLM at %s returned no token ids (needs vLLM >= 0.10.2)", self.base_url)
         return result
@@ -125,18 +174,72 @@ class VLLMBackend(HttpUpstreamBackend):
         """Chat streamed from vLLM, token ids and logprobs collected from its chunks."""
         await self._ensure_started()
         version = self.weight_version
-        async for event in self.stream_chat(request, self._route(request.model)):
+        async for event in self.stream_chat(request, self._route(request)):
             if event["type"] == "end":
                 event["result"].weight_version = version
+                event["result"].adapter = self._served_by(request)
                 if not event["result"].exact:
                     log.warning("agl gateway: vLLM at %s streamed no token ids", self.base_url)
             yield event
 
     async def load_adapter(self, path: str, *, name: str | None = None, version: int | None = None) -> int:
-        """Load a LoRA adapter into vLLM and route the policy's requests to it."""
+        """Load a LoRA adapter into vLLM and route the policy's requests to it (``name`` an agent's
+        adapter: that adapter's new weights, :meth:`load_agent_adapters`)."""
+        if name is not None and name in self.agent_adapters:
+            return await self.load_agent_adapters({name: path}, version=version)
         await self._ensure_started()
         new_version = self.weight_version + 1 if version is None else int(version)
         lora_name = name or f"{self.policy_name}-agl-v{new_version}"
+        await self._load_lora(lora_name, path)
+        self.adapters.append(lora_name)
+        self.current_upstream = lora_name
+        if lora_name not in self.upstream_models:
+            self.upstream_models.append(lora_name)
+        self._bump_version(new_version)
+        while len(self.adapters) > self.keep_adapters:
+            await self._unload_lora(self.adapters.pop(0))
+        return self.weight_version
+
+    async def load_agent_adapters(self, paths: dict[str, str], *, version: int | None = None) -> int:
+        """Serve each agent's adapter from its folder (``{adapter: path}``) as weight ``version``: the
+        changed ones are loaded by name, then every call is routed to its adapter's new copy at once;
+        the copies ``keep_adapters`` loads back are unloaded. A refused load leaves the routing as it
+        was (the copies this push loaded are unloaded) and raises BackendError."""
+        await self._ensure_started()
+        unknown = sorted(set(paths) - set(self.agent_adapters))
+        if self.agent_adapters and unknown:
+            raise BackendError(
+                f"no agent adapter {unknown}: this gateway serves {sorted(self.agent_adapters)}"
+            )
+        new_version = self.weight_version + 1 if version is None else int(version)
+        loaded: dict[str, str] = {}
+        digests: dict[str, str] = {}
+        try:
+            for adapter, path in paths.items():
+                digest = _digest(path)
+                if digest and self._agent_digest.get(adapter) == (digest, self.weight_version):
+                    continue  # unchanged since the last push (no gradient): keep serving the loaded copy
+                lora_name = f"{self.policy_name}-{adapter}-v{new_version}"
+                await self._load_lora(lora_name, path)
+                loaded[adapter], digests[adapter] = lora_name, digest
+        except BackendError:
+            for lora_name in loaded.values():
+                await self._unload_lora(lora_name)
+            raise
+        for adapter, lora_name in loaded.items():
+            self.agent_adapters[adapter] = lora_name
+            self._agent_digest[adapter] = (digests[adapter], new_version)
+            names = self._agent_loras.setdefault(adapter, [])
+            names.append(lora_name)
+        self._bump_version(new_version)
+        for adapter in loaded:
+            names = self._agent_loras[adapter]
+            while len(names) > self.keep_adapters:
+                await self._unload_lora(names.pop(0))
+        return self.weight_version
+
+    async def _load_lora(self, lora_name: str, path: str) -> None:
+        """``POST /v1/load_lora_adapter``; BackendError with vLLM's answer when it refuses."""
         status, raw = await self.request(
             "POST", self.base_url + "/load_lora_adapter", {"lora_name": lora_name, "lora_path": path}
         )
@@ -144,23 +247,26 @@ class VLLMBackend(HttpUpstreamBackend):
             raise BackendError(
                 f"vLLM refused to load adapter {lora_name!r} from {path!r}: {raw[:500].decode(errors='replace')}"
             )
-        self.adapters.append(lora_name)
-        self.current_upstream = lora_name
-        if lora_name not in self.upstream_models:
-            self.upstream_models.append(lora_name)
-        self._bump_version(new_version)
-        while len(self.adapters) > self.keep_adapters:
-            old = self.adapters.pop(0)
-            try:
-                await self.request("POST", self.base_url + "/unload_lora_adapter", {"lora_name": old})
-                if old in self.upstream_models:
-                    self.upstream_models.remove(old)
-            except Exception as exc:  # noqa: BLE001 - an adapter left loaded is harmless
-                log.warning("agl gateway: could not unload adapter %s: %s", old, exc)
-        return self.weight_version
+
+    async def _unload_lora(self, lora_name: str) -> None:
+        """``POST /v1/unload_lora_adapter``; a failure is only logged (an adapter left loaded is harmless)."""
+        try:
+            await self.request("POST", self.base_url + "/unload_lora_adapter", {"lora_name": lora_name})
+            if lora_name in self.upstream_models:
+                self.upstream_models.remove(lora_name)
+        except Exception as exc:  # noqa: BLE001 - an adapter left loaded is harmless
+            log.warning("agl gateway: could not unload adapter %s: %s", lora_name, exc)
 
     async def load_weights(self, source: Any, *, version: int | None = None) -> int:
         raise BackendError(
             "the vllm backend takes new weights as LoRA adapters (load_adapter); for full weights restart "
             "vLLM on the new checkpoint"
         )
+
+
+def _digest(path: str) -> str:
+    """A digest of the adapter's weights file (empty when there is none: always loaded)."""
+    weights = Path(path) / "adapter_model.safetensors"
+    if not weights.is_file():
+        return ""
+    return hashlib.sha256(weights.read_bytes()).hexdigest()

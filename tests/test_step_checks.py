@@ -1,0 +1,66 @@
+"""The loop's checks of the agent selection (agl.run.checks): a selected agent that made no LLM call in
+the first step is refused by name when other agents did (a typo), and only warned about otherwise."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("peft")
+pytest.importorskip("openai")
+
+from test_trainer import (  # noqa: E402
+    Script,
+    _instrumented,  # noqa: F401 - autouse: the openai client is instrumented
+    _one_thread,  # noqa: F401 - autouse
+    tiny_model,
+    two_agent_app,
+)
+
+import agl  # noqa: E402
+from agl.errors import UsageError  # noqa: E402
+from agl.trainer import Trainer, load_tokenizer  # noqa: E402
+
+
+def _trainer(tmp_path: Path, agents: list[str]) -> Trainer:
+    return Trainer(
+        agl.LightningRL(group_size=2, lora_r=4, lora_alpha=8),
+        model=tiny_model(),
+        backend="scripted",
+        script=Script(),
+        store="memory://",
+        runners=2,
+        run_dir=tmp_path,
+        agents=agents,
+        tokenizer=load_tokenizer(),
+        tasks_per_step=1,
+        steps=1,
+        val_every=0,
+        progress=False,
+    )
+
+
+def test_a_selected_agent_without_calls_is_named_when_others_made_them(tmp_path: Path) -> None:
+    """agents=["writer", "cheker"]: the writer's calls match, the misspelt checker's do not; the first
+    step refuses the run, naming the missing agent and every agent seen with its call count."""
+    trainer = _trainer(tmp_path, ["writer", "cheker"])
+    with pytest.raises(UsageError, match=r"selected agent\(s\) 'cheker' made none of the 4 LLM calls") as err:
+        trainer.fit(two_agent_app, [{"q": "What is 6 * 7?"}])
+    assert "Agents seen: checker (2), writer (2)" in str(err.value)
+    assert trainer.history == []
+
+
+def test_a_selected_agent_without_calls_is_only_warned_about_when_all_calls_are_selected(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent called only on some tasks (no unselected agent made calls): a warning, and the step
+    trains on the others' calls."""
+    trainer = _trainer(tmp_path, ["writer", "checker", "rewriter"])
+    with caplog.at_level(logging.WARNING, logger="agl.trainer"):
+        trainer.fit(two_agent_app, [{"q": "What is 6 * 7?"}])
+    assert "the selected agent(s) 'rewriter' made no LLM call" in caplog.text
+    (record,) = trainer.history
+    assert record["transitions"] == 4
