@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agl.rewards import reward_split
+from agl.run.metrics import engine_share
 from agl.run.order import TaskOrder
 from agl.run.pipeline import PIPELINE_KEY, Group, GroupPipeline, VersionLedger, group_lag, wait_for_groups
 from agl.types import Rollout, Task, Transition
@@ -143,10 +144,8 @@ class AsyncLoop:
             record.update(val_reward=_mean(vr), val_rollouts=len(vr), val_tasks=len(val_tasks))
         record.update(t.rewarding.monitor(t.store, step, ids, val_ids, transitions, record, t.history))
         step_s = time.perf_counter() - t_step
-        busy1 = t.env.engine_busy_s()
         record.update(sync_s=sync_s, step_s=step_s)
-        if busy0 is not None and busy1 is not None:
-            record.update(engine_busy_s=busy1 - busy0, engine_idle_s=max(step_s - (busy1 - busy0), 0.0))
+        record.update(engine_share(busy0, t.env, step_s))
         return record
 
     def _take(self, step: int, version: int) -> tuple[list[Group], list[Group], float]:

@@ -347,3 +347,21 @@ def _returns(
         for p, value in zip(positions, g, strict=True):
             returns[p] = value
     return returns, by_rollout
+
+
+def agent_rewards(
+    agent_adapters: dict[str, str],
+    ids: Sequence[str],
+    transitions: dict[str, list[Transition]],
+    rewards: dict[str, float],
+) -> dict[str, float]:
+    """With an adapter per agent (``{agent: adapter}``): ``train_reward/<adapter>``, the mean reward of
+    the rollouts among ``ids`` in which that agent made a trained call."""
+    out: dict[str, float] = {}
+    for agent, name in agent_adapters.items():
+        seen = [
+            rewards[r] for r in ids if r in rewards and any(t.agent == agent for t in transitions.get(r, []))
+        ]
+        if seen:
+            out[f"train_reward/{name}"] = float(sum(seen) / len(seen))
+    return out

@@ -30,22 +30,23 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agl.algorithms.adapters import selected_adapters, warm_adapters_folder
 from agl.config import LoopConfig, RolloutConfig, RunConfig
 from agl.errors import UsageError
 from agl.gateway.tokenizer import load_tokenizer
-from agl.rewards import reward_split
+from agl.rewards import agent_rewards, reward_split
 from agl.run.checks import StepChecks
 from agl.run.keywords import merged, route_keywords
-from agl.run.metrics import MetricsLog, bar_postfix, rollouts_postfix
+from agl.run.metrics import MetricsLog, bar_postfix, engine_share, rollouts_postfix
 from agl.run.notes import inspect_commands, no_update_note
 from agl.run.order import TaskOrder
+from agl.run.sampling import resample
 from agl.run.served import prove_calls
 from agl.run.settings import Serving
 from agl.types import NewRollout, Rollout, Task, Transition, as_tasks
@@ -141,9 +142,9 @@ class Trainer:
             log.info("agl trainer: runners=0 — rollouts wait for external `agl runner` processes")
         self.agents = agents
         #: ``{agent: adapter name}`` with an adapter per agent (LoopConfig.adapter_per_agent), else {}
-        self.agent_adapters = self._agent_adapters(agents)
+        self.agent_adapters = selected_adapters(agents, self.loop.adapter_per_agent, self.config.lora)
         #: per-agent adapter folders the adapters start from (``agl sft --adapter-per-agent``), or None
-        self.warm_adapters = self._warm_adapters(warm_adapters)
+        self.warm_adapters = warm_adapters_folder(warm_adapters, self.agent_adapters, self.config.lora_r)
         self.adapter_arg = adapter
         #: the per-rollout limits the store keeps (timeout, lease, attempts)
         self.rollout_config = self.rollout.for_store()
@@ -158,43 +159,6 @@ class Trainer:
         if gate is not None and not self.loop.checkpoint_every:
             raise UsageError("gate= rolls back to the last checkpoint: it needs checkpoint_every >= 1")
         self.gate = gate
-
-    def _agent_adapters(self, agents: Any) -> dict[str, str]:
-        """The adapter of each selected agent when each trains its own (checked now, before anything
-        starts): named agents, distinct adapter names, LoRA on."""
-        if not self.loop.adapter_per_agent:
-            return {}
-        from agl.algorithms.adapters import adapter_names
-
-        names = adapter_names(agents)
-        if not self.config.lora:
-            raise UsageError("adapter_per_agent trains a LoRA adapter per agent: it needs lora=True")
-        return names
-
-    def _warm_adapters(self, path: Any) -> Path | None:
-        """The folder of each agent's warm-start adapter, checked now: an adapter per agent is on, every
-        selected agent has a peft adapter there, of the run's LoRA rank."""
-        if path is None:
-            return None
-        if not self.agent_adapters:
-            raise UsageError("warm_adapters= starts each agent's adapter: it needs adapter_per_agent=True")
-        from agl.algorithms.sft import warm_adapters_dir
-        from agl.gateway.backends._adapters import check_adapter_dirs
-
-        try:
-            folder = warm_adapters_dir(path)
-        except FileNotFoundError as exc:
-            raise UsageError(f"warm_adapters={os.fspath(path)!r}: {exc}") from None
-        dirs = {name: str(folder / name) for name in self.agent_adapters.values()}
-        check_adapter_dirs(dirs)
-        rank = json.loads((folder / next(iter(dirs)) / "adapter_config.json").read_text()).get("r")
-        if rank != self.config.lora_r:
-            raise UsageError(
-                f"the warm-start adapters in {folder} have LoRA rank {rank}, the run's lora_r is "
-                f"{self.config.lora_r}: train with lora_r={rank} (or run agl sft with --lora-r "
-                f"{self.config.lora_r})"
-            )
-        return folder
 
     # ------------------------------------------------------------------------ read-only views
     @property
@@ -455,6 +419,7 @@ class Trainer:
         step's metrics record (a step with no training batch only measures the held-out reward).
         ``draw(k)`` gives ``k`` more training tasks, for dynamic sampling's extra rounds."""
         t_step = time.perf_counter()
+        busy0 = self.env.engine_busy_s() if self.env is not None else None
         version = self._publish()
         sync_s = self.sync_weights(version)
         ids = self._enqueue(batch, version, step, self.algorithm.group_size)
@@ -464,8 +429,8 @@ class Trainer:
         transitions, rewards, finished = self._collect(ids + val_ids, bar, f"step {step}")
         sampled: dict[str, Any] = {}
         if batch and self.loop.dynamic_sampling and draw is not None:
-            ids, sampled = self._resample(
-                step, len(batch), version, ids, transitions, rewards, finished, bar, draw
+            ids, sampled = resample(
+                self, step, len(batch), version, ids, transitions, rewards, finished, bar, draw
             )
         rollout_s = time.perf_counter() - t0
         self.checks.adapted(step, self.adapter.stats.since(stats_before), self.adapter.agents)
@@ -490,7 +455,7 @@ class Trainer:
                 exact_token_ratio=(sum(1 for t in train_ts if t.exact) / len(train_ts)) if train_ts else None,
             )
             record.update(reward_split(train_ts, self.history))
-            record.update(self._agent_rewards(ids, transitions, rewards))
+            record.update(agent_rewards(self.agent_adapters, ids, transitions, rewards))
             if sampled:
                 keep = set(sampled.pop("kept_groups"))
                 # nothing informative after every round: the update still runs (it skips zero
@@ -506,71 +471,8 @@ class Trainer:
             )
         )
         record.update(rollout_s=rollout_s, sync_s=sync_s, step_s=time.perf_counter() - t_step)
+        record.update(engine_share(busy0, self.env, record["step_s"]))
         return record
-
-    def _agent_rewards(
-        self, ids: Sequence[str], transitions: dict[str, list[Transition]], rewards: dict[str, float]
-    ) -> dict[str, float]:
-        """With an adapter per agent: ``train_reward/<adapter>``, the mean reward of the rollouts in
-        which that agent made a trained call."""
-        out: dict[str, float] = {}
-        for agent, name in self.agent_adapters.items():
-            seen = [
-                rewards[r]
-                for r in ids
-                if r in rewards and any(t.agent == agent for t in transitions.get(r, []))
-            ]
-            if seen:
-                out[f"train_reward/{name}"] = float(sum(seen) / len(seen))
-        return out
-
-    def _informative_groups(
-        self, ids: Sequence[str], transitions: dict[str, list[Transition]]
-    ) -> tuple[list[str], int]:
-        """The groups among ``ids``' rollouts whose rewards differ (in the order drawn), and how many
-        groups there are: the same statistic the advantages use, so "informative" means a gradient."""
-        from agl.algorithms.lightning_rl import group_statistics
-
-        stats = group_statistics([t for rid in ids for t in transitions.get(rid, [])], self.algorithm)
-        return [gid for gid, gs in stats.items() if not gs.zero_variance], len(stats)
-
-    def _resample(
-        self,
-        step: int,
-        want: int,
-        version: int,
-        ids: list[str],
-        transitions: dict[str, list[Transition]],
-        rewards: dict[str, float],
-        finished: list[Rollout],
-        bar: Any,
-        draw: Callable[[int], list[Task]],
-    ) -> tuple[list[str], dict[str, Any]]:
-        """Dynamic sampling (DAPO, Yu et al. 2025): while fewer than ``want`` groups have any reward
-        variance, draw fresh tasks (as many as the informative rate so far says are needed, at most
-        ``want``) for up to ``dynamic_sampling`` extra rounds. A group whose rollouts all score the same
-        has zero advantage and teaches nothing; without this, a step of such groups is a wasted update.
-        Returns every training rollout id and the sampling metrics with the groups to train on."""
-        informative, n_groups = self._informative_groups(ids, transitions)
-        rounds = 0
-        while len(informative) < want and rounds < self.loop.dynamic_sampling:
-            rounds += 1
-            rate = max(len(informative), 1) / max(n_groups, 1)
-            k = min(want, math.ceil((want - len(informative)) / rate))
-            more = self._enqueue(draw(k), version, step, self.algorithm.group_size, group_suffix=f"r{rounds}")
-            t, r, f = self._collect(more, bar, f"step {step} round {rounds}")
-            transitions.update(t)
-            rewards.update(r)
-            finished.extend(f)
-            ids = ids + more
-            informative, n_groups = self._informative_groups(ids, transitions)
-        return ids, {
-            "kept_groups": informative[:want],
-            "groups": n_groups,
-            "zero_variance_groups": n_groups - len(informative),
-            "trained_groups": len(informative[:want]),
-            "resample_rounds": rounds,
-        }
 
     def _update(self, train_ts: list[Transition], *, on_policy: bool = True) -> dict[str, Any]:
         """Advantages and one policy update over a step's transitions; returns their metrics.

@@ -151,7 +151,9 @@ def test_no_trained_call_is_older_than_k_and_stale_groups_are_dropped(tmp_path: 
         for rid in ids:  # the spans, not the record, prove the bound
             assert served[rid] and min(served[rid]) >= r["resources_version"] - k, (rid, r)
         assert 0 <= r["staleness_max"] <= k
-        assert r["engine_busy_s"] >= 0 and r["trainer_idle_s"] >= 0
+        assert r["trainer_idle_s"] >= 0
+        # the engine's busy clock counts its running pass up to now: a step's share is within its wall
+        assert 0 <= r["engine_busy_s"] <= r["step_s"] + 0.01 and r["engine_idle_s"] >= 0
         trained += ids
     assert len(trained) == len(set(trained))  # no rollout trained twice
     assert sum(r["stale_groups_dropped"] for r in history) >= 1

@@ -21,10 +21,12 @@ Agents that are not selected have no adapter: the gateway serves them with the b
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agl.errors import UsageError
@@ -205,3 +207,40 @@ def load_adapter_checkpoint(policy: PolicyUpdate, path: str) -> None:
                 + ("; " if extra and lacking else "")
                 + (f"{len(lacking)} of the run's tensor(s) missing (e.g. {lacking[0]})" if lacking else "")
             )
+
+
+def selected_adapters(agents: Any, per_agent: bool, lora: bool) -> dict[str, str]:
+    """The adapter of each selected agent when each trains its own (checked before anything starts:
+    named agents, distinct adapter names, LoRA on); ``{}`` when the agents share one policy."""
+    if not per_agent:
+        return {}
+    names = adapter_names(agents)
+    if not lora:
+        raise UsageError("adapter_per_agent trains a LoRA adapter per agent: it needs lora=True")
+    return names
+
+
+def warm_adapters_folder(path: Any, agent_adapters: dict[str, str], lora_r: int) -> Path | None:
+    """The folder of each agent's warm-start adapter (``agl sft --adapter-per-agent``), checked before
+    anything starts: an adapter per agent is on, and every selected agent has a peft adapter there, of
+    the run's LoRA rank (a mismatch would fail only when the policy loads, after the model)."""
+    if path is None:
+        return None
+    if not agent_adapters:
+        raise UsageError("warm_adapters= starts each agent's adapter: it needs adapter_per_agent=True")
+    from agl.algorithms.sft import warm_adapters_dir
+    from agl.gateway.backends._adapters import check_adapter_dirs
+
+    try:
+        folder = warm_adapters_dir(path)
+    except FileNotFoundError as exc:
+        raise UsageError(f"warm_adapters={os.fspath(path)!r}: {exc}") from None
+    dirs = {name: str(folder / name) for name in agent_adapters.values()}
+    check_adapter_dirs(dirs)
+    rank = json.loads((folder / next(iter(dirs)) / "adapter_config.json").read_text()).get("r")
+    if rank != lora_r:
+        raise UsageError(
+            f"the warm-start adapters in {folder} have LoRA rank {rank}, the run's lora_r is "
+            f"{lora_r}: train with lora_r={rank} (or run agl sft with --lora-r {lora_r})"
+        )
+    return folder

@@ -270,8 +270,8 @@ class Environment:
     def engine_busy_s(self) -> float | None:
         """Seconds the in-process engine has spent generating so far (None: no such engine here)."""
         backend = self.gateway.backend if self.gateway is not None else None
-        busy = getattr(backend, "busy_s", None)
-        return float(busy) if isinstance(busy, (int, float)) else None
+        seconds = getattr(getattr(backend, "busy", None), "seconds", None)  # a BusyClock
+        return float(seconds) if isinstance(seconds, (int, float)) else None
 
     @property
     def serves_pushed_weights(self) -> bool:

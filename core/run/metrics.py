@@ -120,3 +120,13 @@ def rollouts_postfix(total: int, finished: Sequence[Any], rewards: dict[str, flo
         if rs:
             post[key] = f"{sum(rs) / len(rs):.3f}"
     return post
+
+
+def engine_share(busy0: float | None, env: Any, step_s: float) -> dict[str, float]:
+    """``engine_busy_s``/``engine_idle_s`` of a step that began with the in-process engine's busy
+    clock at ``busy0`` (nothing without such an engine: a remote or scripted one reports no clock)."""
+    busy1 = env.engine_busy_s() if env is not None else None
+    if busy0 is None or busy1 is None:
+        return {}
+    busy = busy1 - busy0
+    return {"engine_busy_s": busy, "engine_idle_s": max(step_s - busy, 0.0)}

@@ -25,11 +25,12 @@ exactly as when it is alone, so batching changes its tokens only through float r
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Batch", "Row", "sample", "truncate"]
+__all__ = ["Batch", "BusyClock", "Row", "sample", "truncate"]
 
 
 @dataclass
@@ -352,3 +353,27 @@ def _append(row: Row, token: int, logprob: float, version: int = 0) -> bool:
             end = "closed"
     row.ended = end
     return end is not None
+
+
+class BusyClock:
+    """Seconds an engine spent generating, the running pass counted up to now.
+
+    Under continuous load one scheduler pass can last a whole training run; counted only when it ends,
+    all of it would go to the step it ends in, and a step's busy share could exceed its wall time."""
+
+    def __init__(self) -> None:
+        self._done_s = 0.0
+        self._since: float | None = None  # perf_counter() at the start of the running pass
+
+    def start(self) -> None:
+        self._since = time.perf_counter()
+
+    def stop(self) -> None:
+        since, self._since = self._since, None
+        if since is not None:
+            self._done_s += time.perf_counter() - since
+
+    @property
+    def seconds(self) -> float:
+        since = self._since
+        return self._done_s + (time.perf_counter() - since if since is not None else 0.0)

@@ -13,9 +13,7 @@ draws from a ``torch.Generator`` of its own when it sets a ``seed`` (else from t
 process-wide RNG that a trainer in the same process uses is never touched.
 
 Weights: :meth:`TransformersBackend.push` serves a training policy without a second copy of its frozen
-base weights (see its docstring); ``load_weights``/``load_adapter`` take files.
-
-Concurrency: continuous batching (:mod:`agl.gateway.backends._batching`). One worker thread owns the
+base weights (see its docstring); ``load_weights``/``load_adapter`` take files. Concurrency: continuous batching (:mod:`agl.gateway.backends._batching`). One worker thread owns the
 model and runs one batch: a request arriving while it runs is prefilled and joins the batch before
 the next decode step, a finished one leaves it at once, and every row keeps its own temperature,
 top_p, top_k, max_tokens, stop strings and seed (``max_batch_size`` rows at most; the others wait).
@@ -25,10 +23,8 @@ adapter on a peft model) do not drain the engine: the worker runs them between t
 weights, each token tagged with the version that drew it (``GenerationResult.weight_versions``; the
 result's ``weight_version`` is the oldest, the version that admitted it). A swap that replaces the model
 (``set_model``, the first push) takes the generation lock instead: new rows stop joining, the running
-ones finish, and the swap happens between batches.
-
-A client that disconnects cancels its request: a queued request is dropped, a running one leaves the
-batch before the next step.
+ones finish, and the swap happens between batches. A client that disconnects cancels its request: a
+queued request is dropped, a running one leaves the batch before the next step.
 
 ``tool_choice``: ``"none"`` hides the tools; ``"required"`` and a named function start the reply with
 the tool-call opening (and the function's name), appended to the prompt as forced tokens: they are the
@@ -44,7 +40,6 @@ import asyncio
 import copy
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -53,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from agl.gateway.backends._adapters import AgentAdapters, check_adapter_dirs, with_adapters
-from agl.gateway.backends._batching import Batch, Row
+from agl.gateway.backends._batching import Batch, BusyClock, Row
 from agl.gateway.backends._stream_text import StreamText, tail_delta, token_logprobs
 from agl.gateway.backends._swaps import LiveSwaps
 from agl.gateway.backends.base import (
@@ -176,8 +171,7 @@ class TransformersBackend(AgentAdapters, Backend):
         self._swaps_waiting = 0
         #: in-place swaps waiting for the worker's next scheduler iteration (between decode steps)
         self._live_swaps = LiveSwaps()
-        #: seconds the engine spent generating (its scheduler running a batch), for idle-time metrics
-        self.busy_s = 0.0
+        self.busy = BusyClock()  # seconds the scheduler ran at least one row (the busy share metric)
         self._processors_cache: dict[Any, Any] = {}  # per prompt length (min_length rules)
         self._wakeup: asyncio.Event | None = None
         self._lock: asyncio.Lock | None = None
@@ -459,13 +453,13 @@ class TransformersBackend(AgentAdapters, Backend):
                     break
             while self._queue:
                 async with self._lock:
-                    t0 = time.perf_counter()
+                    self.busy.start()
                     try:
                         await loop.run_in_executor(self._executor, self._serve)
                     except Exception:  # noqa: BLE001 - _serve fails its rows itself; keep serving
                         log.exception("agl gateway: the generation loop failed")
                     finally:
-                        self.busy_s += time.perf_counter() - t0
+                        self.busy.stop()
 
     def _take(self, room: int) -> list[_Job]:
         """Up to ``room`` queued jobs (the cancelled ones are dropped)."""
