@@ -18,6 +18,7 @@ runner's resources and the policy update.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Literal, NamedTuple, get_type_hints
@@ -250,6 +251,13 @@ class LoopConfig:
             "served to its own agent's calls; GRPO groups per agent"
         ),
     )
+    warm_adapters: str | None = field(
+        default=None,
+        metadata=_help(
+            "with adapter_per_agent: the agl sft --adapter-per-agent run (or its adapters/ folder) each "
+            "agent's adapter starts from"
+        ),
+    )
     max_staleness: int = field(
         default=0,
         metadata=_help(
@@ -271,6 +279,10 @@ class LoopConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.adapter_per_agent, bool):
             raise UsageError(f"adapter_per_agent must be True or False, got {self.adapter_per_agent!r}")
+        if self.warm_adapters is not None:
+            if not isinstance(self.warm_adapters, (str, os.PathLike)):
+                raise UsageError(f"warm_adapters must be a folder path, got {self.warm_adapters!r}")
+            self.warm_adapters = os.fspath(self.warm_adapters)
         for name in ("tasks_per_step", "steps"):
             _check_count(name, getattr(self, name))
         if self.tasks_per_step < 1:

@@ -109,7 +109,6 @@ class Trainer:
         reward: Any = "task",
         monitors: Any = True,
         gate: Any = None,
-        warm_adapters: str | os.PathLike[str] | None = None,
         **keywords: Any,
     ) -> None:
         from agl.algorithms.lightning_rl import LightningRL
@@ -144,7 +143,9 @@ class Trainer:
         #: ``{agent: adapter name}`` with an adapter per agent (LoopConfig.adapter_per_agent), else {}
         self.agent_adapters = selected_adapters(agents, self.loop.adapter_per_agent, self.config.lora)
         #: per-agent adapter folders the adapters start from (``agl sft --adapter-per-agent``), or None
-        self.warm_adapters = warm_adapters_folder(warm_adapters, self.agent_adapters, self.config.lora_r)
+        self.warm_adapters = warm_adapters_folder(
+            self.loop.warm_adapters, self.agent_adapters, self.config.lora_r
+        )
         self.adapter_arg = adapter
         #: the per-rollout limits the store keeps (timeout, lease, attempts)
         self.rollout_config = self.rollout.for_store()
