@@ -737,7 +737,9 @@ def test_fit_in_process_is_on_policy_at_the_run_temperature(
     assert trained, trainer.history
     for r in trained:
         assert r["behaviour_ratio_dev"] < 1e-3
-    for r in trainer.history:  # the synchronous loop's engine share: busy while rollouts ran, idle in the update
+    for (
+        r
+    ) in trainer.history:  # the synchronous loop's engine share: busy while rollouts ran, idle in the update
         assert 0 < r["engine_busy_s"] <= r["step_s"] + 0.01
         assert r["engine_idle_s"] == pytest.approx(r["step_s"] - r["engine_busy_s"], abs=1e-6)
     assert "off by" not in caplog.text
