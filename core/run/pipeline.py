@@ -186,6 +186,15 @@ class VersionLedger:
         self.resumed_update: int | None = None
 
     def pushed(self, version: int, update: int) -> None:
+        """Record that ``version`` holds the weights after ``update`` updates. The first push after a
+        resume also records what every version the killed run pushed after its last checkpoint held
+        (those between the saved ones and this one: the checkpoint's weights), so the next checkpoint
+        saves them: a call they served, still untrained when this run is killed in turn, has a known
+        lag after the next resume too (``resumed_update`` then names a later checkpoint)."""
+        if self.resumed_update is not None and version > self._saved_max and not self._bridged:
+            for v in range(self._saved_max + 1, version):
+                self.updates.setdefault(v, self.resumed_update)
+            self._bridged = True
         self.updates[version] = update
 
     def lag(self, version: int | None, current: int) -> int | None:
@@ -215,8 +224,10 @@ class VersionLedger:
         self.updates = {int(v): int(u) for v, u in state.get("version_updates", {}).items()}
         self._saved_max = max(self.updates, default=-1)
         self.resumed_update = resumed_update
+        self._bridged = False
 
     _saved_max = -1
+    _bridged = False
 
 
 def group_lag(group: Group, ledger: VersionLedger, current: int) -> int | None:
