@@ -287,15 +287,10 @@ class FakeVLLM:
             for k, (tid, lp) in enumerate(zip(ids, logprobs, strict=True)):
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
-                if self._freeze:
-                    await self._resumed.wait()
-                if epoch != self._abort_epoch:  # paused with mode=abort: end the stream as vLLM does
-                    self.aborted_streams += 1
+                if await self._aborted(epoch):  # paused with mode=abort: end the stream as vLLM does
                     yield sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]})
                     yield b"data: [DONE]\n\n"
                     return
-                if self.paused:
-                    self.tokens_while_paused += 1
                 last = k == len(ids) - 1
                 delta: dict[str, Any] = {}
                 if calls:  # the call's pieces ride on the reply's last tokens, the rest at the end
@@ -435,6 +430,18 @@ class FakeVLLM:
         """A generation request waits while the server is paused (vLLM queues it unscheduled)."""
         await self._resumed.wait()
         self.control.append(("generate", {"model": body.get("model")}))
+
+    async def _aborted(self, epoch: int) -> bool:
+        """Before each streamed token: frozen while paused with mode=keep; True once a pause with
+        mode=abort came after the stream began (``epoch``)."""
+        if self._freeze:
+            await self._resumed.wait()
+        if epoch != self._abort_epoch:
+            self.aborted_streams += 1
+            return True
+        if self.paused:
+            self.tokens_while_paused += 1
+        return False
 
     def _pause_mode(self, request: Request) -> str | JSONResponse:
         query = request.query_params
