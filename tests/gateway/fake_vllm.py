@@ -19,7 +19,21 @@ vLLM itself cannot run here (no GPU). The fields follow vLLM >= 0.10.2
   arrive as deltas (``index``/``id``/``type``/``function.name`` first, then ``function.arguments``
   in pieces) while their tokens' content deltas are empty; ``stream_options.include_usage`` adds a
   usage chunk; ``data: [DONE]`` ends it. ``token_delay_s`` paces the tokens (a slow engine), and
-  ``stream_cancelled`` is set when the client goes away mid-stream.
+  ``stream_cancelled`` is set when the client goes away mid-stream;
+- pause and resume for weight updates (``pause_api="keep"``, the default): ``POST /pause`` with query
+  ``mode`` = ``abort`` (vLLM's default: the streams in flight end with ``finish_reason: "abort"``) |
+  ``wait`` (the reply waits until the calls in flight finish) | ``keep`` (the streams in flight freeze
+  between tokens and go on after the resume), the deprecated ``wait_for_inflight_requests=true``
+  (= ``wait``) and ``clear_cache``; an unknown mode → 422 (FastAPI's validation); reply
+  ``{"status": "paused"}``. ``POST /resume`` → ``{"status": "resumed"}``, ``GET /is_paused`` →
+  ``{"is_paused": bool}``. While paused, new generation requests are accepted and wait until the
+  resume (vLLM queues them unscheduled). ``pause_api="legacy"``: the first ``/pause`` (vLLM PR
+  #28037), whose only options are ``wait_for_inflight_requests`` and ``clear_cache`` (an unknown
+  ``mode`` is ignored, so the default aborts); ``pause_api="none"``: no such routes (404), like a
+  vLLM without ``VLLM_SERVER_DEV_MODE=1`` or an older one. ``GET /openapi.json`` lists the routes and
+  the ``/pause`` query parameters as FastAPI does (``docs=False``: none, like
+  ``--disable-fastapi-docs``). ``control`` records pause, resume, adapter loads and unloads and each
+  generation's admission, in order.
 
 Prompts are rendered and tokenised with the real SmolLM2 tokenizer; replies come from a list.
 """
@@ -49,8 +63,29 @@ class FakeVLLM:
         model: str = "Qwen/Qwen2.5-0.5B-Instruct",
         max_model_len: int = 2048,
         token_delay_s: float = 0.0,
+        pause_api: str = "keep",
+        docs: bool = True,
     ) -> None:
+        if pause_api not in ("keep", "legacy", "none"):
+            raise ValueError(f"pause_api is keep, legacy or none, not {pause_api!r}")
         self.token_delay_s = token_delay_s
+        self.pause_api = pause_api
+        #: (what, details) in the order the server did it: pause, resume, load/unload, generate
+        self.control: list[tuple[str, dict[str, Any]]] = []
+        self.paused = False
+        self.tokens_while_paused = 0  # stream tokens sent while paused (keep mode: none)
+        self.aborted_streams = 0
+        self.load_delay_s = 0.0  # a slow adapter load (the pause lasts this long)
+        self.fail_loads = 0  # the next N adapter loads are refused (400)
+        self.refuse_loras: set[str] = set()  # adapter names whose load is refused (400)
+        self.fail_resumes = 0  # the next N resumes answer 500
+        self._freeze = False  # keep mode: the streams in flight wait for the resume
+        self._abort_epoch = 0  # abort mode: streams begun before the pause end
+        self._inflight = 0
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
         self.stream_cancelled = threading.Event()
         self.streamed_tokens = 0
         self.replies = list(replies)
@@ -68,6 +103,7 @@ class FakeVLLM:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
                 Route("/v1/unload_lora_adapter", self.unload_lora, methods=["POST"]),
+                *self._pause_routes(docs),
             ]
         )
 
@@ -132,6 +168,7 @@ class FakeVLLM:
         self.requests.append(("chat", body))
         if (err := self._check(body)) is not None:
             return err
+        await self._admit(body)
         prompt_text, prompt_ids = self.tok.encode_chat(body["messages"], body.get("tools"))
         out = self._generate(prompt_ids, body.get("max_completion_tokens") or body.get("max_tokens"))
         if isinstance(out, Response):
@@ -228,6 +265,9 @@ class FakeVLLM:
         def sse(obj: dict[str, Any]) -> bytes:
             return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
+        epoch = self._abort_epoch
+        self._inflight += 1
+        self._idle.clear()
         try:
             first: dict[str, Any] = {
                 **head,
@@ -247,6 +287,10 @@ class FakeVLLM:
             for k, (tid, lp) in enumerate(zip(ids, logprobs, strict=True)):
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
+                if await self._aborted(epoch):  # paused with mode=abort: end the stream as vLLM does
+                    yield sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]})
+                    yield b"data: [DONE]\n\n"
+                    return
                 last = k == len(ids) - 1
                 delta: dict[str, Any] = {}
                 if calls:  # the call's pieces ride on the reply's last tokens, the rest at the end
@@ -284,12 +328,17 @@ class FakeVLLM:
         except (asyncio.CancelledError, GeneratorExit):
             self.stream_cancelled.set()
             raise
+        finally:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.set()
 
     async def completions(self, request: Request) -> Response:
         body = json.loads(await request.body())
         self.requests.append(("completions", body))
         if (err := self._check(body)) is not None:
             return err
+        await self._admit(body)
         prompt_ids = self.tok.encode(body["prompt"])
         out = self._generate(prompt_ids, body.get("max_tokens", 16))
         if isinstance(out, Response):
@@ -331,6 +380,18 @@ class FakeVLLM:
     async def load_lora(self, request: Request) -> Response:
         body = json.loads(await request.body())
         self.requests.append(("load_lora_adapter", body))
+        self.control.append(
+            ("load_lora_adapter", {"lora_name": body.get("lora_name"), "paused": self.paused})
+        )
+        if self.load_delay_s:
+            await asyncio.sleep(self.load_delay_s)
+        if self.fail_loads or body.get("lora_name") in self.refuse_loras:
+            self.fail_loads = max(0, self.fail_loads - 1)
+            return self.error(
+                400,
+                f"Loading lora {body.get('lora_name')} failed: No adapter found for {body.get('lora_path')}",
+                "BadRequestError",
+            )
         if not body.get("lora_name") or not body.get("lora_path"):
             return self.error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
         if body["lora_name"] in self.loras and not body.get("load_inplace"):
@@ -343,9 +404,105 @@ class FakeVLLM:
     async def unload_lora(self, request: Request) -> Response:
         body = json.loads(await request.body())
         self.requests.append(("unload_lora_adapter", body))
+        self.control.append(
+            ("unload_lora_adapter", {"lora_name": body.get("lora_name"), "paused": self.paused})
+        )
         if body.get("lora_name") not in self.loras:
             return self.error(
                 404, f"The lora adapter '{body.get('lora_name')}' cannot be found.", "NotFoundError"
             )
         del self.loras[body["lora_name"]]
         return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
+
+    # -- pause and resume (vllm/entrypoints/serve/rlhf/api_router.py, VLLM_SERVER_DEV_MODE=1) --
+
+    def _pause_routes(self, docs: bool) -> list[Route]:
+        routes = [Route("/openapi.json", self.openapi, methods=["GET"])] if docs else []
+        if self.pause_api != "none":
+            routes += [
+                Route("/pause", self.pause, methods=["POST"]),
+                Route("/resume", self.resume, methods=["POST"]),
+                Route("/is_paused", self.is_paused, methods=["GET"]),
+            ]
+        return routes
+
+    async def _admit(self, body: dict[str, Any]) -> None:
+        """A generation request waits while the server is paused (vLLM queues it unscheduled)."""
+        await self._resumed.wait()
+        self.control.append(("generate", {"model": body.get("model")}))
+
+    async def _aborted(self, epoch: int) -> bool:
+        """Before each streamed token: frozen while paused with mode=keep; True once a pause with
+        mode=abort came after the stream began (``epoch``)."""
+        if self._freeze:
+            await self._resumed.wait()
+        if epoch != self._abort_epoch:
+            self.aborted_streams += 1
+            return True
+        if self.paused:
+            self.tokens_while_paused += 1
+        return False
+
+    def _pause_mode(self, request: Request) -> str | JSONResponse:
+        query = request.query_params
+        wait = query.get("wait_for_inflight_requests", "false").lower() in ("1", "true", "yes", "on")
+        if self.pause_api == "legacy":  # no mode parameter: an unknown one is ignored
+            return "wait" if wait else "abort"
+        mode = query.get("mode", "abort")
+        if mode not in ("abort", "wait", "keep"):
+            detail = [
+                {
+                    "type": "literal_error",
+                    "loc": ["query", "mode"],
+                    "msg": "Input should be 'abort', 'wait' or 'keep'",
+                    "input": mode,
+                }
+            ]
+            return JSONResponse({"detail": detail}, status_code=422)
+        return "wait" if wait else mode
+
+    async def pause(self, request: Request) -> Response:
+        mode = self._pause_mode(request)
+        if isinstance(mode, Response):
+            return mode
+        self.control.append(("pause", {"mode": mode, **dict(request.query_params)}))
+        self.paused = True
+        self._resumed.clear()
+        if mode == "keep":
+            self._freeze = True
+        elif mode == "abort":
+            self._abort_epoch += 1
+        else:
+            await self._idle.wait()
+        return JSONResponse({"status": "paused"})
+
+    async def resume(self, request: Request) -> Response:
+        self.control.append(("resume", {}))
+        if self.fail_resumes:
+            self.fail_resumes -= 1
+            return JSONResponse({"error": "Failed to resume generation: engine busy"}, status_code=500)
+        self.paused = False
+        self._freeze = False
+        self._resumed.set()
+        return JSONResponse({"status": "resumed"})
+
+    async def is_paused(self, request: Request) -> Response:
+        return JSONResponse({"is_paused": self.paused})
+
+    async def openapi(self, request: Request) -> Response:
+        """The part of FastAPI's schema a client reads: the paths, and the query parameters of /pause."""
+        paths: dict[str, Any] = {
+            "/v1/models": {"get": {"summary": "Show Available Models"}},
+            "/v1/chat/completions": {"post": {"summary": "Create Chat Completion"}},
+        }
+        if self.pause_api != "none":
+            names = ["wait_for_inflight_requests", "clear_cache"]
+            if self.pause_api == "keep":
+                names.insert(0, "mode")
+            params = [{"name": n, "in": "query", "required": False, "schema": {}} for n in names]
+            paths["/pause"] = {"post": {"summary": "Pause Generation", "parameters": params}}
+            paths["/resume"] = {"post": {"summary": "Resume Generation"}}
+            paths["/is_paused"] = {"get": {"summary": "Is Paused"}}
+        return JSONResponse(
+            {"openapi": "3.1.0", "info": {"title": "FastAPI", "version": "0.1.0"}, "paths": paths}
+        )

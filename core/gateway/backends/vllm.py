@@ -26,13 +26,50 @@ one set of adapters. An unchanged adapter keeps serving its loaded copy only whe
 loaded it (else it is loaded again from this push's folder): vLLM may re-read an evicted adapter from
 its path, and the trainer keeps only the last few pushes' folders. Calls of agents without an adapter
 go to the base model.
+
+Pause around a weight push (``pause_on_push``). vLLM's HTTP API for RL weight sync, at the server's
+root (not under ``/v1``) and only when vLLM runs with ``VLLM_SERVER_DEV_MODE=1``
+(``vllm/entrypoints/serve/rlhf/api_router.py``, ``attach_router`` returns early without it; newer
+trees keep the same routes in ``vllm/entrypoints/serve/dev/rlhf/api_router.py``):
+
+- ``POST /pause`` with query parameters ``mode`` (``PauseMode`` in ``vllm/v1/engine/__init__.py``:
+  ``"abort"``, the default, aborts the requests in flight and returns their partial output; ``"wait"``
+  waits until they finish; ``"keep"`` freezes them in the scheduler, KV cache kept, and they go on at
+  the resume), ``wait_for_inflight_requests`` (deprecated bool, true means ``mode="wait"``) and
+  ``clear_cache`` (bool, default true; documented as ignored with ``mode="keep"``). It answers
+  ``{"status": "paused"}`` once the engine is paused, 400 ``{"error"}`` on a bad value;
+- ``POST /resume`` → ``{"status": "resumed"}``; ``GET /is_paused`` → ``{"is_paused": bool}``.
+
+The engine side is ``AsyncLLM.pause_generation(mode=..., clear_cache=...)`` /
+``resume_generation()`` (``vllm/v1/engine/async_llm.py``): requests that arrive while paused are
+accepted and queued, not scheduled until the resume. History: the routes came with vLLM PR #28037
+(``/pause`` had only ``wait_for_inflight_requests`` and ``clear_cache``), ``mode`` with ``"keep"``
+with PR #32351, and PR #34125 moved the pause into the engine core.
+
+A push pauses with ``mode=keep&clear_cache=false``, loads the new adapters, switches the routing,
+then resumes in a ``finally`` (a failed load never leaves vLLM paused) and unloads the old copies
+after the resume. ``keep`` is the one mode that loses nothing and does not drain: ``abort`` would
+drop every call in flight, ``wait`` would hold the push until the longest call ends (a drain). A
+frozen call keeps the adapter it was admitted with, so it finishes on the weights its span names.
+``clear_cache=false``: vLLM keys cached blocks by LoRA adapter and each push loads new adapter names,
+so no stale block can serve the new weights, and the base model's prefixes stay cached.
+
+Whether the server can: once, on the first push, the backend reads ``GET /openapi.json`` (FastAPI's
+schema, served unless ``--disable-fastapi-docs``) for ``/pause`` and its ``mode`` parameter, else
+asks ``GET /is_paused``. A ``/pause`` without ``mode`` (an older vLLM) ignores ``mode=keep`` and
+aborts, so it is not used. ``pause_on_push=None`` (default) pauses only where ``mode`` is listed and
+otherwise loads without pausing, as before, after one log line; ``True`` requires the pause (also
+when the schema is not served), ``False`` never pauses.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import json
 import logging
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +81,12 @@ from agl.semconv import BASE_ADAPTER
 __all__ = ["VLLMBackend"]
 
 log = logging.getLogger("agl.gateway")
+
+#: the pause a weight push asks for: in-flight requests frozen in place, caches kept (see above)
+PAUSE_QUERY = "mode=keep&clear_cache=false"
+#: what the server offers: pause with ``mode`` / no ``/pause`` / ``/pause`` without ``mode`` /
+#: ``/pause`` whose parameters could not be read (no OpenAPI schema)
+_KEEP, _ABSENT, _NO_KEEP, _UNKNOWN = "keep", "absent", "no-keep", "unknown"
 
 
 class VLLMBackend(HttpUpstreamBackend):
@@ -61,8 +104,17 @@ class VLLMBackend(HttpUpstreamBackend):
         timeout_s: float = 600.0,
         keep_adapters: int = 2,
         adapters: Sequence[str] | dict[str, str] | None = None,
+        pause_on_push: bool | None = None,
     ) -> None:
+        if pause_on_push is not None and not isinstance(pause_on_push, bool):
+            raise UsageError(
+                f"pause_on_push is True, False or None (when vLLM offers it), not {pause_on_push!r}"
+            )
         super().__init__(base_url, api_key=api_key, timeout_s=timeout_s)
+        #: pause generation around a weight push: True always, False never, None when vLLM has mode=keep
+        self.pause_on_push = pause_on_push
+        self._pause_support: str | None = None  # what the server offers, asked once
+        self._push_lock = asyncio.Lock()  # one push at a time: pauses and resumes do not interleave
         self.policy_name = model
         self.upstream_models: list[str] = []
         self.adapters: list[str] = []  # loaded LoRA names, oldest first
@@ -190,12 +242,13 @@ class VLLMBackend(HttpUpstreamBackend):
         await self._ensure_started()
         new_version = self.weight_version + 1 if version is None else int(version)
         lora_name = name or f"{self.policy_name}-agl-v{new_version}"
-        await self._load_lora(lora_name, path)
-        self.adapters.append(lora_name)
-        self.current_upstream = lora_name
-        if lora_name not in self.upstream_models:
-            self.upstream_models.append(lora_name)
-        self._bump_version(new_version)
+        async with self._paused_push():
+            await self._load_lora(lora_name, path)
+            self.adapters.append(lora_name)
+            self.current_upstream = lora_name
+            if lora_name not in self.upstream_models:
+                self.upstream_models.append(lora_name)
+            self._bump_version(new_version)
         while len(self.adapters) > self.keep_adapters:
             await self._unload_lora(self.adapters.pop(0))
         return self.weight_version
@@ -212,31 +265,149 @@ class VLLMBackend(HttpUpstreamBackend):
                 f"no agent adapter {unknown}: this gateway serves {sorted(self.agent_adapters)}"
             )
         new_version = self.weight_version + 1 if version is None else int(version)
+        changed = self._changed(paths)  # the files are read before the pause, which stays short
+        if changed:
+            async with self._paused_push():
+                loaded = await self._load_changed(changed, new_version)
+                self._bump_version(new_version)
+        else:
+            loaded = {}
+            self._bump_version(new_version)
+        for adapter in loaded:
+            names = self._agent_loras[adapter]
+            while len(names) > self.keep_adapters:
+                await self._unload_lora(names.pop(0))
+        return self.weight_version
+
+    def _changed(self, paths: dict[str, str]) -> dict[str, tuple[str, str]]:
+        """``{adapter: (path, digest)}`` of the adapters to load: those whose weights file differs from
+        the copy the last push loaded (an unchanged one, no gradient, keeps serving its loaded copy)."""
+        changed: dict[str, tuple[str, str]] = {}
+        for adapter, path in paths.items():
+            digest = _digest(path)
+            if not digest or self._agent_digest.get(adapter) != (digest, self.weight_version):
+                changed[adapter] = (path, digest)
+        return changed
+
+    async def _load_changed(self, changed: dict[str, tuple[str, str]], new_version: int) -> dict[str, str]:
+        """Load each changed adapter as ``<policy>-<adapter>-v<new_version>`` and route its calls there
+        (all at once, after every load succeeded); ``{adapter: LoRA name}`` of those loaded. A refused
+        load unloads this push's copies and raises BackendError, the routing unchanged."""
         loaded: dict[str, str] = {}
-        digests: dict[str, str] = {}
         try:
-            for adapter, path in paths.items():
-                digest = _digest(path)
-                if digest and self._agent_digest.get(adapter) == (digest, self.weight_version):
-                    continue  # unchanged since the last push (no gradient): keep serving the loaded copy
+            for adapter, (path, _) in changed.items():
                 lora_name = f"{self.policy_name}-{adapter}-v{new_version}"
                 await self._load_lora(lora_name, path)
-                loaded[adapter], digests[adapter] = lora_name, digest
+                loaded[adapter] = lora_name
         except BackendError:
             for lora_name in loaded.values():
                 await self._unload_lora(lora_name)
             raise
         for adapter, lora_name in loaded.items():
             self.agent_adapters[adapter] = lora_name
-            self._agent_digest[adapter] = (digests[adapter], new_version)
-            names = self._agent_loras.setdefault(adapter, [])
-            names.append(lora_name)
-        self._bump_version(new_version)
-        for adapter in loaded:
-            names = self._agent_loras[adapter]
-            while len(names) > self.keep_adapters:
-                await self._unload_lora(names.pop(0))
-        return self.weight_version
+            self._agent_digest[adapter] = (changed[adapter][1], new_version)
+            self._agent_loras.setdefault(adapter, []).append(lora_name)
+        return loaded
+
+    @asynccontextmanager
+    async def _paused_push(self) -> AsyncIterator[None]:
+        """Generation paused (``mode=keep``) for the body when the server offers it, resumed in a
+        ``finally``: the body's failure still resumes and then propagates; a failed resume raises
+        BackendError (vLLM may still be paused) unless the body failed, whose error wins."""
+        async with self._push_lock:
+            if not await self._should_pause() or not await self._pause():
+                yield
+                return
+            failed = True
+            try:
+                yield
+                failed = False
+            finally:
+                await self._resume(quiet=failed)
+
+    async def _should_pause(self) -> bool:
+        """Whether this push pauses: asks the server once (:meth:`_probe_pause`) and logs one line."""
+        if self.pause_on_push is False:
+            return False
+        if self._pause_support is None:
+            self._pause_support = await self._probe_pause()
+            self._log_pause_support()
+        if self._pause_support == _KEEP or (self.pause_on_push and self._pause_support == _UNKNOWN):
+            return True
+        if self.pause_on_push:
+            raise BackendError(
+                f"pause_on_push=True but vLLM at {self.root_url} offers no POST /pause?mode=keep "
+                "(start a vLLM that has it with VLLM_SERVER_DEV_MODE=1, or pass pause_on_push=None)"
+            )
+        return False
+
+    async def _probe_pause(self) -> str:
+        """What the server offers, from FastAPI's ``/openapi.json`` (``/pause`` and its ``mode``
+        parameter), else from ``GET /is_paused`` (200: a ``/pause`` whose options are unknown)."""
+        status, raw = await self.request("GET", self.root_url + "/openapi.json")
+        if status == 200 and (support := _pause_support_in_schema(raw)) is not None:
+            return support
+        status, _ = await self.request("GET", self.root_url + "/is_paused")
+        return _UNKNOWN if status == 200 else _ABSENT
+
+    def _log_pause_support(self) -> None:
+        where, support = f"agl gateway: vLLM at {self.root_url}", self._pause_support
+        if support == _KEEP or (support == _UNKNOWN and self.pause_on_push):
+            log.info(
+                "%s: weight pushes pause generation (POST /pause?%s, then POST /resume)", where, PAUSE_QUERY
+            )
+        elif support == _ABSENT:
+            log.warning(
+                "%s offers no POST /pause (vLLM with pause mode=keep, run with VLLM_SERVER_DEV_MODE=1): "
+                "weight pushes load adapters without pausing",
+                where,
+            )
+        elif support == _NO_KEEP:
+            log.warning(
+                "%s has POST /pause without mode=keep (an older vLLM: it would abort or wait out the calls "
+                "in flight): weight pushes load adapters without pausing",
+                where,
+            )
+        else:
+            log.warning(
+                "%s has POST /pause but serves no /openapi.json to tell whether it has mode=keep: weight "
+                "pushes load adapters without pausing (pause_on_push=True pauses anyway)",
+                where,
+            )
+
+    async def _pause(self) -> bool:
+        """``POST /pause?mode=keep&clear_cache=false``; True once paused. A refusal is resumed away (the
+        server may have paused half-way) and raises BackendError under ``pause_on_push=True``, else is
+        logged and the push goes on unpaused (pausing is not needed to load an adapter)."""
+        try:
+            status, raw = await self.request("POST", f"{self.root_url}/pause?{PAUSE_QUERY}")
+            if status < 400:
+                return True
+            why = f"answered {status}: {raw[:300].decode(errors='replace')}"
+        except BackendError as exc:
+            why = str(exc)
+        await self._resume(quiet=True)
+        message = f"vLLM at {self.root_url} did not pause for the weight push ({why})"
+        if self.pause_on_push:
+            raise BackendError(message)
+        log.warning("agl gateway: %s; this push loads without pausing", message)
+        return False
+
+    async def _resume(self, *, quiet: bool) -> None:
+        """``POST /resume``. A failure raises BackendError (calls would hang on a paused vLLM), or is
+        only logged when ``quiet`` (another error is already on its way)."""
+        try:
+            status, raw = await self.request("POST", self.root_url + "/resume")
+            if status < 400:
+                return
+            why = f"answered {status}: {raw[:300].decode(errors='replace')}"
+        except BackendError as exc:
+            why = str(exc)
+        message = f"vLLM at {self.root_url} did not resume generation ({why}): it may still be paused"
+        if quiet:
+            log.error("agl gateway: %s", message)
+            return
+        raise BackendError(message)
 
     async def _load_lora(self, lora_name: str, path: str) -> None:
         """``POST /v1/load_lora_adapter``; BackendError with vLLM's answer when it refuses."""
@@ -262,6 +433,23 @@ class VLLMBackend(HttpUpstreamBackend):
             "the vllm backend takes new weights as LoRA adapters (load_adapter); for full weights restart "
             "vLLM on the new checkpoint"
         )
+
+
+def _pause_support_in_schema(raw: bytes) -> str | None:
+    """What an OpenAPI schema says of ``POST /pause``: ``_KEEP`` (it has ``mode``), ``_NO_KEEP``,
+    ``_ABSENT``; None when ``raw`` is not an OpenAPI schema."""
+    try:
+        schema = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(schema, dict) or not isinstance(schema.get("paths"), dict):
+        return None
+    pause = schema["paths"].get("/pause")
+    if not isinstance(pause, dict) or not isinstance(pause.get("post"), dict):
+        return _ABSENT
+    params = pause["post"].get("parameters") or []
+    names = {p.get("name") for p in params if isinstance(p, dict)}
+    return _KEEP if "mode" in names else _NO_KEEP
 
 
 def _digest(path: str) -> str:
