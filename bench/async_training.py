@@ -81,7 +81,9 @@ def _summary(run_dir: Path) -> dict[str, Any]:
 def _projection(steps: list[dict[str, Any]]) -> float | None:
     """A synchronous run's steps replayed with the engine and the trainer on separate devices and the
     rollouts enqueued ahead: a step costs the larger of its rollouts and its update, not their sum
-    (None for an asynchronous run, whose records have no separate rollout time)."""
+    (None for an asynchronous run: its ``rollout_s`` is the trainer's wait, not the rollouts' time)."""
+    if any(r.get("max_staleness") for r in steps):
+        return None
     pairs = [(r["rollout_s"], r.get("update_s", 0.0)) for r in steps if "rollout_s" in r]
     if not pairs:
         return None

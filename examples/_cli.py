@@ -99,7 +99,7 @@ def add_train_options(t: argparse.ArgumentParser, name: str, item: str) -> None:
     t.add_argument("--advantage-level", choices=["rollout", "transition"], default="rollout")
     add_update_options(t)
     t.add_argument("--runners", type=int, default=16, help="rollouts run at once")
-    add_config_options(t, LoopConfig, ["seed", "resume"])
+    add_config_options(t, LoopConfig, ["seed", "resume", "checkpoint_every"])
 
 
 def add_schedule_options(t: argparse.ArgumentParser) -> None:

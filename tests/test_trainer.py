@@ -638,6 +638,52 @@ def test_vllm_backend_gets_each_steps_lora_adapter(tmp_path: Path) -> None:
     assert all(r["transitions"] == 2 and r["exact_token_ratio"] == 1.0 for r in trainer.history)
 
 
+def test_async_training_on_the_vllm_backend_pauses_around_each_push(tmp_path: Path) -> None:
+    """max_staleness=1 on the vLLM backend: runners keep running while the policy updates, each
+    step's adapter is loaded inside a pause/resume of vLLM's own API (mode=keep: nothing in flight
+    is dropped), no rollout is trained twice and no trained call is older than one version."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "gateway"))
+    from fake_vllm import FakeVLLM
+
+    from agl.gateway.testing import serve_asgi
+
+    fake = FakeVLLM(["Answer: 42", "no idea"], model="policy")
+
+    def agent(task: dict, resources: agl.Resources) -> float:
+        client = openai.OpenAI(base_url=resources.llm.base_url, api_key="x")
+        with _agent_span("writer"):
+            reply = _ask(client, resources.llm.model, "You are the writer.", task["q"])
+        return 1.0 if reply == GOOD else 0.0
+
+    with serve_asgi(fake.app) as root:
+        trainer = Trainer(
+            agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
+            model=tiny_model(),
+            backend="vllm",
+            vllm_url=root + "/v1",
+            model_name="policy",
+            tokenizer=load_tokenizer(),
+            store="memory://",
+            runners=2,
+            run_dir=tmp_path,
+            tasks_per_step=1,
+            steps=3,
+            val_every=0,
+            max_staleness=1,
+            progress=False,
+        )
+        trainer.fit(agent, [{"q": "What is 6 * 7?"}, {"q": "What is 5 * 8?"}])
+    kinds = [kind for kind, _ in fake.control if kind in ("pause", "load_lora_adapter", "resume")]
+    pushes = [r["resources_version"] for r in trainer.history]
+    assert kinds == ["pause", "load_lora_adapter", "resume"] * len(pushes), fake.control
+    assert {body["mode"] for kind, body in fake.control if kind == "pause"} == {"keep"}
+    trained = [rid for r in trainer.history for rid in r["trained_rollout_ids"]]
+    assert trained and len(trained) == len(set(trained))
+    assert all(0 <= r["staleness_max"] <= 1 for r in trainer.history if r["trained_rollout_ids"])
+
+
 def test_external_gateway_gets_weights_over_http(tmp_path: Path) -> None:
     """Trainer(gateway_url=...): each step's LoRA adapter (not a merged copy of the model) reaches a
     separately served transformers gateway through POST /agl/v1/adapters, as that step's version."""

@@ -181,6 +181,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         "max_staleness": args.max_staleness,
         "seed": args.seed,
         "resume": args.resume,
+        "checkpoint_every": args.checkpoint_every,
         **trainer_kw,
     }
     trainer = Trainer(

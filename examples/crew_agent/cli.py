@@ -67,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
         lora_r={"help": "LoRA rank"},
     )
     add_config_options(t, Serving, ["runners"], runners={"default": 8, "help": "rollouts run at once"})
-    add_config_options(t, LoopConfig, ["seed", "resume"])
+    add_config_options(t, LoopConfig, ["seed", "resume", "checkpoint_every"])
 
     for sp in (d, t):
         g = sp.add_argument_group("researcher on a fixed model (default: the same model as the writer)")
@@ -178,6 +178,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         "max_staleness": args.max_staleness,
         "seed": args.seed,
         "resume": args.resume,
+        "checkpoint_every": args.checkpoint_every,
         **trainer_kw,
     }
     trainer = Trainer(

@@ -88,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
         kl_coef={"help": "KL penalty to the starting policy (keeps RL near the warm start)"},
     )
     add_config_options(t, Serving, ["runners"], runners={"default": 8, "help": "rollouts run at once"})
-    add_config_options(t, LoopConfig, ["seed", "resume"])
+    add_config_options(t, LoopConfig, ["seed", "resume", "checkpoint_every"])
     t.add_argument(
         "--judge",
         choices=["none", "noisy-f1", "rubric"],
@@ -204,6 +204,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         "max_staleness": args.max_staleness,
         "seed": args.seed,
         "resume": args.resume,
+        "checkpoint_every": args.checkpoint_every,
         **kw,
     }
     trainer = Trainer(
