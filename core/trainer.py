@@ -210,6 +210,8 @@ class Trainer:
         if training:
             self._build_policy(source)
         engine = {"default_temperature": self.config.temperature, "default_top_p": self.config.top_p}
+        if s.batched_lora:  # mixed-adapter rows through one batched LoRA product (adapter_per_agent)
+            engine["batched_lora"] = True
         env.start(
             agent,
             policy=self.policy if training else None,

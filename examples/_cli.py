@@ -7,6 +7,7 @@ from typing import Any
 
 from agl.cli.config_args import add_config_arguments
 from agl.config import LoopConfig, RunConfig
+from agl.run.settings import Serving
 
 
 def example_parser(
@@ -99,6 +100,7 @@ def add_train_options(t: argparse.ArgumentParser, name: str, item: str) -> None:
     t.add_argument("--advantage-level", choices=["rollout", "transition"], default="rollout")
     add_update_options(t)
     t.add_argument("--runners", type=int, default=16, help="rollouts run at once")
+    add_config_options(t, Serving, ["batched_lora"])
     add_config_options(t, LoopConfig, ["seed", "resume", "checkpoint_every"])
 
 

@@ -4,6 +4,8 @@ per adapter; the gateway serves each call with its agent's adapter, mixed batche
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -304,10 +306,12 @@ def test_the_gateway_routes_by_model_name_and_agent_baggage(tok, tmp_path) -> No
         store.close()
 
 
-def test_fit_trains_an_adapter_per_agent_end_to_end(tmp_path) -> None:
+@pytest.mark.parametrize("batched", [False, True], ids=["peft-rows", "batched-lora"])
+def test_fit_trains_an_adapter_per_agent_end_to_end(tmp_path, batched: bool, monkeypatch) -> None:
     """``Trainer(agents=[...], adapter_per_agent=True)`` on the transformers backend: each agent's calls
     are served by its own adapter (the span says so), each adapter trains on its own agent's calls, the
-    step's metrics are per adapter, and the checkpoint holds one folder per adapter."""
+    step's metrics are per adapter, and the checkpoint holds one folder per adapter; the same with
+    ``batched_lora=True`` (the engine's mixed rows through the batched LoRA product)."""
     import itertools
     import json
     import threading
@@ -315,8 +319,17 @@ def test_fit_trains_an_adapter_per_agent_end_to_end(tmp_path) -> None:
     import openai
 
     import agl
+    from agl.gateway.backends import _batched_lora
 
     counter, lock = itertools.count(), threading.Lock()
+    stacked: list[Any] = []
+
+    def spy(model: Any, names: Any) -> Any:
+        stacked.append(_real(model, names))
+        return stacked[-1]
+
+    _real = _batched_lora.batched_lora
+    monkeypatch.setattr(_batched_lora, "batched_lora", spy)
 
     def app(task: dict, resources: agl.Resources) -> float:
         llm = resources.llm
@@ -341,12 +354,15 @@ def test_fit_trains_an_adapter_per_agent_end_to_end(tmp_path) -> None:
         run_dir=tmp_path / "run",
         progress=False,
         store="memory://",
+        batched_lora=batched,
     )
     agl.instrument("openai")
     try:
         trainer.fit(app, [{"q": "hello"}])
     finally:
         agl.uninstrument()
+    # the engine stacked the adapters for the batched product (for the calls it served) only when asked
+    assert bool(stacked) is batched
     (record,) = trainer.history
     for name in AGENTS:
         assert record[f"trained_transitions/{name}"] == 2.0

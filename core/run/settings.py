@@ -65,6 +65,13 @@ class Serving:
         default=None, metadata=_help(f"the gateway's bearer token (default: ${API_KEY_ENV})")
     )
     progress: bool = field(default=True, metadata=_help("show progress bars"))
+    batched_lora: bool = field(
+        default=False,
+        metadata=_help(
+            "transformers backend, an adapter per agent: rows of one batch that use different adapters "
+            "share one batched LoRA product (two bmm per LoRA layer) instead of peft's per-adapter loop"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.backend, str) and self.backend not in BACKENDS:
@@ -77,6 +84,10 @@ class Serving:
             raise UsageError(
                 "backend='vllm' needs vllm_url (the vLLM OpenAI server, e.g. http://host:8000/v1)"
             )
+        if not isinstance(self.batched_lora, bool):
+            raise UsageError(f"batched_lora must be True or False, got {self.batched_lora!r}")
+        if self.batched_lora and self.backend != "transformers":
+            raise UsageError("batched_lora is an option of the transformers backend (backend='transformers')")
         if self.backend == "scripted" and self.script is None:
             raise UsageError("backend='scripted' needs script= (replies, see agl.gateway.ScriptedBackend)")
         self.run_dir = Path(self.run_dir)

@@ -182,6 +182,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         "seed": args.seed,
         "resume": args.resume,
         "checkpoint_every": args.checkpoint_every,
+        "batched_lora": args.batched_lora,
         **trainer_kw,
     }
     trainer = Trainer(

@@ -67,6 +67,7 @@ def parser() -> argparse.ArgumentParser:
         lora_r={"help": "LoRA rank"},
     )
     add_config_options(t, Serving, ["runners"], runners={"default": 8, "help": "rollouts run at once"})
+    add_config_options(t, Serving, ["batched_lora"])
     add_config_options(t, LoopConfig, ["seed", "resume", "checkpoint_every"])
 
     for sp in (d, t):
@@ -179,6 +180,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         "seed": args.seed,
         "resume": args.resume,
         "checkpoint_every": args.checkpoint_every,
+        "batched_lora": args.batched_lora,
         **trainer_kw,
     }
     trainer = Trainer(

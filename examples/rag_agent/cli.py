@@ -88,6 +88,7 @@ def parser() -> argparse.ArgumentParser:
         kl_coef={"help": "KL penalty to the starting policy (keeps RL near the warm start)"},
     )
     add_config_options(t, Serving, ["runners"], runners={"default": 8, "help": "rollouts run at once"})
+    add_config_options(t, Serving, ["batched_lora"])
     add_config_options(t, LoopConfig, ["seed", "resume", "checkpoint_every"])
     t.add_argument(
         "--judge",
@@ -205,6 +206,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         "seed": args.seed,
         "resume": args.resume,
         "checkpoint_every": args.checkpoint_every,
+        "batched_lora": args.batched_lora,
         **kw,
     }
     trainer = Trainer(
