@@ -196,6 +196,19 @@ def test_ui_under_store_serve_token_pages_tree_and_tokens(served: Any, browser: 
     assert masked_between and "malformed expression" in "".join(t.text for t in masked_between)
     _shot(browser, "05b-merged")
 
+    # an adapter per agent: the adapter field keeps the calls that adapter trains on (solver's own)
+    adapter = browser.find_element(By.ID, "t-adapter")
+    adapter.send_keys("writer")
+    browser.find_element(By.ID, "t-apply").click()
+    _until(
+        browser,
+        lambda d: "Nothing here would be trained on." in d.find_element(By.ID, "transitions-page").text,
+    )
+    adapter.clear()
+    adapter.send_keys("solver")
+    browser.find_element(By.ID, "t-apply").click()
+    _wait(browser, ".trajectory")
+
     # Runs: the held-out curve from the store's rollouts
     browser.get(f"{base}#/runs")
     table = _wait(browser, "#store-curve table tbody tr")[0]

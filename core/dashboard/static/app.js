@@ -429,7 +429,7 @@ function Merged({ data }) {
 }
 
 function TransitionsPage({ id, attempt, query }) {
-  const [form, setForm] = useState({ view: query.get("view") || "calls", agents: query.get("agents") || "", air: query.get("air") || "on",
+  const [form, setForm] = useState({ view: query.get("view") || "calls", agents: query.get("agents") || "", adapter: query.get("adapter") || "", air: query.get("air") || "on",
     air_tool_error: query.get("air_tool_error") || "", air_exception: query.get("air_exception") || "", air_malformed_tool_call: query.get("air_malformed_tool_call") || "" });
   const [applied, setApplied] = useState(form);
   const qs = new URLSearchParams();
@@ -441,6 +441,7 @@ function TransitionsPage({ id, attempt, query }) {
     <form class="card filters" onSubmit=${(e) => { e.preventDefault(); setApplied(form); }}>
       <label>view<select id="t-view" value=${form.view} onChange=${set("view")}><option value="calls">per LLM call</option><option value="merged">merged sequences</option></select></label>
       <label>agents (comma-separated; empty: all)<input id="t-agents" value=${form.agents} onInput=${set("agents")} /></label>
+      <label>adapter (an adapter per agent: the calls it trains on)<input id="t-adapter" value=${form.adapter} onInput=${set("adapter")} placeholder="writer" /></label>
       <label>AIR<select id="t-air" value=${form.air} onChange=${set("air")}><option value="on">on</option><option value="off">off</option></select></label>
       <label>tool_error weight<input type="number" step="any" value=${form.air_tool_error} onInput=${set("air_tool_error")} placeholder="-0.1" /></label>
       <label>exception weight<input type="number" step="any" value=${form.air_exception} onInput=${set("air_exception")} placeholder="-0.1" /></label>
