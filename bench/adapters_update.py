@@ -64,13 +64,26 @@ def _case(name: str, threads: int, reps: int) -> dict[str, Any]:
         policy.step(ts, adv)
         times.append(time.perf_counter() - t0)
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # what the run holds for training between steps: trainable weights, their gradients (None after
+    # zero_grad(set_to_none)) and the optimizer's state tensors (one AdamW over every adapter)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    state = [v for st in policy.trainer.optimizer.state.values() for v in st.values()]
     return {
         "case": name,
         "step_s": statistics.median(times),
         "steps_s": times,
         "trainable": trainable,
         "peak_rss_mb": peak_kb / 1024,
+        "weights_mb": _mb(params),
+        "grads_mb": _mb([p.grad for p in params]),
+        "optimizer_mb": _mb(state),
     }
+
+
+def _mb(tensors: list[Any]) -> float:
+    import torch
+
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t)) / 2**20
 
 
 def main() -> None:
@@ -95,16 +108,19 @@ def main() -> None:
     shared = [r for r in rows if r["case"] == "shared"]
     four = [r for r in rows if r["case"] == "4 agents"]
     time_ratio = statistics.median(f["step_s"] for f in four) / statistics.median(s["step_s"] for s in shared)
-    extra_params = (four[0]["trainable"] - shared[0]["trainable"]) / 3
-    budget_mb = extra_params * 16 * 1.10 / 2**20
-    per_extra_mb = (
-        statistics.median(f["peak_rss_mb"] for f in four)
-        - statistics.median(s["peak_rss_mb"] for s in shared)
-    ) / 3
+    per_extra = (_held(four[0]) - _held(shared[0])) / 3
+    one, opt = shared[0]["weights_mb"], shared[0]["optimizer_mb"]  # one adapter's weights and AdamW state
     print(f"update time, 4 adapters / 1: {time_ratio:.2f}x (target <= 1.15x)")
     print(
-        f"memory per extra adapter: {per_extra_mb:.0f} MB peak RSS; budget (weights + AdamW + grad, +10%): {budget_mb:.0f} MB"
+        f"held for training per extra adapter: {per_extra:.1f} MB (one adapter: weights {one:.1f} MB, "
+        f"optimizer state {opt:.1f} MB; target <= {(one + opt) * 1.10:.1f} MB)"
     )
+    rss = [statistics.median(r["peak_rss_mb"] for r in rs) for rs in (shared, four)]
+    print(f"peak RSS: shared {rss[0]:.0f} MB, 4 adapters {rss[1]:.0f} MB")
+
+
+def _held(r: dict[str, Any]) -> float:
+    return r["weights_mb"] + r["grads_mb"] + r["optimizer_mb"]
 
 
 if __name__ == "__main__":

@@ -55,11 +55,14 @@ def serve_asgi(
     host: str = "127.0.0.1",
     port: int = 0,
     log_level: str = "warning",
-    startup_timeout_s: float = 30.0,
+    startup_timeout_s: float = 600.0,
     limits: HttpLimits | None = None,
 ) -> Iterator[str]:
     """Run any ASGI app with uvicorn in a daemon thread; yields its root URL (``http://host:port``).
-    ``limits``: read timeouts and the per-client connection cap (default :class:`HttpLimits`)."""
+    ``limits``: read timeouts and the per-client connection cap (default :class:`HttpLimits`).
+    ``startup_timeout_s`` is :class:`ServedGateway`'s: a transformers backend loads its model in the
+    app's startup, and the first load on a machine (or for a new user) prepares SmolLM2 from its GGUF,
+    which took over 30 s on a loaded 2-core box."""
     served = ServedGateway(
         app, host=host, port=port, log_level=log_level, startup_timeout_s=startup_timeout_s, limits=limits
     )

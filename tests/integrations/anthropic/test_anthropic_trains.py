@@ -22,7 +22,9 @@ GOOD, BAD = "Paris.", "I am not sure."
 
 
 class Alternate:
-    """The engine: replies alternate between a right and a wrong answer, so each group has both."""
+    """The engine: replies alternate between a right and a wrong answer, so each group has both (the
+    test runs one rollout at a time: with two at once, two groups' calls could interleave so that one
+    group gets both right answers and the other both wrong ones, and neither trains)."""
 
     def __init__(self) -> None:
         self.n = 0
@@ -77,7 +79,7 @@ def test_an_anthropic_client_agent_trains_on_exact_ids(tmp_path: Path) -> None:
             backend="scripted",
             script=Alternate(),
             store="memory://",
-            runners=2,
+            runners=1,
             run_dir=tmp_path / "run",
             tasks_per_step=2,
             steps=2,
