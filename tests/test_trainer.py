@@ -592,56 +592,9 @@ def test_learn_on_cpu_agent_rewards_only_the_strict_format(tmp_path: Path) -> No
     assert len(tools) == 4 and all(s.attributes[sc.GEN_AI_TOOL_NAME] == "calculator" for s in tools)
 
 
-def test_vllm_backend_gets_each_steps_lora_adapter(tmp_path: Path) -> None:
-    """Weight sync to vLLM: the adapter is saved per step and loaded through the gateway's vllm
-    backend (vLLM's runtime LoRA loading), and the policy's requests go to the newest adapter."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "gateway"))
-    from fake_vllm import FakeVLLM
-
-    from agl.gateway.testing import serve_asgi
-
-    fake = FakeVLLM(["Answer: 42", "no idea"], model="policy")
-
-    def agent(task: dict, resources: agl.Resources) -> float:
-        llm = resources.llm
-        client = openai.OpenAI(base_url=llm.base_url, api_key="x")
-        with _agent_span("writer"):
-            reply = _ask(client, llm.model, "You are the writer.", task["q"])
-        return 1.0 if reply == GOOD else 0.0
-
-    with serve_asgi(fake.app) as root:
-        trainer = Trainer(
-            agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
-            model=tiny_model(),
-            backend="vllm",
-            vllm_url=root + "/v1",
-            model_name="policy",
-            tokenizer=load_tokenizer(),
-            store="memory://",
-            runners=2,
-            run_dir=tmp_path,
-            tasks_per_step=1,
-            steps=2,
-            val_every=0,
-            progress=False,
-        )
-        trainer.fit(agent, [{"q": "What is 6 * 7?"}])
-    loads = [body for kind, body in fake.requests if kind == "load_lora_adapter"]
-    versions = [r["resources_version"] for r in trainer.history]
-    assert [Path(b["lora_path"]).name for b in loads] == [f"v{v}" for v in versions]
-    assert (Path(loads[-1]["lora_path"]) / "adapter_config.json").exists()
-    # after the last load the policy's requests are routed to that adapter
-    chats = [body for kind, body in fake.requests if kind == "chat"]
-    assert chats[-1]["model"] == loads[-1]["lora_name"]
-    assert all(r["transitions"] == 2 and r["exact_token_ratio"] == 1.0 for r in trainer.history)
-
-
-def test_async_training_on_the_vllm_backend_pauses_around_each_push(tmp_path: Path) -> None:
-    """max_staleness=1 on the vLLM backend: runners keep running while the policy updates, each
-    step's adapter is loaded inside a pause/resume of vLLM's own API (mode=keep: nothing in flight
-    is dropped), no rollout is trained twice and no trained call is older than one version."""
+def _fit_on_fake_vllm(tmp_path: Path, tasks: list[dict], **kw: Any) -> tuple[Trainer, Any]:
+    """A writer agent trained on the vllm backend in front of tests/gateway/fake_vllm.py; returns the
+    trainer after ``fit`` and the fake server (its ``requests`` and ``control`` logs)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent / "gateway"))
@@ -669,12 +622,34 @@ def test_async_training_on_the_vllm_backend_pauses_around_each_push(tmp_path: Pa
             runners=2,
             run_dir=tmp_path,
             tasks_per_step=1,
-            steps=3,
             val_every=0,
-            max_staleness=1,
             progress=False,
+            **kw,
         )
-        trainer.fit(agent, [{"q": "What is 6 * 7?"}, {"q": "What is 5 * 8?"}])
+        trainer.fit(agent, tasks)
+    return trainer, fake
+
+
+def test_vllm_backend_gets_each_steps_lora_adapter(tmp_path: Path) -> None:
+    """Weight sync to vLLM: the adapter is saved per step and loaded through the gateway's vllm
+    backend (vLLM's runtime LoRA loading), and the policy's requests go to the newest adapter."""
+    trainer, fake = _fit_on_fake_vllm(tmp_path, [{"q": "What is 6 * 7?"}], steps=2)
+    loads = [body for kind, body in fake.requests if kind == "load_lora_adapter"]
+    versions = [r["resources_version"] for r in trainer.history]
+    assert [Path(b["lora_path"]).name for b in loads] == [f"v{v}" for v in versions]
+    assert (Path(loads[-1]["lora_path"]) / "adapter_config.json").exists()
+    # after the last load the policy's requests are routed to that adapter
+    chats = [body for kind, body in fake.requests if kind == "chat"]
+    assert chats[-1]["model"] == loads[-1]["lora_name"]
+    assert all(r["transitions"] == 2 and r["exact_token_ratio"] == 1.0 for r in trainer.history)
+
+
+def test_async_training_on_the_vllm_backend_pauses_around_each_push(tmp_path: Path) -> None:
+    """max_staleness=1 on the vLLM backend: runners keep running while the policy updates, each
+    step's adapter is loaded inside a pause/resume of vLLM's own API (mode=keep: nothing in flight
+    is dropped), no rollout is trained twice and no trained call is older than one version."""
+    tasks = [{"q": "What is 6 * 7?"}, {"q": "What is 5 * 8?"}]
+    trainer, fake = _fit_on_fake_vllm(tmp_path, tasks, steps=3, max_staleness=1)
     kinds = [kind for kind, _ in fake.control if kind in ("pause", "load_lora_adapter", "resume")]
     pushes = [r["resources_version"] for r in trainer.history]
     assert kinds == ["pause", "load_lora_adapter", "resume"] * len(pushes), fake.control

@@ -379,13 +379,9 @@ class VLLMBackend(HttpUpstreamBackend):
         """``POST /pause?mode=keep&clear_cache=false``; True once paused. A refusal is resumed away (the
         server may have paused half-way) and raises BackendError under ``pause_on_push=True``, else is
         logged and the push goes on unpaused (pausing is not needed to load an adapter)."""
-        try:
-            status, raw = await self.request("POST", f"{self.root_url}/pause?{PAUSE_QUERY}")
-            if status < 400:
-                return True
-            why = f"answered {status}: {raw[:300].decode(errors='replace')}"
-        except BackendError as exc:
-            why = str(exc)
+        why = await self._control(f"/pause?{PAUSE_QUERY}")
+        if why is None:
+            return True
         await self._resume(quiet=True)
         message = f"vLLM at {self.root_url} did not pause for the weight push ({why})"
         if self.pause_on_push:
@@ -396,18 +392,22 @@ class VLLMBackend(HttpUpstreamBackend):
     async def _resume(self, *, quiet: bool) -> None:
         """``POST /resume``. A failure raises BackendError (calls would hang on a paused vLLM), or is
         only logged when ``quiet`` (another error is already on its way)."""
-        try:
-            status, raw = await self.request("POST", self.root_url + "/resume")
-            if status < 400:
-                return
-            why = f"answered {status}: {raw[:300].decode(errors='replace')}"
-        except BackendError as exc:
-            why = str(exc)
+        why = await self._control("/resume")
+        if why is None:
+            return
         message = f"vLLM at {self.root_url} did not resume generation ({why}): it may still be paused"
         if quiet:
             log.error("agl gateway: %s", message)
             return
         raise BackendError(message)
+
+    async def _control(self, route: str) -> str | None:
+        """``POST`` to one of vLLM's root control routes; None when it succeeded, else why not."""
+        try:
+            status, raw = await self.request("POST", self.root_url + route)
+        except BackendError as exc:
+            return str(exc)
+        return None if status < 400 else f"answered {status}: {raw[:300].decode(errors='replace')}"
 
     async def _load_lora(self, lora_name: str, path: str) -> None:
         """``POST /v1/load_lora_adapter``; BackendError with vLLM's answer when it refuses."""
