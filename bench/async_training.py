@@ -1,12 +1,19 @@
-"""Synchronous vs asynchronous LightningRL on ``learn_on_cpu``: wall time, engine share, held-out reward.
+"""Synchronous vs asynchronous LightningRL on ``learn_on_cpu`` and calc_agent's recipe: wall time,
+engine share, held-out reward.
 
-The path users run: ``python -m examples.learn_on_cpu train --max-staleness K --seed S`` (SmolLM2-135M
-on the embedded transformers engine, LoRA r=16, 8 steps x 4 tasks x 4 rollouts, 24 held-out
-questions every 2 steps), one subprocess per run, one run at a time, the configurations interleaved per
+The path users run, one subprocess per run, one run at a time, the configurations interleaved per
 seed so that a change of machine load hits them alike. The seeds are fixed here, before anything runs.
 
-    python bench/async_training.py                       # k = 0 and 1, seeds 0 1 2 -> runs/bench_async
+- ``learn_on_cpu``: ``python -m examples.learn_on_cpu train --max-staleness K --seed S`` (SmolLM2-135M
+  on the embedded transformers engine, LoRA r=16, 8 steps x 4 tasks x 4 rollouts, 24 held-out
+  questions every 2 steps).
+- ``calc_agent``: the recipe of examples/calc_agent/README.md (warm start from ``--warm-start DIR``,
+  the 64-demonstration SFT; 8 steps x 8 problems x 4 samples at temperature 0.8, lr 2e-4, 16 runners,
+  one greedy check on all 100 held-out problems at the end) with ``--max-staleness K``.
+
+    python bench/async_training.py                       # learn_on_cpu, k = 0 and 1, seeds 0 1 2
     python bench/async_training.py --ks 0 1 2 --seeds 0  # another matrix
+    python bench/async_training.py --example calc_agent --warm-start runs/calc_sft64 --ks 0 1 2
     python bench/async_training.py --report-only         # the table of runs already there
 
 Per run, from its metrics.jsonl: wall time (the process, model load included), mean seconds per step,
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,15 +40,48 @@ SEEDS = (0, 1, 2)  # declared before the runs (bench/README.md)
 KS = (0, 1)
 
 
-def _run(root: Path, k: int, seed: int, threads: int) -> None:
-    run_dir = root / f"k{k}_s{seed}"
+CALC_RECIPE = (
+    "--steps", "8", "--tasks-per-step", "8", "--group-size", "4", "--val-tasks", "100", "--val-every", "0",
+    "--no-val-before", "--max-tokens", "64", "--temperature", "0.8", "--learning-rate", "2e-4",
+    "--runners", "16", "--gradient-checkpointing", "off", "--micro-batch-tokens", "1024",
+)  # fmt: skip
+
+
+def _command(args: argparse.Namespace, k: int, seed: int, run_dir: Path) -> list[str]:
+    common = ["--seed", str(seed), "--max-staleness", str(k), "--run-dir", str(run_dir)]
+    if args.example == "calc_agent":  # no --overwrite there: _run starts it in an empty folder
+        threads = str(args.threads or 2)
+        warm = ["--warm-start", str(args.warm_start)] if args.warm_start else []
+        return [
+            sys.executable,
+            "-m",
+            "examples.calc_agent",
+            "--threads",
+            threads,
+            "train",
+            *common,
+            *warm,
+            *CALC_RECIPE,
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "examples.learn_on_cpu",
+        "train",
+        *common,
+        "--overwrite",
+        "--threads",
+        str(args.threads),
+    ]
+
+
+def _run(args: argparse.Namespace, k: int, seed: int) -> None:
+    run_dir = args.root / f"k{k}_s{seed}"
     if (run_dir / "metrics.jsonl").exists() and (run_dir / "wall.json").exists():
         print(f"[skip] {run_dir} (done)", flush=True)
         return
-    cmd = [
-        sys.executable, "-m", "examples.learn_on_cpu", "train", "--seed", str(seed),
-        "--max-staleness", str(k), "--run-dir", str(run_dir), "--overwrite", "--threads", str(threads),
-    ]  # fmt: skip
+    cmd = _command(args, k, seed, run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished earlier run
     print(f"[run] k={k} seed={seed}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
@@ -90,6 +131,10 @@ def _projection(steps: list[dict[str, Any]]) -> float | None:
     return sum(a + b for a, b in pairs) / max(sum(max(a, b) for a, b in pairs), 1e-9)
 
 
+def _fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
 def report(root: Path) -> list[dict[str, Any]]:
     rows = [_summary(d) for d in sorted(root.iterdir()) if (d / "wall.json").exists()]
     print(
@@ -98,7 +143,7 @@ def report(root: Path) -> list[dict[str, Any]]:
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(
-            f"| {r['run']} | {r['wall_s']:.0f} | {r['s_per_step']:.1f} | {r['val_before']:.3f} → {r['val_after']:.3f} | "
+            f"| {r['run']} | {r['wall_s']:.0f} | {r['s_per_step']:.1f} | {_fmt(r['val_before'])} → {_fmt(r['val_after'])} | "
             f"{r['busy_share']:.0%} | {r['update_s']:.0f} | {r['staleness_mean']:.2f} | {r['dropped']} | "
             f"{r['trained_twice']} | {r['load'][0]:.1f}–{r['load'][1]:.1f} |"
         )
@@ -125,17 +170,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--root", type=Path, default=Path("runs/bench_async"))
+    parser.add_argument("--example", choices=("learn_on_cpu", "calc_agent"), default="learn_on_cpu")
+    parser.add_argument("--warm-start", type=Path, default=None, help="calc_agent: the SFT warm start folder")
+    parser.add_argument("--root", type=Path, default=None, help="default runs/bench_async[_calc]")
     parser.add_argument("--ks", type=int, nargs="+", default=list(KS))
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
+    if args.root is None:
+        args.root = Path("runs/bench_async" + ("_calc" if args.example == "calc_agent" else ""))
     args.root.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         for seed in args.seeds:
             for k in args.ks:
-                _run(args.root, k, seed, args.threads)
+                _run(args, k, seed)
     report(args.root)
 
 

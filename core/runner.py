@@ -189,6 +189,7 @@ class RunnerStats:
     lost: int = 0  #: attempts the store ended under us (lease expired, cancelled)
     released: int = 0  #: claimed work handed back on shutdown
     hung: int = 0  #: sync agent threads still running after their rollout was given up (now)
+    endpoint_pauses: int = 0  #: times claiming paused because the agents' LLM endpoint was down
     rewards: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -201,6 +202,7 @@ class RunnerStats:
             "lost": self.lost,
             "released": self.released,
             "hung": self.hung,
+            "endpoint_pauses": self.endpoint_pauses,
             "reward_mean": sum(self.rewards) / len(self.rewards) if self.rewards else None,
         }
 
@@ -345,6 +347,9 @@ class Runner:
         from agl.instrumentation.attribution import AttributionCheck
 
         self._attribution = AttributionCheck(store)  # warns once when LLM calls lose their agent
+        from agl.endpoint_gate import EndpointGate
+
+        self._gate = EndpointGate()  # no claims while the agents' LLM endpoint refuses connections
 
     # ------------------------------------------------------------------------------ control
     def stop(self, *, now: bool = False) -> None:
@@ -499,7 +504,11 @@ class Runner:
         return True
 
     async def _worker(self, index: int) -> None:
+        assert self._stop_evt is not None
         while not self._stop.is_set():
+            if self._gate.down is not None:
+                await self._gate.wait(self._stop_evt)
+                continue
             if len(self._hung) >= self.max_hung:
                 if not await self._pause_while_hung():
                     return
@@ -584,7 +593,9 @@ class Runner:
             await self._record_in_context(rid, number, exc)
             status, error = "failed", AttemptError(type="TimeoutError", message=str(exc))
             self.stats.timed_out += 1
-        except Exception as exc:  # noqa: BLE001 - the agent's own failure
+        except Exception as exc:  # noqa: BLE001 - the agent's own failure (or its endpoint's)
+            if self._gate.note(exc, resources):
+                self.stats.endpoint_pauses = self._gate.waits
             status, error = (
                 "failed",
                 AttemptError(

@@ -431,9 +431,10 @@ def test_a_checkpoint_is_served_again_per_adapter_and_bad_folders_are_refused(to
 
 
 def test_the_batched_lora_product_matches_peft_per_row(tok, tmp_path) -> None:
-    """``batched_lora=True``: each row's A and B gathered and applied in two batched matmuls per LoRA
-    layer gives peft's per-row ``adapter_names`` result within 1e-4, directly and through the engine's
-    continuous batch, and after a weight push (the stacks are rebuilt from the new tensors)."""
+    """``batched_lora=True``: the adapters concatenated and each row masked to its own in two matmuls
+    per LoRA layer gives peft's per-row ``adapter_names`` result within 1e-4 (mixed rows, one adapter
+    only, the second adapter only, base rows only), directly and through the engine's continuous batch,
+    and after a weight push (the concatenations are rebuilt from the new tensors)."""
     import asyncio
 
     from agl.gateway.backends._batched_lora import batched_lora
@@ -456,6 +457,12 @@ def test_the_batched_lora_product_matches_peft_per_row(tok, tmp_path) -> None:
     assert (got - ref).abs().max().item() < 1e-4
     assert not torch.allclose(ref[0], ref[1], atol=1e-3) and not torch.allclose(ref[0], plain[0], atol=1e-3)
     assert torch.allclose(plain[2], ref[2], atol=1e-6)  # forward restored: no stale patch left behind
+    for subset in (["rewriter", None, "rewriter", None], [None] * 4, ["writer"] * 4):
+        with torch.no_grad():
+            want = model(input_ids=ids, adapter_names=[r or "__base__" for r in subset]).logits
+            with stack.rows(subset):
+                have = model(input_ids=ids).logits
+        assert (have - want).abs().max().item() < 1e-4, subset
 
     peft_rows = serve(policy)
     batched = TransformersBackend.for_policy(
