@@ -64,8 +64,12 @@ def emit_reward(value: float | Mapping[str, float], name: str | None = None, pri
     ``value`` is a number, or a dict ``{name: number}`` for several named rewards at once (one span
     per entry, in dict order). With a dict, at most one entry is primary: the one called ``name``
     when ``name`` is given (it must be a key), else the first one; and only when ``primary`` is True.
-    The adapter uses the last primary reward of an attempt as its final reward; non-primary rewards
-    are recorded for analysis. A scalar reward is named ``name`` or ``"reward"``.
+    The adapter uses the last primary reward of an attempt as its final reward; every other reward
+    (non-primary ones, earlier primaries) is an *intermediate* reward, added to the return of the LLM
+    call before it (docs/architecture.md §8.2), so it is trained on: a breakdown of the final reward
+    emitted beside it counts twice. Keep such a breakdown out of reward spans (e.g. recompute it from
+    the stored transitions, as examples/solve_check does). A scalar reward is named ``name`` or
+    ``"reward"``.
 
     Raises ``ValueError`` for NaN/inf and ``TypeError`` for non-numbers, before emitting anything.
     """
