@@ -12,8 +12,9 @@ same 8 prompts, ``min_tokens``-free: tokens counted as the backend returns them)
 - ``1 adapter/row``: the same adapter named per row (the per-agent path with one agent);
 - ``2 adapters``, ``4 adapters``: the 8 rows spread round-robin over 2 or 4 adapters;
 - with ``--batched-lora``, also ``2 batched``/``4 batched``: the same rows through the batched LoRA
-  product (``TransformersBackend(batched_lora=True)``: each row's A and B gathered, two ``bmm`` per
-  LoRA layer) instead of peft's per-adapter loop.
+  product (``TransformersBackend(batched_lora=True)``: the adapters concatenated once per layer, two
+  dense matmuls over the whole batch with a per-row mask on the rank blocks) instead of peft's
+  per-adapter loop.
 
 Target (issue 35): 2 and 4 adapters >= 0.8x ``plain`` tokens/s. Figures: bench/README.md.
 """

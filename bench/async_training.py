@@ -108,6 +108,8 @@ def _summary(run_dir: Path) -> dict[str, Any]:
         "load": (wall["load_start"], wall["load_end"]),
         "steps": len(steps),
         "s_per_step": step_s / max(len(steps), 1),
+        # the training steps alone (a held-out check that ran after the last one is its own record)
+        "s_per_train_step": statistics.fmean([r["step_s"] for r in steps if "train_reward" in r] or [0.0]),
         "val_before": vals[0] if vals else None,
         "val_after": vals[-1] if vals else None,
         "busy_share": busy / step_s if step_s else None,
@@ -138,12 +140,12 @@ def _fmt(value: float | None) -> str:
 def report(root: Path) -> list[dict[str, Any]]:
     rows = [_summary(d) for d in sorted(root.iterdir()) if (d / "wall.json").exists()]
     print(
-        "| run | wall s | s/step | held-out before → after | engine busy | update s | staleness | dropped | trained twice | load |"
+        "| run | wall s | s/step | s/train step | held-out before → after | engine busy | update s | staleness | dropped | trained twice | load |"
     )
-    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(
-            f"| {r['run']} | {r['wall_s']:.0f} | {r['s_per_step']:.1f} | {_fmt(r['val_before'])} → {_fmt(r['val_after'])} | "
+            f"| {r['run']} | {r['wall_s']:.0f} | {r['s_per_step']:.1f} | {r['s_per_train_step']:.1f} | {_fmt(r['val_before'])} → {_fmt(r['val_after'])} | "
             f"{r['busy_share']:.0%} | {r['update_s']:.0f} | {r['staleness_mean']:.2f} | {r['dropped']} | "
             f"{r['trained_twice']} | {r['load'][0]:.1f}–{r['load'][1]:.1f} |"
         )
@@ -153,7 +155,8 @@ def report(root: Path) -> list[dict[str, Any]]:
         proj = [r["projected_speedup"] for r in group if r["projected_speedup"] is not None]
         print(
             f"{k}: {len(group)} seeds, wall {statistics.fmean(r['wall_s'] for r in group):.0f} s, "
-            f"s/step {statistics.fmean(r['s_per_step'] for r in group):.1f}, held-out after "
+            f"s/step {statistics.fmean(r['s_per_step'] for r in group):.1f} (training steps "
+            f"{statistics.fmean(r['s_per_train_step'] for r in group):.1f}), held-out after "
             f"{statistics.fmean(after):.3f} (range {max(after) - min(after):.3f}), busy "
             f"{statistics.fmean(r['busy_share'] for r in group):.0%}"
             + (

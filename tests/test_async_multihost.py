@@ -10,6 +10,9 @@ step of metrics.jsonl; every pipeline group the store holds is trained or droppe
 the ones still outstanding at the end; every group that had finished untrained at a kill is consumed
 later; the same runner processes (same PIDs, still alive) ran rollouts before, between and after the
 kills: the gateway and the store outlive the trainer, so the runners never notice it is gone.
+
+Then the same with the gateway inside the trainer (``gateway_bind``), gone at each kill: the runners
+stop claiming until the resumed trainer serves its port again, and no rollout fails for good.
 """
 
 from __future__ import annotations
@@ -66,9 +69,11 @@ from agl.trainer import Trainer, load_tokenizer
 from mh_agent import agent
 
 run_dir, store, gateway, model, resume = sys.argv[1:6]
+# "bind:HOST:PORT": the gateway runs inside this trainer (and dies with it); else an external one's URL
+served = {"gateway_bind": gateway[5:]} if gateway.startswith("bind:") else {"gateway_url": gateway}
 trainer = Trainer(
     agl.LightningRL(group_size=GROUP_SIZE, learning_rate=1e-2, lora_r=4, lora_alpha=8),
-    model=model, model_name="tiny", tokenizer=load_tokenizer(), store=store, gateway_url=gateway,
+    model=model, model_name="tiny", tokenizer=load_tokenizer(), store=store, **served,
     runners=0, run_dir=run_dir, tasks_per_step=TASKS_PER_STEP, steps=STEPS, val_every=0,
     checkpoint_every=1, max_staleness=MAX_STALENESS, lease_s=5.0, max_attempts=5, resume=resume == "1",
     config=agl.RunConfig(max_tokens=4), progress=False,
@@ -225,7 +230,31 @@ def test_trainer_killed_twice_runners_on_other_hosts_keep_going(
         server.stop()
 
 
-def _scenario(c: Cluster, tmp: Path, store_url: str, trainer_store: str) -> None:
+def test_runners_wait_out_a_gateway_that_restarts_inside_the_trainer(
+    tmp_path: Path, cluster: Cluster
+) -> None:
+    """The same, with the gateway inside the trainer (``gateway_bind`` on a fixed port), so it dies at
+    each kill: the runners' calls in flight fail (one attempt each), the runners stop claiming until the
+    resumed trainer serves the port again (agl.endpoint_gate), and no rollout fails for good."""
+    server, _ = _sqlite_stores(tmp_path)
+    store_url = server.start()
+    try:
+        _scenario(cluster, tmp_path, store_url, store_url, inside=True)
+        store = agl.store.open(store_url)
+        try:
+            rollouts = store.query_rollouts(mode="train")
+            assert not [r.id for r in rollouts if r.status == "failed"]
+            assert max(len(r.attempts) for r in rollouts) <= 2  # at most the one in flight at a kill
+        finally:
+            store.close()
+        logs = "".join((tmp_path / f"runner{i}.log").read_text(errors="replace") for i in range(2))
+        assert "claiming paused" in logs and "answers again" in logs
+    finally:
+        cluster.stop()
+        server.stop()
+
+
+def _scenario(c: Cluster, tmp: Path, store_url: str, trainer_store: str, *, inside: bool = False) -> None:
     (tmp / "mh_agent.py").write_text(AGENT)
     script = TRAINER
     for name, value in {"GROUP_SIZE": GROUP_SIZE, "TASKS_PER_STEP": TASKS_PER_STEP, "STEPS": STEPS}.items():
@@ -233,7 +262,7 @@ def _scenario(c: Cluster, tmp: Path, store_url: str, trainer_store: str) -> None
     (tmp / "mh_trainer.py").write_text(script.replace("MAX_STALENESS", str(K)))
     model = tmp / "tiny"
     _save_tiny_model(model)
-    gateway = _start_gateway(c, model, store_url)
+    gateway = f"bind:127.0.0.1:{_free_port()}" if inside else _start_gateway(c, model, store_url)
     runners = _start_runners(c, store_url, 2)
     run = tmp / "run"
     args = [str(run), trainer_store, gateway, str(model)]
