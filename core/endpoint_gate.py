@@ -6,6 +6,9 @@ claiming queued rollouts, each would fail at its first LLM call within milliseco
 would burn through its ``max_attempts`` in seconds: rollouts failed for good, groups lost. With it, only
 the attempts already in flight when the endpoint went away fail (one attempt each; the store requeues
 them while attempts remain); the next claim waits until a TCP connection to the endpoint succeeds.
+A runner started with ``until_idle`` (drain the queue, then exit) is not held: it fails fast as before,
+so a wrong URL ends such a run instead of hanging it; a long-lived runner says again every minute
+that it is waiting.
 
 What counts as "down": the agent's exception, or any exception in its ``__cause__``/``__context__``
 chain, is a refused or dropped connection (``ConnectionRefusedError``, httpx's ``ConnectError`` /
@@ -33,6 +36,7 @@ _CONNECTION_ERRORS = frozenset(
     {"ConnectError", "ConnectTimeout", "RemoteProtocolError", "APIConnectionError"}
 )
 _MAX_DELAY_S = 5.0
+_REMIND_S = 60.0
 
 
 def connection_failure(exc: BaseException) -> bool:
@@ -95,15 +99,24 @@ class EndpointGate:
         return True
 
     async def wait(self, stop: asyncio.Event) -> None:
-        """Return when no endpoint is down (probing the noted one) or ``stop`` is set."""
-        delay = 0.25
+        """Return when no endpoint is down (probing the noted one) or ``stop`` is set; while it stays
+        down, say so again every minute (a wrong URL must not look like an idle runner)."""
+        delay, loop = 0.25, asyncio.get_running_loop()
+        started = reminded = loop.time()
         while self.down is not None and not stop.is_set():
             address = self.down
-            if await asyncio.get_running_loop().run_in_executor(None, _reachable, address):
+            if await loop.run_in_executor(None, _reachable, address):
                 if self.down == address:
                     log.warning("agl runner: the LLM endpoint %s:%d answers again; claiming", *address)
                     self.down = None
                 return
+            if loop.time() - reminded >= _REMIND_S:
+                reminded = loop.time()
+                log.warning(
+                    "agl runner: the LLM endpoint %s:%d is still unreachable after %.0f s; not claiming",
+                    *address,
+                    reminded - started,
+                )
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), delay)
             delay = min(delay * 2, _MAX_DELAY_S)

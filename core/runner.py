@@ -506,7 +506,7 @@ class Runner:
     async def _worker(self, index: int) -> None:
         assert self._stop_evt is not None
         while not self._stop.is_set():
-            if self._gate.down is not None:
+            if self._gate.down is not None and not self._idle_exit:  # until_idle: fail fast, exit
                 await self._gate.wait(self._stop_evt)
                 continue
             if len(self._hung) >= self.max_hung:

@@ -104,3 +104,12 @@ def test_connection_failure_looks_through_the_wrapping_chain() -> None:
     assert not connection_failure(
         openai.BadRequestError("400", response=httpx.Response(400, request=request), body=None)
     )
+
+
+def test_a_runner_draining_the_queue_is_not_held_by_a_down_endpoint(store: MemoryStore) -> None:
+    """``until_idle`` (drain, then exit): a wrong endpoint fails every rollout and the run ends."""
+    store.add_resources({"main": LLM(base_url=f"http://127.0.0.1:{_free_port()}/v1", model="scripted")})
+    ids = [r.id for r in store.enqueue([NewRollout(input={"q": f"q{i}"}) for i in range(3)])]
+    stats = Runner(agent, store, concurrency=2, claim_timeout_s=0.05).run(until_idle=True)
+    assert stats.failed == 3 and stats.endpoint_pauses == 1
+    assert all(store.get_rollout(rid).status == "failed" for rid in ids)
