@@ -113,9 +113,10 @@ def _setup(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
-def _run_dir(args: argparse.Namespace, name: str) -> Path:
+def _run_dir(args: argparse.Namespace, name: str, *, resume: bool = False) -> Path:
+    """The run directory; ``resume``: an existing one is kept (compare skips the runs it finished)."""
     path = Path(args.run_dir) if args.run_dir else Path("runs") / name / time.strftime("%Y%m%d-%H%M%S")
-    if path.exists() and any(path.iterdir()):
+    if path.exists() and any(path.iterdir()) and not resume:
         if not args.overwrite:
             raise SystemExit(f"{path} already holds a run; pass --overwrite to replace it")
         import shutil
@@ -144,14 +145,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from agl.plot import plot_runs
 
     _setup(args)
-    root = _run_dir(args, "solve_check_compare")
+    root = _run_dir(args, "solve_check_compare", resume=not args.overwrite)
     results = []
     for seed in args.seeds:  # interleaved, so a change of machine load hits both setups alike
         for setup in SETUPS:
             run_dir = root / f"{setup}_s{seed}"
-            if (run_dir / "summary.json").exists():
+            if (run_dir / "summary.json").exists():  # finished by an earlier compare: kept
                 results.append(json.loads((run_dir / "summary.json").read_text()))
                 continue
+            if run_dir.exists():  # an unfinished one: again from the start
+                import shutil
+
+                shutil.rmtree(run_dir)
             results.append(_train_one(args, seed, run_dir, setup == "per_agent"))
     print("\n| setup | seed | solver before → after | checker before → after | minutes |")
     print("|---|---:|---|---|---:|")
