@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import time
 from typing import Any
 
@@ -89,6 +90,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batched-lora", action="store_true", help="also the batched LoRA product's cases")
+    ap.add_argument(
+        "--cases",
+        nargs="+",
+        default=None,
+        help="only these cases, by label (e.g. plain '4 adapters' '4 batched'): more rounds in the same time",
+    )
     args = ap.parse_args()
     import torch
 
@@ -105,7 +112,13 @@ def main() -> None:
     ]
     if args.batched_lora:
         cases += [("2 batched", NAMES[:2], NAMES[:2], True), ("4 batched", NAMES, NAMES, True)]
+    if args.cases:
+        unknown = set(args.cases) - {c[0] for c in cases}
+        if unknown or "plain" not in args.cases:
+            raise SystemExit(f"--cases: unknown {sorted(unknown)} or no 'plain' (the reference)")
+        cases = [c for c in cases if c[0] in args.cases]
     run(backend, [None], 4)  # warm-up
+    ratios: dict[str, list[float]] = {}
     for rnd in range(args.rounds):
         ref = None
         for label, served, rows, batched in cases:
@@ -114,9 +127,12 @@ def main() -> None:
             seconds, tokens = run(backend, rows, args.new_tokens)
             rate = tokens / seconds
             ref = ref or rate
+            ratios.setdefault(label, []).append(rate / ref)
             print(
                 f"round {rnd} {label:>14}: {seconds:6.2f} s {tokens:4d} tokens {rate:7.1f} tok/s {rate / ref:5.2f}x"
             )
+    for label, rs in ratios.items():  # each case against the plain run of its own round
+        print(f"{label:>14}: median {statistics.median(rs):.2f}x of plain, range {min(rs):.2f}-{max(rs):.2f}")
     per_adapter = sum(p.numel() for k, p in model.named_parameters() if f".{NAMES[0]}." in k)
     print(
         f"LoRA parameters per adapter: {per_adapter / 1e6:.2f} M ({per_adapter * 4 / 2**20:.1f} MiB fp32; "

@@ -64,11 +64,14 @@ class AsyncLoop:
         self.pipe = GroupPipeline(
             trainer.store, self._adapt, trainer.algorithm.group_size, trainer.rollout_config
         )
-        #: groups kept outstanding: the current step's and k steps' ahead
-        self.budget = (self.k + 1) * self.cfg.tasks_per_step
         #: a scripted or hosted engine never serves the pushed versions: staleness is unknown there
         self.versions_known = trainer.env is not None and trainer.env.serves_pushed_weights
         self.ledger = VersionLedger()
+
+    def budget_at(self, step: int) -> int:
+        """Groups to keep outstanding at ``step``: k steps ahead, but never for steps past the last
+        (their rollouts would run for nothing, beside the final held-out check)."""
+        return min(self.k + 1, self.cfg.steps - step) * self.cfg.tasks_per_step
 
     def draw(self, n: int) -> list[Task]:
         return [self.train_tasks[i] for i in self.order.take(n)]
@@ -130,7 +133,9 @@ class AsyncLoop:
         sync_s = t.sync_weights(version)
         self.ledger.pushed(version, t.policy.global_step)
         if not final:
-            self.pipe.fill(self.budget, step, self.draw)
+            self.pipe.fill(self.budget_at(step), step, self.draw)
+        else:  # nothing trains any more: groups still running would only slow the held-out check
+            self.pipe.cancel_outstanding()
         val_ids = t._enqueue(val_tasks, version, step, 1)
         record: dict[str, Any] = {"step": step, "resources_version": version, "max_staleness": self.k}
         ids: list[str] = []

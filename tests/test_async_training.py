@@ -163,6 +163,49 @@ def test_no_trained_call_is_older_than_k_and_stale_groups_are_dropped(tmp_path: 
             assert min(served[rid]) < r["resources_version"] - k and rid not in trained
 
 
+def test_no_group_is_enqueued_past_the_last_step(tmp_path: Path) -> None:
+    """k=2 over 3 steps: the pipeline keeps k steps ahead but never enqueues for a step after the last,
+    so every training group the store holds was trained or dropped (none ran for nothing), and the
+    final held-out check runs with no training rollout left running beside it."""
+
+    def agent(task: dict, resources: agl.Resources) -> float:
+        llm = resources.llm
+        client = openai.OpenAI(base_url=llm.base_url, api_key="x")
+        out = client.chat.completions.create(
+            model=llm.model, messages=[{"role": "user", "content": task["q"]}], **llm.sampling
+        )
+        return float(len(out.choices[0].message.content or "") % 2)
+
+    trainer = Trainer(
+        agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
+        model=tiny_model(),
+        backend="transformers",
+        model_name="tiny",
+        tokenizer=load_tokenizer(),
+        store="memory://",
+        runners=4,
+        run_dir=tmp_path,
+        tasks_per_step=2,
+        steps=3,
+        val_every=0,
+        val_before=False,
+        max_staleness=2,
+        config=agl.RunConfig(temperature=1.0, max_tokens=4),
+        progress=False,
+    )
+    trainer.fit(agent, [{"q": w} for w in ("a", "b", "c", "d", "e", "f")], [{"q": "held"}])
+    train = trainer.store.query_rollouts(mode="train")
+    used = {
+        rid
+        for r in trainer.history
+        for rid in r.get("trained_rollout_ids", []) + r.get("dropped_rollout_ids", [])
+    }
+    assert {r.id for r in train} == used  # before the fix: 2 more steps' groups (8 rollouts) enqueued
+    assert len(used) == 3 * 2 * 2 + 2 * sum(r.get("stale_groups_dropped", 0) for r in trainer.history)
+    (final,) = [r for r in trainer.history if "val_reward" in r]
+    assert final["step"] == 3 and final["val_rollouts"] == 1
+
+
 def test_off_policy_tis_keeps_a_too_stale_group_and_weights_it(tmp_path: Path) -> None:
     """The same run with off_policy="tis": the first group, too stale for k=1, is trained (decoupled PPO
     on its recorded behaviour log-probs) instead of dropped, and each step logs tis_clip_fraction."""
