@@ -108,7 +108,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         "--batched-lora",
         action="store_true",
         help="transformers, with --adapter: rows of different adapters in one batch through a batched LoRA "
-        "product (each row's A and B gathered) instead of peft's loop over adapters",
+        "product (adapters concatenated, each row masked to its own) instead of peft's loop over adapters",
     )
     p.add_argument("--max-batch-size", type=int, default=8, help="transformers: requests generated together")
     p.add_argument("--threads", type=int, help="transformers: torch CPU threads (default: torch's choice)")
