@@ -5,7 +5,9 @@ hosts) is gone while the trainer restarts after a crash. Without this gate every
 claiming queued rollouts, each would fail at its first LLM call within milliseconds, and the queue
 would burn through its ``max_attempts`` in seconds: rollouts failed for good, groups lost. With it, only
 the attempts already in flight when the endpoint went away fail (one attempt each; the store requeues
-them while attempts remain); the next claim waits until a TCP connection to the endpoint succeeds.
+them while attempts remain); the next claim waits until a TCP connection to the endpoint succeeds, or
+until the store's latest resources name another endpoint (a trainer restarted on a new port: waiting
+for the old one would be forever).
 A runner started with ``until_idle`` (drain the queue, then exit) is not held: it fails fast as before,
 so a wrong URL ends such a run instead of hanging it; a long-lived runner says again every minute
 that it is waiting.
@@ -24,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from agl.types import Resources
@@ -59,6 +62,16 @@ def _address(base_url: str) -> tuple[str, int] | None:
     if not parts.hostname:
         return None
     return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def _moved(address: tuple[str, int], latest: Callable[[], Resources | None]) -> bool:
+    """Whether the latest resources' LLM endpoint is another address than ``address``."""
+    try:
+        resources = latest()
+    except Exception:  # noqa: BLE001 - the store may be restarting too: keep waiting
+        return False
+    llm = resources.llm if resources is not None else None
+    return llm is not None and _address(llm.base_url) not in (None, address)
 
 
 def _reachable(address: tuple[str, int]) -> bool:
@@ -98,9 +111,11 @@ class EndpointGate:
         self.down = address
         return True
 
-    async def wait(self, stop: asyncio.Event) -> None:
-        """Return when no endpoint is down (probing the noted one) or ``stop`` is set; while it stays
-        down, say so again every minute (a wrong URL must not look like an idle runner)."""
+    async def wait(self, stop: asyncio.Event, latest: Callable[[], Resources | None]) -> None:
+        """Return when no endpoint is down (probing the noted one), when the latest resources name
+        another endpoint (``latest()``, called in a thread: a restarted trainer may serve elsewhere),
+        or when ``stop`` is set; while it stays down, say so again every minute (a wrong URL must not
+        look like an idle runner)."""
         delay, loop = 0.25, asyncio.get_running_loop()
         started = reminded = loop.time()
         while self.down is not None and not stop.is_set():
@@ -109,6 +124,10 @@ class EndpointGate:
                 if self.down == address:
                     log.warning("agl runner: the LLM endpoint %s:%d answers again; claiming", *address)
                     self.down = None
+                return
+            if await loop.run_in_executor(None, _moved, address, latest):
+                log.warning("agl runner: the latest resources name another LLM endpoint; claiming")
+                self.down = None
                 return
             if loop.time() - reminded >= _REMIND_S:
                 reminded = loop.time()

@@ -507,7 +507,8 @@ class Runner:
         assert self._stop_evt is not None
         while not self._stop.is_set():
             if self._gate.down is not None and not self._idle_exit:  # until_idle: fail fast, exit
-                await self._gate.wait(self._stop_evt)
+                await self._gate.wait(self._stop_evt, functools.partial(self.store.get_resources, None))
+                self._resources.pop(None, None)  # "the latest" may have changed meanwhile
                 continue
             if len(self._hung) >= self.max_hung:
                 if not await self._pause_while_hung():

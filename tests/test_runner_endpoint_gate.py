@@ -113,3 +113,25 @@ def test_a_runner_draining_the_queue_is_not_held_by_a_down_endpoint(store: Memor
     stats = Runner(agent, store, concurrency=2, claim_timeout_s=0.05).run(until_idle=True)
     assert stats.failed == 3 and stats.endpoint_pauses == 1
     assert all(store.get_rollout(rid).status == "failed" for rid in ids)
+
+
+def test_a_gateway_that_comes_back_elsewhere_releases_the_runners(store: MemoryStore) -> None:
+    """A restarted trainer may serve on a new port and publish it: waiting for the old address would be
+    forever, so the runners go on as soon as the store's latest resources name another endpoint."""
+    from agl.gateway.testing import ScriptedBackend, serve_gateway
+
+    store.add_resources({"main": LLM(base_url=f"http://127.0.0.1:{_free_port()}/v1", model="scripted")})
+    cfg = RolloutConfig(max_attempts=2)
+    ids = [r.id for r in store.enqueue([NewRollout(input={"q": f"q{i}"}, config=cfg) for i in range(4)])]
+    runner = Runner(agent, store, concurrency=1, claim_timeout_s=0.05)
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    try:
+        _wait(lambda: runner.stats.endpoint_pauses == 1, "the runner to pause on the closed port")
+        with serve_gateway(ScriptedBackend(["ok"], on_exhausted="cycle"), store) as url:
+            store.add_resources({"main": LLM(base_url=str(url), model="scripted")})  # published elsewhere
+            _wait(lambda: all(store.get_rollout(r).status == "succeeded" for r in ids), "all rollouts")
+    finally:
+        runner.stop(now=True)
+        thread.join(10)
+    assert runner.stats.failed == 1 and runner.stats.succeeded == len(ids)
