@@ -95,26 +95,19 @@ def test_max_staleness_is_validated() -> None:
         Trainer(backend="scripted", script=["hi"], max_staleness=-2)
 
 
-def _stale_first_group_fit(tmp_path: Path, k: int, **kw: Any) -> Trainer:
-    """k, one task a step. The first group's calls are served by the first version, then its agents wait
-    until two updates are recorded: by then the policy is two versions ahead of it."""
-    box: dict[str, Trainer] = {}
+def _ask(task: dict, resources: agl.Resources) -> str:
+    """The agents' one LLM call, through the gateway the resources name."""
+    llm = resources.llm
+    client = openai.OpenAI(base_url=llm.base_url, api_key="x")
+    out = client.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": task["q"]}], **llm.sampling
+    )
+    return out.choices[0].message.content or ""
 
-    def agent(task: dict, resources: agl.Resources) -> float:
-        llm = resources.llm
-        client = openai.OpenAI(base_url=llm.base_url, api_key="x")
-        out = client.chat.completions.create(
-            model=llm.model, messages=[{"role": "user", "content": task["q"]}], **llm.sampling
-        )
-        store = box["t"].store
-        rid = tracing.current_rollout()[0]
-        first_group = store.get_rollout(rid).group_id == store.query_rollouts(mode="train")[0].group_id
-        deadline = time.monotonic() + 30
-        while first_group and len(box["t"].history) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return float(len(out.choices[0].message.content or "") % 2)
 
-    trainer = Trainer(
+def _tiny_async_trainer(tmp_path: Path, k: int, **kw: Any) -> Trainer:
+    """A tiny random Llama on the transformers engine, memory store, 4 runners, ``max_staleness=k``."""
+    return Trainer(
         agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
         model=tiny_model(),
         backend="transformers",
@@ -123,14 +116,30 @@ def _stale_first_group_fit(tmp_path: Path, k: int, **kw: Any) -> Trainer:
         store="memory://",
         runners=4,
         run_dir=tmp_path,
-        tasks_per_step=1,
-        steps=4,
         val_every=0,
         max_staleness=k,
         config=agl.RunConfig(temperature=1.0, max_tokens=4),
         progress=False,
         **kw,
     )
+
+
+def _stale_first_group_fit(tmp_path: Path, k: int, **kw: Any) -> Trainer:
+    """k, one task a step. The first group's calls are served by the first version, then its agents wait
+    until two updates are recorded: by then the policy is two versions ahead of it."""
+    box: dict[str, Trainer] = {}
+
+    def agent(task: dict, resources: agl.Resources) -> float:
+        content = _ask(task, resources)
+        store = box["t"].store
+        rid = tracing.current_rollout()[0]
+        first_group = store.get_rollout(rid).group_id == store.query_rollouts(mode="train")[0].group_id
+        deadline = time.monotonic() + 30
+        while first_group and len(box["t"].history) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return float(len(content) % 2)
+
+    trainer = _tiny_async_trainer(tmp_path, k, tasks_per_step=1, steps=4, **kw)
     box["t"] = trainer
     trainer.fit(agent, [{"q": "hello"}, {"q": "count"}, {"q": "ten"}])
     return trainer
@@ -169,30 +178,9 @@ def test_no_group_is_enqueued_past_the_last_step(tmp_path: Path) -> None:
     final held-out check runs with no training rollout left running beside it."""
 
     def agent(task: dict, resources: agl.Resources) -> float:
-        llm = resources.llm
-        client = openai.OpenAI(base_url=llm.base_url, api_key="x")
-        out = client.chat.completions.create(
-            model=llm.model, messages=[{"role": "user", "content": task["q"]}], **llm.sampling
-        )
-        return float(len(out.choices[0].message.content or "") % 2)
+        return float(len(_ask(task, resources)) % 2)
 
-    trainer = Trainer(
-        agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
-        model=tiny_model(),
-        backend="transformers",
-        model_name="tiny",
-        tokenizer=load_tokenizer(),
-        store="memory://",
-        runners=4,
-        run_dir=tmp_path,
-        tasks_per_step=2,
-        steps=3,
-        val_every=0,
-        val_before=False,
-        max_staleness=2,
-        config=agl.RunConfig(temperature=1.0, max_tokens=4),
-        progress=False,
-    )
+    trainer = _tiny_async_trainer(tmp_path, 2, tasks_per_step=2, steps=3, val_before=False)
     trainer.fit(agent, [{"q": w} for w in ("a", "b", "c", "d", "e", "f")], [{"q": "held"}])
     train = trainer.store.query_rollouts(mode="train")
     used = {
