@@ -244,6 +244,32 @@ def test_resources_rewrite_and_bad_arguments() -> None:
         load_agent("agl_no_such_module:agent")
 
 
+def test_unpinned_rollouts_run_with_the_resources_current_at_each_attempt(store: MemoryStore) -> None:
+    """An unpinned rollout takes the store's latest resources when its attempt starts (the store pins
+    each attempt to the latest version at claim time), not the ones the runner saw first: a resumed
+    trainer's gateway moves, APO publishes new prompts. A pinned one keeps its version."""
+    v1 = store.add_resources({"main": LLM(base_url="http://127.0.0.1:9/v1", model="m")}).version
+    seen: dict[str, str] = {}
+
+    def agent(task: dict, resources: agl.Resources) -> float:
+        assert resources.llm is not None
+        seen[task["k"]] = resources.llm.base_url.split("/rollouts/")[0]
+        return 1.0
+
+    runner = Runner(agent, store, concurrency=1, claim_timeout_s=0.05)
+    _enqueue(store, [{"k": "first"}])
+    assert runner.run(until_idle=True).succeeded == 1
+    store.add_resources({"main": LLM(base_url="http://127.0.0.1:10/v1", model="m")})
+    _enqueue(store, [{"k": "after the update"}])
+    store.enqueue([NewRollout(input={"k": "pinned"}, resources_version=v1)])
+    assert runner.run(until_idle=True).succeeded == 3
+    assert seen == {
+        "first": "http://127.0.0.1:9",
+        "after the update": "http://127.0.0.1:10",
+        "pinned": "http://127.0.0.1:9",
+    }
+
+
 AGENT_MODULE = """
 import time
 import agl
