@@ -1,0 +1,213 @@
+"""How much judge noise costs learning: rag_agent trained on exact F1 vs stand-in LLM judges (issue 38).
+
+No capable judge model runs on this CPU, so the judges are stand-ins served through the real judge path
+(the judge's own gateway, trajectories rendered from spans, the JSON protocol, the cache, the judge
+store, reward assembly; examples/rag_agent/judge.py); only the judge model is replaced:
+
+- ``f1``: exact F1 (with the format bonus), no judge: the reference;
+- ``j01`` / ``j03``: relative mode (one call per group), each trajectory scored F1 + N(0, sigma^2) noise,
+  sigma 0.1 / 0.3, clipped to [0, 1], seeded by the run's seed and the trajectory's text;
+- ``rubric``: absolute mode (one call per rollout), 1 / 0.5 / 0 for F1 >= 0.8 / > 0 / 0 against the
+  gold answer as reference.
+
+Held-out reward stays exact F1 on all 244 held-out questions: only what training sees changes. Each
+run is the 128-demonstration recipe of examples/rag_agent/README.md (warm start ``--warm-start DIR``,
+8 steps x 4 questions x 4 rollouts at temperature 1.0, lr 2e-4, 16 runners), one subprocess at a time,
+the sources interleaved per seed so that a change of machine load hits them alike, finished runs
+skipped (the matrix survives being stopped). The seeds are fixed here, before anything runs.
+
+    python bench/judge_learning.py --build-warm-start     # runs/rag_sft128 if missing (~10 min)
+    python bench/judge_learning.py                        # 4 sources x seeds 0 1 2 (~22 min a run here)
+    python bench/judge_learning.py --report-only          # the table and plot of the runs there
+
+Per run, from its metrics.jsonl: held-out F1 after, judge calls / prompt+completion tokens / seconds
+per step, skipped groups, wall time and the machine's load. Per source: mean held-out, seed range, and
+the difference from exact F1's mean. Plot: ``ROOT/judge_learning.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SEEDS = (0, 1, 2)  # declared before the runs
+SOURCES: dict[str, list[str]] = {
+    "f1": [],
+    "j01": ["--judge", "noisy-f1", "--judge-sigma", "0.1"],
+    "j03": ["--judge", "noisy-f1", "--judge-sigma", "0.3"],
+    "rubric": ["--judge", "rubric"],
+}
+LABELS = {
+    "f1": "exact F1",
+    "j01": "judge: F1 + noise 0.1 (relative)",
+    "j03": "judge: F1 + noise 0.3 (relative)",
+    "rubric": "judge: rubric (absolute)",
+}
+RECIPE = (
+    "--steps", "8", "--tasks-per-step", "4", "--group-size", "4", "--val-tasks", "244", "--val-every", "0",
+    "--no-val-before", "--max-tokens", "64", "--temperature", "1.0", "--learning-rate", "2e-4",
+    "--runners", "16", "--gradient-checkpointing", "off", "--micro-batch-tokens", "1024",
+)  # fmt: skip
+WARM_START = (
+    [sys.executable, "-m", "examples.rag_agent", "dev", "--oracle", "--split", "train", "-n", "128",
+     "--store", "sqlite:///{root}/rag_demos128.db"],
+    [sys.executable, "-m", "agl.cli", "sft", "--store", "sqlite:///{root}/rag_demos128.db", "--agents",
+     "researcher", "--min-reward", "1", "--out", "{out}", "--epochs", "1", "--batch-size", "4",
+     "--learning-rate", "5e-4", "--threads", "{threads}"],
+)  # fmt: skip
+
+
+def command(source: str, seed: int, run_dir: Path, warm_start: Path, threads: int) -> list[str]:
+    judge = list(SOURCES[source])
+    if judge and judge[1] == "noisy-f1":
+        judge += ["--judge-seed", str(seed)]
+    return [
+        sys.executable, "-m", "examples.rag_agent", "--threads", str(threads), "train",
+        "--warm-start", str(warm_start), "--seed", str(seed), "--run-dir", str(run_dir), *RECIPE, *judge,
+    ]  # fmt: skip
+
+
+def build_warm_start(out: Path, threads: int) -> None:
+    """The recipe's 128 oracle demonstrations and its SFT, unless ``out`` already holds a model."""
+    if (out / "model").exists():
+        print(f"[skip] {out} (done)", flush=True)
+        return
+    root = out.parent
+    root.mkdir(parents=True, exist_ok=True)
+    for template in WARM_START:
+        cmd = [a.format(root=root, out=out, threads=threads) for a in template]
+        print("[run]", " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def run_one(root: Path, source: str, seed: int, warm_start: Path, threads: int) -> None:
+    run_dir = root / f"{source}_s{seed}"
+    if (run_dir / "metrics.jsonl").exists() and (run_dir / "wall.json").exists():
+        print(f"[skip] {run_dir} (done)", flush=True)
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished earlier run
+    cmd = command(source, seed, run_dir, warm_start, threads)
+    print(f"[run] {source} seed={seed}: {' '.join(cmd[1:])}", flush=True)
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    (run_dir / "wall.json").write_text(
+        json.dumps({"wall_s": time.perf_counter() - t0, "load_start": load0, "load_end": os.getloadavg()[0]})
+    )
+
+
+def summarise(run_dir: Path) -> dict[str, Any]:
+    """One finished run's figures from its metrics.jsonl and wall.json."""
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r for r in records if "train_reward" in r]
+    vals = [r["val_reward"] for r in records if r.get("val_reward") is not None]
+    wall = json.loads((run_dir / "wall.json").read_text())
+
+    def per_step(key: str) -> float:
+        return statistics.fmean([float(r.get(key) or 0.0) for r in steps] or [0.0])
+
+    source, _, seed = run_dir.name.rpartition("_s")
+    return {
+        "run": run_dir.name,
+        "source": source,
+        "seed": int(seed),
+        "val_after": vals[-1] if vals else None,
+        "judge_calls": per_step("judge_calls"),
+        "judge_tokens": per_step("judge_prompt_tokens") + per_step("judge_completion_tokens"),
+        "judge_s": per_step("judge_s"),
+        "judge_skipped": sum(int(r.get("judge_groups_skipped") or 0) for r in steps),
+        "wall_s": wall["wall_s"],
+        "load": (wall["load_start"], wall["load_end"]),
+    }
+
+
+def _fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def report(root: Path) -> list[dict[str, Any]]:
+    """Print the per-run and per-source tables, write summary.json and the plot; returns the rows."""
+    rows = [summarise(d) for d in sorted(root.iterdir()) if d.is_dir() and (d / "wall.json").exists()]
+    print(
+        "| run | held-out F1 (244) | judge calls / step | judge tokens / step | judge s / step | groups skipped | wall min | load |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(
+            f"| {r['run']} | {_fmt(r['val_after'])} | {r['judge_calls']:.1f} | {r['judge_tokens']:.0f} | "
+            f"{r['judge_s']:.2f} | {r['judge_skipped']} | {r['wall_s'] / 60:.1f} | {r['load'][0]:.1f}–{r['load'][1]:.1f} |"
+        )
+    means: dict[str, float] = {}
+    for source in SOURCES:
+        after = [r["val_after"] for r in rows if r["source"] == source and r["val_after"] is not None]
+        if not after:
+            continue
+        means[source] = statistics.fmean(after)
+        delta = (
+            f", {means[source] - means['f1']:+.3f} vs exact F1" if "f1" in means and source != "f1" else ""
+        )
+        print(
+            f"{LABELS[source]}: {len(after)} seeds, held-out F1 {means[source]:.3f} "
+            f"(range {max(after) - min(after):.3f}){delta}"
+        )
+    (root / "summary.json").write_text(json.dumps(rows, indent=1))
+    if rows:
+        plot(rows, root / "judge_learning.png")
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> None:
+    """Held-out F1 per reward source: one dot per seed, a bar at the mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sources = [s for s in SOURCES if any(r["source"] == s for r in rows)]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for i, source in enumerate(sources):
+        vals = [r["val_after"] for r in rows if r["source"] == source and r["val_after"] is not None]
+        if vals:
+            ax.bar(i, statistics.fmean(vals), color="#c6dbef", width=0.6)
+            ax.scatter([i] * len(vals), vals, color="#08519c", zorder=3)
+    ax.set_xticks(range(len(sources)), [LABELS[s] for s in sources], rotation=12, fontsize=8)
+    ax.set_ylabel("held-out F1 (244 questions)")
+    ax.set_title("rag_agent: what training on a judge's scores costs (dots: seeds)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--root", type=Path, default=Path("runs/judge_learning"))
+    parser.add_argument("--warm-start", type=Path, default=Path("runs/rag_sft128"))
+    parser.add_argument("--sources", nargs="+", choices=list(SOURCES), default=list(SOURCES))
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--build-warm-start", action="store_true", help="build --warm-start first if missing")
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    args.root.mkdir(parents=True, exist_ok=True)
+    if args.build_warm_start:
+        build_warm_start(args.warm_start, args.threads)
+    if not args.report_only:
+        if not (args.warm_start / "model").exists():
+            raise SystemExit(f"no warm start at {args.warm_start}: run with --build-warm-start first")
+        for seed in args.seeds:
+            for source in args.sources:
+                run_one(args.root, source, seed, args.warm_start, args.threads)
+    report(args.root)
+
+
+if __name__ == "__main__":
+    main()
