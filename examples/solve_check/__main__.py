@@ -42,10 +42,12 @@ def _trainer(args: argparse.Namespace, seed: int, run_dir: Path, per_agent: bool
         kl_coef=0.0,
         micro_batch_tokens=args.micro_batch_tokens,
     )
+    model, warm_adapters = _warm_start(args, per_agent)
     return agl.Trainer(
         algo,
-        model=args.model,
+        model=model,
         backend="transformers",
+        warm_adapters=warm_adapters,
         runners=args.runners,
         run_dir=run_dir,
         agents=AGENTS,
@@ -58,6 +60,22 @@ def _trainer(args: argparse.Namespace, seed: int, run_dir: Path, per_agent: bool
         store=f"sqlite:///{(run_dir / 'store.db').resolve()}",  # inspectable, and read for the table
         **extra,
     )
+
+
+def _warm_start(args: argparse.Namespace, per_agent: bool) -> tuple[Any, str | None]:
+    """The run's model and per-agent warm adapters: without a warm start ``--model``; shared, the
+    merged model of ``--warm-start`` (an ``agl sft`` output); per agent, the base model and each
+    agent's adapter of the ``agl sft --adapter-per-agent`` output (``--warm-start`` for ``train
+    --adapter-per-agent``, ``--warm-start-per-agent`` for ``compare``)."""
+    from examples._cli import model_arg, warm_adapters_arg
+
+    warm = getattr(args, "warm_start", None)
+    if per_agent and hasattr(args, "warm_start_per_agent"):
+        warm = args.warm_start_per_agent
+    if not warm:
+        return args.model, None
+    ns = argparse.Namespace(warm_start=warm, adapter_per_agent=per_agent, model=args.model)
+    return model_arg(ns), warm_adapters_arg(ns)
 
 
 def held_out_by_agent(store: Any) -> dict[int, dict[str, float]]:
@@ -144,6 +162,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from agl.plot import plot_runs
 
+    if bool(args.warm_start) != bool(args.warm_start_per_agent):
+        raise SystemExit(
+            "compare starts both setups from the same demonstrations: give both --warm-start (an "
+            "`agl sft` output) and --warm-start-per-agent (an `agl sft --adapter-per-agent` one), or neither"
+        )
     _setup(args)
     root = _run_dir(args, "solve_check_compare", resume=not args.overwrite)
     results = []
@@ -188,7 +211,8 @@ def cmd_dev(args: argparse.Namespace) -> int:
     from examples.solve_check.data import split
 
     _setup(args)
-    _, val = split(n_val=max(args.n, 1))
+    train, val = split()
+    tasks = (train if args.split == "train" else val)[: args.n]
     run_dir = _run_dir(args, "solve_check_dev")
     scripted = {"backend": "scripted", "script": oracle} if args.backend == "scripted" else {}
     trainer = agl.Trainer(
@@ -197,9 +221,9 @@ def cmd_dev(args: argparse.Namespace) -> int:
         run_dir=run_dir,
         agents=AGENTS,
         sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
-        store=f"sqlite:///{(run_dir / 'store.db').resolve()}",
+        store=args.store or f"sqlite:///{(run_dir / 'store.db').resolve()}",
     )
-    trainer.dev(solve_check, val[: args.n], base_url=args.base_url, model=args.model_name)
+    trainer.dev(solve_check, tasks, base_url=args.base_url, model=args.model_name)
     return 0
 
 
@@ -260,6 +284,13 @@ def parser() -> argparse.ArgumentParser:
     _common(t)
     _train_flags(t)
     t.add_argument("--adapter-per-agent", action="store_true", help="an adapter per agent (default: shared)")
+    t.add_argument(
+        "--warm-start",
+        default=None,
+        metavar="SFT_DIR",
+        help="start from an `agl sft` output (its merged model); with --adapter-per-agent, from an "
+        "`agl sft --adapter-per-agent` output (each agent's adapter)",
+    )
     add_config_arguments(
         t, LoopConfig, only=["seed"], overrides={"seed": {"help": "random seed (default: 0)"}}
     )
@@ -267,6 +298,15 @@ def parser() -> argparse.ArgumentParser:
     _common(c)
     _train_flags(c)
     c.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (default: 0 1 2)")
+    c.add_argument(
+        "--warm-start", default=None, metavar="SFT_DIR", help="the shared setup's `agl sft` output"
+    )
+    c.add_argument(
+        "--warm-start-per-agent",
+        default=None,
+        metavar="SFT_DIR",
+        help="the per-agent setup's `agl sft --adapter-per-agent` output (on the same demonstrations)",
+    )
     d = sub.add_parser("dev", help="a few rollouts without training: each agent's transitions")
     _common(d)
     d.add_argument("-n", type=int, default=4, help="tasks to run")
@@ -276,6 +316,13 @@ def parser() -> argparse.ArgumentParser:
         default="transformers",
         help="the embedded SmolLM2-135M (default) or the scripted oracle (each agent's right reply)",
     )
+    d.add_argument(
+        "--split",
+        choices=["val", "train"],
+        default="val",
+        help="held-out tasks (default) or training ones (to record demonstrations for `agl sft`)",
+    )
+    d.add_argument("--store", default=None, help="record into this store URL (default: the run's own SQLite)")
     d.add_argument("--base-url", default=None, help="any OpenAI-compatible endpoint instead")
     d.add_argument("--model-name", default=None, help="model name at --base-url")
     return p

@@ -135,3 +135,55 @@ def test_dev_with_the_scripted_oracle(tmp_path: Path, capsys: pytest.CaptureFixt
     out = capsys.readouterr().out
     assert "6 rollouts, 12 transitions, mean reward 1.000" in out
     assert out.count("response: Verdict: wrong") >= 1 and out.count("response: Verdict: correct") >= 1
+
+
+def test_oracle_demonstrations_on_training_tasks_for_a_warm_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``dev --backend scripted --split train --store URL`` records the oracle on training tasks into
+    the given store, every rollout at reward 1: the demonstrations ``agl sft`` warm-starts from."""
+    import agl
+    import agl.store
+    from examples.solve_check.__main__ import main
+    from examples.solve_check.data import split
+
+    url = f"sqlite:///{tmp_path / 'demos.db'}"
+    agl.instrument("openai")
+    try:
+        argv = ["dev", "--backend", "scripted", "-n", "5", "--split", "train", "--store", url]
+        assert main([*argv, "--run-dir", str(tmp_path / "dev")]) == 0
+    finally:
+        agl.uninstrument()
+    train, val = split()
+    store = agl.store.open(url)
+    try:
+        inputs = [r.input for r in store.query_rollouts(status="succeeded")]
+    finally:
+        store.close()
+    assert len(inputs) == 5 and all(x in train for x in inputs) and not any(x in val for x in inputs)
+    assert "5 rollouts, 10 transitions, mean reward 1.000" in capsys.readouterr().out
+
+
+def test_warm_starts_pick_the_merged_model_or_each_agents_adapter(tmp_path: Path) -> None:
+    """Shared: the merged model of an ``agl sft`` output; per agent: its base model and the output's
+    adapters; compare refuses one warm start without the other (the setups must start alike)."""
+    import json
+
+    from examples.solve_check.__main__ import _warm_start, main, parser
+
+    shared, per_agent = tmp_path / "sft", tmp_path / "sft_per_agent"
+    (shared / "model").mkdir(parents=True)
+    (shared / "model" / "config.json").write_text("{}")
+    per_agent.mkdir()
+    (per_agent / "sft_summary.json").write_text(json.dumps({"base_model": "/models/base"}))
+    args = parser().parse_args(
+        ["compare", "--warm-start", str(shared), "--warm-start-per-agent", str(per_agent)]
+    )
+    model, adapters = _warm_start(args, per_agent=False)
+    assert Path(model).resolve() == (shared / "model").resolve() and adapters is None
+    assert _warm_start(args, per_agent=True) == ("/models/base", str(per_agent))
+    args = parser().parse_args(["train", "--adapter-per-agent", "--warm-start", str(per_agent)])
+    assert _warm_start(args, per_agent=True) == ("/models/base", str(per_agent))
+    assert _warm_start(parser().parse_args(["train"]), per_agent=False) == (None, None)
+    with pytest.raises(SystemExit, match="both --warm-start"):
+        main(["compare", "--warm-start", str(shared), "--run-dir", str(tmp_path / "c")])
