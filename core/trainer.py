@@ -490,7 +490,8 @@ class Trainer:
         tis = {"tis_cap": self.loop.tis_cap} if self.loop.off_policy == "tis" else {}  # decoupled PPO
         update = self.policy.step(train_ts, advantages, **tis)
         if on_policy:
-            self.checks.on_policy(update.get("behaviour_ratio_dev"), self.config)
+            precision = getattr(self.policy, "precision", "no")
+            self.checks.on_policy(update.get("behaviour_ratio_dev"), self.config, precision)
         # the update's metrics under their final names (PolicyUpdate.step names them for the record)
         return {
             "zero_variance_groups": adv_stats["zero_variance_groups"],

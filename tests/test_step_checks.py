@@ -64,3 +64,29 @@ def test_a_selected_agent_without_calls_is_only_warned_about_when_all_calls_are_
     assert "the selected agent(s) 'rewriter' made no LLM call" in caplog.text
     (record,) = trainer.history
     assert record["transitions"] == 4
+
+
+def test_the_off_policy_warning_names_mixed_precision_when_the_update_runs_in_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A first ratio far from 1 names the likeliest cause: the update's autocast when it has one (a GPU
+    default), else the agent's own sampling settings; under the threshold, or a second time, nothing."""
+    import logging
+
+    from agl.config import RunConfig
+    from agl.run.checks import StepChecks
+
+    config = RunConfig(temperature=0.8)
+    with caplog.at_level(logging.WARNING, logger="agl.trainer"):
+        checks = StepChecks()
+        checks.on_policy(1e-5, config, "bf16")
+        assert not caplog.records
+        checks.on_policy(1.13, config, "bf16")
+        checks.on_policy(2.0, config, "bf16")
+        (record,) = caplog.records
+        assert "off by 1.13" in record.message and "bf16 autocast" in record.message
+        assert "mixed_precision='no'" in record.message
+        caplog.clear()
+        StepChecks().on_policy(0.5, config)
+        (record,) = caplog.records
+        assert "temperature/top_p" in record.message and "autocast" not in record.message

@@ -180,6 +180,7 @@ def test_loss_is_the_token_mean_over_the_whole_step_across_micro_batches(tok, tm
 
 def test_ratio_uses_the_engine_logprobs_and_clips(tok, tmp_path) -> None:
     up = make(tok, tmp_path)
+    assert up.precision == "no"  # what the trainer's off-policy warning reads
     t = tr(tok, "hello", "some response text", "r")
     [cur] = up.response_logprobs([t])
     # The engine was much less likely to produce this response than the policy now is: ratio e^1 > 1+eps,

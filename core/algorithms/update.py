@@ -194,6 +194,12 @@ class PolicyUpdate:
         return self.trainer.accelerator.device
 
     @property
+    def precision(self) -> str:
+        """The update's compute precision: ``"bf16"``/``"fp16"`` autocast over fp32 weights, or ``"no"``."""
+        args = self.trainer.args
+        return "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+
+    @property
     def is_lora(self) -> bool:
         return is_peft(self.model)
 

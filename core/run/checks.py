@@ -84,19 +84,33 @@ class StepChecks:
         )
 
     #: a first-micro-batch ratio further than this from 1 means the recorded behaviour policy is not
-    #: the policy the update scores (bf16 on a GPU stays well under it)
+    #: the policy the update scores. Both sides without autocast (the CPU) stay under 1e-4; a
+    #: bf16-autocast update against the engine's log-probs does not: max |ratio - 1| read 0.4-2.9 per
+    #: step on an H100 (calc_agent, bench/README.md)
     OFF_POLICY_WARN = 0.05
 
-    def on_policy(self, ratio_dev: float | None, config: RunConfig) -> None:
+    def on_policy(self, ratio_dev: float | None, config: RunConfig, precision: str = "no") -> None:
+        """Warn once when the update's first ratio shows that the engine's recorded log-probs are not
+        the policy's, naming the likeliest cause: mixed precision when the update runs in it, else
+        sampling settings the agent overrides or weights the engine does not share."""
         if ratio_dev is None or ratio_dev <= self.OFF_POLICY_WARN or self.warned_off_policy:
             return
         self.warned_off_policy = True
+        if precision != "no":
+            cause = (
+                f"The update runs in {precision} autocast while the engine, serving the same weights, "
+                "computes its log-probs without it: LightningRL(mixed_precision='no') makes the two agree "
+                "(cheap for a small model); otherwise PPO's clip absorbs the mismatch, untested for learning"
+            )
+        else:
+            cause = (
+                f"Most likely the agent sends its own temperature/top_p instead of resources.llm.sampling "
+                f"({config.sampling}), or the engine serves other weights than the policy's"
+            )
         log.warning(
             "agl trainer: before its first optimizer step the update's PPO ratio is off by %.3g: the "
-            "log-probs the engine recorded are not the policy's at temperature %g. Most likely the agent "
-            "sends its own temperature/top_p instead of resources.llm.sampling (%s), or the engine "
-            "serves other weights than the policy's",
+            "log-probs the engine recorded are not the policy's at temperature %g. %s",
             ratio_dev,
             config.temperature,
-            config.sampling,
+            cause,
         )
