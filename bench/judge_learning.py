@@ -30,13 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from _matrix import records, run_once, wall  # bench/, the script's own folder
 
 SEEDS = (0, 1, 2)  # declared before the runs
 SOURCES: dict[str, list[str]] = {
@@ -90,25 +90,15 @@ def build_warm_start(out: Path, threads: int) -> None:
 
 def run_one(root: Path, source: str, seed: int, warm_start: Path, threads: int) -> None:
     run_dir = root / f"{source}_s{seed}"
-    if (run_dir / "metrics.jsonl").exists() and (run_dir / "wall.json").exists():
-        print(f"[skip] {run_dir} (done)", flush=True)
-        return
-    shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished earlier run
-    cmd = command(source, seed, run_dir, warm_start, threads)
-    print(f"[run] {source} seed={seed}: {' '.join(cmd[1:])}", flush=True)
-    t0, load0 = time.perf_counter(), os.getloadavg()[0]
-    subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    (run_dir / "wall.json").write_text(
-        json.dumps({"wall_s": time.perf_counter() - t0, "load_start": load0, "load_end": os.getloadavg()[0]})
-    )
+    run_once(run_dir, command(source, seed, run_dir, warm_start, threads), f"{source} seed={seed}")
 
 
 def summarise(run_dir: Path) -> dict[str, Any]:
     """One finished run's figures from its metrics.jsonl and wall.json."""
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    steps = [r for r in records if "train_reward" in r]
-    vals = [r["val_reward"] for r in records if r.get("val_reward") is not None]
-    wall = json.loads((run_dir / "wall.json").read_text())
+    rows = records(run_dir)
+    steps = [r for r in rows if "train_reward" in r]
+    vals = [r["val_reward"] for r in rows if r.get("val_reward") is not None]
+    timing = wall(run_dir)
 
     def per_step(key: str) -> float:
         return statistics.fmean([float(r.get(key) or 0.0) for r in steps] or [0.0])
@@ -123,8 +113,8 @@ def summarise(run_dir: Path) -> dict[str, Any]:
         "judge_tokens": per_step("judge_prompt_tokens") + per_step("judge_completion_tokens"),
         "judge_s": per_step("judge_s"),
         "judge_skipped": sum(int(r.get("judge_groups_skipped") or 0) for r in steps),
-        "wall_s": wall["wall_s"],
-        "load": (wall["load_start"], wall["load_end"]),
+        "wall_s": timing["wall_s"],
+        "load": (timing["load_start"], timing["load_end"]),
     }
 
 

@@ -1,0 +1,48 @@
+"""A matrix of training runs, one subprocess at a time, resumable: what bench/judge_learning.py and
+bench/per_agent_learning.py share.
+
+Each run gets its own folder ``ROOT/<config>_s<seed>``; a folder with ``metrics.jsonl`` and
+``wall.json`` is finished and skipped, any other is removed and run again, so a matrix stopped by a
+session's end continues where it stopped. ``wall.json`` records the wall time and the load average at
+the start and the end (the figures every measurement here states).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["finished", "records", "run_once", "wall"]
+
+
+def finished(run_dir: Path) -> bool:
+    return (run_dir / "metrics.jsonl").exists() and (run_dir / "wall.json").exists()
+
+
+def run_once(run_dir: Path, cmd: Sequence[str], label: str) -> None:
+    """Run ``cmd`` (which writes into ``run_dir``) unless ``run_dir`` holds a finished run."""
+    if finished(run_dir):
+        print(f"[skip] {run_dir} (done)", flush=True)
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished earlier run
+    print(f"[run] {label}: {' '.join(cmd[1:])}", flush=True)
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    subprocess.run(list(cmd), check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    (run_dir / "wall.json").write_text(
+        json.dumps({"wall_s": time.perf_counter() - t0, "load_start": load0, "load_end": os.getloadavg()[0]})
+    )
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's metrics.jsonl, one dict per line."""
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def wall(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "wall.json").read_text())

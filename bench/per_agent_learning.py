@@ -1,0 +1,191 @@
+"""sql_agent's writer and rewriter: one shared policy vs an adapter per agent, from the same
+demonstrations (issue 35).
+
+The paper's two trained agents pull one set of weights two ways when they share a policy; with
+``--adapter-per-agent`` each trains its own LoRA adapter (own optimizer state, GRPO groups and
+advantages) on one frozen base. Both setups start from the same 128 oracle demonstrations: one
+``agl sft`` adapter shared by both agents, or one per agent (``agl sft --adapter-per-agent``), then
+the recipe of examples/sql_agent/README.md (16 steps x 6 questions x 4 rollouts at temperature 1.0,
+lr 2e-4, 16 runners) and one check on all 90 held-out questions at the end. One subprocess at a time,
+the two setups interleaved per seed, finished runs skipped (bench/_matrix.py). Seeds fixed here.
+
+    python bench/per_agent_learning.py --build-warm-start   # demos and both SFTs if missing (~10 min)
+    python bench/per_agent_learning.py                      # 2 setups x seeds 0 1 2 (~20 min a run here)
+    python bench/per_agent_learning.py --report-only        # the table and plot of the runs there
+
+Per run: held-out after, wall time and load; per setup: mean, seed range, and whether the mean gain
+over the warm start exceeds twice the seed range (the project's bar for an RL result). The warm starts'
+own held-out figures: ``--build-warm-start`` measures both (``train --steps 0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from _matrix import finished, records, run_once, wall  # bench/, the script's own folder
+
+SEEDS = (0, 1, 2)  # declared before the runs
+SETUPS = ("shared", "per_agent")
+RECIPE = (
+    "--steps", "16", "--tasks-per-step", "6", "--group-size", "4", "--val-tasks", "90", "--val-every", "0",
+    "--no-val-before", "--max-tokens", "64", "--temperature", "1.0", "--learning-rate", "2e-4",
+    "--runners", "16", "--gradient-checkpointing", "off", "--micro-batch-tokens", "1024",
+)  # fmt: skip
+
+
+def _sft(root: Path, out: Path, threads: int, per_agent: bool) -> list[str]:
+    return [
+        sys.executable, "-m", "agl.cli", "sft", "--store", f"sqlite:///{root / 'sql_demos128.db'}",
+        "--agents", "writer,rewriter", "--min-reward", "1", "--out", str(out), "--epochs", "1",
+        "--batch-size", "4", "--learning-rate", "5e-4", "--threads", str(threads),
+        *(["--adapter-per-agent"] if per_agent else []),
+    ]  # fmt: skip
+
+
+def _train(threads: int, warm: Path, run_dir: Path, per_agent: bool, extra: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "examples.sql_agent", "--threads", str(threads), "train",
+        "--warm-start", str(warm), "--run-dir", str(run_dir),
+        *(["--adapter-per-agent"] if per_agent else []), *extra,
+    ]  # fmt: skip
+
+
+def warm_dir(root: Path, setup: str) -> Path:
+    return root / f"sft_{setup}"
+
+
+def build_warm_starts(root: Path, threads: int) -> None:
+    """The 128 oracle demonstrations, both SFTs on them, and each warm start's held-out check."""
+    root.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if not (root / "sql_demos128.db").exists():
+        demos = [sys.executable, "-m", "examples.sql_agent", "dev", "--oracle", "--split", "train", "-n", "128",
+                 "--store", f"sqlite:///{root / 'sql_demos128.db'}"]  # fmt: skip
+        subprocess.run(demos, check=True, env=env)
+    for setup in SETUPS:
+        out = warm_dir(root, setup)
+        if not (out / "sft_summary.json").exists():
+            subprocess.run(_sft(root, out, threads, setup == "per_agent"), check=True, env=env)
+        check = root / f"warm_{setup}_s0"
+        extra = ["--steps", "0", "--val-tasks", "90", "--runners", "16"]
+        run_once(check, _train(threads, out, check, setup == "per_agent", extra), f"warm start {setup}")
+
+
+def summarise(run_dir: Path) -> dict[str, Any]:
+    rows = records(run_dir)
+    vals = [r["val_reward"] for r in rows if r.get("val_reward") is not None]
+    timing = wall(run_dir)
+    name, _, seed = run_dir.name.rpartition("_s")
+    return {
+        "run": run_dir.name,
+        "setup": name,
+        "seed": int(seed),
+        "val_after": vals[-1] if vals else None,
+        "steps": sum(1 for r in rows if "train_reward" in r),
+        "wall_s": timing["wall_s"],
+        "load": (timing["load_start"], timing["load_end"]),
+    }
+
+
+def _fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def report(root: Path) -> list[dict[str, Any]]:
+    rows = [summarise(d) for d in sorted(root.iterdir()) if d.is_dir() and finished(d)]
+    print("| run | held-out (90) | steps | wall min | load |")
+    print("|---|---:|---:|---:|---|")
+    for r in rows:
+        print(
+            f"| {r['run']} | {_fmt(r['val_after'])} | {r['steps']} | {r['wall_s'] / 60:.1f} | "
+            f"{r['load'][0]:.1f}–{r['load'][1]:.1f} |"
+        )
+    for setup in SETUPS:
+        after = [r["val_after"] for r in rows if r["setup"] == setup and r["val_after"] is not None]
+        warm = [r["val_after"] for r in rows if r["setup"] == f"warm_{setup}" and r["val_after"] is not None]
+        if not after:
+            continue
+        mean, spread = statistics.fmean(after), max(after) - min(after)
+        line = f"{setup}: {len(after)} seeds, held-out {mean:.3f} (range {spread:.3f})"
+        if warm:
+            gain = mean - warm[0]
+            bar = "met" if len(after) > 1 and gain > 2 * spread else "not met"
+            line += (
+                f", gain over its warm start {gain:+.3f} (bar: gain > 2 x range = {2 * spread:.3f}: {bar})"
+            )
+        print(line)
+    (root / "summary.json").write_text(json.dumps(rows, indent=1))
+    if rows:
+        plot(rows, root / "per_agent_learning.png")
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> None:
+    """Held-out per setup, warm start and after RL: one dot per seed, a bar at the mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for s in SETUPS for n in (f"warm_{s}", s) if any(r["setup"] == n for r in rows)]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for i, name in enumerate(names):
+        vals = [r["val_after"] for r in rows if r["setup"] == name and r["val_after"] is not None]
+        if vals:
+            ax.bar(
+                i,
+                statistics.fmean(vals),
+                color="#c6dbef" if name.startswith("warm") else "#9ecae1",
+                width=0.6,
+            )
+            ax.scatter([i] * len(vals), vals, color="#08519c", zorder=3)
+    labels = {"warm_shared": "warm start\n(shared)", "shared": "RL, shared\npolicy",
+              "warm_per_agent": "warm start\n(per agent)", "per_agent": "RL, adapter\nper agent"}  # fmt: skip
+    ax.set_xticks(range(len(names)), [labels[n] for n in names], fontsize=8)
+    ax.set_ylabel("held-out reward (90 questions)")
+    ax.set_title("sql_agent: writer + rewriter, shared policy vs an adapter each (dots: seeds)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--root", type=Path, default=Path("runs/per_agent_learning"))
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--build-warm-start", action="store_true", help="demos, both SFTs and their checks first"
+    )
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    args.root.mkdir(parents=True, exist_ok=True)
+    if args.build_warm_start:
+        build_warm_starts(args.root, args.threads)
+    if not args.report_only:
+        for setup in args.setups:
+            if not (warm_dir(args.root, setup) / "sft_summary.json").exists():
+                raise SystemExit(
+                    f"no warm start for {setup} in {args.root}: run with --build-warm-start first"
+                )
+        for seed in args.seeds:
+            for setup in args.setups:
+                run_dir = args.root / f"{setup}_s{seed}"
+                extra = ["--seed", str(seed), *RECIPE]
+                cmd = _train(args.threads, warm_dir(args.root, setup), run_dir, setup == "per_agent", extra)
+                run_once(run_dir, cmd, f"{setup} seed={seed}")
+    report(args.root)
+
+
+if __name__ == "__main__":
+    main()
