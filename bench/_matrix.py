@@ -46,3 +46,26 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
 
 def wall(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "wall.json").read_text())
+
+
+def dot_plot(groups: Sequence[tuple[str, Sequence[float], str]], ylabel: str, title: str, out: Path) -> Path:
+    """One bar per group at its mean and one dot per seed: ``groups`` is ``(label, values, bar colour)``."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [g for g in groups if g[1]]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for i, (_, values, colour) in enumerate(shown):
+        ax.bar(i, statistics.fmean(values), color=colour, width=0.6)
+        ax.scatter([i] * len(values), list(values), color="#08519c", zorder=3)
+    ax.set_xticks(range(len(shown)), [g[0] for g in shown], fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

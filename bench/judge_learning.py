@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _matrix import records, run_once, wall  # bench/, the script's own folder
+from _matrix import dot_plot, records, run_once, wall  # bench/, the script's own folder
 
 SEEDS = (0, 1, 2)  # declared before the runs
 SOURCES: dict[str, list[str]] = {
@@ -155,24 +155,16 @@ def report(root: Path) -> list[dict[str, Any]]:
 
 def plot(rows: list[dict[str, Any]], out: Path) -> None:
     """Held-out F1 per reward source: one dot per seed, a bar at the mean."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sources = [s for s in SOURCES if any(r["source"] == s for r in rows)]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for i, source in enumerate(sources):
-        vals = [r["val_after"] for r in rows if r["source"] == source and r["val_after"] is not None]
-        if vals:
-            ax.bar(i, statistics.fmean(vals), color="#c6dbef", width=0.6)
-            ax.scatter([i] * len(vals), vals, color="#08519c", zorder=3)
-    ax.set_xticks(range(len(sources)), [LABELS[s] for s in sources], rotation=12, fontsize=8)
-    ax.set_ylabel("held-out F1 (244 questions)")
-    ax.set_title("rag_agent: what training on a judge's scores costs (dots: seeds)")
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    groups = [
+        (LABELS[s].replace(": ", ":\n"), [r["val_after"] for r in rows if r["source"] == s and r["val_after"] is not None], "#c6dbef")
+        for s in SOURCES
+    ]  # fmt: skip
+    dot_plot(
+        groups,
+        "held-out F1 (244 questions)",
+        "rag_agent: what training on a judge's scores costs (dots: seeds)",
+        out,
+    )
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _matrix import finished, records, run_once, wall  # bench/, the script's own folder
+from _matrix import dot_plot, finished, records, run_once, wall  # bench/, the script's own folder
 
 SEEDS = (0, 1, 2)  # declared before the runs
 SETUPS = ("shared", "per_agent")
@@ -129,31 +129,15 @@ def report(root: Path) -> list[dict[str, Any]]:
 
 def plot(rows: list[dict[str, Any]], out: Path) -> None:
     """Held-out per setup, warm start and after RL: one dot per seed, a bar at the mean."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [n for s in SETUPS for n in (f"warm_{s}", s) if any(r["setup"] == n for r in rows)]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for i, name in enumerate(names):
-        vals = [r["val_after"] for r in rows if r["setup"] == name and r["val_after"] is not None]
-        if vals:
-            ax.bar(
-                i,
-                statistics.fmean(vals),
-                color="#c6dbef" if name.startswith("warm") else "#9ecae1",
-                width=0.6,
-            )
-            ax.scatter([i] * len(vals), vals, color="#08519c", zorder=3)
     labels = {"warm_shared": "warm start\n(shared)", "shared": "RL, shared\npolicy",
               "warm_per_agent": "warm start\n(per agent)", "per_agent": "RL, adapter\nper agent"}  # fmt: skip
-    ax.set_xticks(range(len(names)), [labels[n] for n in names], fontsize=8)
-    ax.set_ylabel("held-out reward (90 questions)")
-    ax.set_title("sql_agent: writer + rewriter, shared policy vs an adapter each (dots: seeds)")
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    groups = [
+        (label, [r["val_after"] for r in rows if r["setup"] == name and r["val_after"] is not None],
+         "#c6dbef" if name.startswith("warm") else "#9ecae1")
+        for name, label in labels.items()
+    ]  # fmt: skip
+    title = "sql_agent: writer + rewriter, shared policy vs an adapter each (dots: seeds)"
+    dot_plot(groups, "held-out reward (90 questions)", title, out)
 
 
 def main() -> None:
