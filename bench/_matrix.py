@@ -69,3 +69,23 @@ def dot_plot(groups: Sequence[tuple[str, Sequence[float], str]], ylabel: str, ti
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def summary(run_dir: Path, name_key: str) -> dict[str, Any]:
+    """What every matrix reports of a finished run: its folder, configuration (under ``name_key``),
+    seed, last held-out reward, wall time and load."""
+    vals = [r["val_reward"] for r in records(run_dir) if r.get("val_reward") is not None]
+    timing = wall(run_dir)
+    name, _, seed = run_dir.name.rpartition("_s")
+    return {
+        "run": run_dir.name,
+        name_key: name,
+        "seed": int(seed),
+        "val_after": vals[-1] if vals else None,
+        "wall_s": timing["wall_s"],
+        "load": (timing["load_start"], timing["load_end"]),
+    }
+
+
+def fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"

@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _matrix import dot_plot, records, run_once, wall  # bench/, the script's own folder
+from _matrix import dot_plot, fmt, records, run_once, summary  # bench/, the script's own folder
 
 SEEDS = (0, 1, 2)  # declared before the runs
 SOURCES: dict[str, list[str]] = {
@@ -95,31 +95,18 @@ def run_one(root: Path, source: str, seed: int, warm_start: Path, threads: int) 
 
 def summarise(run_dir: Path) -> dict[str, Any]:
     """One finished run's figures from its metrics.jsonl and wall.json."""
-    rows = records(run_dir)
-    steps = [r for r in rows if "train_reward" in r]
-    vals = [r["val_reward"] for r in rows if r.get("val_reward") is not None]
-    timing = wall(run_dir)
+    steps = [r for r in records(run_dir) if "train_reward" in r]
 
     def per_step(key: str) -> float:
         return statistics.fmean([float(r.get(key) or 0.0) for r in steps] or [0.0])
 
-    source, _, seed = run_dir.name.rpartition("_s")
     return {
-        "run": run_dir.name,
-        "source": source,
-        "seed": int(seed),
-        "val_after": vals[-1] if vals else None,
+        **summary(run_dir, "source"),
         "judge_calls": per_step("judge_calls"),
         "judge_tokens": per_step("judge_prompt_tokens") + per_step("judge_completion_tokens"),
         "judge_s": per_step("judge_s"),
         "judge_skipped": sum(int(r.get("judge_groups_skipped") or 0) for r in steps),
-        "wall_s": timing["wall_s"],
-        "load": (timing["load_start"], timing["load_end"]),
     }
-
-
-def _fmt(value: float | None) -> str:
-    return "—" if value is None else f"{value:.3f}"
 
 
 def report(root: Path) -> list[dict[str, Any]]:
@@ -131,7 +118,7 @@ def report(root: Path) -> list[dict[str, Any]]:
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(
-            f"| {r['run']} | {_fmt(r['val_after'])} | {r['judge_calls']:.1f} | {r['judge_tokens']:.0f} | "
+            f"| {r['run']} | {fmt(r['val_after'])} | {r['judge_calls']:.1f} | {r['judge_tokens']:.0f} | "
             f"{r['judge_s']:.2f} | {r['judge_skipped']} | {r['wall_s'] / 60:.1f} | {r['load'][0]:.1f}–{r['load'][1]:.1f} |"
         )
     means: dict[str, float] = {}

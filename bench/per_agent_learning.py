@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _matrix import dot_plot, finished, records, run_once, wall  # bench/, the script's own folder
+from _matrix import dot_plot, finished, fmt, records, run_once, summary  # bench/, the script's own folder
 
 SEEDS = (0, 1, 2)  # declared before the runs
 SETUPS = ("shared", "per_agent")
@@ -79,23 +79,8 @@ def build_warm_starts(root: Path, threads: int) -> None:
 
 
 def summarise(run_dir: Path) -> dict[str, Any]:
-    rows = records(run_dir)
-    vals = [r["val_reward"] for r in rows if r.get("val_reward") is not None]
-    timing = wall(run_dir)
-    name, _, seed = run_dir.name.rpartition("_s")
-    return {
-        "run": run_dir.name,
-        "setup": name,
-        "seed": int(seed),
-        "val_after": vals[-1] if vals else None,
-        "steps": sum(1 for r in rows if "train_reward" in r),
-        "wall_s": timing["wall_s"],
-        "load": (timing["load_start"], timing["load_end"]),
-    }
-
-
-def _fmt(value: float | None) -> str:
-    return "—" if value is None else f"{value:.3f}"
+    steps = sum(1 for r in records(run_dir) if "train_reward" in r)
+    return {**summary(run_dir, "setup"), "steps": steps}
 
 
 def report(root: Path) -> list[dict[str, Any]]:
@@ -104,7 +89,7 @@ def report(root: Path) -> list[dict[str, Any]]:
     print("|---|---:|---:|---:|---|")
     for r in rows:
         print(
-            f"| {r['run']} | {_fmt(r['val_after'])} | {r['steps']} | {r['wall_s'] / 60:.1f} | "
+            f"| {r['run']} | {fmt(r['val_after'])} | {r['steps']} | {r['wall_s'] / 60:.1f} | "
             f"{r['load'][0]:.1f}–{r['load'][1]:.1f} |"
         )
     for setup in SETUPS:
