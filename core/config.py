@@ -269,7 +269,8 @@ class LoopConfig:
         default="drop",
         metadata=_help(
             "asynchronous training: a group older than --max-staleness is dropped ('drop') or kept with "
-            "truncated importance weights ('tis')"
+            "truncated importance weights ('tis', decoupled PPO for every step; an update in mixed "
+            "precision trains that way whatever this says)"
         ),
     )
     tis_cap: float = field(

@@ -487,11 +487,15 @@ class Trainer:
         # GRPO groups per agent with an adapter per agent (each agent's weights are compared alone)
         per_agent = {"per_agent": True} if self.agent_adapters else {}
         advantages, adv_stats = self.algorithm.compute_advantages(train_ts, **per_agent)
-        tis = {"tis_cap": self.loop.tis_cap} if self.loop.off_policy == "tis" else {}  # decoupled PPO
+        # decoupled PPO when asked for, and always under mixed precision: the engine's log-probs are
+        # not the autocast update's (bf16 rounding differs with every shape), so the ratio is taken
+        # against the update's own log-probs and the mismatch is a bounded weight, not a clip
+        precision = getattr(self.policy, "precision", "no")
+        decoupled = self.loop.off_policy == "tis" or precision != "no"
+        tis = {"tis_cap": self.loop.tis_cap} if decoupled else {}
         update = self.policy.step(train_ts, advantages, **tis)
         if on_policy:
-            precision = getattr(self.policy, "precision", "no")
-            self.checks.on_policy(update.get("behaviour_ratio_dev"), self.config, precision)
+            self.checks.on_policy(update.get("behaviour_ratio_dev"), self.config, precision, decoupled)
         # the update's metrics under their final names (PolicyUpdate.step names them for the record)
         return {
             "zero_variance_groups": adv_stats["zero_variance_groups"],

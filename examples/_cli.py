@@ -68,7 +68,8 @@ def add_train_options(t: argparse.ArgumentParser, name: str, item: str) -> None:
         default=None,
         metavar="SFT_DIR",
         help="start RL from an `agl sft` output (its merged model; overrides --model); with "
-        "--adapter-per-agent, each agent's adapter from an `agl sft --adapter-per-agent` output",
+        "--adapter-per-agent, each agent's adapter from an `agl sft --adapter-per-agent` output, or "
+        "fresh adapters on a shared `agl sft` output's merged model",
     )
     t.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
     t.add_argument("--vllm-url", default=None, help="the vLLM OpenAI server (with --backend vllm)")
@@ -153,11 +154,26 @@ def checkpointing_arg(args: argparse.Namespace) -> bool | None:
     return {"auto": None, "on": True, "off": False}[args.gradient_checkpointing]
 
 
+def _warm_adapters(args: argparse.Namespace) -> bool:
+    """Whether ``train --adapter-per-agent --warm-start DIR`` starts each agent's adapter from DIR's
+    per-agent adapters (an ``agl sft --adapter-per-agent`` run); False for a shared ``agl sft`` run,
+    whose merged model is then every agent's frozen base, each adapter starting fresh on top of it."""
+    if not (getattr(args, "warm_start", None) and getattr(args, "adapter_per_agent", False)):
+        return False
+    from agl.algorithms.sft import warm_adapters_dir
+
+    try:
+        warm_adapters_dir(args.warm_start)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def model_arg(args: argparse.Namespace) -> str | None:
-    """``train``'s model: the warm start's merged model when given, else ``--model``; with
-    ``--adapter-per-agent`` the base model the warm start's adapters were trained on (its
-    ``sft_summary.json``), else ``--model``."""
-    if getattr(args, "warm_start", None) and getattr(args, "adapter_per_agent", False):
+    """``train``'s model: the warm start's merged model when given (a shared ``agl sft`` run, with or
+    without ``--adapter-per-agent``), else ``--model``; from an ``agl sft --adapter-per-agent`` run,
+    the base model its adapters were trained on (its ``sft_summary.json``)."""
+    if _warm_adapters(args):
         import json
         from pathlib import Path
 
@@ -173,7 +189,6 @@ def model_arg(args: argparse.Namespace) -> str | None:
 
 def warm_adapters_arg(args: argparse.Namespace) -> str | None:
     """``train --adapter-per-agent --warm-start SFT_DIR``: each agent's adapter starts from the
-    ``agl sft --adapter-per-agent`` run's (``Trainer(warm_adapters=...)``); None otherwise."""
-    if getattr(args, "warm_start", None) and getattr(args, "adapter_per_agent", False):
-        return str(args.warm_start)
-    return None
+    ``agl sft --adapter-per-agent`` run's (``Trainer(warm_adapters=...)``); None otherwise (a shared
+    warm start is the base model, see :func:`model_arg`)."""
+    return str(args.warm_start) if _warm_adapters(args) else None

@@ -65,9 +65,12 @@ def test_tis_weights_equal_a_hand_computation(tok, tmp_path) -> None:
     n_tok = sum(len(w) for w in hand_w)
     clipped = sum(1 for w in hand_w for x in w if x == CAP)
     assert 0 < clipped < n_tok and dw.tokens == n_tok and dw.clipped == clipped
-    # the step reports the same fraction
+    # the deviation the plain path reports, here the proximal policy's against the behaviour's: e^1 - 1
+    assert dw.max_dev == pytest.approx(math.e - 1.0, rel=1e-4)
+    # the step reports the same fraction and deviation (not the ~0 of the ratio against the proximal)
     m = up.step(behaviours, [1.0, -1.0], tis_cap=CAP)
     assert m["tis_clip_fraction"] == pytest.approx(clipped / n_tok)
+    assert m["behaviour_ratio_dev"] == pytest.approx(math.e - 1.0, rel=1e-4)
 
 
 def test_truncated_weights_cap_and_flag() -> None:

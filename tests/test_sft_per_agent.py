@@ -118,6 +118,23 @@ def test_the_examples_train_warm_starts_each_adapter(sft_run: tuple[Path, dict[s
     assert model_arg(shared) == "base-dir" and warm_adapters_arg(shared) is None
 
 
+def test_a_shared_warm_start_is_the_base_of_an_adapter_per_agent(tmp_path: Path) -> None:
+    """``train --adapter-per-agent --warm-start DIR`` where DIR is a shared ``agl sft`` run (a merged
+    model, no per-agent adapters): the merged model is every agent's frozen base and each adapter starts
+    fresh on it, so both setups start from the very same policy (issue 35's sql_agent comparison)."""
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples package
+    from examples._cli import model_arg, warm_adapters_arg
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    for per_agent in (True, False):
+        args = argparse.Namespace(warm_start=str(tmp_path), adapter_per_agent=per_agent, model="base-dir")
+        assert model_arg(args) == str(tmp_path / "model") and warm_adapters_arg(args) is None
+
+
 def test_warm_adapters_of_other_target_modules_are_refused(tmp_path: Path) -> None:
     from peft import LoraConfig, get_peft_model
 

@@ -14,6 +14,7 @@ pytest.importorskip("openai")
 
 from test_trainer import (  # noqa: E402
     Script,
+    _agent_span,
     _instrumented,  # noqa: F401 - autouse: the openai client is instrumented
     _one_thread,  # noqa: F401 - autouse
     tiny_model,
@@ -90,3 +91,63 @@ def test_the_off_policy_warning_names_mixed_precision_when_the_update_runs_in_it
         StepChecks().on_policy(0.5, config)
         (record,) = caplog.records
         assert "temperature/top_p" in record.message and "autocast" not in record.message
+
+
+def test_the_off_policy_message_is_info_when_decoupled_ppo_corrects_mixed_precision(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Under mixed precision with decoupled PPO the engine's log-probs differing from the update's is
+    expected: said once at INFO with its size, never as a warning."""
+    from agl.config import RunConfig
+    from agl.run.checks import StepChecks
+
+    with caplog.at_level(logging.INFO, logger="agl.trainer"):
+        checks = StepChecks()
+        checks.on_policy(0.7, RunConfig(), "bf16", corrected=True)
+        checks.on_policy(2.0, RunConfig(), "bf16", corrected=True)
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO and "0.7" in record.message and "decoupled PPO" in record.message
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_an_update_in_mixed_precision_trains_by_decoupled_ppo(tmp_path: Path, precision: str) -> None:
+    """The embedded engine computes its log-probs without autocast; an update in bf16 autocast (the
+    GPU default; CPU autocast here) would take PPO's ratio against log-probs it cannot reproduce, so
+    every step takes the decoupled path (its metrics appear) and reports the engine's deviation from
+    the update's own log-probs. In float32 the plain path stays, ratio 1 up to float error."""
+    import openai
+
+    def agent(task: dict, resources: agl.Resources) -> float:
+        llm = resources.llm
+        client = openai.OpenAI(base_url=llm.base_url, api_key="x")
+        with _agent_span("writer"):
+            out = client.chat.completions.create(
+                model=llm.model, messages=[{"role": "user", "content": task["q"]}], **llm.sampling
+            )
+        return float(len(out.choices[0].message.content or "") % 2)
+
+    trainer = Trainer(
+        agl.LightningRL(group_size=4, learning_rate=1e-2, lora_r=4, lora_alpha=8, mixed_precision=precision),
+        model=tiny_model(),
+        backend="transformers",
+        model_name="tiny",
+        tokenizer=load_tokenizer(),
+        store="memory://",
+        runners=4,
+        run_dir=tmp_path,
+        tasks_per_step=2,
+        steps=2,
+        val_every=0,
+        config=agl.RunConfig(max_tokens=6),
+        progress=False,
+    )
+    trainer.fit(agent, [{"q": "hello"}, {"q": "count"}])
+    assert trainer.policy.precision == precision
+    trained = [r for r in trainer.history if r.get("trained_transitions")]
+    assert trained, trainer.history
+    for r in trained:
+        assert ("tis_weight_mean" in r) == (precision == "bf16"), r
+        assert 0 <= r["behaviour_ratio_dev"] < (1e-3 if precision == "no" else 0.5), r
+    if precision == "bf16":  # bf16 rounding shows, and stays a weight near 1
+        assert max(r["behaviour_ratio_dev"] for r in trained) > 1e-5
+        assert all(abs(r["tis_weight_mean"] - 1.0) < 0.05 for r in trained)

@@ -49,6 +49,9 @@ class DecoupledWeights:
     tokens: int = 0
     clipped: int = 0
     weight_sum: float = 0.0
+    #: max |pi_prox / pi_behaviour - 1| over the trained tokens: the behaviour-ratio deviation the plain
+    #: path reports (``behaviour_ratio_dev``), here against the proximal policy (None: no trained token)
+    max_dev: float | None = None
 
     def apply(self, k: int, inputs: dict[str, Any]) -> None:
         """Turn micro-batch ``k``'s TRL inputs into decoupled-PPO inputs (see the module docstring)."""
@@ -92,6 +95,10 @@ def decoupled_weights(policy: PolicyUpdate, plan: Any, cap: float) -> DecoupledW
             out.tokens += int(trained.sum().item())
             out.clipped += int((clipped & trained).sum().item())
             out.weight_sum += float(w.masked_select(trained).sum().item())
+            if trained.any():
+                raw = torch.exp(prox.float() - inputs["old_per_token_logps"].float())
+                dev = float((raw - 1.0).abs().masked_select(trained).max().item())
+                out.max_dev = dev if out.max_dev is None else max(out.max_dev, dev)
     finally:
         model.train(was_training)
     return out

@@ -279,7 +279,9 @@ class PolicyUpdate:
         on-policy; see :func:`_ratio_deviation`). With an adapter per agent, each adapter is updated on
         its own agent's transitions and its metrics are also reported as ``<metric>/<adapter>``
         (:func:`agl.algorithms.adapters.step_per_adapter`). With ``tis_cap``, transitions with behaviour
-        log-probs train by decoupled PPO (:mod:`agl.algorithms.offpolicy`), adding ``tis_clip_fraction``.
+        log-probs train by decoupled PPO (:mod:`agl.algorithms.offpolicy`), adding ``tis_clip_fraction``
+        and ``tis_weight_mean``; ``behaviour_ratio_dev`` is then the proximal policy's against the engine's
+        (the PPO ratio itself starts at 1 by construction).
         """
         _check_advantages(transitions, advantages)
         self.tis_cap = tis_cap
@@ -332,6 +334,8 @@ class PolicyUpdate:
             update_s=elapsed,
             learning_rate=float(tr.lr_scheduler.get_last_lr()[0]),
         )
+        if plan.tis is not None:  # the ratio is taken against the proximal policy: its deviation is ~0
+            ratio_dev = plan.tis.max_dev  # so report the engine's against the update's, as the plain path
         if ratio_dev is not None:
             metrics["behaviour_ratio_dev"] = ratio_dev
         m.clear()

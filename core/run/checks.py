@@ -7,7 +7,8 @@
   warned about once otherwise (an agent called only on some tasks, like a rewriter that runs when a
   query fails);
 - an update whose first PPO ratio is far from 1 (the recorded behaviour policy is not the policy the
-  update scores) is warned about once.
+  update scores) is warned about once; under mixed precision, where the update corrects for it by
+  decoupled PPO, it is logged once at INFO with its size.
 """
 
 from __future__ import annotations
@@ -89,13 +90,27 @@ class StepChecks:
     #: step on an H100 (calc_agent, bench/README.md)
     OFF_POLICY_WARN = 0.05
 
-    def on_policy(self, ratio_dev: float | None, config: RunConfig, precision: str = "no") -> None:
-        """Warn once when the update's first ratio shows that the engine's recorded log-probs are not
-        the policy's, naming the likeliest cause: mixed precision when the update runs in it, else
-        sampling settings the agent overrides or weights the engine does not share."""
+    def on_policy(
+        self, ratio_dev: float | None, config: RunConfig, precision: str = "no", corrected: bool = False
+    ) -> None:
+        """Say once when the update's first ratio shows that the engine's recorded log-probs are not the
+        policy's. Under mixed precision with ``corrected`` (the update trains by decoupled PPO, so the
+        mismatch is weighted, not clipped) that is expected and logged at INFO with its size; otherwise
+        a warning names the likeliest cause: the update's autocast when it has one, else sampling
+        settings the agent overrides or weights the engine does not share."""
         if ratio_dev is None or ratio_dev <= self.OFF_POLICY_WARN or self.warned_off_policy:
             return
         self.warned_off_policy = True
+        if precision != "no" and corrected:
+            log.info(
+                "agl trainer: the update runs in %s autocast and the engine without it, so their log-probs "
+                "of the same tokens differ (max |ratio - 1| %.3g in the first update); every step trains by "
+                "decoupled PPO against the update's own log-probs, each token weighted by min(pi/mu, "
+                "tis_cap): tis_weight_mean and tis_clip_fraction in the metrics show how much that weighs",
+                precision,
+                ratio_dev,
+            )
+            return
         if precision != "no":
             cause = (
                 f"The update runs in {precision} autocast while the engine, serving the same weights, "
