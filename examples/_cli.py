@@ -160,12 +160,16 @@ def _warm_adapters(args: argparse.Namespace) -> bool:
     whose merged model is then every agent's frozen base, each adapter starting fresh on top of it."""
     if not (getattr(args, "warm_start", None) and getattr(args, "adapter_per_agent", False)):
         return False
-    from agl.algorithms.sft import warm_adapters_dir
+    from agl.algorithms.sft import warm_adapters_dir, warm_start_model
 
     try:
         warm_adapters_dir(args.warm_start)
     except FileNotFoundError:
-        return False
+        try:
+            warm_start_model(args.warm_start)
+        except FileNotFoundError:  # neither: the per-agent path names what is missing
+            return True
+        return False  # a merged model and no per-agent adapters: a shared SFT run
     return True
 
 
