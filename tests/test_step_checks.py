@@ -14,9 +14,9 @@ pytest.importorskip("openai")
 
 from test_trainer import (  # noqa: E402
     Script,
-    _agent_span,
     _instrumented,  # noqa: F401 - autouse: the openai client is instrumented
     _one_thread,  # noqa: F401 - autouse
+    sampling_writer,
     tiny_model,
     two_agent_app,
 )
@@ -115,17 +115,6 @@ def test_an_update_in_mixed_precision_trains_by_decoupled_ppo(tmp_path: Path, pr
     GPU default; CPU autocast here) would take PPO's ratio against log-probs it cannot reproduce, so
     every step takes the decoupled path (its metrics appear) and reports the engine's deviation from
     the update's own log-probs. In float32 the plain path stays, ratio 1 up to float error."""
-    import openai
-
-    def agent(task: dict, resources: agl.Resources) -> float:
-        llm = resources.llm
-        client = openai.OpenAI(base_url=llm.base_url, api_key="x")
-        with _agent_span("writer"):
-            out = client.chat.completions.create(
-                model=llm.model, messages=[{"role": "user", "content": task["q"]}], **llm.sampling
-            )
-        return float(len(out.choices[0].message.content or "") % 2)
-
     trainer = Trainer(
         agl.LightningRL(group_size=4, learning_rate=1e-2, lora_r=4, lora_alpha=8, mixed_precision=precision),
         model=tiny_model(),
@@ -141,7 +130,7 @@ def test_an_update_in_mixed_precision_trains_by_decoupled_ppo(tmp_path: Path, pr
         config=agl.RunConfig(max_tokens=6),
         progress=False,
     )
-    trainer.fit(agent, [{"q": "hello"}, {"q": "count"}])
+    trainer.fit(sampling_writer, [{"q": "hello"}, {"q": "count"}])
     assert trainer.policy.precision == precision
     trained = [r for r in trainer.history if r.get("trained_transitions")]
     assert trained, trainer.history

@@ -718,6 +718,17 @@ def test_external_gateway_gets_weights_over_http(tmp_path: Path) -> None:
     assert versions == {r["resources_version"] for r in trainer.history}
 
 
+def sampling_writer(task: dict, resources: agl.Resources) -> float:
+    """One "writer" call at the run's sampling settings (resources.llm.sampling); reward: reply length mod 2."""
+    llm = resources.llm
+    client = openai.OpenAI(base_url=llm.base_url, api_key="x")
+    with _agent_span("writer"):
+        out = client.chat.completions.create(
+            model=llm.model, messages=[{"role": "user", "content": task["q"]}], **llm.sampling
+        )
+    return float(len(out.choices[0].message.content or "") % 2)
+
+
 def test_fit_in_process_is_on_policy_at_the_run_temperature(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -725,15 +736,6 @@ def test_fit_in_process_is_on_policy_at_the_run_temperature(
     and samples at the RunConfig's temperature, which the agent gets as resources.llm.sampling; so
     the update's ratio is 1 before each step's first optimizer step, at that same temperature."""
     tok = load_tokenizer()
-
-    def agent(task: dict, resources: agl.Resources) -> float:
-        llm = resources.llm
-        client = openai.OpenAI(base_url=llm.base_url, api_key="x")
-        with _agent_span("writer"):
-            out = client.chat.completions.create(
-                model=llm.model, messages=[{"role": "user", "content": task["q"]}], **llm.sampling
-            )
-        return float(len(out.choices[0].message.content or "") % 2)
 
     trainer = Trainer(
         agl.LightningRL(group_size=4, learning_rate=1e-2, lora_r=4, lora_alpha=8),
@@ -752,7 +754,7 @@ def test_fit_in_process_is_on_policy_at_the_run_temperature(
     )
     assert trainer.sampling == {"temperature": 0.7, "top_p": 1.0, "max_tokens": 6}
     with caplog.at_level("WARNING", logger="agl.trainer"):
-        trainer.fit(agent, [{"q": "hello"}, {"q": "count"}])
+        trainer.fit(sampling_writer, [{"q": "hello"}, {"q": "count"}])
     assert trainer.policy.config.temperature == 0.7
     trained = [r for r in trainer.history if r.get("trained_transitions")]
     assert trained, trainer.history

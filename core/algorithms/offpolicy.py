@@ -28,7 +28,7 @@ import torch
 if TYPE_CHECKING:
     from agl.algorithms.update import PolicyUpdate
 
-__all__ = ["DecoupledWeights", "decoupled_weights", "truncated_weights"]
+__all__ = ["DecoupledWeights", "decoupled_weights", "ratio_deviation", "truncated_weights"]
 
 
 def truncated_weights(
@@ -37,6 +37,20 @@ def truncated_weights(
     """Per-token ``min(exp(proximal - behaviour), cap)`` and whether each token's weight was truncated."""
     ratio = torch.exp(proximal.float() - behaviour.float())
     return ratio.clamp(max=cap), ratio > cap
+
+
+def ratio_deviation(logps: torch.Tensor | None, inputs: dict[str, Any]) -> float:
+    """max |pi/mu - 1| over a micro-batch's response tokens, before any optimizer step of the update:
+    0 up to float error when the recorded behaviour log-probs are the current policy's at the update's
+    temperature. A large value means the run learns off-policy (e.g. the agent sampled at another
+    temperature than the run's)."""
+    if logps is None:
+        return float("nan")
+    mask = inputs["completion_mask"].bool()
+    if "tool_mask" in inputs:
+        mask = mask & inputs["tool_mask"].bool()
+    ratio = torch.exp(logps.float() - inputs["old_per_token_logps"].float())
+    return float((ratio - 1.0).abs().masked_select(mask).max().item()) if mask.any() else 0.0
 
 
 @dataclass
@@ -96,8 +110,7 @@ def decoupled_weights(policy: PolicyUpdate, plan: Any, cap: float) -> DecoupledW
             out.clipped += int((clipped & trained).sum().item())
             out.weight_sum += float(w.masked_select(trained).sum().item())
             if trained.any():
-                raw = torch.exp(prox.float() - inputs["old_per_token_logps"].float())
-                dev = float((raw - 1.0).abs().masked_select(trained).max().item())
+                dev = ratio_deviation(prox, inputs)
                 out.max_dev = dev if out.max_dev is None else max(out.max_dev, dev)
     finally:
         model.train(was_training)

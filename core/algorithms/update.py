@@ -55,7 +55,7 @@ from agl.algorithms.grpo_setup import (
     _lora_config,
     auto_micro_batch_tokens,
 )
-from agl.algorithms.offpolicy import DecoupledWeights, decoupled_weights
+from agl.algorithms.offpolicy import DecoupledWeights, decoupled_weights, ratio_deviation
 from agl.algorithms.packing import MicroBatch, pack_micro_batches
 from agl.algorithms.scoring import chunked_token_logps, is_peft
 from agl.config import RunConfig
@@ -285,7 +285,7 @@ class PolicyUpdate:
         sequences, micro_batches, skipped (zero-advantage transitions left out), the merge statistics
         (merge_rate, tokens_saved, breaks_*) and, when the transitions carry the engine's log-probs,
         ``behaviour_ratio_dev``: max |ratio - 1| before the first optimizer step (~0 when the run is
-        on-policy; see :func:`_ratio_deviation`). With an adapter per agent, each adapter is updated on
+        on-policy; see :func:`agl.algorithms.offpolicy.ratio_deviation`). With an adapter per agent, each adapter is updated on
         its own agent's transitions and its metrics are also reported as ``<metric>/<adapter>``
         (:func:`agl.algorithms.adapters.step_per_adapter`). With ``tis_cap``, transitions with behaviour
         log-probs train by decoupled PPO (:mod:`agl.algorithms.offpolicy`), adding ``tis_clip_fraction``
@@ -446,7 +446,7 @@ class PolicyUpdate:
             acc.backward(loss)
         if dummy:
             return 0.0, None
-        dev = _ratio_deviation(tr.last_logps, inputs) if check_ratio and mb.has_logprobs else None
+        dev = ratio_deviation(tr.last_logps, inputs) if check_ratio and mb.has_logprobs else None
         return float(loss.detach().item()), dev
 
     def _optimizer_step(self) -> float:
@@ -620,20 +620,6 @@ def _finite_mean(values: Sequence[float]) -> float:
     """The mean of the finite values (TRL logs NaN for a metric a micro-batch could not compute), or 0."""
     vals = [v for v in values if math.isfinite(v)]
     return float(sum(vals) / len(vals)) if vals else 0.0
-
-
-def _ratio_deviation(logps: torch.Tensor | None, inputs: dict[str, Any]) -> float:
-    """max |pi/mu - 1| over a micro-batch's response tokens, before any optimizer step of the update:
-    0 up to float error when the recorded behaviour log-probs are the current policy's at the update's
-    temperature. A large value means the run learns off-policy (e.g. the agent sampled at another
-    temperature than the run's)."""
-    if logps is None:
-        return float("nan")
-    mask = inputs["completion_mask"].bool()
-    if "tool_mask" in inputs:
-        mask = mask & inputs["tool_mask"].bool()
-    ratio = torch.exp(logps.float() - inputs["old_per_token_logps"].float())
-    return float((ratio - 1.0).abs().masked_select(mask).max().item()) if mask.any() else 0.0
 
 
 #: the merge statistics a step reports (agl.trajectories.MergeStats.as_dict keys)
