@@ -5,7 +5,8 @@ that runs avoids AIR's penalty. Each monitor measures one symptom every step, an
 threshold is crossed, naming the step and the rollouts that are its evidence:
 
 - ``air_share``: the share of the reward that is shaping (AIR), not the task;
-- ``divergence``: the mean gap between the task reward and the judge's score, where both exist;
+- ``divergence``: the mean gap between the task reward the agent reported and the judge's score, where
+  both exist (a rollout that reported no reward has no task reward to diverge from);
 - ``heldout_trend``: the train reward (task + AIR) rose since the previous held-out measurement while
   the held-out task reward fell — the signature of reward hacking;
 - ``length_drift``: mean response tokens relative to the run's first training step;
@@ -84,14 +85,17 @@ class MonitorWarning:
 
 @dataclass
 class StepData:
-    """One step's training rollouts as the monitors see them: ``transitions`` per rollout id, each
-    rollout's task id, tool calls made, judge score (where judged), and the held-out rollout ids."""
+    """One step's training rollouts as the monitors see them: ``transitions`` per rollout id (carrying
+    the reward trained on), each rollout's task id, tool calls made, judge score (where judged), task
+    reward (where the agent reported one: with a judge in the reward, the trained reward is no longer
+    the task's, so it is kept apart), and the held-out rollout ids."""
 
     step: int
     transitions: Mapping[str, Sequence[Any]]
     task_of: Mapping[str, str | None] = field(default_factory=dict)
     tool_calls: Mapping[str, int] = field(default_factory=dict)
     judge: Mapping[str, float] = field(default_factory=dict)
+    task: Mapping[str, float] = field(default_factory=dict)
     val_ids: Sequence[str] = ()
 
 
@@ -117,7 +121,7 @@ def _air_share(d: StepData, record: Mapping[str, Any], th: Thresholds) -> tuple[
 
 
 def _divergence(d: StepData, th: Thresholds) -> tuple[dict, MonitorWarning | None]:
-    gaps = {r: abs(ts[0].final_reward - d.judge[r]) for r, ts in d.transitions.items() if ts and r in d.judge}
+    gaps = {r: abs(d.task[r] - d.judge[r]) for r in d.transitions if r in d.judge and r in d.task}
     value = _mean(list(gaps.values()))
     if value is None or th.divergence is None or value <= th.divergence:
         return {"monitor_divergence": value}, None

@@ -90,6 +90,7 @@ def test_identical_answers_across_tasks_and_divergence_name_their_rollouts() -> 
         transitions=trans,
         task_of={"a": "t1", "b": "t2", "c": "t3", "d": "t3"},
         judge={"a": 0.9, "b": 0.8, "c": 1.0, "d": 1.0},
+        task={"a": 0.0, "b": 0.0, "c": 1.0, "d": 1.0},
     )
     out = Monitors(Thresholds(identical_answers=0.4, divergence=0.3)).observe(data, {"step": 7}, [])
     by = {w["monitor"]: w for w in out["monitor_warnings"]}

@@ -15,7 +15,7 @@ from typing import Any
 from agl import semconv as sc
 from agl.errors import UsageError
 
-__all__ = ["RewardAssembly", "parse_reward"]
+__all__ = ["RewardAssembly", "parse_reward", "reported_task_rewards"]
 
 
 def parse_reward(reward: Any) -> dict[str, float]:
@@ -31,6 +31,19 @@ def parse_reward(reward: Any) -> dict[str, float]:
     raise UsageError(
         f'reward must be "task", "judge" or {{"task": w, "judge": w}} with weights >= 0, got {reward!r}'
     )
+
+
+def reported_task_rewards(
+    store: Any, rollouts: Sequence[Any], rewards: Mapping[str, float]
+) -> dict[str, float]:
+    """The task reward of each rollout whose agent reported one, before any judge mixing. A rollout
+    without a reward span carries the adapter's ``missing_reward`` fill, which is no verdict: an agent
+    without a grader must not read as diverging from its judge."""
+    from agl.inspect import final_reward_of
+
+    return {
+        r.id: rewards[r.id] for r in rollouts if r.id in rewards and final_reward_of(store, r) is not None
+    }
 
 
 class RewardAssembly:
@@ -55,6 +68,7 @@ class RewardAssembly:
             monitors = Monitors(monitors)
         self.monitors = monitors or None
         self._judged: dict[str, float] = {}
+        self._task: dict[str, float] = {}
 
     def open(self, run_dir: Any, air: Any = None) -> None:
         """Start the judge (its gateway, store and cache under ``run_dir``); ``air``: the adapter's AIR,
@@ -74,12 +88,13 @@ class RewardAssembly:
     ) -> tuple[dict[str, list[Any]], dict[str, float], dict[str, Any]]:
         """The step's training rollouts rescored: judged, mixed, AIR judge-gated. Returns new
         ``transitions`` and ``rewards`` maps and the ``judge_*`` metrics (cost included)."""
-        self._judged = {}
+        self._judged, self._task = {}, {}
         if self.judge is None:
             return transitions, rewards, {}
         rollouts = [r for r in store.query_rollouts(ids=list(ids)) if r.id in rewards]
         report = self.judge.score(store, rollouts)
         self._judged = dict(report.scores)
+        self._task = reported_task_rewards(store, rollouts, rewards)
         metrics = report.metrics()
         task = [rewards[r] for r in ids if r in rewards]
         judged = [report.scores[r] for r in ids if r in report.scores]
@@ -135,6 +150,7 @@ class RewardAssembly:
             task_of={r.id: r.task_id for r in rollouts},
             tool_calls=tools,
             judge=self._judged,
+            task=self._task,
             val_ids=list(val_ids),
         )
         return self.monitors.observe(data, record, history)

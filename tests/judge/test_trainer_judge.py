@@ -108,12 +108,57 @@ def test_an_agent_without_a_reward_trains_on_the_judge(tmp_path: Path) -> None:
         assert r["train_task_reward"] == 0.0  # the agent gave none: the missing-reward fill
         assert r["train_reward"] == r["judge_reward"] == 0.5  # one good, one bad per group
         assert "monitor_warnings" in r and r["response_tokens"] > 0
+        assert r["monitor_divergence"] is None  # no task reward reported: nothing to diverge from
     # the judge store holds one judge rollout per group, each with its call and scores
     judge_store = agl.store.open(f"sqlite:///{tmp_path / 'run' / 'judge.db'}")
     try:
         assert len(judge_store.query_rollouts(mode="test", status="succeeded")) == 4
     finally:
         judge_store.close()
+
+
+def lenient_agent(task: dict, resources: agl.Resources) -> float:
+    """An agent whose own grader passes every answer: the judge (1 for "42", else 0) disagrees on half."""
+    no_reward_agent(task, resources)
+    return 1.0
+
+
+def test_divergence_compares_the_reported_task_reward_with_the_judge(tmp_path: Path) -> None:
+    """Trained on the judge's score, the monitors still see the task reward the agent reported: the
+    lenient grader's 1.0 against the judge's 0 on every bad answer is a gap of 0.5 a rollout on average,
+    above the default threshold, and the warning names the rollouts the judge failed."""
+    judge = agl.Judge(backend=ScriptedBackend(judge_script, accept_any_model=True), model="judge-m")
+    trainer = Trainer(
+        agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
+        model=tiny_model(),
+        backend="scripted",
+        script=Engine(),
+        runners=2,
+        run_dir=tmp_path / "run",
+        tokenizer=load_tokenizer(),
+        tasks_per_step=2,
+        steps=1,
+        val_every=0,
+        val_before=False,
+        progress=False,
+        judge=judge,
+        reward="judge",
+    )
+    trainer.fit(lenient_agent, [{"q": f"What is {i} * 6?"} for i in range(2)])
+    (r,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert r["train_task_reward"] == 1.0 and r["train_reward"] == r["judge_reward"] == 0.5
+    assert r["monitor_divergence"] == 0.5
+    (warning,) = [w for w in r["monitor_warnings"] if w["monitor"] == "divergence"]
+    assert warning["step"] == 0 and len(warning["rollouts"]) == 4
+    store = agl.store.open(f"sqlite:///{tmp_path / 'run' / 'store.db'}")
+    try:  # worst gap first: the two answers the judge failed, then the two it passed
+        texts = {
+            t.rollout_id: t.response_text or ""
+            for t in trainer.adapter.from_store(store, warning["rollouts"])
+        }
+    finally:
+        store.close()
+    assert [BAD in texts[r] for r in warning["rollouts"]] == [True, True, False, False]
 
 
 def test_reward_settings_are_checked() -> None:
