@@ -93,6 +93,37 @@ def run_one(root: Path, source: str, seed: int, warm_start: Path, threads: int) 
     run_once(run_dir, command(source, seed, run_dir, warm_start, threads), f"{source} seed={seed}")
 
 
+def judge_gap(run_dir: Path) -> float | None:
+    """Mean |task reward - judge score| over every rollout the run's judge scored, read back from the
+    judge store's recorded verdicts and the run store's reward spans (None: no judge). It is the
+    divergence monitor's figure over the whole run; runs made before that monitor compared the
+    reported task reward (aed4ce5) logged 0 for it, so the bench recomputes it from the stores."""
+    if not (run_dir / "judge.db").exists():
+        return None
+    import agl.store
+    from agl import semconv as sc
+    from agl.inspect import final_reward_of
+
+    judge_store = agl.store.open(f"sqlite:///{run_dir / 'judge.db'}")
+    run_store = agl.store.open(f"sqlite:///{run_dir / 'store.db'}")
+    try:
+        verdicts: dict[str, float] = {}
+        for span in judge_store.query_spans(name=sc.SPAN_OBJECT):
+            record = json.loads(span.attributes[sc.AGL_OBJECT_JSON])
+            verdicts.update(
+                zip(record.get("judged", []), (s for s, _ in record.get("scores", [])), strict=True)
+            )
+        gaps = []
+        for rollout in run_store.query_rollouts(ids=list(verdicts)):
+            task = final_reward_of(run_store, rollout)
+            if task is not None:
+                gaps.append(abs(task - verdicts[rollout.id]))
+        return statistics.fmean(gaps) if gaps else None
+    finally:
+        judge_store.close()
+        run_store.close()
+
+
 def summarise(run_dir: Path) -> dict[str, Any]:
     """One finished run's figures from its metrics.jsonl and wall.json."""
     steps = [r for r in records(run_dir) if "train_reward" in r]
@@ -106,6 +137,7 @@ def summarise(run_dir: Path) -> dict[str, Any]:
         "judge_tokens": per_step("judge_prompt_tokens") + per_step("judge_completion_tokens"),
         "judge_s": per_step("judge_s"),
         "judge_skipped": sum(int(r.get("judge_groups_skipped") or 0) for r in steps),
+        "judge_gap": judge_gap(run_dir),
     }
 
 
@@ -113,13 +145,13 @@ def report(root: Path) -> list[dict[str, Any]]:
     """Print the per-run and per-source tables, write summary.json and the plot; returns the rows."""
     rows = [summarise(d) for d in sorted(root.iterdir()) if d.is_dir() and (d / "wall.json").exists()]
     print(
-        "| run | held-out F1 (244) | judge calls / step | judge tokens / step | judge s / step | groups skipped | wall min | load |"
+        "| run | held-out F1 (244) | judge calls / step | judge tokens / step | judge s / step | groups skipped | mean \\|task − judge\\| | wall min | load |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(
             f"| {r['run']} | {fmt(r['val_after'])} | {r['judge_calls']:.1f} | {r['judge_tokens']:.0f} | "
-            f"{r['judge_s']:.2f} | {r['judge_skipped']} | {r['wall_s'] / 60:.1f} | {r['load'][0]:.1f}–{r['load'][1]:.1f} |"
+            f"{r['judge_s']:.2f} | {r['judge_skipped']} | {fmt(r['judge_gap'])} | {r['wall_s'] / 60:.1f} | {r['load'][0]:.1f}–{r['load'][1]:.1f} |"
         )
     means: dict[str, float] = {}
     for source in SOURCES:
