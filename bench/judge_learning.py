@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _matrix import dot_plot, fmt, records, run_once, summary  # bench/, the script's own folder
+from _matrix import dot_plot, finished, fmt, records, run_once, summary  # bench/, the script's own folder
 
 SEEDS = (0, 1, 2)  # declared before the runs
 SOURCES: dict[str, list[str]] = {
@@ -124,15 +124,50 @@ def judge_gap(run_dir: Path) -> float | None:
         run_store.close()
 
 
-def summarise(run_dir: Path) -> dict[str, Any]:
-    """One finished run's figures from its metrics.jsonl and wall.json."""
+def heldout_first(run_dir: Path, n: int) -> float | None:
+    """Held-out F1 over the first ``n`` held-out questions of the run's final check, read from its
+    store (tasks ``val-0`` .. ``val-{n-1}``, the same questions as ``--val-tasks n``); None until all
+    ``n`` have finished. For a run whose 244-question check was cut short."""
+    import agl.store
+    from agl.inspect import final_reward_of
+
+    store = agl.store.open(f"sqlite:///{run_dir / 'store.db'}")
+    try:
+        wanted = {f"val-{i}" for i in range(n)}
+        done = [
+            r for r in store.query_rollouts(mode="val") if r.task_id in wanted and r.status == "succeeded"
+        ]
+        if len({r.task_id for r in done}) < n:
+            return None
+        return statistics.fmean(final_reward_of(store, r) or 0.0 for r in done)
+    finally:
+        store.close()
+
+
+def summarise(run_dir: Path, first: int | None = None) -> dict[str, Any]:
+    """One run's figures from its metrics.jsonl and wall.json; with ``first``, held-out F1 over the
+    first ``first`` held-out questions (from the store), also for a run whose final check was cut."""
     steps = [r for r in records(run_dir) if "train_reward" in r]
 
     def per_step(key: str) -> float:
         return statistics.fmean([float(r.get(key) or 0.0) for r in steps] or [0.0])
 
+    if finished(run_dir):
+        base = summary(run_dir, "source")
+    else:
+        name, _, seed = run_dir.name.rpartition("_s")
+        base = {
+            "run": run_dir.name,
+            "source": name,
+            "seed": int(seed),
+            "val_after": None,
+            "wall_s": None,
+            "load": None,
+        }
+    if first:
+        base["val_after"] = heldout_first(run_dir, first)
     return {
-        **summary(run_dir, "source"),
+        **base,
         "judge_calls": per_step("judge_calls"),
         "judge_tokens": per_step("judge_prompt_tokens") + per_step("judge_completion_tokens"),
         "judge_s": per_step("judge_s"),
@@ -141,17 +176,21 @@ def summarise(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def report(root: Path) -> list[dict[str, Any]]:
-    """Print the per-run and per-source tables, write summary.json and the plot; returns the rows."""
-    rows = [summarise(d) for d in sorted(root.iterdir()) if d.is_dir() and (d / "wall.json").exists()]
+def report(root: Path, first: int | None = None) -> list[dict[str, Any]]:
+    """Print the per-run and per-source tables, write summary.json and the plot; returns the rows.
+    ``first``: held-out over the first ``first`` questions, including runs that trained every step but
+    whose 244-question check was stopped."""
+    dirs = [d for d in sorted(root.iterdir()) if d.is_dir() and (d / "metrics.jsonl").exists()]
+    rows = [summarise(d, first) for d in dirs if finished(d) or first]
+    rows = [r for r in rows if finished(root / r["run"]) or r["val_after"] is not None]
     print(
-        "| run | held-out F1 (244) | judge calls / step | judge tokens / step | judge s / step | groups skipped | mean \\|task − judge\\| | wall min | load |"
+        f"| run | held-out F1 ({first or 244}) | judge calls / step | judge tokens / step | judge s / step | groups skipped | mean \\|task − judge\\| | wall min | load |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(
             f"| {r['run']} | {fmt(r['val_after'])} | {r['judge_calls']:.1f} | {r['judge_tokens']:.0f} | "
-            f"{r['judge_s']:.2f} | {r['judge_skipped']} | {fmt(r['judge_gap'])} | {r['wall_s'] / 60:.1f} | {r['load'][0]:.1f}–{r['load'][1]:.1f} |"
+            f"{r['judge_s']:.2f} | {r['judge_skipped']} | {fmt(r['judge_gap'])} | {_wall(r)} |"
         )
     means: dict[str, float] = {}
     for source in SOURCES:
@@ -168,11 +207,17 @@ def report(root: Path) -> list[dict[str, Any]]:
         )
     (root / "summary.json").write_text(json.dumps(rows, indent=1))
     if rows:
-        plot(rows, root / "judge_learning.png")
+        plot(rows, root / "judge_learning.png", first or 244)
     return rows
 
 
-def plot(rows: list[dict[str, Any]], out: Path) -> None:
+def _wall(r: dict[str, Any]) -> str:
+    if r["wall_s"] is None:
+        return "— | —"  # its final check was stopped: no wall time
+    return f"{r['wall_s'] / 60:.1f} | {r['load'][0]:.1f}–{r['load'][1]:.1f}"
+
+
+def plot(rows: list[dict[str, Any]], out: Path, n: int = 244) -> None:
     """Held-out F1 per reward source: one dot per seed, a bar at the mean."""
     groups = [
         (LABELS[s].replace(": ", ":\n"), [r["val_after"] for r in rows if r["source"] == s and r["val_after"] is not None], "#c6dbef")
@@ -180,7 +225,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     ]  # fmt: skip
     dot_plot(
         groups,
-        "held-out F1 (244 questions)",
+        f"held-out F1 ({n} questions)",
         "rag_agent: what training on a judge's scores costs (dots: seeds)",
         out,
     )
@@ -197,6 +242,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--build-warm-start", action="store_true", help="build --warm-start first if missing")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument(
+        "--heldout-first",
+        type=int,
+        metavar="N",
+        help="report held-out F1 over the first N held-out questions (from each run's store)",
+    )
     args = parser.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
     if args.build_warm_start:
@@ -207,7 +258,7 @@ def main() -> None:
         for seed in args.seeds:
             for source in args.sources:
                 run_one(args.root, source, seed, args.warm_start, args.threads)
-    report(args.root)
+    report(args.root, args.heldout_first)
 
 
 if __name__ == "__main__":
