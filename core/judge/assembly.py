@@ -69,13 +69,19 @@ class RewardAssembly:
         self.monitors = monitors or None
         self._judged: dict[str, float] = {}
         self._task: dict[str, float] = {}
+        self.credit: Any = None  # the adapter's credit rule (None: identical, gamma 1), set by open()
+        self.include_intermediate = True
 
-    def open(self, run_dir: Any, air: Any = None) -> None:
+    def open(self, run_dir: Any, air: Any = None, adapter: Any = None) -> None:
         """Start the judge (its gateway, store and cache under ``run_dir``); ``air``: the adapter's AIR,
-        whose ``gate="judge"`` this assembly applies."""
+        whose ``gate="judge"`` this assembly applies; ``adapter``: whose credit rule (``.algorithm``,
+        ``.include_intermediate``) re-credits a rescored rollout's returns."""
         if air is not None and getattr(air, "gate", None) == "judge" and self.judge is None:
             raise UsageError('AIR(gate="judge") needs Trainer(judge=agl.Judge(...))')
         self.air = air
+        if adapter is not None:
+            self.credit = getattr(adapter, "algorithm", None)
+            self.include_intermediate = bool(getattr(adapter, "include_intermediate", True))
         if self.judge is not None:
             self.judge.open(run_dir)
 
@@ -110,18 +116,27 @@ class RewardAssembly:
                 continue
             value = self._mix(rewards[rid], report.scores.get(rid))
             new_rewards[rid] = value
-            new_ts[rid] = [self._rescore(t, value, report.scores.get(rid)) for t in transitions.get(rid, [])]
+            new_ts[rid] = self._rescore(transitions.get(rid, []), value, report.scores.get(rid))
         metrics["judge_rollouts_unscored"] = unscored
         return new_ts, new_rewards, metrics
 
     def _mix(self, task: float, judge: float | None) -> float:
         return self.weights.get("task", 0.0) * task + self.weights.get("judge", 0.0) * (judge or 0.0)
 
-    def _rescore(self, t: Any, value: float, verdict: float | None) -> Any:
-        inter = t.intermediate_reward
+    def _rescore(self, ts: Sequence[Any], value: float, verdict: float | None) -> list[Any]:
+        """One rollout's transitions (in call order) with the assembled final reward, judge-gated AIR,
+        and ``reward`` — the credited return the update normalises — credited again from them: the
+        adapter credited the task's reward, and a rescored rollout must train on its new one."""
+        from agl.rewards import credit_returns
+
+        inter = [t.intermediate_reward for t in ts]
         if self.air is not None and getattr(self.air, "gate", None) == "judge" and verdict is not None:
-            inter = self.air.gate_on([inter], verdict)[0]
-        return t.model_copy(update={"final_reward": value, "intermediate_reward": inter})
+            inter = list(self.air.gate_on(inter, verdict))
+        returns = credit_returns(value, inter, self.credit, include_intermediate=self.include_intermediate)
+        return [
+            t.model_copy(update={"final_reward": value, "intermediate_reward": i, "reward": g})
+            for t, i, g in zip(ts, inter, returns, strict=True)
+        ]
 
     def monitor(
         self,

@@ -80,7 +80,16 @@ def judge_script(request: Any) -> str:
     return json.dumps({"scores": scores})
 
 
-def test_an_agent_without_a_reward_trains_on_the_judge(tmp_path: Path) -> None:
+def test_an_agent_without_a_reward_trains_on_the_judge(tmp_path: Path, monkeypatch: Any) -> None:
+    seen: list[tuple[str, float]] = []  # (response, advantage) of every transition the update got
+    advantages_of = agl.LightningRL.compute_advantages
+
+    def recording(self: Any, transitions: Any, **kw: Any) -> Any:
+        adv, stats = advantages_of(self, transitions, **kw)
+        seen.extend(zip([t.response_text or "" for t in transitions], adv, strict=True))
+        return adv, stats
+
+    monkeypatch.setattr(agl.LightningRL, "compute_advantages", recording)
     judge = agl.Judge(backend=ScriptedBackend(judge_script, accept_any_model=True), model="judge-m")
     trainer = Trainer(
         agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
@@ -107,8 +116,13 @@ def test_an_agent_without_a_reward_trains_on_the_judge(tmp_path: Path) -> None:
         assert r["judge_prompt_tokens"] > 0 and r["judge_s"] > 0
         assert r["train_task_reward"] == 0.0  # the agent gave none: the missing-reward fill
         assert r["train_reward"] == r["judge_reward"] == 0.5  # one good, one bad per group
+        assert r["zero_variance_groups"] == 0 and r["trained_transitions"] == r["transitions"] == 4
         assert "monitor_warnings" in r and r["response_tokens"] > 0
         assert r["monitor_divergence"] is None  # no task reward reported: nothing to diverge from
+    # the update trains on the judge's scores: the answer it passed is pushed up, the one it failed
+    # down (returns credited from the task's missing-reward fill of 0 would push both down alike)
+    assert len(seen) == 8
+    assert all((adv > 0) == (GOOD in text) and adv != 0 for text, adv in seen), seen
     # the judge store holds one judge rollout per group, each with its call and scores
     judge_store = agl.store.open(f"sqlite:///{tmp_path / 'run' / 'judge.db'}")
     try:
