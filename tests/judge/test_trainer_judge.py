@@ -52,15 +52,18 @@ def tiny_model() -> LlamaForCausalLM:
 
 
 class Engine:
-    """The policy's replies alternate good/bad, so every group has a judged difference."""
+    """The policy's replies alternate good/bad per prompt, so each group (two rollouts of one task)
+    holds one of each whatever order the runners' calls arrive in."""
 
     def __init__(self) -> None:
-        self.n, self.lock = 0, threading.Lock()
+        self.n: dict[str, int] = {}
+        self.lock = threading.Lock()
 
     def __call__(self, request: Any) -> str:
+        key = json.dumps(request.messages, sort_keys=True, default=str)
         with self.lock:
-            self.n += 1
-            return GOOD if self.n % 2 else BAD
+            self.n[key] = self.n.get(key, 0) + 1
+            return GOOD if self.n[key] % 2 else BAD
 
 
 def no_reward_agent(task: dict, resources: agl.Resources) -> None:
