@@ -83,6 +83,27 @@ def judge_script(request: Any) -> str:
     return json.dumps({"scores": scores})
 
 
+def judged_trainer(tmp_path: Path, steps: int) -> Trainer:
+    """A Trainer on ``reward="judge"``: groups of two, two tasks a step, the scripted judge."""
+    judge = agl.Judge(backend=ScriptedBackend(judge_script, accept_any_model=True), model="judge-m")
+    return Trainer(
+        agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
+        model=tiny_model(),
+        backend="scripted",
+        script=Engine(),
+        runners=2,
+        run_dir=tmp_path / "run",
+        tokenizer=load_tokenizer(),
+        tasks_per_step=2,
+        steps=steps,
+        val_every=0,
+        val_before=False,
+        progress=False,
+        judge=judge,
+        reward="judge",
+    )
+
+
 def test_an_agent_without_a_reward_trains_on_the_judge(tmp_path: Path, monkeypatch: Any) -> None:
     seen: list[tuple[str, float]] = []  # (response, advantage) of every transition the update got
     advantages_of = agl.LightningRL.compute_advantages
@@ -93,23 +114,7 @@ def test_an_agent_without_a_reward_trains_on_the_judge(tmp_path: Path, monkeypat
         return adv, stats
 
     monkeypatch.setattr(agl.LightningRL, "compute_advantages", recording)
-    judge = agl.Judge(backend=ScriptedBackend(judge_script, accept_any_model=True), model="judge-m")
-    trainer = Trainer(
-        agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
-        model=tiny_model(),
-        backend="scripted",
-        script=Engine(),
-        runners=2,
-        run_dir=tmp_path / "run",
-        tokenizer=load_tokenizer(),
-        tasks_per_step=2,
-        steps=2,
-        val_every=0,
-        val_before=False,
-        progress=False,
-        judge=judge,
-        reward="judge",
-    )
+    trainer = judged_trainer(tmp_path, steps=2)
     trainer.fit(no_reward_agent, [{"q": f"What is {i} * 6?"} for i in range(4)])
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r.get("rollouts")]
@@ -144,23 +149,7 @@ def test_divergence_compares_the_reported_task_reward_with_the_judge(tmp_path: P
     """Trained on the judge's score, the monitors still see the task reward the agent reported: the
     lenient grader's 1.0 against the judge's 0 on every bad answer is a gap of 0.5 a rollout on average,
     above the default threshold, and the warning names the rollouts the judge failed."""
-    judge = agl.Judge(backend=ScriptedBackend(judge_script, accept_any_model=True), model="judge-m")
-    trainer = Trainer(
-        agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
-        model=tiny_model(),
-        backend="scripted",
-        script=Engine(),
-        runners=2,
-        run_dir=tmp_path / "run",
-        tokenizer=load_tokenizer(),
-        tasks_per_step=2,
-        steps=1,
-        val_every=0,
-        val_before=False,
-        progress=False,
-        judge=judge,
-        reward="judge",
-    )
+    trainer = judged_trainer(tmp_path, steps=1)
     trainer.fit(lenient_agent, [{"q": f"What is {i} * 6?"} for i in range(2)])
     (r,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert r["train_task_reward"] == 1.0 and r["train_reward"] == r["judge_reward"] == 0.5
