@@ -72,10 +72,11 @@ class RewardAssembly:
         self.credit: Any = None  # the adapter's credit rule (None: identical, gamma 1), set by open()
         self.include_intermediate = True
 
-    def open(self, run_dir: Any, air: Any = None, adapter: Any = None) -> None:
-        """Start the judge (its gateway, store and cache under ``run_dir``); ``air``: the adapter's AIR,
-        whose ``gate="judge"`` this assembly applies; ``adapter``: whose credit rule (``.algorithm``,
-        ``.include_intermediate``) re-credits a rescored rollout's returns."""
+    def open(self, run_dir: Any, adapter: Any = None) -> None:
+        """Start the judge (its gateway, store and cache under ``run_dir``). From the run's ``adapter``:
+        its AIR, whose ``gate="judge"`` this assembly applies, and its credit rule (``.algorithm``,
+        ``.include_intermediate``), with which a rescored rollout's returns are credited again."""
+        air = getattr(adapter, "air", None)
         if air is not None and getattr(air, "gate", None) == "judge" and self.judge is None:
             raise UsageError('AIR(gate="judge") needs Trainer(judge=agl.Judge(...))')
         self.air = air
