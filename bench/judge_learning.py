@@ -249,6 +249,8 @@ def main() -> None:
         help="report held-out F1 over the first N held-out questions (from each run's store)",
     )
     args = parser.parse_args()
+    if args.heldout_first is not None and args.heldout_first < 1:
+        parser.error(f"--heldout-first must be >= 1, got {args.heldout_first}")
     args.root.mkdir(parents=True, exist_ok=True)
     if args.build_warm_start:
         build_warm_start(args.warm_start, args.threads)
