@@ -52,7 +52,7 @@ LABELS = {
     "rubric": "judge: rubric (absolute)",
 }
 RECIPE = (
-    "--steps", "8", "--tasks-per-step", "4", "--group-size", "4", "--val-tasks", "244", "--val-every", "0",
+    "--steps", "8", "--tasks-per-step", "4", "--group-size", "4", "--val-every", "0",
     "--no-val-before", "--max-tokens", "64", "--temperature", "1.0", "--learning-rate", "2e-4",
     "--runners", "16", "--gradient-checkpointing", "off", "--micro-batch-tokens", "1024",
 )  # fmt: skip
@@ -65,13 +65,16 @@ WARM_START = (
 )  # fmt: skip
 
 
-def command(source: str, seed: int, run_dir: Path, warm_start: Path, threads: int) -> list[str]:
+def command(
+    source: str, seed: int, run_dir: Path, warm_start: Path, threads: int, val_tasks: int = 244
+) -> list[str]:
     judge = list(SOURCES[source])
     if judge and judge[1] == "noisy-f1":
         judge += ["--judge-seed", str(seed)]
     return [
         sys.executable, "-m", "examples.rag_agent", "--threads", str(threads), "train",
-        "--warm-start", str(warm_start), "--seed", str(seed), "--run-dir", str(run_dir), *RECIPE, *judge,
+        "--warm-start", str(warm_start), "--seed", str(seed), "--run-dir", str(run_dir), *RECIPE,
+        "--val-tasks", str(val_tasks), *judge,
     ]  # fmt: skip
 
 
@@ -88,9 +91,10 @@ def build_warm_start(out: Path, threads: int) -> None:
         subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
-def run_one(root: Path, source: str, seed: int, warm_start: Path, threads: int) -> None:
+def run_one(root: Path, source: str, seed: int, warm_start: Path, threads: int, val_tasks: int) -> None:
     run_dir = root / f"{source}_s{seed}"
-    run_once(run_dir, command(source, seed, run_dir, warm_start, threads), f"{source} seed={seed}")
+    cmd = command(source, seed, run_dir, warm_start, threads, val_tasks)
+    run_once(run_dir, cmd, f"{source} seed={seed}")
 
 
 def judge_gap(run_dir: Path) -> float | None:
@@ -176,7 +180,7 @@ def summarise(run_dir: Path, first: int | None = None) -> dict[str, Any]:
     }
 
 
-def report(root: Path, first: int | None = None) -> list[dict[str, Any]]:
+def report(root: Path, first: int | None = None, val_tasks: int = 244) -> list[dict[str, Any]]:
     """Print the per-run and per-source tables, write summary.json and the plot; returns the rows.
     ``first``: held-out over the first ``first`` questions, including runs that trained every step but
     whose 244-question check was stopped."""
@@ -184,7 +188,7 @@ def report(root: Path, first: int | None = None) -> list[dict[str, Any]]:
     rows = [summarise(d, first) for d in dirs if finished(d) or first]
     rows = [r for r in rows if finished(root / r["run"]) or r["val_after"] is not None]
     print(
-        f"| run | held-out F1 ({first or 244}) | judge calls / step | judge tokens / step | judge s / step | groups skipped | mean \\|task − judge\\| | wall min | load |"
+        f"| run | held-out F1 ({first or val_tasks}) | judge calls / step | judge tokens / step | judge s / step | groups skipped | mean \\|task − judge\\| | wall min | load |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
@@ -207,7 +211,7 @@ def report(root: Path, first: int | None = None) -> list[dict[str, Any]]:
         )
     (root / "summary.json").write_text(json.dumps(rows, indent=1))
     if rows:
-        plot(rows, root / "judge_learning.png", first or 244)
+        plot(rows, root / "judge_learning.png", first or val_tasks)
     return rows
 
 
@@ -248,7 +252,16 @@ def main() -> None:
         metavar="N",
         help="report held-out F1 over the first N held-out questions (from each run's store)",
     )
+    parser.add_argument(
+        "--val-tasks",
+        type=int,
+        default=244,
+        metavar="N",
+        help="held-out questions in each run's final check (the first N of the 244; default all)",
+    )
     args = parser.parse_args()
+    if not 1 <= args.val_tasks <= 244:
+        parser.error(f"--val-tasks must be in 1..244, got {args.val_tasks}")
     if args.heldout_first is not None and args.heldout_first < 1:
         parser.error(f"--heldout-first must be >= 1, got {args.heldout_first}")
     args.root.mkdir(parents=True, exist_ok=True)
@@ -259,8 +272,8 @@ def main() -> None:
             raise SystemExit(f"no warm start at {args.warm_start}: run with --build-warm-start first")
         for seed in args.seeds:
             for source in args.sources:
-                run_one(args.root, source, seed, args.warm_start, args.threads)
-    report(args.root, args.heldout_first)
+                run_one(args.root, source, seed, args.warm_start, args.threads, args.val_tasks)
+    report(args.root, args.heldout_first, args.val_tasks)
 
 
 if __name__ == "__main__":
