@@ -206,7 +206,7 @@ def report(root: Path, first: int | None = None, val_tasks: int = 244) -> list[d
             f", {means[source] - means['f1']:+.3f} vs exact F1" if "f1" in means and source != "f1" else ""
         )
         print(
-            f"{LABELS[source]}: {len(after)} seeds, held-out F1 {means[source]:.3f} "
+            f"{LABELS[source]}: {len(after)} seed{'s' * (len(after) != 1)}, held-out F1 {means[source]:.3f} "
             f"(range {max(after) - min(after):.3f}){delta}"
         )
     (root / "summary.json").write_text(json.dumps(rows, indent=1))
