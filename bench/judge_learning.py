@@ -10,15 +10,17 @@ store, reward assembly; examples/rag_agent/judge.py); only the judge model is re
 - ``rubric``: absolute mode (one call per rollout), 1 / 0.5 / 0 for F1 >= 0.8 / > 0 / 0 against the
   gold answer as reference.
 
-Held-out reward stays exact F1 on all 244 held-out questions: only what training sees changes. Each
-run is the 128-demonstration recipe of examples/rag_agent/README.md (warm start ``--warm-start DIR``,
-8 steps x 4 questions x 4 rollouts at temperature 1.0, lr 2e-4, 16 runners), one subprocess at a time,
-the sources interleaved per seed so that a change of machine load hits them alike, finished runs
-skipped (the matrix survives being stopped). The seeds are fixed here, before anything runs.
+Held-out reward stays exact F1 (all 244 held-out questions, or the first N with ``--val-tasks N``):
+only what training sees changes. Each run is the 128-demonstration recipe of
+examples/rag_agent/README.md (warm start ``--warm-start DIR``, 8 steps x 4 questions x 4 rollouts at
+temperature 1.0, lr 2e-4, 16 runners), one subprocess at a time, the sources interleaved per seed so
+that a change of machine load hits them alike, finished runs skipped (the matrix survives being
+stopped). The seeds are fixed here, before anything runs.
 
     python bench/judge_learning.py --build-warm-start     # runs/rag_sft128 if missing (~10 min)
     python bench/judge_learning.py                        # 4 sources x seeds 0 1 2 (~22 min a run here)
     python bench/judge_learning.py --report-only          # the table and plot of the runs there
+    python bench/judge_learning.py --val-tasks 72 --sources j01 rubric --seeds 1 2   # a part, 72-q check
 
 Per run, from its metrics.jsonl: held-out F1 after, judge calls / prompt+completion tokens / seconds
 per step, skipped groups, wall time and the machine's load. Per source: mean held-out, seed range, and
@@ -39,6 +41,7 @@ from typing import Any
 from _matrix import dot_plot, finished, fmt, records, run_once, summary  # bench/, the script's own folder
 
 SEEDS = (0, 1, 2)  # declared before the runs
+HELDOUT = 244  # rag_agent's held-out questions
 SOURCES: dict[str, list[str]] = {
     "f1": [],
     "j01": ["--judge", "noisy-f1", "--judge-sigma", "0.1"],
@@ -66,7 +69,7 @@ WARM_START = (
 
 
 def command(
-    source: str, seed: int, run_dir: Path, warm_start: Path, threads: int, val_tasks: int = 244
+    source: str, seed: int, run_dir: Path, warm_start: Path, threads: int, val_tasks: int = HELDOUT
 ) -> list[str]:
     judge = list(SOURCES[source])
     if judge and judge[1] == "noisy-f1":
@@ -180,7 +183,7 @@ def summarise(run_dir: Path, first: int | None = None) -> dict[str, Any]:
     }
 
 
-def report(root: Path, first: int | None = None, val_tasks: int = 244) -> list[dict[str, Any]]:
+def report(root: Path, first: int | None = None, val_tasks: int = HELDOUT) -> list[dict[str, Any]]:
     """Print the per-run and per-source tables, write summary.json and the plot; returns the rows.
     ``first``: held-out over the first ``first`` questions, including runs that trained every step but
     whose 244-question check was stopped."""
@@ -221,7 +224,7 @@ def _wall(r: dict[str, Any]) -> str:
     return f"{r['wall_s'] / 60:.1f} | {r['load'][0]:.1f}–{r['load'][1]:.1f}"
 
 
-def plot(rows: list[dict[str, Any]], out: Path, n: int = 244) -> None:
+def plot(rows: list[dict[str, Any]], out: Path, n: int = HELDOUT) -> None:
     """Held-out F1 per reward source: one dot per seed, a bar at the mean."""
     groups = [
         (LABELS[s].replace(": ", ":\n"), [r["val_after"] for r in rows if r["source"] == s and r["val_after"] is not None], "#c6dbef")
@@ -255,13 +258,13 @@ def main() -> None:
     parser.add_argument(
         "--val-tasks",
         type=int,
-        default=244,
+        default=HELDOUT,
         metavar="N",
         help="held-out questions in each run's final check (the first N of the 244; default all)",
     )
     args = parser.parse_args()
-    if not 1 <= args.val_tasks <= 244:
-        parser.error(f"--val-tasks must be in 1..244, got {args.val_tasks}")
+    if not 1 <= args.val_tasks <= HELDOUT:
+        parser.error(f"--val-tasks must be in 1..{HELDOUT}, got {args.val_tasks}")
     if args.heldout_first is not None and args.heldout_first < 1:
         parser.error(f"--heldout-first must be >= 1, got {args.heldout_first}")
     args.root.mkdir(parents=True, exist_ok=True)

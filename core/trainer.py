@@ -341,7 +341,7 @@ class Trainer:
 
         malloc.tune()  # freed activations leave the process instead of fragmenting the heap (agl.malloc)
         self._start(agent, training=True)
-        # the judge's gateway, store and cache; AIR's gate is read from the adapter
+        # the judge's gateway, store and cache; AIR's gate and the credit rule are the adapter's
         self.rewarding.open(self.run_dir, self.adapter)
         try:
             self._loop(train_tasks, val_tasks)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from agl import semconv as sc
@@ -188,6 +188,13 @@ class Adapter:
 
     # ------------------------------------------------------------------ internals
 
+    def returns(self, final_reward: float, intermediate: Sequence[float]) -> list[float]:
+        """The credited return of each of one rollout's transitions (in call order) under this
+        adapter's credit rule; the reward assembly credits a judge-rescored rollout with it too."""
+        return credit_returns(
+            final_reward, intermediate, self.algorithm, include_intermediate=self.include_intermediate
+        )
+
     def _transitions(
         self, spans: list[Span], rollout: Rollout | None, attempt: int | None, st: AdapterStats
     ) -> list[Transition]:
@@ -285,12 +292,7 @@ class Adapter:
             data = self._build(tree.S, calls[k], st)
             if data is not None:
                 built.append((k, data))
-        returns = credit_returns(
-            big_r,
-            [inter[k] for k, _ in built],
-            self.algorithm,
-            include_intermediate=self.include_intermediate,
-        )
+        returns = self.returns(big_r, [inter[k] for k, _ in built])
         out: list[Transition] = []
         for j, ((k, data), g) in enumerate(zip(built, returns, strict=True)):
             data.update(

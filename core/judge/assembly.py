@@ -69,20 +69,16 @@ class RewardAssembly:
         self.monitors = monitors or None
         self._judged: dict[str, float] = {}
         self._task: dict[str, float] = {}
-        self.credit: Any = None  # the adapter's credit rule (None: identical, gamma 1), set by open()
-        self.include_intermediate = True
+        self.adapter: Any = None  # the run's adapter, set by open(): its AIR and its credit rule
 
-    def open(self, run_dir: Any, adapter: Any = None) -> None:
+    def open(self, run_dir: Any, adapter: Any) -> None:
         """Start the judge (its gateway, store and cache under ``run_dir``). From the run's ``adapter``:
-        its AIR, whose ``gate="judge"`` this assembly applies, and its credit rule (``.algorithm``,
-        ``.include_intermediate``), with which a rescored rollout's returns are credited again."""
+        its AIR, whose ``gate="judge"`` this assembly applies, and its credit rule
+        (:meth:`agl.Adapter.returns`), with which a rescored rollout's returns are credited again."""
         air = getattr(adapter, "air", None)
         if air is not None and getattr(air, "gate", None) == "judge" and self.judge is None:
             raise UsageError('AIR(gate="judge") needs Trainer(judge=agl.Judge(...))')
-        self.air = air
-        if adapter is not None:
-            self.credit = getattr(adapter, "algorithm", None)
-            self.include_intermediate = bool(getattr(adapter, "include_intermediate", True))
+        self.air, self.adapter = air, adapter
         if self.judge is not None:
             self.judge.open(run_dir)
 
@@ -128,12 +124,10 @@ class RewardAssembly:
         """One rollout's transitions (in call order) with the assembled final reward, judge-gated AIR,
         and ``reward`` — the credited return the update normalises — credited again from them: the
         adapter credited the task's reward, and a rescored rollout must train on its new one."""
-        from agl.rewards import credit_returns
-
         inter = [t.intermediate_reward for t in ts]
         if self.air is not None and getattr(self.air, "gate", None) == "judge" and verdict is not None:
             inter = list(self.air.gate_on(inter, verdict))
-        returns = credit_returns(value, inter, self.credit, include_intermediate=self.include_intermediate)
+        returns = self.adapter.returns(value, inter)
         return [
             t.model_copy(update={"final_reward": value, "intermediate_reward": i, "reward": g})
             for t, i, g in zip(ts, inter, returns, strict=True)
