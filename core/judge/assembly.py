@@ -50,18 +50,14 @@ class RewardAssembly:
     """What the trainer's hook calls: :meth:`assemble` after a step's rollouts are collected,
     :meth:`monitor` once the step's record is built."""
 
-    def __init__(
-        self, judge: Any = None, reward: Any = "task", monitors: Any = True, air: Any = None
-    ) -> None:
+    def __init__(self, judge: Any = None, reward: Any = "task", monitors: Any = True) -> None:
         from agl.monitors import Monitors, Thresholds
 
         self.weights = parse_reward(reward)
         if "judge" in self.weights and judge is None:
             raise UsageError(f"reward={reward!r} needs judge=agl.Judge(...)")
-        if air is not None and getattr(air, "gate", None) == "judge" and judge is None:
-            raise UsageError('AIR(gate="judge") needs judge=agl.Judge(...)')
         self.judge = judge
-        self.air = air
+        self.air: Any = None  # the adapter's AIR, set by open()
         if monitors is True:
             monitors = Monitors()
         elif isinstance(monitors, Thresholds):
