@@ -35,8 +35,8 @@ def _interp(step: int) -> tuple[float, float, float, float]:
 
 
 def _step_rollouts(step: int) -> tuple[Any, dict[str, Any]]:
-    from agl.monitors import StepData
-    from agl.rewards import reward_breakdown
+    from agl.adapter.air_rules import reward_breakdown
+    from agl.trainer.monitors import StepData
     from agl.types import Transition
 
     val, runs, calls, counts = _interp(step)
@@ -81,7 +81,7 @@ def _step_rollouts(step: int) -> tuple[Any, dict[str, Any]]:
 
 
 def replay() -> None:
-    from agl.monitors import Monitors
+    from agl.trainer.monitors import Monitors
 
     monitors, history = Monitors(), []
     for step in range(7):
@@ -102,7 +102,7 @@ def cost() -> None:
 
     import agl
     from agl.gateway.testing import ScriptedBackend
-    from agl.trainer import Trainer, load_tokenizer
+    from agl.trainer.trainer import Trainer, load_tokenizer
 
     agl.instrument("openai")
     with tempfile.TemporaryDirectory() as tmp:

@@ -109,7 +109,7 @@ def judge_gap(run_dir: Path) -> float | None:
         return None
     import agl.store
     from agl import semconv as sc
-    from agl.inspect import final_reward_of
+    from agl.reports.inspect import final_reward_of
 
     judge_store = agl.store.open(f"sqlite:///{run_dir / 'judge.db'}")
     run_store = agl.store.open(f"sqlite:///{run_dir / 'store.db'}")
@@ -136,7 +136,7 @@ def heldout_first(run_dir: Path, n: int) -> float | None:
     store (tasks ``val-0`` .. ``val-{n-1}``, the same questions as ``--val-tasks n``); None until all
     ``n`` have finished. For a run whose 244-question check was cut short."""
     import agl.store
-    from agl.inspect import final_reward_of
+    from agl.reports.inspect import final_reward_of
 
     store = agl.store.open(f"sqlite:///{run_dir / 'store.db'}")
     try:

@@ -1,4 +1,4 @@
-"""Multi-turn merging (agl.trajectories): tokens encoded and seconds per policy update, merged
+"""Multi-turn merging (agl.adapter.trajectories): tokens encoded and seconds per policy update, merged
 sequences against per-call transitions, on the same batch in the same run.
 
     python bench/multiturn.py                          # tiny random Llama, quick
@@ -94,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from agl.adapter.trajectories import merge_transitions
     from agl.algorithms.lightning_rl import LightningRL
     from agl.algorithms.update import PolicyUpdate
     from agl.config import RunConfig
     from agl.gateway.tokenizer import load_default_tokenizer
-    from agl.trainer import load_tokenizer
-    from agl.trajectories import merge_transitions
+    from agl.trainer.trainer import load_tokenizer
     from bench.trainer import _model
 
     if args.threads:

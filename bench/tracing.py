@@ -12,7 +12,7 @@ it, CPU-time figures much less.
    measured in-process with ``httpx.MockTransport`` (no network, no server), which isolates agl's own
    work per call. Target (docs/architecture.md §10): <= 100 µs per call.
 2. Span export throughput: spans made inside a rollout context go through agl's batching processor
-   into a SQLite store; measured from the first span start until ``agl.tracing.flush()`` returns
+   into a SQLite store; measured from the first span start until ``agl.tracing.provider.flush()`` returns
    (end to end), and the exporter alone (OTel span -> agl Span -> ``store.add_spans``); then agl's
    batching processor against OTel's ``BatchSpanProcessor`` carrying agl's exporter (the peer agl's
    processor must justify itself against), end to end, in alternating rounds.
@@ -37,8 +37,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from tqdm import tqdm
 
 import agl
-from agl import semconv, tracing
+from agl import semconv
 from agl.store.sqlite import SQLiteStore
+from agl.tracing import provider as tracing
 from agl.types import NewRollout
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -288,7 +288,7 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    from agl.trainer import load_tokenizer
+    from agl.trainer.trainer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -81,7 +81,7 @@ class UpdateSettings:
     max_grad_norm: float = 1.0
     gradient_checkpointing: bool | None = None
     mixed_precision: str | None = None
-    #: train on one merged sequence per agent conversation where turns extend exactly (agl.trajectories);
+    #: train on one merged sequence per agent conversation where turns extend exactly (agl.adapter.trajectories);
     #: False trains every LLM call as its own sequence (the per-call form, for comparison)
     merge_turns: bool = True
     #: leave calls the engine cut at ``max_tokens`` out of the loss (DAPO's overlong filtering): an

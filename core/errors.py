@@ -16,7 +16,7 @@ Hierarchy (the defining module in brackets; each class also keeps the built-in b
     ├── ContextWindowError ..................... [agl.gateway.backends.base] gateway answers 400
     ├── UnknownModelError ...................... [agl.gateway.backends.base] gateway answers 404
     ├── ApiError ............................... [agl.gateway.protocol] an OpenAI-style error body
-    ├── MissingRolloutError(ValueError) ........ [agl.tracing] a span that names no rollout
+    ├── MissingRolloutError(ValueError) ........ [agl.tracing.provider] a span that names no rollout
     ├── MissingFrameworkError(ImportError) ..... [agl.instrumentation.registry]
     ├── IntegrationNotFoundError(ValueError) ... [agl.instrumentation.registry]
     ├── PatchTargetError(AttributeError) ....... [agl.instrumentation.toolkit]
@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # the names re-exported below, for type checkers and linters
     from agl.instrumentation.toolkit import PatchTargetError
     from agl.store.base import ConflictError, InvalidInputError, NotFoundError, StoreError
     from agl.store.http import StoreAuthError, StoreUnavailableError
-    from agl.tracing import MissingRolloutError
+    from agl.tracing.provider import MissingRolloutError
 
 __all__ = [
     "AglError",
@@ -96,7 +96,7 @@ _HOMES: dict[str, str] = {
     "ContextWindowError": "agl.gateway.backends.base",
     "UnknownModelError": "agl.gateway.backends.base",
     "ApiError": "agl.gateway.protocol",
-    "MissingRolloutError": "agl.tracing",
+    "MissingRolloutError": "agl.tracing.provider",
     "MissingFrameworkError": "agl.instrumentation.registry",
     "IntegrationNotFoundError": "agl.instrumentation.registry",
     "PatchTargetError": "agl.instrumentation.toolkit",

@@ -94,9 +94,9 @@ AGL_EXCEPTION_TYPE = "exception.type"  # OTel semconv
 AGL_EXCEPTION_MESSAGE = "exception.message"  # OTel semconv
 AGL_EXCEPTION_STACKTRACE = "exception.stacktrace"  # OTel semconv
 
-# agl.prompt spans (agl.prompts): the prompt an agent used and where it came from
+# agl.prompt spans (agl.tracing.prompts): the prompt an agent used and where it came from
 AGL_PROMPT_NAME = "agl.prompt.name"
-AGL_PROMPT_VERSION = "agl.prompt.version"  # content hash (agl.prompts.prompt_version)
+AGL_PROMPT_VERSION = "agl.prompt.version"  # content hash (agl.tracing.prompts.prompt_version)
 AGL_PROMPT_SOURCE = "agl.prompt.source"  # "resources" (published snapshot) or "default" (the agent's own)
 AGL_PROMPT_TEMPLATE = "agl.prompt.template"  # the template text
 AGL_PROMPT_ENGINE = "agl.prompt.engine"  # "f-string" | "jinja"

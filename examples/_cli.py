@@ -160,7 +160,8 @@ def _warm_adapters(args: argparse.Namespace) -> bool:
     whose merged model is then every agent's frozen base, each adapter starting fresh on top of it."""
     if not (getattr(args, "warm_start", None) and getattr(args, "adapter_per_agent", False)):
         return False
-    from agl.algorithms.sft import warm_adapters_dir, warm_start_model
+    from agl.algorithms.per_agent_lora import warm_adapters_dir
+    from agl.algorithms.sft import warm_start_model
 
     try:
         warm_adapters_dir(args.warm_start)

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from agl import semconv as sc
 from agl.adapter import Adapter, finishing_attempt
+from agl.adapter.air_rules import AIR
 from agl.algorithms.lightning_rl import LightningRL
-from agl.rewards import AIR
 from agl.types import Attempt, NewRollout, Rollout, Span, SpanEvent, SpanStatus
 
 # ------------------------------------------------------------------------------------ span builder
@@ -1066,10 +1066,10 @@ def test_end_to_end_gateway_openai_client_and_air() -> None:
     from opentelemetry.trace import Status, StatusCode
 
     import agl
-    from agl import tracing
-    from agl.emit import emit_reward
     from agl.gateway.testing import ScriptedBackend, reply, serve_gateway, tool_call
     from agl.store.memory import MemoryStore
+    from agl.tracing import provider as tracing
+    from agl.tracing.emit import emit_reward
 
     store = MemoryStore()
     (ro,) = store.enqueue([NewRollout(group_id="g")])

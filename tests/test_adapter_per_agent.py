@@ -14,12 +14,12 @@ pytest.importorskip("peft")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from agl.algorithms.adapters import adapter_names  # noqa: E402
 from agl.algorithms.lightning_rl import LightningRL  # noqa: E402
+from agl.algorithms.per_agent_lora import adapter_names  # noqa: E402
 from agl.algorithms.update import PolicyUpdate  # noqa: E402
 from agl.config import RunConfig  # noqa: E402
 from agl.errors import UsageError  # noqa: E402
-from agl.trainer import load_tokenizer  # noqa: E402
+from agl.trainer.trainer import load_tokenizer  # noqa: E402
 from agl.types import Transition  # noqa: E402
 
 AGENTS = ["writer", "rewriter"]
@@ -248,11 +248,11 @@ def test_the_gateway_routes_by_model_name_and_agent_baggage(tok, tmp_path) -> No
 
     import agl
     from agl import semconv as sc
-    from agl import tracing
     from agl.adapter import Adapter
-    from agl.emit import emit_reward
     from agl.gateway.testing import serve_gateway
     from agl.store.memory import MemoryStore
+    from agl.tracing import provider as tracing
+    from agl.tracing.emit import emit_reward
     from agl.types import NewRollout
 
     policy = make(tok, tmp_path)

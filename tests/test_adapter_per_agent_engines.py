@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.algorithms.lightning_rl import LightningRL  # noqa: E402
-from agl.trainer import load_tokenizer  # noqa: E402
+from agl.trainer.trainer import load_tokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gateway"))

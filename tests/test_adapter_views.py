@@ -11,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 from test_export import read, run_rollout
 
-from agl.algorithms.adapters import adapter_pattern
+from agl.algorithms.per_agent_lora import adapter_pattern
 from agl.cli import main
 from agl.dashboard import create_dashboard_app
 from agl.errors import UsageError
@@ -23,7 +23,7 @@ def test_plot_draws_a_train_reward_curve_per_adapter(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from agl.plot import adapter_keys, reward_figure
+    from agl.reports.plot import adapter_keys, reward_figure
 
     run = tmp_path / "run"
     run.mkdir()

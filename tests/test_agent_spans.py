@@ -20,10 +20,10 @@ openai = pytest.importorskip("openai")
 import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
-from agl.agent_spans import agent_context, request_context  # noqa: E402
+from agl.adapter.air_rules import AIR  # noqa: E402
 from agl.gateway.testing import reply, tool_call  # noqa: E402
-from agl.rewards import AIR  # noqa: E402
-from agl.runner import Runner  # noqa: E402
+from agl.instrumentation.agent import agent_context, request_context  # noqa: E402
+from agl.runner.runner import Runner  # noqa: E402
 from agl.types import LLM, NewRollout, Resources  # noqa: E402
 
 TOOLS = [

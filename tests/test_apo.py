@@ -26,7 +26,6 @@ openai = pytest.importorskip("openai")
 import agl  # noqa: E402
 import agl.store  # noqa: E402
 from agl import semconv as sc  # noqa: E402
-from agl import tracing  # noqa: E402
 from agl.algorithms.apo import (  # noqa: E402
     APO,
     CRITIQUE_SYSTEM,
@@ -35,8 +34,9 @@ from agl.algorithms.apo import (  # noqa: E402
     parse_rewrite,
 )
 from agl.gateway.testing import ScriptedBackend, reply, serve_gateway  # noqa: E402
-from agl.prompts import prompt_version  # noqa: E402
 from agl.store.memory import MemoryStore  # noqa: E402
+from agl.tracing import provider as tracing  # noqa: E402
+from agl.tracing.prompts import prompt_version  # noqa: E402
 
 BASE = "You answer questions."
 CRITIQUE = "The prompt never tells the agent how to reason before it answers."

@@ -68,7 +68,7 @@ import sys
 import torch
 torch.set_num_threads(1)
 import agl
-from agl.trainer import Trainer, load_tokenizer
+from agl.trainer.trainer import Trainer, load_tokenizer
 from mh_agent import agent
 
 run_dir, store, gateway, model, resume = sys.argv[1:6]
@@ -139,7 +139,7 @@ class Cluster:
 def _save_tiny_model(folder: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from agl.trainer import load_tokenizer
+    from agl.trainer.trainer import load_tokenizer
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -238,7 +238,7 @@ def test_runners_wait_out_a_gateway_that_restarts_inside_the_trainer(
 ) -> None:
     """The same, with the gateway inside the trainer (``gateway_bind`` on a fixed port), so it dies at
     each kill: the runners' calls in flight fail (one attempt each), the runners stop claiming until the
-    resumed trainer serves the port again (agl.endpoint_gate), and no rollout fails for good."""
+    resumed trainer serves the port again (agl.runner.endpoint_gate), and no rollout fails for good."""
     server, _ = _sqlite_stores(tmp_path)
     store_url = server.start()
     try:
@@ -365,7 +365,7 @@ def test_versions_a_killed_run_pushed_stay_known_after_a_second_resume() -> None
     checkpoint's weights) and dies; run 2 pushes v3, v4 and checkpoints; run 3 must still place v2
     (served a call run 2 had not trained for good). Before the fix, v2 was below run 2's saved versions
     and unknown: the step failed with 'did not publish'."""
-    from agl.run.pipeline import VersionLedger
+    from agl.trainer.pipeline import VersionLedger
 
     run1 = VersionLedger()
     run1.pushed(1, 0)

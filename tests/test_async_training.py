@@ -32,10 +32,10 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 import agl  # noqa: E402
 import agl.store  # noqa: E402
 from agl import semconv as sc  # noqa: E402
-from agl import tracing  # noqa: E402
 from agl.config import LoopConfig  # noqa: E402
 from agl.errors import UsageError  # noqa: E402
-from agl.trainer import Trainer, load_tokenizer  # noqa: E402
+from agl.tracing import provider as tracing  # noqa: E402
+from agl.trainer.trainer import Trainer, load_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -223,7 +223,7 @@ import torch
 torch.set_num_threads(1)
 from transformers import LlamaConfig, LlamaForCausalLM
 import agl, openai
-from agl.trainer import Trainer, load_tokenizer
+from agl.trainer.trainer import Trainer, load_tokenizer
 
 agl.instrument("openai")
 

@@ -106,7 +106,7 @@ def _failed_with_exception_span(path: Path) -> str:
                 raise ZeroDivisionError("division by zero in the agent")
             except ZeroDivisionError as exc:
                 agl.emit_exception(exc)
-        agl.tracing.flush()
+        agl.tracing.provider.flush()
         store.finish_attempt(r.id, 1, "failed")
         return r.id
     finally:
@@ -148,8 +148,8 @@ def test_transitions_and_export_honour_agl_store(tmp_path: Path, monkeypatch: py
 
 
 def test_runner_warns_once_when_nothing_is_instrumented(caplog: pytest.LogCaptureFixture) -> None:
-    from agl import runner as runner_mod
     from agl.instrumentation import instrumented
+    from agl.runner import runner as runner_mod
     from agl.store.memory import MemoryStore
 
     if instrumented():
@@ -236,10 +236,10 @@ def test_an_internal_bug_keeps_its_traceback(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "train_reward": 0.5}\n')
     code = (
         "import sys\n"
-        "import agl.plot\n"
+        "import agl.reports.plot\n"
         "def broken(*a, **k):\n"
         "    return {}['step']  # an internal KeyError, as a bug in agl would raise\n"
-        "agl.plot.plot_runs = broken\n"
+        "agl.reports.plot.plot_runs = broken\n"
         "import agl.cli.plot\n"
         "agl.cli.plot.plot_runs = broken\n"
         "from agl.cli import main\n"

@@ -68,7 +68,7 @@ def _needs(*modules: str) -> None:
 def docs_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """A fresh working directory, and agl's instrumentation and tracing undone afterwards."""
     import agl
-    from agl import tracing
+    from agl.tracing import provider as tracing
 
     monkeypatch.chdir(tmp_path)
     yield tmp_path
@@ -123,7 +123,7 @@ def test_trainer_block_trains(block: Block, docs_env: Path, monkeypatch: pytest.
     import agl
     import agl.store
     from agl.gateway.testing import reply, tool_call
-    from agl.trainer import Trainer
+    from agl.trainer.trainer import Trainer
 
     def script(request: Any) -> Any:  # even sums: a call of the add tool, then its result; odd: no answer
         a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)", request.messages[0]["content"])[0])

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import agl
-import agl.doctor
+import agl.reports.doctor
 from agl.instrumentation import available_instrumentors, get_instrumentor, is_installed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,9 +25,9 @@ def test_tested_versions_are_the_ci_pins() -> None:
         if re.match(r"[A-Za-z0-9_.-]+==", line)
     )
     pins.pop("torch", None)
-    assert agl.doctor.TESTED == {k: v for k, v in pins.items() if k in agl.doctor.TESTED}
+    assert agl.reports.doctor.TESTED == {k: v for k, v in pins.items() if k in agl.reports.doctor.TESTED}
     framework_dists = {d for cls in available_instrumentors().values() for d in cls.distributions}
-    assert set(agl.doctor.TESTED) <= framework_dists
+    assert set(agl.reports.doctor.TESTED) <= framework_dists
     assert {"crewai", "openai-agents", "autogen-agentchat"} <= set(pins)
 
 
@@ -63,12 +63,12 @@ def test_a_lost_hook_is_reported(agl_tracer: Any) -> None:
     from langchain_core.tracers import context as lc_context
 
     agl_tracer.instrument("langchain")
-    assert "langchain      instrumented, hooks in place" in agl.doctor.report()
+    assert "langchain      instrumented, hooks in place" in agl.reports.doctor.report()
     hook = get_instrumentor("langchain")._hook
     saved = list(lc_context._configure_hooks)
     lc_context._configure_hooks[:] = [h for h in saved if h[0] is not hook]  # what a misbehaving app might do
     try:
-        text = agl.doctor.report()
+        text = agl.reports.doctor.report()
         assert "langchain      instrumented, HOOKS LOST" in text
         assert "! agl's LangChain configure hook was removed" in text
         assert (

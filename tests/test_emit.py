@@ -1,4 +1,4 @@
-"""agl.emit: reward/message/object/exception spans, validation, and the outside-a-rollout warning."""
+"""agl.tracing.emit: reward/message/object/exception spans, validation, and the outside-a-rollout warning."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pydantic import BaseModel
 
 import agl
-from agl import emit, semconv, tracing
+from agl import semconv
 from agl.store.memory import MemoryStore
+from agl.tracing import emit
+from agl.tracing import provider as tracing
 from agl.types import NewRollout
 
 

@@ -9,8 +9,8 @@ from gateway.gw_helpers import start_rollout
 
 import agl.store
 from agl.adapter import Adapter
-from agl.exactness import exactness_report, format_report, run_figures
 from agl.gateway.testing import ScriptedBackend, serve_gateway
+from agl.reports.exactness import exactness_report, format_report, run_figures
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")

@@ -11,7 +11,7 @@ import pytest
 
 from agl import semconv as sc
 from agl.cli import main
-from agl.export import dpo_records, export, sft_records
+from agl.reports.export import dpo_records, export, sft_records
 from agl.store import open as open_store
 from agl.types import NewRollout, Span, SpanStatus, Transition
 
@@ -219,7 +219,7 @@ def test_dpo_skips_ties_single_groups_and_prompt_mismatch() -> None:
             response_text=text,
         )
 
-    from agl.export import ExportResult
+    from agl.reports.export import ExportResult
 
     res = ExportResult()
     recs = dpo_records(

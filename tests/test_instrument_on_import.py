@@ -27,7 +27,7 @@ exporter = InMemorySpanExporter()
 agl.setup_tracing().add_span_processor(SimpleSpanProcessor(exporter))
 agl.instrument()
 from agl.instrumentation import instrumented, is_waiting
-from agl.doctor import report
+from agl.reports.doctor import report
 out = {
     "loaded": [m for m in %(frameworks)r if m in sys.modules],
     "instrumented": instrumented(),

@@ -1,4 +1,4 @@
-"""agl.malloc: Trainer.fit's glibc settings (a 2 MB block is mmapped, so freeing it returns it to the
+"""agl.trainer.malloc: Trainer.fit's glibc settings (a 2 MB block is mmapped, so freeing it returns it to the
 OS) and the ways a user keeps glibc's defaults. Each case runs in a fresh interpreter: malloc settings
 are process-wide and cannot be undone."""
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 # once tuned, it is mmapped (mallinfo2().hblks counts mmapped blocks).
 _PROBE = """
 import ctypes, sys
-from agl import malloc
+from agl.trainer import malloc
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
                 ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split())]

@@ -21,13 +21,13 @@ openai = pytest.importorskip("openai")
 
 import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
-from agl import tracing  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
+from agl.adapter.trajectories import Trajectory  # noqa: E402
 from agl.cli import main  # noqa: E402
-from agl.export import export  # noqa: E402
 from agl.gateway.testing import tool_call  # noqa: E402
+from agl.reports.export import export  # noqa: E402
 from agl.store import open as open_store  # noqa: E402
-from agl.trajectories import Trajectory  # noqa: E402
+from agl.tracing import provider as tracing  # noqa: E402
 from agl.types import LLM, NewRollout  # noqa: E402
 
 TOOLS = [
@@ -104,7 +104,7 @@ def app(task: dict[str, Any], resources: agl.Resources) -> float:
 @pytest.fixture
 def recorded(agl_gateway: Any, tmp_path: Any) -> tuple[str, list[str]]:
     """Two rollouts of one group run by agl's Runner; returns the store URL and the rollout ids."""
-    from agl.runner import Runner
+    from agl.runner.runner import Runner
 
     store = agl_gateway.store
     store.add_resources({"main": LLM(base_url=str(agl_gateway), model="scripted")})

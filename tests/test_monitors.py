@@ -1,4 +1,4 @@
-"""agl.monitors: each reward-hacking monitor fires on its symptom, names the step and its evidence,
+"""agl.trainer.monitors: each reward-hacking monitor fires on its symptom, names the step and its evidence,
 and stays quiet on a healthy run."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from agl.monitors import Monitors, StepData, Thresholds
+from agl.trainer.monitors import Monitors, StepData, Thresholds
 from agl.types import Transition
 
 

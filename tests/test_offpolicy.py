@@ -15,7 +15,7 @@ pytest.importorskip("peft")
 from test_update import make, tr  # noqa: E402
 
 from agl.algorithms.offpolicy import decoupled_weights, truncated_weights  # noqa: E402
-from agl.trainer import load_tokenizer  # noqa: E402
+from agl.trainer.trainer import load_tokenizer  # noqa: E402
 
 CAP = 2.0
 #: behaviour = pi_theta - offset: ratios e^1 (truncated), e^-0.5, e^0.2 (kept), cycled over the tokens

@@ -13,13 +13,14 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 import agl
-from agl import plugins, semconv, tracing
+from agl import plugins, semconv
 from agl.instrumentation import (
     IntegrationNotFoundError,
     MissingFrameworkError,
     available_instrumentors,
     instrumented,
 )
+from agl.tracing import provider as tracing
 from agl.types import Span, SpanStatus
 
 FIXTURES = Path(__file__).parent / "fixtures" / "plugin_dist"

@@ -17,7 +17,7 @@ pytest.importorskip("peft")
 from test_trainer import Script, _instrumented, _one_thread, tiny_model, two_agent_app  # noqa: E402, F401
 
 import agl  # noqa: E402
-from agl.trainer import Trainer, load_tokenizer  # noqa: E402
+from agl.trainer.trainer import Trainer, load_tokenizer  # noqa: E402
 
 
 def test_a_resumed_sync_run_writes_each_step_once(tmp_path: Path) -> None:

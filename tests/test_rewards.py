@@ -7,8 +7,8 @@ import math
 import pytest
 
 from agl import semconv as sc
+from agl.adapter.air_rules import AIR, RULES, plugin_rewards
 from agl.plugins import get_plugin_manager, hookimpl
-from agl.rewards import AIR, RULES, plugin_rewards
 from agl.types import Span, SpanStatus
 
 
@@ -140,7 +140,7 @@ def test_an_air_only_policy_cannot_exceed_the_task_reward_ceiling() -> None:
 
 
 def test_reward_breakdown_splits_task_and_air() -> None:
-    from agl.rewards import reward_breakdown
+    from agl.adapter.air_rules import reward_breakdown
     from agl.types import Transition
 
     def t(rid: str, i: int, final: float, inter: float) -> Transition:

@@ -15,7 +15,7 @@ from agl.run.environment import Environment
 from agl.run.metrics import MetricsLog
 from agl.run.settings import Serving
 from agl.store.memory import MemoryStore
-from agl.trainer import Trainer
+from agl.trainer.trainer import Trainer
 
 
 def test_keywords_are_routed_to_their_settings_and_unknown_ones_refused(tmp_path: Path) -> None:

@@ -18,9 +18,9 @@ import pytest
 
 import agl
 from agl import semconv as sc
-from agl import tracing
-from agl.runner import Runner, load_agent, rollout, rollout_resources
+from agl.runner.runner import Runner, load_agent, rollout, rollout_resources
 from agl.store.memory import MemoryStore
+from agl.tracing import provider as tracing
 from agl.types import LLM, NewRollout, RolloutConfig
 
 

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from agl import tracing
-from agl.endpoint_gate import connection_failure
-from agl.runner import Runner
+from agl.runner.endpoint_gate import connection_failure
+from agl.runner.runner import Runner
 from agl.store.memory import MemoryStore
+from agl.tracing import provider as tracing
 from agl.types import LLM, NewRollout, RolloutConfig
 
 openai = pytest.importorskip("openai")

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from agl.run.pipeline import VersionLedger
 from agl.run.served import prove_calls, prove_push
+from agl.trainer.pipeline import VersionLedger
 from agl.types import Transition
 
 
@@ -56,7 +56,7 @@ pytest.importorskip("peft")
 
 import agl  # noqa: E402
 from agl.gateway.backends.transformers import TransformersBackend  # noqa: E402
-from agl.trainer import Trainer, load_tokenizer  # noqa: E402
+from agl.trainer.trainer import Trainer, load_tokenizer  # noqa: E402
 
 
 class StaleEngine(TransformersBackend):
@@ -114,7 +114,7 @@ def test_step_timeout_cancels_the_needed_groups_and_leaves_the_ones_ahead_runnin
 
     import agl.store
     from agl.config import RolloutConfig
-    from agl.run.pipeline import GroupPipeline, wait_for_groups
+    from agl.trainer.pipeline import GroupPipeline, wait_for_groups
     from agl.types import Task
 
     store = agl.store.open("memory://")

@@ -104,7 +104,7 @@ def test_nothing_to_train_on_is_a_clear_error(tmp_path: Path) -> None:
 def test_sft_learns_its_demonstrations_and_the_gateway_serves_the_result(tmp_path: Path) -> None:
     from agl.gateway.backends.transformers import TransformersBackend
     from agl.gateway.testing import serve_gateway
-    from agl.trainer import load_tokenizer
+    from agl.trainer.trainer import load_tokenizer
 
     openai = pytest.importorskip("openai")
     threads = torch.get_num_threads()
@@ -187,7 +187,7 @@ def test_merge_turns_trains_a_conversation_as_one_sequence() -> None:
 
 
 def test_sft_summary_counts_merged_sequences(tmp_path: Path) -> None:
-    from agl.trainer import load_tokenizer
+    from agl.trainer.trainer import load_tokenizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -16,9 +16,10 @@ pytest.importorskip("peft")
 from test_sft import demo, tiny_model  # noqa: E402
 
 import agl  # noqa: E402
-from agl.algorithms.sft import SFT, warm_adapters_dir  # noqa: E402
+from agl.algorithms.per_agent_lora import warm_adapters_dir  # noqa: E402
+from agl.algorithms.sft import SFT  # noqa: E402
 from agl.errors import UsageError  # noqa: E402
-from agl.trainer import Trainer, load_tokenizer  # noqa: E402
+from agl.trainer.trainer import Trainer, load_tokenizer  # noqa: E402
 
 AGENTS = ["writer", "re.writer"]  # the second's adapter is "re_writer"
 

@@ -1,4 +1,4 @@
-"""The loop's checks of the agent selection (agl.run.checks): a selected agent that made no LLM call in
+"""The loop's checks of the agent selection (agl.trainer.checks): a selected agent that made no LLM call in
 the first step is refused by name when other agents did (a typo), and only warned about otherwise."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from test_trainer import (  # noqa: E402
 
 import agl  # noqa: E402
 from agl.errors import UsageError  # noqa: E402
-from agl.trainer import Trainer, load_tokenizer  # noqa: E402
+from agl.trainer.trainer import Trainer, load_tokenizer  # noqa: E402
 
 
 def _trainer(tmp_path: Path, agents: list[str]) -> Trainer:
@@ -75,7 +75,7 @@ def test_the_off_policy_warning_names_mixed_precision_when_the_update_runs_in_it
     import logging
 
     from agl.config import RunConfig
-    from agl.run.checks import StepChecks
+    from agl.trainer.checks import StepChecks
 
     config = RunConfig(temperature=0.8)
     with caplog.at_level(logging.WARNING, logger="agl.trainer"):
@@ -99,7 +99,7 @@ def test_the_off_policy_message_is_info_when_decoupled_ppo_corrects_mixed_precis
     """Under mixed precision with decoupled PPO the engine's log-probs differing from the update's is
     expected: said once at INFO with its size, never as a warning."""
     from agl.config import RunConfig
-    from agl.run.checks import StepChecks
+    from agl.trainer.checks import StepChecks
 
     with caplog.at_level(logging.INFO, logger="agl.trainer"):
         checks = StepChecks()

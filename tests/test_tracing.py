@@ -1,4 +1,4 @@
-"""agl.tracing: rollout context, span stamping, export to the store, flush, bounds, user exporters."""
+"""agl.tracing.provider: rollout context, span stamping, export to the store, flush, bounds, user exporters."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Status, StatusCode
 
 import agl
-from agl import semconv, tracing
+from agl import semconv
 from agl.store.memory import MemoryStore
-from agl.tracing import (
+from agl.tracing import provider as tracing
+from agl.tracing.provider import (
     MissingRolloutError,
     StoreSpanExporter,
     current_rollout,
@@ -261,7 +262,7 @@ def test_bounded_queue_drops_are_counted_and_logged_once(store, caplog) -> None:
     try:
         rid, n = _claim(store, "ro-drop")
         before = tracing.stats()["dropped"]
-        with caplog.at_level(logging.WARNING, logger="agl.tracing"):
+        with caplog.at_level(logging.WARNING, logger="agl.tracing.provider"):
             with rollout_context(rid, n, span=False):
                 for i in range(50):
                     _tracer().start_span(f"s{i}").end()
@@ -404,7 +405,7 @@ _SHUTDOWN_SCRIPT = textwrap.dedent(
     """
     import sys
     import agl
-    from agl import tracing
+    from agl.tracing import provider as tracing
     from agl.store.sqlite import SQLiteStore
     from agl.types import NewRollout
 
@@ -479,7 +480,7 @@ _GLOBAL_SCRIPT = textwrap.dedent(
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     import agl
-    from agl import tracing
+    from agl.tracing import provider as tracing
     from agl.store.memory import MemoryStore
     from agl.types import NewRollout, Span
 

@@ -29,11 +29,11 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
-from agl import tracing  # noqa: E402
 from agl.algorithms.update import PolicyUpdate  # noqa: E402
-from agl.runner import Runner  # noqa: E402
+from agl.runner.runner import Runner  # noqa: E402
 from agl.store.memory import MemoryStore  # noqa: E402
-from agl.trainer import Trainer, load_tokenizer  # noqa: E402
+from agl.tracing import provider as tracing  # noqa: E402
+from agl.trainer.trainer import Trainer, load_tokenizer  # noqa: E402
 from agl.types import Transition  # noqa: E402
 
 GOOD = "Answer: 42"
@@ -390,7 +390,7 @@ def test_dynamic_sampling_draws_fresh_tasks_until_a_group_has_variance(
     """DAPO's dynamic sampling: a step whose groups all score the same draws more tasks (up to
     dynamic_sampling extra rounds) and trains on the informative group only; the metrics count every
     group drawn. The seed is picked so the mixed task comes last in the shuffled pass (3 extra rounds)."""
-    from agl.run.order import TaskOrder
+    from agl.trainer.order import TaskOrder
 
     tok = load_tokenizer()
     spy = Spy(tok)
@@ -538,7 +538,7 @@ def test_plot_keeps_a_resumed_recheck_on_another_held_out_set_apart(tmp_path: Pa
     draws one held-out series per set size, as the trainer's before/after summary compares them."""
     pytest.importorskip("matplotlib")
     from agl.cli import main
-    from agl.plot import _val_series
+    from agl.reports.plot import _val_series
 
     rows = [
         {"step": 0, "val_reward": 0.70, "val_tasks": 72},

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl.trajectories import merge_stats, merge_transitions, token_advantages
+from agl.adapter.trajectories import merge_stats, merge_transitions, token_advantages
 from agl.types import Transition
 
 
@@ -262,7 +262,7 @@ def test_merged_update_equals_the_per_call_update(tmp_path) -> None:
     from agl.algorithms.lightning_rl import LightningRL
     from agl.algorithms.update import PolicyUpdate
     from agl.config import RunConfig
-    from agl.trainer import load_tokenizer
+    from agl.trainer.trainer import load_tokenizer
 
     torch.set_num_threads(1)
     tok = load_tokenizer()

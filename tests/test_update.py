@@ -19,7 +19,7 @@ from agl.algorithms.update import PolicyUpdate, chunked_token_logps, pack_micro_
 from agl.config import RunConfig  # noqa: E402
 from agl.gateway.backends.base import GenerationRequest  # noqa: E402
 from agl.gateway.backends.transformers import TransformersBackend  # noqa: E402
-from agl.trainer import load_tokenizer  # noqa: E402
+from agl.trainer.trainer import load_tokenizer  # noqa: E402
 from agl.types import Transition  # noqa: E402
 
 

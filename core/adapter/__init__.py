@@ -13,8 +13,7 @@ One job per module: :mod:`~agl.adapter.spans` (span kinds, the repaired tree, ag
 
 from agl.adapter.adapter import Adapter
 from agl.adapter.rewards import final_reward
-from agl.adapter.spans import AgentSelection, _agent_matcher, finishing_attempt
+from agl.adapter.spans import AgentSelection, agent_matcher, finishing_attempt
 from agl.adapter.stats import AdapterStats
 
-# _agent_matcher stays importable here: agl.algorithms.sft selects demonstrations' agents by the same rule
-__all__ = ["Adapter", "AdapterStats", "AgentSelection", "_agent_matcher", "final_reward", "finishing_attempt"]
+__all__ = ["Adapter", "AdapterStats", "AgentSelection", "agent_matcher", "final_reward", "finishing_attempt"]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from agl import semconv as sc
 from agl.adapter.air import AirPass
+from agl.adapter.air_rules import AIR, credit_returns
 from agl.adapter.messages import (
     _cut_at_max_tokens,
     _float_list,
@@ -29,7 +30,6 @@ from agl.adapter.spans import (
     _AGENT,
     _LLM,
     AgentSelection,
-    _agent_matcher,
     _Call,
     _live_spans,
     _Locator,
@@ -37,14 +37,15 @@ from agl.adapter.spans import (
     _Target,
     _target,
     _Tree,
+    agent_matcher,
     finishing_attempt,
     framework_used,
 )
 from agl.adapter.stats import AdapterStats
+from agl.adapter.trajectories import merge_stats
 from agl.errors import UsageError
 from agl.gateway.tokenizer import as_chat_tokenizer, resolve_tokenizer, retokenise
-from agl.rewards import AIR, credit_returns
-from agl.trajectories import merge_stats
+from agl.lora import lora_name
 from agl.types import Rollout, Span, Transition
 
 if TYPE_CHECKING:
@@ -81,12 +82,12 @@ class Adapter:
         algorithm: Any = None,
         include_intermediate: bool = True,
     ) -> None:
-        self._match = _agent_matcher(agents)
+        self._match = agent_matcher(agents)
         self.agents = agents
         self.tokenizer = as_chat_tokenizer(resolve_tokenizer(tokenizer))
         if air is not None and not isinstance(air, AIR):
             raise UsageError(
-                f"air must be an agl.rewards.AIR (or None for no automatic rewards), got {air!r}"
+                f"air must be an agl.adapter.air_rules.AIR (or None for no automatic rewards), got {air!r}"
             )
         self.air = AIR.off() if air is None else air
         if isinstance(missing_reward, bool) or not isinstance(missing_reward, (int, float)):
@@ -215,7 +216,7 @@ class Adapter:
         big_r = self.missing_reward if self._final is None else self._final
         if self.air.enabled and calls:
             air = AirPass(self.air, tree, calls, locate, st).run()
-            # the guards (caps, outcome gate: agl.rewards.AIR.shape) see the whole rollout's AIR
+            # the guards (caps, outcome gate: agl.adapter.air_rules.AIR.shape) see the whole rollout's AIR
             for k, value in enumerate(self.air.shape(air, big_r)):
                 inter[k] += value
         return self._emit(tree, calls, inter, big_r, target, st)
@@ -468,6 +469,4 @@ def _served_by_other(S: list[Span], c: _Call) -> bool:
     served = S[c.idx].attributes.get(sc.AGL_LLM_ADAPTER) if c.server else None
     if served is None:
         return False
-    from agl.algorithms.adapters import adapter_name
-
-    return served != adapter_name(c.agent or "")
+    return served != lora_name(c.agent or "")

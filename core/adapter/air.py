@@ -1,6 +1,6 @@
-"""Automatic intermediate rewards (:class:`agl.rewards.AIR`) placed on the LLM calls that caused them.
+"""Automatic intermediate rewards (:class:`agl.adapter.air_rules.AIR`) placed on the LLM calls that caused them.
 
-:mod:`agl.rewards` says how much each signal is worth; this module says which call it lands on:
+:mod:`agl.adapter.air_rules` says how much each signal is worth; this module says which call it lands on:
 
 - a tool span (error or success) goes to the call that issued it (by ``gen_ai.tool.call.id``, else the
   call before the tool started, same agent preferred);
@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from agl import semconv as sc
+from agl.adapter.air_rules import AIR, plugin_rewards
 from agl.adapter.spans import _EXC, _TOOL, _Call, _Locator, _Tree
 from agl.adapter.stats import AdapterStats
-from agl.rewards import AIR, plugin_rewards
 from agl.types import Span
 
 __all__ = ["AirPass"]

@@ -320,7 +320,7 @@ def _agent_of(
     return base
 
 
-def _agent_matcher(agents: AgentSelection) -> Any:
+def agent_matcher(agents: AgentSelection) -> Any:
     if agents is None:
         return lambda name: True
     if isinstance(agents, re.Pattern):

@@ -46,7 +46,7 @@ class AdapterStats:
     #: agent framework was used (a span with ``agl.integration`` other than ``openai``): its hooks were
     #: bypassed or removed
     unattributed_calls: int = 0
-    #: multi-turn merging of the transitions (agl.trajectories, what the update trains on): the
+    #: multi-turn merging of the transitions (agl.adapter.trajectories, what the update trains on): the
     #: sequences they make (one per agent conversation whose calls extend exactly), the calls that
     #: extended a sequence, and the tokens the per-call and the merged forms encode
     sequences: int = 0
@@ -54,7 +54,7 @@ class AdapterStats:
     tokens_per_call: int = 0
     tokens_merged: int = 0
     #: calls that started a new sequence although their agent had one open, by cause
-    #: (agl.trajectories.BREAK_CAUSES: retokenised, edited, rerendered, truncated, diverged)
+    #: (agl.adapter.trajectories.BREAK_CAUSES: retokenised, edited, rerendered, truncated, diverged)
     prefix_breaks: dict[str, int] = field(default_factory=dict)
     air: dict[str, int] = field(default_factory=dict)  #: AIR events per rule
     #: LLM calls per agent name ("" for calls with no agent span), before selection

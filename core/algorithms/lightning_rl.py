@@ -29,10 +29,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from agl.adapter.air_rules import _returns as _credited
+from agl.adapter.air_rules import credit_returns
 from agl.config import UpdateSettings, check_number
 from agl.errors import UsageError
-from agl.rewards import _returns as _credited
-from agl.rewards import credit_returns
 
 if TYPE_CHECKING:
     from agl.types import Transition
@@ -119,7 +119,7 @@ class LightningRL(UpdateSettings):
 def _returns(
     transitions: Sequence[Transition], cfg: LightningRL, include_intermediate: bool | None
 ) -> tuple[list[float], dict[tuple[str, int], list[int]]]:
-    """Credited returns under ``cfg`` (:func:`agl.rewards.credit_returns`); ``include_intermediate=None``
+    """Credited returns under ``cfg`` (:func:`agl.adapter.air_rules.credit_returns`); ``include_intermediate=None``
     takes the ones the adapter already put on the transitions (``Transition.reward``)."""
     return _credited(transitions, cfg.credit, cfg.gamma, include_intermediate)
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from agl.trajectories import Trajectory
+from agl.adapter.trajectories import Trajectory
 
 if TYPE_CHECKING:
     from agl.types import Transition

@@ -17,7 +17,7 @@ What is trained on, and why:
   ``best_of_group``, only the best rollout of each group (the first on ties) — rejection sampling
   from a teacher that is sometimes wrong;
 - with ``merge_turns`` (the default, as in LightningRL's update) each agent conversation whose calls
-  extend one another exactly is **one sequence** (:func:`agl.trajectories.merge_transitions`): the
+  extend one another exactly is **one sequence** (:func:`agl.adapter.trajectories.merge_transitions`): the
   shared history is encoded once, tool results and later user turns are context (mask 0), every
   response is trained on with the context it was produced in. A multi-call agent's demonstrations
   then cost 1.7–2.4× fewer tokens (the examples' merge rates), with the same per-token loss.
@@ -54,6 +54,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from agl.algorithms.per_agent_lora import warm_adapters_dir
 from agl.errors import UsageError
 from agl.types import Transition
 
@@ -194,9 +195,9 @@ class SFT:
         else:
             transitions = list(data)
             if agents is not None and not self.adapter_per_agent:  # per agent: each adapter takes its own
-                from agl.adapter import _agent_matcher
+                from agl.adapter import agent_matcher
 
-                match = _agent_matcher(agents)
+                match = agent_matcher(agents)
                 transitions = [t for t in transitions if match(t.agent)]
         chosen = self.select(transitions)
         rows = [t for t in chosen if t.response_ids]
@@ -256,7 +257,7 @@ def _sequences(rows: Sequence[Transition], merge_turns: bool) -> list[tuple[list
     ``merge_turns`` (responses masked 1, the context between them 0), else one per call."""
     if not merge_turns:
         return [(list(t.prompt_ids), list(t.response_ids), [1] * len(t.response_ids)) for t in rows]
-    from agl.trajectories import merge_transitions
+    from agl.adapter.trajectories import merge_transitions
 
     trajectories, _ = merge_transitions(rows)
     return [(list(tr.prompt_ids), list(tr.completion_ids), list(tr.loss_mask)) for tr in trajectories]
@@ -457,9 +458,9 @@ def _train_per_agent(
     same base model; returns ``{"adapters": {name: that run's summary}, "adapters_dir", ...}``."""
     import copy
 
-    from agl.algorithms.adapters import adapter_names
+    from agl.lora import lora_names
 
-    names = adapter_names(agents)
+    names = lora_names(agents)
     seen = sorted({t.agent or "" for t in rows})
     missing = [a for a in names if not any(t.agent == a for t in rows)]
     if missing:
@@ -487,25 +488,12 @@ def _train_per_agent(
     return summary
 
 
-def warm_adapters_dir(path: str | os.PathLike[str]) -> Path:
-    """The folder of per-agent adapters of an ``agl sft --adapter-per-agent`` run (``run_dir/adapters``)
-    or ``path`` itself when it holds adapter folders; a clear error otherwise."""
-    p = Path(path)
-    for candidate in (p / "adapters", p):
-        if candidate.is_dir() and any((d / "adapter_config.json").is_file() for d in candidate.iterdir()):
-            return candidate
-    raise FileNotFoundError(
-        f"{p} holds no per-agent adapters (no adapters/<name>/adapter_config.json); run "
-        "`agl sft ... --adapter-per-agent --out DIR` first"
-    )
-
-
 def _save_merged(model: Any, tok: Any, source: str | None, target: Path) -> Path:
     """The LoRA deltas merged into a plain model, saved with the tokenizer (and chat template) to
     ``target`` atomically: the gateway and the Trainer load it like any local model."""
-    from agl.algorithms.update import _is_peft
+    from agl.algorithms.update import is_peft
 
-    plain = model.merge_and_unload() if _is_peft(model) else model
+    plain = model.merge_and_unload() if is_peft(model) else model
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     plain.save_pretrained(str(tmp))

@@ -37,13 +37,20 @@ import math
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from trl.trainer.utils import pad, use_adapter
 
+from agl.adapter.trajectories import (
+    BREAK_CAUSES,
+    Trajectory,
+    merge_transitions,
+    per_call_trajectories,
+    token_advantages,
+)
 from agl.algorithms.grpo_setup import (
     CHECKPOINT_ABOVE_BYTES,
     _activations_bytes,
@@ -59,13 +66,7 @@ from agl.algorithms.offpolicy import DecoupledWeights, decoupled_weights, ratio_
 from agl.algorithms.packing import MicroBatch, pack_micro_batches
 from agl.algorithms.scoring import chunked_token_logps, is_peft
 from agl.config import RunConfig
-from agl.trajectories import (
-    BREAK_CAUSES,
-    Trajectory,
-    merge_transitions,
-    per_call_trajectories,
-    token_advantages,
-)
+from agl.lora import lora_names
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -86,8 +87,8 @@ class PolicyUpdate:
     logits are divided by ``cfg.temperature``: the temperature the gateway sampled at, so the ratio is
     one of the policy that acted. ``temperature``/``gradient_checkpointing``/``mixed_precision``
     override the config's. Call ``step(transitions, advantages)`` once per training step.
-    ``adapters`` (agent names): train one LoRA adapter per agent on the one frozen base model
-    (:mod:`agl.algorithms.adapters`).
+    ``adapters`` (the Trainer's ``{agent: LoRA}``, or agent names): train one LoRA per agent on the one frozen base model
+    (:mod:`agl.algorithms.per_agent_lora`).
     """
 
     def __init__(
@@ -103,7 +104,7 @@ class PolicyUpdate:
         seed: int = 0,
         lora_target_modules: str | list[str] = "all-linear",
         lr_scheduler_type: str = "constant",
-        adapters: Sequence[str] | None = None,
+        adapters: Mapping[str, str] | Sequence[str] | None = None,
     ) -> None:
         overrides = {
             "temperature": temperature,
@@ -143,7 +144,7 @@ class PolicyUpdate:
             seed=seed,
         )
         peft_config = _lora_config(config, model, lora_target_modules)
-        #: ``{agent: adapter name}`` when each agent trains its own LoRA adapter (agl.algorithms.adapters)
+        #: ``{agent: adapter name}`` when each agent trains its own LoRA adapter (agl.algorithms.per_agent_lora)
         self.adapters: dict[str, str] = {}
         if adapters is not None:
             model, peft_config = self._agent_adapters(model, peft_config, adapters)
@@ -170,13 +171,16 @@ class PolicyUpdate:
         self.tis_cap: float | None = None  # this step's truncated-importance-weight cap (step(tis_cap=))
         self._rng = random.Random(seed)
 
-    def _agent_adapters(self, model: Any, peft_config: Any, agents: Sequence[str]) -> tuple[Any, None]:
-        """``model`` with one named LoRA adapter per agent (the run's LoRA config), for TRL to train as
-        given; refuses a run without LoRA or a model that already has adapters."""
-        from agl.algorithms.adapters import adapter_names, agent_peft_model
+    def _agent_adapters(
+        self, model: Any, peft_config: Any, agents: Mapping[str, str] | Sequence[str]
+    ) -> tuple[Any, None]:
+        """``model`` with one named LoRA per agent (the run's LoRA config), for TRL to train as given;
+        ``agents`` is the Trainer's ``{agent: LoRA}`` (agent names alone: named by :func:`agl.lora.lora_name`).
+        Refuses a run without LoRA or a model that already has adapters."""
+        from agl.algorithms.per_agent_lora import agent_peft_model
         from agl.errors import UsageError
 
-        self.adapters = adapter_names(agents)
+        self.adapters = dict(agents) if isinstance(agents, Mapping) else lora_names(agents)
         if peft_config is None:
             why = "the model already has LoRA adapters" if is_peft(model) else "lora=False"
             raise UsageError(f"adapter_per_agent trains a LoRA adapter per agent; it cannot run with {why}")
@@ -277,7 +281,7 @@ class PolicyUpdate:
         """One LightningRL update: ``epochs_per_step`` optimizer steps over the given transitions.
 
         With ``merge_turns`` (default: the config's, on) each agent conversation whose calls extend one
-        another exactly is one sequence (``agl.trajectories``): each response token keeps its own
+        another exactly is one sequence (``agl.adapter.trajectories``): each response token keeps its own
         call's advantage and behaviour log-prob and sees the same context as when it was sampled, so the
         loss is the per-call loss, computed in one forward pass instead of one per call.
 
@@ -287,7 +291,7 @@ class PolicyUpdate:
         ``behaviour_ratio_dev``: max |ratio - 1| before the first optimizer step (~0 when the run is
         on-policy; see :func:`agl.algorithms.offpolicy.ratio_deviation`). With an adapter per agent, each adapter is updated on
         its own agent's transitions and its metrics are also reported as ``<metric>/<adapter>``
-        (:func:`agl.algorithms.adapters.step_per_adapter`). With ``tis_cap``, transitions with behaviour
+        (:func:`agl.algorithms.per_agent_lora.step_per_adapter`). With ``tis_cap``, transitions with behaviour
         log-probs train by decoupled PPO (:mod:`agl.algorithms.offpolicy`), adding ``tis_clip_fraction``
         and ``tis_weight_mean``; ``behaviour_ratio_dev`` is then the proximal policy's against the engine's
         (the PPO ratio itself starts at 1 by construction).
@@ -296,7 +300,7 @@ class PolicyUpdate:
         self.tis_cap = tis_cap
         merge = self.config.merge_turns if merge_turns is None else merge_turns
         if self.adapters:
-            from agl.algorithms.adapters import step_per_adapter
+            from agl.algorithms.per_agent_lora import step_per_adapter
 
             metrics = step_per_adapter(self, transitions, advantages, merge)
             for _ in range(max(1, int(self.config.epochs_per_step))):  # one schedule for all adapters
@@ -548,7 +552,7 @@ class PolicyUpdate:
         tr = self.trainer
         model = self.model
         if self.adapters:
-            from agl.algorithms.adapters import load_adapter_checkpoint
+            from agl.algorithms.per_agent_lora import load_adapter_checkpoint
 
             load_adapter_checkpoint(self, path)
         elif is_peft(model):
@@ -622,7 +626,7 @@ def _finite_mean(values: Sequence[float]) -> float:
     return float(sum(vals) / len(vals)) if vals else 0.0
 
 
-#: the merge statistics a step reports (agl.trajectories.MergeStats.as_dict keys)
+#: the merge statistics a step reports (agl.adapter.trajectories.MergeStats.as_dict keys)
 _MERGE_METRICS = ("merge_rate", "tokens_saved", *(f"breaks_{cause}" for cause in BREAK_CAUSES))
 
 

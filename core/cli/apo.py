@@ -109,8 +109,8 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
 
 
 def _cli(args: argparse.Namespace) -> int:
-    from agl.runner import load_agent
-    from agl.trainer import Trainer
+    from agl.runner.runner import load_agent
+    from agl.trainer.trainer import Trainer
 
     prompts: dict[str, str] = {}
     for spec in args.prompt:
@@ -138,7 +138,7 @@ def _cli(args: argparse.Namespace) -> int:
     test = load_jsonl(args.test) if args.test else None
     agent = load_agent(args.agent)
     if not args.no_instrument and args.runners > 0:  # as `agl runner` does for the agents it runs
-        from agl.runner import instrument_imported_frameworks
+        from agl.runner.runner import instrument_imported_frameworks
 
         names = instrument_imported_frameworks()
         log.info("agl apo: instrumented %s", ", ".join(names) or "nothing (no framework imported)")

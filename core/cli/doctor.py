@@ -1,11 +1,11 @@
 """``agl doctor``: installed frameworks, instrumented integrations, their hooks, the tracer
-(:func:`agl.doctor.report`). Exit status 1 when a hook was lost or a framework is unsupported."""
+(:func:`agl.reports.doctor.report`). Exit status 1 when a hook was lost or a framework is unsupported."""
 
 from __future__ import annotations
 
 import argparse
 
-from agl.doctor import report
+from agl.reports.doctor import report
 
 __all__ = ["register_cli"]
 

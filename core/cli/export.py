@@ -1,7 +1,7 @@
 """``agl export`` and ``agl transitions``: what the adapter would train on, as JSONL or as a table.
 
 ``agl export --store URL --format transitions|sft|dpo --out FILE.jsonl`` writes the records
-:func:`agl.export.export` makes (formats in that module's docstring and docs/architecture.md §8).
+:func:`agl.reports.export.export` makes (formats in that module's docstring and docs/architecture.md §8).
 ``agl transitions ROLLOUT_ID --store URL`` prints, per transition, the agent, the prompt tail and the
 response (decoded with ``--tokenizer`` if given), token counts, exactness and the rewards.
 """
@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from agl.adapter import Adapter, finishing_attempt
+from agl.adapter.air_rules import AIR
+from agl.adapter.trajectories import merge_transitions
 from agl.algorithms.lightning_rl import LightningRL
 from agl.cli._util import open_store_from_args, tokenizer_from_arg
 from agl.errors import UsageError
-from agl.export import FORMATS, FORMS, check_format, export
-from agl.rewards import AIR
-from agl.trajectories import merge_transitions
+from agl.reports.export import FORMATS, FORMS, check_format, export
 from agl.types import Rollout, Transition
 
 __all__ = ["print_transitions", "register_cli"]
@@ -87,9 +87,9 @@ def _adapter_from_args(args: argparse.Namespace) -> Adapter:
     elif args.agents_regex is not None:
         agents = args.agents_regex
     elif args.adapter is not None:
-        from agl.algorithms.adapters import adapter_pattern
+        from agl.lora import lora_pattern
 
-        agents = adapter_pattern(args.adapter)
+        agents = lora_pattern(args.adapter)
     tokenizer = tokenizer_from_arg(args.tokenizer) if args.tokenizer else None
     try:  # the flags' values are checked here: a refusal is the user's mistake, one line
         algorithm = LightningRL(credit=args.credit, gamma=args.gamma, advantage_level=args.advantage_level)
@@ -254,7 +254,7 @@ def _cmd_transitions(args: argparse.Namespace) -> int:
         return 0
     print_transitions(rollout, attempt, ts, adapter, width=args.width, file=sys.stdout)
     if ts:
-        from agl.exactness import exactness_report, format_report
+        from agl.reports.exactness import exactness_report, format_report
 
         print(f"  {format_report(exactness_report(ts, spans))}", file=sys.stdout)
     return 0

@@ -2,7 +2,7 @@
 
 Works on any store URL (``--store``, else ``$AGL_STORE``, else ``sqlite:///agl.db``), so the same
 commands read a local run or a remote ``agl store serve``. ``--json`` prints the records instead.
-The text comes from :mod:`agl.inspect`.
+The text comes from :mod:`agl.reports.inspect`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ from typing import Any, TextIO
 
 from agl.cli._util import add_store_args, open_store_from_args
 from agl.errors import UsageError
-from agl.inspect import final_reward_of, format_rollout, format_rollouts, format_span_tree, with_span_errors
+from agl.reports.inspect import (
+    final_reward_of,
+    format_rollout,
+    format_rollouts,
+    format_span_tree,
+    with_span_errors,
+)
 
 __all__ = ["register_cli"]
 

@@ -1,6 +1,6 @@
 """``agl runner``: run an agent against a store — claim rollouts, run them, report (DESIGN §7).
 
-A thin layer over :class:`agl.runner.Runner`: the flags become its arguments; the library never
+A thin layer over :class:`agl.runner.runner.Runner`: the flags become its arguments; the library never
 imports argparse.
 """
 
@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from agl.errors import UsageError
-from agl.runner import Runner, instrument_imported_frameworks, load_agent
+from agl.runner.runner import Runner, instrument_imported_frameworks, load_agent
 
 __all__ = ["register_cli"]
 
@@ -92,7 +92,7 @@ def _cli(args: argparse.Namespace) -> int:
         stats = runner.run(max_rollouts=args.max_rollouts, until_idle=args.until_idle)
     finally:
         with contextlib.suppress(Exception):
-            from agl.tracing import flush
+            from agl.tracing.provider import flush
 
             flush(10.0)
         with contextlib.suppress(Exception):

@@ -37,7 +37,7 @@ from agl.dashboard.views import (
     trajectories_view,
     transitions_view,
 )
-from agl.exactness import exactness_report
+from agl.reports.exactness import exactness_report
 from agl.store.base import StoreError
 from agl.types import ROLLOUT_STATUSES, TERMINAL_ROLLOUT_STATUSES
 
@@ -176,7 +176,7 @@ class Dashboard:
         """Training-data metrics of one resources version's train rollouts, from the store: what the
         adapter makes of them (exact-token ratio, AIR share) and how many groups carry no signal."""
         from agl.adapter import Adapter, finishing_attempt
-        from agl.rewards import AIR
+        from agl.adapter.air_rules import AIR
 
         version = _int(request.query_params, "version")
         mode = request.query_params.get("mode") or "train"
@@ -297,8 +297,8 @@ class Dashboard:
 
     def transitions(self, request: Request) -> Response:
         from agl.adapter import Adapter, finishing_attempt
+        from agl.adapter.air_rules import AIR
         from agl.algorithms.lightning_rl import LightningRL, compute_advantages
-        from agl.rewards import AIR
 
         r, n = self._attempt(request)
         q = request.query_params
@@ -308,10 +308,10 @@ class Dashboard:
         elif q.get("agents_regex"):
             agents = q["agents_regex"]
         elif q.get("adapter"):  # an adapter per agent: the calls of the agents this adapter serves
-            from agl.algorithms.adapters import adapter_pattern
+            from agl.lora import lora_pattern
 
             try:
-                agents = adapter_pattern(q["adapter"])
+                agents = lora_pattern(q["adapter"])
             except ValueError as exc:
                 raise _BadRequest(str(exc)) from None
         weights: dict[str, Any] = {}

@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from agl import semconv as sc
-from agl.inspect import span_details, span_tag  # the CLI's span tags and one-line details, shared on purpose
+from agl.reports.inspect import (  # the CLI's span tags and one-line details, shared on purpose
+    span_details,
+    span_tag,
+)
 from agl.types import Rollout, Span
 
 __all__ = [
@@ -42,7 +45,7 @@ KEY_METRICS: tuple[tuple[str, str], ...] = (
     ("loss", "loss"),
     ("rollouts failed", "rollouts_failed"),
     ("step time (s)", "step_s"),
-    # LLM judge and reward-hacking monitors (agl.judge, agl.monitors)
+    # LLM judge and reward-hacking monitors (agl.judge, agl.trainer.monitors)
     ("judge reward", "judge_reward"),
     ("task reward (before the judge)", "train_task_reward"),
     ("task-judge divergence", "monitor_divergence"),
@@ -99,7 +102,7 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
 
 
 def _monitor_warnings(raw: Any) -> list[dict[str, Any]]:
-    """A record's reward-hacking warnings (:mod:`agl.monitors`), kept only in the shape they are written."""
+    """A record's reward-hacking warnings (:mod:`agl.trainer.monitors`), kept only in the shape they are written."""
     out = []
     for w in raw if isinstance(raw, list) else ():
         if isinstance(w, dict) and isinstance(w.get("monitor"), str) and _number(w.get("step")) is not None:
@@ -314,9 +317,9 @@ def trajectories_view(
     *,
     token_cap: int = 8192,
 ) -> dict[str, Any]:
-    """The same calls merged per agent conversation (``agl.trajectories``): one sequence each, its loss
+    """The same calls merged per agent conversation (``agl.adapter.trajectories``): one sequence each, its loss
     mask (1 on the model's own response tokens, 0 on context in between) and its segments."""
-    from agl.trajectories import merge_transitions
+    from agl.adapter.trajectories import merge_transitions
 
     trajs, stats = merge_transitions(list(transitions))
     out = []

@@ -197,7 +197,7 @@ class Gateway:
         ``"<base>:<adapter>"`` picks one, else the calling agent's (W3C baggage ``agl.agent``). The
         calling agent is recorded on every backend (the server span's ``agl.llm.agent``)."""
         gen.agent = getattr(request.state, "agl_agent", None)  # set by _context, which runs first
-        if self.backend.agent_adapter_names():
+        if self.backend.agent_loras():
             self.backend.route(gen)
         return gen
 

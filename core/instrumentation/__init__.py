@@ -5,7 +5,7 @@
 - :mod:`agl.instrumentation.toolkit` — ``PatchLedger`` (reversible ``wrapt`` patches by path),
   ``safe_json`` (span attributes) and ``guarded`` (an integration's failure is logged once per site,
   counted, and never reaches the application).
-- :mod:`agl.doctor` — what ``agl doctor`` prints from these.
+- :mod:`agl.reports.doctor` — what ``agl doctor`` prints from these.
 
 ``agl.instrument`` and ``agl.uninstrument`` are these functions, re-exported by ``agl``.
 """

@@ -254,7 +254,7 @@ def instrument(
     giving another ``tracer_provider`` re-instruments with it. ``options`` passes keyword arguments to one
     integration's instrumentor, e.g. ``options={"openai_agents": {"replace_exporter": True}}``.
     """
-    from agl.tracing import setup_tracing
+    from agl.tracing.provider import setup_tracing
 
     options = dict(options or {})
     pm = get_plugin_manager()

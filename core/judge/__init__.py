@@ -5,7 +5,7 @@
 - :mod:`agl.judge.protocol` — the prompts and the strict parser of the judge's JSON;
 - :mod:`agl.judge.cache` — verdicts cached by task, trajectory content, rubric and judge model;
 - :mod:`agl.judge.record` — the judge's gateway and its calls recorded as rollouts in a judge store;
-- :mod:`agl.judge.assembly` — the trainer's reward assembly (``reward="judge"|"task"|{...}``).
+- :mod:`agl.trainer.rewarding` — the trainer's reward assembly (``reward="judge"|"task"|{...}``).
 """
 
 from __future__ import annotations

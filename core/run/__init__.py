@@ -6,5 +6,5 @@
   in-process gateway (or uses one started elsewhere), runs in-process runners, pushes new weights;
 - :mod:`agl.run.metrics`: ``MetricsLog``, a run's ``metrics.jsonl`` and TensorBoard scalars.
 
-LightningRL's loop (``agl.Trainer``), APO and SFT all run on these; nothing here imports ``agl.trainer``.
+LightningRL's loop (``agl.Trainer``), APO and SFT all run on these; nothing here imports ``agl.trainer.trainer``.
 """

@@ -10,7 +10,7 @@
 - :meth:`close`, which stops them all.
 
 It never calls back into its user: the trainer builds the policy and the tokenizer and hands them to
-:meth:`Environment.start`, so ``agl.run`` sits below ``agl.trainer`` and every algorithm can use it.
+:meth:`Environment.start`, so ``agl.run`` sits below ``agl.trainer.trainer`` and every algorithm can use it.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ class Environment:
 
     def start_runners(self, agent: Any, *, worker_id: str = "agl-trainer") -> None:
         """``serving.runners`` in-process runners of ``agent`` against the store."""
-        from agl.runner import Runner
+        from agl.runner.runner import Runner
 
         runner = Runner(
             agent,
@@ -291,7 +291,7 @@ class Environment:
         """Stop the runners, flush the spans, stop the gateway (the store stays open for reading)."""
         self.stop_runners()
         try:
-            from agl.tracing import flush
+            from agl.tracing.provider import flush
 
             flush(10.0)
         except Exception:  # noqa: BLE001 - a flush failure must not keep the gateway running

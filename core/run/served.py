@@ -5,7 +5,7 @@ published (issue 36; ART #661 is a stale adapter served silently).
   (:func:`prove_push`): the in-process backend's ``weight_version``, or an external gateway's reply
   to the push and its ``/agl/v1/status``. A mismatch fails the step with both versions named.
 - A trained call must have been served by a version the trainer published (:func:`prove_calls`; the
-  asynchronous loop's :class:`agl.run.pipeline.VersionLedger` does the same per group). A call served
+  asynchronous loop's :class:`agl.trainer.pipeline.VersionLedger` does the same per group). A call served
   by any other version means another writer pushed to the engine, or the engine reloaded old weights.
 """
 

@@ -99,7 +99,7 @@ class InstrumentedTracer:
 
     def close(self) -> None:
         import agl
-        from agl.tracing import reset_tracing
+        from agl.tracing.provider import reset_tracing
 
         try:
             agl.uninstrument()

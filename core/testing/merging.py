@@ -1,4 +1,4 @@
-"""Merging assertions: what multi-turn merging (``agl.trajectories``) makes of an agent's calls."""
+"""Merging assertions: what multi-turn merging (``agl.adapter.trajectories``) makes of an agent's calls."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from agl.trajectories import MergeStats, Trajectory, merge_transitions
+from agl.adapter.trajectories import MergeStats, Trajectory, merge_transitions
 from agl.types import Transition
 
 __all__ = ["Merged", "assert_merged"]

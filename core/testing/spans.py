@@ -78,7 +78,7 @@ def assert_agent_spans(
     is what lets ``Adapter(agents=[...])`` select them). Flushes agl's span export first. Returns an
     :class:`AgentSpans` with the calls and tool spans per agent.
     """
-    from agl import tracing
+    from agl.tracing import provider as tracing
 
     tracing.flush()
     spans = store.query_spans(rollout_id=rollout_id, attempt=attempt)

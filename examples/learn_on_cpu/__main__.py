@@ -130,7 +130,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_seeds(args: argparse.Namespace) -> int:
-    from agl.plot import plot_runs
+    from agl.reports.plot import plot_runs
 
     _setup(args)
     root = _fresh_run_dir(args)

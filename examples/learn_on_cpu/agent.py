@@ -17,7 +17,7 @@ from typing import Any
 
 import agl
 from agl import semconv as sc
-from agl.tracing import get_tracer
+from agl.tracing.provider import get_tracer
 
 __all__ = ["SYSTEM", "build_messages", "calc_agent", "calculate", "reward"]
 

@@ -160,7 +160,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from agl.plot import plot_runs
+    from agl.reports.plot import plot_runs
 
     if bool(args.warm_start) != bool(args.warm_start_per_agent):
         raise SystemExit(

@@ -32,8 +32,8 @@ from opentelemetry import trace
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from agl.agent_spans import request_context
 from agl.instrumentation import Instrumentor, guarded, is_instrumented
+from agl.instrumentation.agent import request_context
 
 __all__ = ["CrewAIInstrumentor"]
 

@@ -41,8 +41,8 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agl import semconv as sc
-from agl.agent_spans import agent_context
 from agl.instrumentation import guarded, safe_json
+from agl.instrumentation.agent import agent_context
 from agl.integrations.langchain._scope import ScopeSpan, current_span
 
 __all__ = ["AglCallbackHandler", "node_agent", "root_agent"]

@@ -34,10 +34,10 @@ from opentelemetry.trace import SpanKind
 from pydantic import BaseModel
 
 from agl import semconv
-from agl.agent_spans import request_context
 from agl.instrumentation import Instrumentor, guarded
+from agl.instrumentation.agent import request_context
 from agl.integrations.openai._spans import ChatSpan, classify, request_attributes
-from agl.tracing import current_rollout
+from agl.tracing.provider import current_rollout
 
 __all__ = ["Dialect", "OpenAIInstrumentor", "instrument_client"]
 
@@ -121,7 +121,7 @@ def _only_w3c(textmap: Any) -> bool:
 def _carrier(ctx: otel_context.Context) -> dict[str, str]:
     """The trace headers for ``ctx``: W3C traceparent + baggage always (the gateway reads them), plus
     whatever else the application's global propagator adds (B3, Jaeger...). The baggage names the
-    calling agent only while its scope is live (``agl.agent_spans.request_context``)."""
+    calling agent only while its scope is live (``agl.instrumentation.agent.request_context``)."""
     ctx = request_context(ctx)
     carrier: dict[str, str] = {}
     textmap = propagate.get_global_textmap()

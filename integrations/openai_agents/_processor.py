@@ -39,8 +39,8 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from agl import semconv
-from agl.agent_spans import agent_context
 from agl.instrumentation import guarded, safe_json
+from agl.instrumentation.agent import agent_context
 
 __all__ = ["AglTracingProcessor"]
 

@@ -221,7 +221,7 @@ def test_train_a_few_steps_with_a_tiny_model(tmp_path: Path) -> None:
 
     import agl.store
     from agl.adapter import Adapter
-    from agl.trainer import load_tokenizer
+    from agl.trainer.trainer import load_tokenizer
     from examples.calc_agent import cli
 
     threads = torch.get_num_threads()
@@ -270,7 +270,7 @@ def test_oracle_demonstrations_sft_and_rl_from_the_warm_start(tmp_path: Path) ->
     import agl.store
     from agl import semconv as sc
     from agl.cli import main as agl_main
-    from agl.trainer import load_tokenizer
+    from agl.trainer.trainer import load_tokenizer
     from examples.calc_agent import cli
 
     db = f"sqlite:///{tmp_path / 'demos.db'}"

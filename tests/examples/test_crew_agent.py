@@ -62,7 +62,7 @@ def crew_offline() -> Iterator[None]:
     import os
 
     import agl
-    from agl.tracing import reset_tracing
+    from agl.tracing.provider import reset_tracing
 
     # CrewAI's telemetry and trace upload are off (tests/conftest.py sets these; the example too)
     assert os.environ["CREWAI_DISABLE_TELEMETRY"] == "true"
@@ -200,7 +200,7 @@ def test_train_a_few_steps_with_a_tiny_model(
     pytest.importorskip("trl")
     pytest.importorskip("peft")
     from agl.algorithms.update import PolicyUpdate
-    from agl.trainer import load_tokenizer
+    from agl.trainer.trainer import load_tokenizer
     from examples.crew_agent import cli
     from examples.crew_agent.scripted import ScriptedCrew
 

@@ -162,7 +162,7 @@ def test_search_finds_each_hop_and_the_embeddings_are_cached(index: Any) -> None
 def agents_sdk_offline(monkeypatch: pytest.MonkeyPatch) -> Any:
     pytest.importorskip("agents")
     import agl
-    from agl.tracing import reset_tracing
+    from agl.tracing.provider import reset_tracing
 
     monkeypatch.setenv("AGL_OPENAI_AGENTS_REPLACE_EXPORTER", "1")  # never try to upload traces
     yield
@@ -266,7 +266,7 @@ def test_train_a_few_steps_with_a_tiny_model(
     pytest.importorskip("trl")
     pytest.importorskip("peft")
     from agl.algorithms.update import PolicyUpdate
-    from agl.trainer import load_tokenizer
+    from agl.trainer.trainer import load_tokenizer
     from examples.rag_agent import cli
     from examples.rag_agent.scripted import ScriptedRAG
 

@@ -79,7 +79,7 @@ def test_a_step_with_a_tiny_model(tmp_path: Path, per_agent: bool) -> None:
     import agl.store
     from agl import semconv as sc
     from agl.adapter import Adapter
-    from agl.trainer import load_tokenizer
+    from agl.trainer.trainer import load_tokenizer
     from examples.solve_check.__main__ import _train_one, parser
 
     args = parser().parse_args(

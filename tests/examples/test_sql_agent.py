@@ -250,7 +250,7 @@ def test_train_a_few_steps_with_a_tiny_model(data_dir: Path, tmp_path: Path) -> 
 
     import agl.store
     from agl.adapter import Adapter
-    from agl.trainer import load_tokenizer
+    from agl.trainer.trainer import load_tokenizer
     from examples.sql_agent import cli
 
     threads = torch.get_num_threads()

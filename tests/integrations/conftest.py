@@ -55,7 +55,7 @@ class AdapterGateway:
     def run(self, body: Any) -> str:
         """Run ``body()`` inside a fresh rollout; returns the rollout id once its spans are stored."""
         import agl
-        from agl import tracing
+        from agl.tracing import provider as tracing
         from agl.types import NewRollout
 
         (rollout,) = self.store.enqueue([NewRollout()])
@@ -86,14 +86,14 @@ def adapter_gateway(
     pytest.importorskip("trl")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from agl import tracing
     from agl.algorithms.lightning_rl import LightningRL
     from agl.algorithms.update import PolicyUpdate
     from agl.config import RunConfig
     from agl.gateway.backends.transformers import TransformersBackend
     from agl.gateway.testing import serve_gateway
     from agl.store.memory import MemoryStore
-    from agl.trainer import load_tokenizer
+    from agl.tracing import provider as tracing
+    from agl.trainer.trainer import load_tokenizer
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(

@@ -21,9 +21,9 @@ openai = pytest.importorskip("openai")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import agl  # noqa: E402
-from agl import tracing  # noqa: E402
 from agl.gateway.testing import ScriptedBackend  # noqa: E402
-from agl.trainer import Trainer, load_tokenizer  # noqa: E402
+from agl.tracing import provider as tracing  # noqa: E402
+from agl.trainer.trainer import Trainer, load_tokenizer  # noqa: E402
 
 GOOD, BAD = "Answer: 42", "I am not sure."
 

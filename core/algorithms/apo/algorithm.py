@@ -13,7 +13,7 @@ from typing import Any, Literal
 from agl.algorithms.apo.settings import RunSettings, as_tasks
 from agl.algorithms.apo.text import CRITIQUE_SYSTEM, REWRITE_SYSTEM
 from agl.errors import UsageError
-from agl.prompts import placeholders
+from agl.tracing.prompts import placeholders
 
 __all__ = ["APO"]
 

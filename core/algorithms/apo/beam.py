@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from agl.prompts import prompt_version
+from agl.tracing.prompts import prompt_version
 from agl.types import Rollout, Task
 
 __all__ = ["Candidate", "Failure", "mean", "pick_failures", "select_beam"]

@@ -34,7 +34,7 @@ from agl.algorithms.apo.text import (
     summarize_trace,
 )
 from agl.errors import AglError
-from agl.prompts import placeholders
+from agl.tracing.prompts import placeholders
 from agl.types import NewRollout, RolloutConfig, Span
 
 if TYPE_CHECKING:

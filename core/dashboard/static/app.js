@@ -406,7 +406,7 @@ function Tokens({ ids, pieces, cls, truncated, label }) {
   return html`${truncated ? html`<span class="muted">[${truncated} earlier ${label} tokens not shown] </span>` : null}${ids.map((id, i) => html`<span class=${`tok ${cls}`} title=${`${label} token ${id}`}>${pieces ? pieces[i] : `${id} `}</span>`)}`;
 }
 
-// Merged sequences (agl.trajectories): one sequence per agent conversation; the loss mask colours each
+// Merged sequences (agl.adapter.trajectories): one sequence per agent conversation; the loss mask colours each
 // completion token (trained: the model's own responses; masked: tool results and turns in between).
 function Merged({ data }) {
   const ms = data.merge_stats;

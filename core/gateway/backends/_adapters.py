@@ -3,46 +3,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from agl.errors import UsageError
+from agl.lora import check_lora_dirs
 
-__all__ = ["AgentAdapters", "check_adapter_dirs", "load_named_adapters", "with_adapters"]
-
-
-def check_adapter_dirs(adapters: dict[str, str]) -> dict[str, str]:
-    """``{adapter name: folder}`` checked before anything loads: names an agent's adapter can have, each
-    folder a peft LoRA adapter, all of one rank and one set of target modules (a run's adapters share
-    its LoRA config). Raises UsageError naming the offending adapter."""
-    from agl.algorithms.adapters import adapter_names
-
-    names = adapter_names(list(adapters))
-    first: tuple[str, Any] | None = None
-    for agent, path in adapters.items():
-        if names[agent] != agent:
-            raise UsageError(
-                f"adapter name {agent!r} is not one an agent's adapter has; use {names[agent]!r}"
-            )
-        config = Path(path) / "adapter_config.json"
-        if not config.is_file():
-            raise UsageError(f"--adapter {agent}={path}: not a peft adapter folder (no adapter_config.json)")
-        cfg = json.loads(config.read_text())
-        shape = (
-            cfg.get("r"),
-            sorted(cfg.get("target_modules") or [])
-            if isinstance(cfg.get("target_modules"), list)
-            else cfg.get("target_modules"),
-        )
-        if first is None:
-            first = (agent, shape)
-        elif shape != first[1]:
-            raise UsageError(
-                f"adapter {agent!r} has rank/target modules {shape}, but {first[0]!r} has {first[1]}: "
-                "every adapter of a run shares its LoRA config"
-            )
-    return dict(adapters)
+__all__ = ["AgentAdapters", "load_named_adapters", "with_adapters"]
 
 
 def with_adapters(model: Any, paths: dict[str, str]) -> Any:
@@ -51,9 +17,9 @@ def with_adapters(model: Any, paths: dict[str, str]) -> Any:
 
     items = list(paths.items())
     name, path = items[0]
-    model = PeftModel.from_pretrained(model, path, adapter_name=name)
+    model = PeftModel.from_pretrained(model, path, name)
     for name, path in items[1:]:
-        model.load_adapter(path, adapter_name=name)
+        model.load_adapter(path, name)
     return model
 
 
@@ -66,11 +32,11 @@ def load_named_adapters(model: Any, paths: dict[str, str], device: Any) -> Any:
     for name, path in paths.items():
         if isinstance(model, PeftModel) and name in model.peft_config:
             state = load_file(str(Path(path) / "adapter_model.safetensors"), device=str(device))
-            set_peft_model_state_dict(model, state, adapter_name=name)
+            set_peft_model_state_dict(model, state, name)
         elif isinstance(model, PeftModel):
-            model.load_adapter(path, adapter_name=name)
+            model.load_adapter(path, name)
         else:
-            model = PeftModel.from_pretrained(model, path, adapter_name=name)
+            model = PeftModel.from_pretrained(model, path, name)
     model.eval()
     return model
 
@@ -89,7 +55,7 @@ class AgentAdapters:
         """New weights for agent adapters (``{adapter: peft folder}``, checked first), swapped together
         once the running batch drained, as one version: a served adapter gets the tensors in place, a
         new one is added beside the others."""
-        check_adapter_dirs(paths)
+        check_lora_dirs(paths)
 
         def swap() -> int:
             self.model = load_named_adapters(self.model, paths, self.device)  # type: ignore[attr-defined]

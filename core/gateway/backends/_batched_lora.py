@@ -1,6 +1,6 @@
 """A batched LoRA product for mixed-adapter batches (``TransformersBackend(batched_lora=True)``).
 
-peft's per-row selection (``adapter_names=[...]`` on the forward) runs, in every LoRA layer, one small
+peft's per-row selection (:data:`agl.lora.PEFT_ROW_ADAPTERS` on the forward) runs, in every LoRA layer, one small
 matmul per distinct adapter over that adapter's rows. Here every LoRA layer's ``k`` adapters are
 concatenated once (``A``: ``(k·r, in)``, ``B``: ``(k·r, out)``), and a forward computes every row's
 delta in two dense matmuls over the whole batch, with a per-row mask that keeps only the row's own

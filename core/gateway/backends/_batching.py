@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agl.lora import PEFT_ROW_ADAPTERS
+
 __all__ = ["Batch", "BusyClock", "Row", "sample", "truncate"]
 
 
@@ -151,10 +153,10 @@ class Batch:
         self.model = model
         self.pad_id = pad_id
         #: a peft model with named adapters: every forward names each row's adapter (peft's per-row
-        #: ``adapter_names``), so rows of one batch decode with different adapters
+        #: selection, ``PEFT_ROW_ADAPTERS``), so rows of one batch decode with different adapters
         self.per_row_adapters = per_row_adapters
         #: a :class:`~agl.gateway.backends._batched_lora.BatchedLora`: rows' adapters in two batched
-        #: matmuls per LoRA layer instead of peft's per-adapter loop (None: peft's ``adapter_names``)
+        #: matmuls per LoRA layer instead of peft's per-adapter loop (None: peft's per-row selection)
         self.lora = lora
         self.rows: list[Row] = []
         self.cache: Any = None
@@ -184,7 +186,7 @@ class Batch:
         if self.per_row_adapters:
             from agl.semconv import BASE_ADAPTER
 
-            kwargs["adapter_names"] = [r.adapter or BASE_ADAPTER for r in rows]
+            kwargs[PEFT_ROW_ADAPTERS] = [r.adapter or BASE_ADAPTER for r in rows]
         return self._call(kwargs)
 
     def _call(self, kwargs: dict[str, Any]) -> Any:

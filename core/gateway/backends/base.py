@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agl.errors import AglError
+from agl.lora import lora_name
 
 __all__ = [
     "Backend",
@@ -198,7 +199,7 @@ class Backend(abc.ABC):
         tokenised, and derives its request-body limit from it, so one huge prompt cannot stall it."""
         return None
 
-    def agent_adapter_names(self) -> list[str]:
+    def agent_loras(self) -> list[str]:
         """The named LoRA adapters (one per agent) this backend serves beside its base model."""
         return []
 
@@ -206,16 +207,14 @@ class Backend(abc.ABC):
         """Pick the adapter that serves ``request`` (sets ``request.adapter``): the one a model name
         ``"<base>:<adapter>"`` names, else the calling agent's (baggage ``agl.agent``) when this backend
         serves one, else none (the base model)."""
-        adapters = self.agent_adapter_names()
+        adapters = self.agent_loras()
         if not adapters:
             return
-        from agl.algorithms.adapters import adapter_name
-
         _, sep, suffix = request.model.rpartition(":")
         if sep and suffix in adapters:
             request.adapter = suffix
-        elif request.agent and adapter_name(request.agent) in adapters:
-            request.adapter = adapter_name(request.agent)
+        elif request.agent and lora_name(request.agent) in adapters:
+            request.adapter = lora_name(request.agent)
 
     def check_model(self, model: str) -> None:
         available = self.models()

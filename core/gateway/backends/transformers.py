@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agl.gateway.backends._adapters import AgentAdapters, check_adapter_dirs, with_adapters
+from agl.gateway.backends._adapters import AgentAdapters, with_adapters
 from agl.gateway.backends._batching import Batch, BusyClock, Row
 from agl.gateway.backends._stream_text import StreamText, tail_delta, token_logprobs
 from agl.gateway.backends._swaps import LiveSwaps
@@ -63,6 +63,7 @@ from agl.gateway.backends.base import (
 )
 from agl.gateway.chat_format import forced_tool_prefix, parse_tool_calls
 from agl.gateway.tokenizer import ChatTokenizer, load_default_tokenizer
+from agl.lora import check_lora_dirs
 from agl.semconv import BASE_ADAPTER
 
 __all__ = ["TransformersBackend"]
@@ -140,7 +141,7 @@ class TransformersBackend(AgentAdapters, Backend):
         super().__init__()
         self.batched_lora, self._lora_stack = batched_lora, None  # mixed batches: see _batched_lora
         #: named LoRA adapter folders to serve beside the base model (``agl gateway serve --adapter``)
-        self._adapter_paths = check_adapter_dirs(adapters) if adapters else {}
+        self._adapter_paths = check_lora_dirs(adapters) if adapters else {}
         self.batch_window_s = batch_window_s
         #: the running batch's size after each admission of new rows (what concurrency actually bought)
         self.batch_sizes: deque[int] = deque(maxlen=256)
@@ -273,7 +274,7 @@ class TransformersBackend(AgentAdapters, Backend):
         base = self.model_name or "model"
         return [base, *(f"{base}:{name}" for name in self.agent_adapters)]
 
-    def agent_adapter_names(self) -> list[str]:
+    def agent_loras(self) -> list[str]:
         return list(self.agent_adapters)
 
     def max_prompt_chars(self) -> int | None:
@@ -718,12 +719,12 @@ class TransformersBackend(AgentAdapters, Backend):
 
             adapter = name or f"agl-{self.weight_version + 1}"
             if isinstance(self.model, PeftModel):
-                self.model.load_adapter(path, adapter_name=adapter)
+                self.model.load_adapter(path, adapter)
                 self.model.set_adapter(adapter)
                 if self._peft_adapter and self._peft_adapter != adapter:
                     self.model.delete_adapter(self._peft_adapter)
             else:
-                self.model = PeftModel.from_pretrained(self.model, path, adapter_name=adapter)
+                self.model = PeftModel.from_pretrained(self.model, path, adapter)
             self.model.eval()
             self._peft_adapter = adapter
             return self._bump_version(version)

@@ -16,7 +16,7 @@ by default the upstream's first model) are sent to the newest adapter, so agents
 name while the weights change; the adapter two versions back is unloaded. Requests that name another
 upstream model explicitly go to it unchanged.
 
-An adapter per agent (``adapters=["writer", "rewriter"]``, :mod:`agl.algorithms.adapters`): each agent's
+An adapter per agent (``adapters=["writer", "rewriter"]``, :mod:`agl.algorithms.per_agent_lora`): each agent's
 adapter is loaded by name at run time as ``<policy>-<adapter>-v<version>`` (vLLM refuses a name twice),
 and each call goes to the adapter :meth:`Backend.route` picked for it (``model="<base>:writer"`` or the
 caller's baggage ``agl.agent``). Until an adapter's first load its calls go to the base model, which is
@@ -76,6 +76,7 @@ from typing import Any
 from agl.errors import UsageError
 from agl.gateway.backends._http import HttpUpstreamBackend
 from agl.gateway.backends.base import BackendError, GenerationRequest, GenerationResult, UnknownModelError
+from agl.lora import is_lora_name
 from agl.semconv import BASE_ADAPTER
 
 __all__ = ["VLLMBackend"]
@@ -128,10 +129,8 @@ class VLLMBackend(HttpUpstreamBackend):
         self._agent_digest: dict[str, tuple[str, int]] = {}
         #: ``{adapter: folder}`` given up front (``agl gateway serve --adapter``): loaded once vLLM answers
         self._initial = dict(adapters) if isinstance(adapters, dict) else {}
-        from agl.algorithms.adapters import adapter_name
-
         for name in self.agent_adapters:
-            if adapter_name(name) != name or name in (BASE_ADAPTER, "default"):
+            if not is_lora_name(name):
                 raise UsageError(f"adapter name {name!r} is not one an agent's adapter has")
 
     async def start(self) -> None:
@@ -171,7 +170,7 @@ class VLLMBackend(HttpUpstreamBackend):
         names += [m for m in self.upstream_models if m not in names]
         return names + [f"{self.policy_name}:{a}" for a in self.agent_adapters if self.policy_name]
 
-    def agent_adapter_names(self) -> list[str]:
+    def agent_loras(self) -> list[str]:
         return list(self.agent_adapters)
 
     def check_model(self, model: str) -> None:

@@ -11,8 +11,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import agl
-from agl import tracing
 from agl.store.memory import MemoryStore
+from agl.tracing import provider as tracing
 from agl.types import NewRollout
 
 

@@ -16,9 +16,10 @@ import pytest
 anthropic = pytest.importorskip("anthropic")
 
 import agl  # noqa: E402
-from agl import semconv, tracing  # noqa: E402
+from agl import semconv  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
 from agl.gateway.testing import ScriptedBackend, reply, serve_gateway, tool_call  # noqa: E402
+from agl.tracing import provider as tracing  # noqa: E402
 
 ADD = {"name": "add", "input_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}
 MSGS = [{"role": "user", "content": "add 1 and 2"}]

@@ -27,12 +27,12 @@ from autogen_support import run_rollouts, tree  # noqa: E402
 import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
+from agl.adapter.air_rules import AIR  # noqa: E402
 from agl.gateway.testing import ScriptedBackend, reply, serve_gateway, tool_call  # noqa: E402
 from agl.instrumentation import failure_counts, get_instrumentor  # noqa: E402
 from agl.integrations.autogen import (
     _spans,  # noqa: E402
 )
-from agl.rewards import AIR  # noqa: E402
 from agl.store import open as open_store  # noqa: E402
 
 #: every module and class whose attributes agl may replace: compared whole before and after

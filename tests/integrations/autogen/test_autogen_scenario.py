@@ -3,7 +3,7 @@
 A real AutoGen app (``solver`` with a ``calculator`` tool that fails on malformed expressions, and
 ``verifier``, in a ``RoundRobinGroupChat`` or a ``SelectorGroupChat``), its real
 ``OpenAIChatCompletionClient`` pointed at agl's gateway on 127.0.0.1 (scripted model, SmolLM2
-tokenizer), the SQLite store, rollouts through ``agl.runner.Runner`` — with ``team.run``,
+tokenizer), the SQLite store, rollouts through ``agl.runner.runner.Runner`` — with ``team.run``,
 ``team.run_stream``, a streaming model client, and a sync agent that runs its own event loop.
 """
 
@@ -25,7 +25,7 @@ from autogen_support import run_rollouts, tree  # noqa: E402
 import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
-from agl.rewards import AIR  # noqa: E402
+from agl.adapter.air_rules import AIR  # noqa: E402
 from agl.testing import assert_agent_spans, assert_merged  # noqa: E402
 
 QUESTIONS = [

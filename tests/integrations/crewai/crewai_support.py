@@ -11,7 +11,7 @@ from agl.types import LLM, NewRollout
 
 def run_rollouts(agent: Any, store: Any, base_url: str, inputs: list[Any]) -> list[str]:
     """Enqueue one rollout per input and let agl's Runner run them all; returns the rollout ids."""
-    from agl.runner import Runner
+    from agl.runner.runner import Runner
 
     store.add_resources({"main": LLM(base_url=base_url, model="scripted")})
     ids = [r.id for r in store.enqueue([NewRollout(input=x) for x in inputs])]

@@ -1,7 +1,7 @@
 """The shared end-to-end scenario for CrewAI: researcher (failing lookup tool) → writer; train the writer.
 
 A real CrewAI crew, its native OpenAI provider pointed at agl's gateway on 127.0.0.1 (scripted model,
-SmolLM2 tokenizer), the SQLite store, rollouts through ``agl.runner.Runner`` — for ``kickoff``,
+SmolLM2 tokenizer), the SQLite store, rollouts through ``agl.runner.runner.Runner`` — for ``kickoff``,
 ``kickoff_async``, ``akickoff``, a streaming crew, a streaming LLM, CrewAI's text (ReAct) tool
 protocol with a ``BaseTool``, and the hierarchical process.
 """
@@ -29,7 +29,7 @@ from crewai_support import agent_above, by_time, run_rollouts  # noqa: E402
 import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
-from agl.rewards import AIR  # noqa: E402
+from agl.adapter.air_rules import AIR  # noqa: E402
 from agl.testing import assert_agent_spans, assert_merged  # noqa: E402
 
 TASKS = [{"country": "france", "sloppy": True}, {"country": "japan"}]

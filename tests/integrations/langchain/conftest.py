@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from lc_support import Gateway, RecordingBackend, Traced
 
-from agl import tracing
 from agl.gateway.testing import serve_gateway
 from agl.store.sqlite import SQLiteStore
+from agl.tracing import provider as tracing
 
 
 @pytest.fixture(scope="module")

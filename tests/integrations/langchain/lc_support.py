@@ -14,10 +14,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import agl
 from agl import semconv as sc
-from agl import tracing
 from agl.gateway.backends.base import GenerationRequest, GenerationResult
 from agl.gateway.testing import ScriptedBackend
 from agl.store.sqlite import SQLiteStore
+from agl.tracing import provider as tracing
 from agl.types import NewRollout, Span
 
 MODEL = "scripted"

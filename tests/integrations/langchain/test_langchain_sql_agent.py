@@ -21,8 +21,8 @@ from lc_support import MODEL, Traced, Tree  # noqa: E402
 
 from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
-from agl.rewards import AIR  # noqa: E402
-from agl.runner import Runner  # noqa: E402
+from agl.adapter.air_rules import AIR  # noqa: E402
+from agl.runner.runner import Runner  # noqa: E402
 from agl.testing import assert_agent_spans, assert_merged  # noqa: E402
 from agl.types import LLM, NewRollout, Resources, Transition  # noqa: E402
 

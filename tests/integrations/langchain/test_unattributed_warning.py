@@ -14,7 +14,7 @@ pytest.importorskip("langchain_core")
 openai = pytest.importorskip("openai")
 
 from agl.instrumentation.attribution import unattributed_calls  # noqa: E402
-from agl.runner import Runner  # noqa: E402
+from agl.runner.runner import Runner  # noqa: E402
 from agl.types import LLM, NewRollout, Resources  # noqa: E402
 
 WARNING = "ran under no agent span"

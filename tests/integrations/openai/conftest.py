@@ -15,8 +15,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import agl
-from agl import semconv, tracing
+from agl import semconv
 from agl.store.memory import MemoryStore
+from agl.tracing import provider as tracing
 from agl.types import NewRollout
 
 sys.path.insert(0, str(Path(__file__).parent))

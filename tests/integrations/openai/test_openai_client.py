@@ -15,8 +15,9 @@ openai = pytest.importorskip("openai")
 from fake_openai_server import REPLY, TOOL_ARGS, TOOL_NAME, USAGE, serve  # noqa: E402
 
 import agl  # noqa: E402
-from agl import semconv, tracing  # noqa: E402
+from agl import semconv  # noqa: E402
 from agl.instrumentation import failure_counts  # noqa: E402
+from agl.tracing import provider as tracing  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [

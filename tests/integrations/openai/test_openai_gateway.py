@@ -11,8 +11,9 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
 import agl  # noqa: E402
-from agl import semconv, tracing  # noqa: E402
+from agl import semconv  # noqa: E402
 from agl.gateway.testing import ScriptedBackend, reply, serve_gateway, tool_call  # noqa: E402
+from agl.tracing import provider as tracing  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "add 1 and 2"}]
 

@@ -2,7 +2,7 @@
 
 A real Agents SDK app (triage → researcher with a ``search`` tool that fails on an empty query →
 answerer), its real ``AsyncOpenAI`` client pointed at agl's gateway on 127.0.0.1 (scripted model,
-SmolLM2 tokenizer), the SQLite store, rollouts through ``agl.runner.Runner`` — for both model classes
+SmolLM2 tokenizer), the SQLite store, rollouts through ``agl.runner.runner.Runner`` — for both model classes
 (Chat Completions and the default Responses model) and ``Runner.run``, ``run_sync`` and
 ``run_streamed``.
 """
@@ -23,7 +23,7 @@ from openai_agents_rag_app import build_app, expected_calls, make_model  # noqa:
 import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.adapter import Adapter  # noqa: E402
-from agl.rewards import AIR  # noqa: E402
+from agl.adapter.air_rules import AIR  # noqa: E402
 from agl.testing import assert_agent_spans, assert_merged  # noqa: E402
 from agl.types import LLM, NewRollout  # noqa: E402
 
@@ -80,7 +80,7 @@ def instrumented(clean_agl: None) -> Iterator[None]:
 
 def run_rollouts(agent: Any, store: Any, base_url: str, inputs: list[Any]) -> list[str]:
     """Enqueue one rollout per input and let agl's Runner run them all; returns the rollout ids."""
-    from agl.runner import Runner
+    from agl.runner.runner import Runner
 
     store.add_resources({"main": LLM(base_url=base_url, model="scripted")})
     rollouts = store.enqueue([NewRollout(input=x) for x in inputs])

@@ -39,7 +39,7 @@ def reported_task_rewards(
     """The task reward of each rollout whose agent reported one, before any judge mixing. A rollout
     without a reward span carries the adapter's ``missing_reward`` fill, which is no verdict: an agent
     without a grader must not read as diverging from its judge."""
-    from agl.inspect import final_reward_of
+    from agl.reports.inspect import final_reward_of
 
     return {
         r.id: rewards[r.id] for r in rollouts if r.id in rewards and final_reward_of(store, r) is not None
@@ -51,7 +51,7 @@ class RewardAssembly:
     :meth:`monitor` once the step's record is built."""
 
     def __init__(self, judge: Any = None, reward: Any = "task", monitors: Any = True) -> None:
-        from agl.monitors import Monitors, Thresholds
+        from agl.trainer.monitors import Monitors, Thresholds
 
         self.weights = parse_reward(reward)
         if "judge" in self.weights and judge is None:
@@ -142,7 +142,7 @@ class RewardAssembly:
         """The monitors' metrics and warnings for this step (empty when monitors are off)."""
         if self.monitors is None:
             return {}
-        from agl.monitors import StepData
+        from agl.trainer.monitors import StepData
 
         train = {rid: transitions.get(rid, []) for rid in ids}
         rollouts = store.query_rollouts(ids=list(ids)) if ids else []

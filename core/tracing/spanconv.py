@@ -2,7 +2,7 @@
 
 Runs for every span agl exports, so it builds spans without pydantic's per-field validation: each
 value is formatted here or is an attribute the OTel SDK already restricted; what is left (rollout
-id, attempt, name, times) is checked by hand. ``agl.tracing`` re-exports ``span_from_otel`` and
+id, attempt, name, times) is checked by hand. ``agl.tracing.provider`` re-exports ``span_from_otel`` and
 ``MissingRolloutError``.
 """
 

@@ -58,7 +58,7 @@ RULES: tuple[str, ...] = ("tool_error", "tool_success", "exception", "malformed_
 #: ``AIR.gate`` values: ``"none"`` (AIR counts on every rollout), ``"success"`` (bonuses count only on
 #: rollouts whose final reward is at least ``success_at``) or ``"judge"`` (bonuses count only on rollouts
 #: whose judge score is at least ``success_at``; applied by the trainer's reward assembly,
-#: :mod:`agl.judge.assembly`, once the judge has scored the group — the adapter leaves them as they are).
+#: :mod:`agl.trainer.rewarding`, once the judge has scored the group — the adapter leaves them as they are).
 GATES: tuple[str, ...] = ("none", "success", "judge")
 
 
@@ -246,7 +246,7 @@ def plugin_rewards(spans: Sequence[Span], *, errors: list[str] | None = None) ->
 
 
 def reward_split(transitions: Sequence[Transition], history: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The step's reward split into task and AIR parts (:func:`agl.rewards.reward_breakdown`), and
+    """The step's reward split into task and AIR parts (:func:`agl.adapter.air_rules.reward_breakdown`), and
     each part's gain since the first training step: how much of a reward gain is shaping."""
     out: dict[str, Any] = dict(reward_breakdown(transitions))
     first = next((h for h in history if h.get("task_reward") is not None), None)

@@ -21,7 +21,7 @@ The store, gateway, runners and weight pushes are the run environment's (:mod:`a
 builds the tokenizer and the policy and hands them to it. ``dev(agent, data)`` runs rollouts against
 any endpoint without training and prints the transitions and rewards a run would train on.
 
-Torch, transformers and TRL are imported only when a policy is built: ``import agl.trainer`` is light.
+Torch, transformers and TRL are imported only when a policy is built: ``import agl.trainer.trainer`` is light.
 """
 
 from __future__ import annotations
@@ -36,19 +36,20 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agl.algorithms.adapters import selected_adapters, warm_adapters_folder
+from agl.adapter.air_rules import agent_rewards, reward_split
+from agl.algorithms.per_agent_lora import warm_adapters_folder
 from agl.config import LoopConfig, RolloutConfig, RunConfig
 from agl.errors import UsageError
 from agl.gateway.tokenizer import load_tokenizer
-from agl.rewards import agent_rewards, reward_split
-from agl.run.checks import StepChecks
-from agl.run.keywords import merged, route_keywords
+from agl.lora import selected_loras
 from agl.run.metrics import MetricsLog, bar_postfix, engine_share, rollouts_postfix
-from agl.run.notes import inspect_commands, no_update_note
-from agl.run.order import TaskOrder
-from agl.run.sampling import resample
 from agl.run.served import prove_calls
 from agl.run.settings import Serving
+from agl.trainer.checks import StepChecks
+from agl.trainer.keywords import merged, route_keywords
+from agl.trainer.notes import inspect_commands, no_update_note
+from agl.trainer.order import TaskOrder
+from agl.trainer.sampling import resample
 from agl.types import NewRollout, Rollout, Task, Transition, as_tasks
 
 if TYPE_CHECKING:
@@ -88,9 +89,9 @@ class Trainer:
     agent (``adapter_per_agent=True``), ``warm_adapters`` (an ``agl sft --adapter-per-agent`` run
     directory) starts each agent's adapter from its warm start instead of zero.
 
-    Rewards (:mod:`agl.judge`, :mod:`agl.monitors`): ``judge`` (an :class:`agl.Judge`) scores each
+    Rewards (:mod:`agl.judge`, :mod:`agl.trainer.monitors`): ``judge`` (an :class:`agl.Judge`) scores each
     group; ``reward`` is ``"task"``, ``"judge"`` or weights ``{"task": 0.7, "judge": 0.3}``;
-    ``monitors`` (True, False or :class:`agl.monitors.Thresholds`) watch for reward hacking every step;
+    ``monitors`` (True, False or :class:`agl.trainer.monitors.Thresholds`) watch for reward hacking every step;
     ``gate`` (an :class:`agl.Gate`, needs ``checkpoint_every``) rolls back when a monitor fires.
     """
 
@@ -141,7 +142,7 @@ class Trainer:
             log.info("agl trainer: runners=0 — rollouts wait for external `agl runner` processes")
         self.agents = agents
         #: ``{agent: adapter name}`` with an adapter per agent (LoopConfig.adapter_per_agent), else {}
-        self.agent_adapters = selected_adapters(agents, self.loop.adapter_per_agent, self.config.lora)
+        self.agent_adapters = selected_loras(agents, self.loop.adapter_per_agent, self.config.lora)
         #: per-agent adapter folders the adapters start from (``agl sft --adapter-per-agent``), or None
         self.warm_adapters = warm_adapters_folder(
             self.loop.warm_adapters, self.agent_adapters, self.config.lora_r
@@ -154,7 +155,7 @@ class Trainer:
         self.policy: Any = None
         self.env: Environment | None = None
         self._tokenizer: Any = None
-        from agl.judge.assembly import RewardAssembly
+        from agl.trainer.rewarding import RewardAssembly
 
         self.rewarding = RewardAssembly(judge=judge, reward=reward, monitors=monitors)
         if gate is not None and not self.loop.checkpoint_every:
@@ -238,10 +239,10 @@ class Trainer:
             self.config,
             output_dir=self.run_dir / "checkpoints",
             seed=self.loop.seed,
-            adapters=list(self.agent_adapters) or None,
+            adapters=dict(self.agent_adapters) or None,
         )
         if self.warm_adapters is not None:
-            from agl.algorithms.adapters import load_adapter_checkpoint
+            from agl.algorithms.per_agent_lora import load_adapter_checkpoint
 
             load_adapter_checkpoint(self.policy, str(self.warm_adapters))
 
@@ -337,9 +338,9 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.loop.resume:
             self.metrics.reset()
-        from agl import malloc
+        from agl.trainer import malloc
 
-        malloc.tune()  # freed activations leave the process instead of fragmenting the heap (agl.malloc)
+        malloc.tune()  # freed activations leave the process instead of fragmenting the heap (agl.trainer.malloc)
         self._start(agent, training=True)
         # the judge's gateway, store and cache; AIR's gate and the credit rule are the adapter's
         self.rewarding.open(self.run_dir, self.adapter)
@@ -348,7 +349,7 @@ class Trainer:
         finally:
             self.close()
         with contextlib.suppress(Exception):
-            from agl.plot import plot_run
+            from agl.reports.plot import plot_run
 
             plot_run(self.run_dir)
         if self.serving.progress:
@@ -360,11 +361,11 @@ class Trainer:
         held-out reward. A checkpoint every ``checkpoint_every`` steps and after the last update."""
         from tqdm.auto import tqdm
 
-        from agl import malloc
+        from agl.trainer import malloc
 
         cfg = self.loop
-        if cfg.max_staleness:  # asynchronous training: its own loop (agl.async_loop)
-            from agl.async_loop import AsyncLoop
+        if cfg.max_staleness:  # asynchronous training: its own loop (agl.trainer.async_loop)
+            from agl.trainer.async_loop import AsyncLoop
 
             AsyncLoop(self, train_tasks, val_tasks).run()
             return
@@ -438,7 +439,7 @@ class Trainer:
         rollout_s = time.perf_counter() - t0
         self.checks.adapted(step, self.adapter.stats.since(stats_before), self.adapter.agents)
         record: dict[str, Any] = {"step": step, "resources_version": version}
-        # judge scores -> the trained reward, judge-gated AIR (agl.judge.assembly)
+        # judge scores -> the trained reward, judge-gated AIR (agl.trainer.rewarding)
         if batch:
             transitions, rewards, judged = self.rewarding.assemble(self.store, ids, transitions, rewards)
             record.update(judged)
@@ -467,7 +468,7 @@ class Trainer:
                 record.update(sampled)  # groups counted over every round, not only the ones trained
             else:
                 record.update(self._update(train_ts))
-        # the reward-hacking monitors' metrics and warnings (agl.monitors)
+        # the reward-hacking monitors' metrics and warnings (agl.trainer.monitors)
         record.update(
             self.rewarding.monitor(
                 self.store, step, ids if batch else [], val_ids, transitions, record, self.history
@@ -564,7 +565,7 @@ class Trainer:
         finally:
             self.close()
         if show:
-            from agl.run.report import print_dev_run
+            from agl.trainer.report import print_dev_run
 
             print_dev_run(ids, finished, transitions, rewards, self._tokenizer)
             print(inspect_commands(self.run_dir, self.serving.store_url()))

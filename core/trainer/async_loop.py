@@ -4,7 +4,7 @@ One step reads like the synchronous one (publish -> push -> enqueue -> collect -
 differences that keep the engine busy while the policy updates:
 
 - **enqueue ahead**: the step tops the store up to ``(k + 1) * tasks_per_step`` outstanding groups
-  (:class:`agl.run.pipeline.GroupPipeline`), so runners keep claiming rollouts during the update and
+  (:class:`agl.trainer.pipeline.GroupPipeline`), so runners keep claiming rollouts during the update and
   the weight push; rollouts run at most ``k`` policy versions ahead of the update that trains on them;
 - **collect in completion order**: the update takes the next ``tasks_per_step`` complete groups, in the
   order they completed. A group with a call served by weights older than ``current - k`` (the served
@@ -33,14 +33,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agl.rewards import reward_split
+from agl.adapter.air_rules import reward_split
 from agl.run.metrics import engine_share
-from agl.run.order import TaskOrder
-from agl.run.pipeline import PIPELINE_KEY, Group, GroupPipeline, VersionLedger, group_lag, wait_for_groups
+from agl.trainer.order import TaskOrder
+from agl.trainer.pipeline import PIPELINE_KEY, Group, GroupPipeline, VersionLedger, group_lag, wait_for_groups
 from agl.types import Rollout, Task, Transition
 
 if TYPE_CHECKING:
-    from agl.trainer import Trainer
+    from agl.trainer.trainer import Trainer
 
 __all__ = ["AsyncLoop"]
 
@@ -87,7 +87,7 @@ class AsyncLoop:
         """Steps from the start (or resumed) step to ``steps``; the last only measures held-out reward."""
         from tqdm.auto import tqdm
 
-        from agl import malloc
+        from agl.trainer import malloc
 
         cfg, t = self.cfg, self.t
         start = self._resume()

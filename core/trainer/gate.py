@@ -1,7 +1,7 @@
 """An optional gate on training: roll back to the last checkpoint when a chosen reward-hacking
 monitor fires or the held-out task reward drops, log why, and go on from there with fresh tasks.
 
-``Trainer(gate=agl.gate.Gate(...), checkpoint_every=N)``: after each training step, :meth:`Gate.apply`
+``Trainer(gate=agl.trainer.gate.Gate(...), checkpoint_every=N)``: after each training step, :meth:`Gate.apply`
 checks the step's record; when it trips, the policy (weights, optimizer, scheduler) is reloaded from
 the checkpoint ``trainer_state.json`` names, and the step's record carries ``gate_rollback`` (why,
 from which checkpoint). The task order is not rewound: the next step draws tasks the run has not yet
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Gate:
-    """``monitors``: the monitor names (:data:`agl.monitors.MONITORS`) that trip the gate when they
+    """``monitors``: the monitor names (:data:`agl.trainer.monitors.MONITORS`) that trip the gate when they
     fire; ``val_drop``: trip when the held-out task reward is more than this below its best so far
     (``None``: off)."""
 
@@ -34,7 +34,7 @@ class Gate:
     val_drop: float | None = 0.1
 
     def __post_init__(self) -> None:
-        from agl.monitors import MONITORS
+        from agl.trainer.monitors import MONITORS
 
         unknown = [m for m in self.monitors if m not in MONITORS]
         if isinstance(self.monitors, str) or unknown:

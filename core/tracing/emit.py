@@ -20,7 +20,7 @@ from typing import Any
 from opentelemetry.trace import Status, StatusCode
 
 from agl import semconv
-from agl.tracing import current_rollout, get_tracer
+from agl.tracing.provider import current_rollout, get_tracer
 
 __all__ = ["emit_exception", "emit_message", "emit_object", "emit_reward"]
 

@@ -24,23 +24,31 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agl.errors import UsageError
-from agl.semconv import BASE_ADAPTER
+from agl.lora import BASE_ADAPTER, check_lora_dirs, lora_name, lora_names, lora_pattern, selected_loras
 
 if TYPE_CHECKING:
     from agl.algorithms.update import PolicyUpdate
     from agl.types import Transition
+
+#: the LoRA naming rule's old names (it lives in :mod:`agl.lora`); kept for old call sites
+adapter_name = lora_name
+adapter_names = lora_names
+adapter_pattern = lora_pattern
+selected_adapters = selected_loras
 
 __all__ = [
     "BASE_ADAPTER",
     "adapter_name",
     "adapter_names",
     "adapter_pattern",
+    "selected_adapters",
+    "warm_adapters_dir",
+    "warm_adapters_folder",
     "agent_peft_model",
     "load_adapter_checkpoint",
     "step_per_adapter",
@@ -68,52 +76,6 @@ _SUM_METRICS = (
     "update_s",
 )
 _MEAN_METRICS = ("loss", "kl", "clip_fraction", "entropy", "grad_norm")
-_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
-
-
-def adapter_name(agent: str) -> str:
-    """The adapter an agent trains: its name with every character peft cannot key a module by (``.``,
-    spaces, ``:``, ...) replaced by ``_``."""
-    return _UNSAFE.sub("_", agent)
-
-
-def adapter_names(agents: Any) -> dict[str, str]:
-    """``{agent: adapter name}`` for the selected agents, in order. Raises UsageError when there are
-    no named agents, or when two agents would share one adapter name (each needs weights of its own)."""
-    if agents is None or isinstance(agents, str) or not isinstance(agents, Iterable):
-        raise UsageError(
-            "adapter_per_agent=True needs the agents to train by name, e.g. "
-            f"Trainer(agents=['writer', 'rewriter'], adapter_per_agent=True); got agents={agents!r}"
-        )
-    out: dict[str, str] = {}
-    owner: dict[str, str] = {}
-    for agent in agents:
-        if not isinstance(agent, str) or not agent.strip():
-            raise UsageError(f"agent names must be non-empty strings, got {agent!r}")
-        name = adapter_name(agent)
-        if name in (BASE_ADAPTER, "default"):
-            raise UsageError(f"agent {agent!r} cannot have an adapter: {name!r} is a reserved adapter name")
-        if name in owner and owner[name] != agent:
-            raise UsageError(
-                f"agents {owner[name]!r} and {agent!r} map to one adapter name {name!r}: rename one"
-            )
-        owner[name] = agent
-        out[agent] = name
-    if not out:
-        raise UsageError("adapter_per_agent=True needs at least one agent name in agents=")
-    return out
-
-
-def adapter_pattern(name: str) -> re.Pattern[str]:
-    """The agent names whose adapter is ``name`` (:func:`adapter_name`), as a regular expression: an
-    agent selection for ``agl export --adapter`` and the dashboard (a ``_`` stands for itself or any
-    character an adapter name cannot hold). Raises UsageError for a name no adapter can have."""
-    if not isinstance(name, str) or not name or adapter_name(name) != name:
-        raise UsageError(
-            f"{name!r} is not an adapter name: adapters are named after their agent with every character "
-            "other than letters, digits, '_' and '-' replaced by '_'"
-        )
-    return re.compile("".join("[^A-Za-z0-9-]" if c == "_" else re.escape(c) for c in name))
 
 
 def agent_peft_model(model: Any, lora_config: Any, names: Sequence[str]) -> Any:
@@ -209,15 +171,17 @@ def load_adapter_checkpoint(policy: PolicyUpdate, path: str) -> None:
             )
 
 
-def selected_adapters(agents: Any, per_agent: bool, lora: bool) -> dict[str, str]:
-    """The adapter of each selected agent when each trains its own (checked before anything starts:
-    named agents, distinct adapter names, LoRA on); ``{}`` when the agents share one policy."""
-    if not per_agent:
-        return {}
-    names = adapter_names(agents)
-    if not lora:
-        raise UsageError("adapter_per_agent trains a LoRA adapter per agent: it needs lora=True")
-    return names
+def warm_adapters_dir(path: str | os.PathLike[str]) -> Path:
+    """The folder of per-agent adapters of an ``agl sft --adapter-per-agent`` run (``run_dir/adapters``)
+    or ``path`` itself when it holds adapter folders; a clear error otherwise."""
+    p = Path(path)
+    for candidate in (p / "adapters", p):
+        if candidate.is_dir() and any((d / "adapter_config.json").is_file() for d in candidate.iterdir()):
+            return candidate
+    raise FileNotFoundError(
+        f"{p} holds no per-agent adapters (no adapters/<name>/adapter_config.json); run "
+        "`agl sft ... --adapter-per-agent --out DIR` first"
+    )
 
 
 def warm_adapters_folder(path: Any, agent_adapters: dict[str, str], lora_r: int) -> Path | None:
@@ -228,15 +192,12 @@ def warm_adapters_folder(path: Any, agent_adapters: dict[str, str], lora_r: int)
         return None
     if not agent_adapters:
         raise UsageError("warm_adapters= starts each agent's adapter: it needs adapter_per_agent=True")
-    from agl.algorithms.sft import warm_adapters_dir
-    from agl.gateway.backends._adapters import check_adapter_dirs
-
     try:
         folder = warm_adapters_dir(path)
     except FileNotFoundError as exc:
         raise UsageError(f"warm_adapters={os.fspath(path)!r}: {exc}") from None
     dirs = {name: str(folder / name) for name in agent_adapters.values()}
-    check_adapter_dirs(dirs)
+    check_lora_dirs(dirs)
     rank = json.loads((folder / next(iter(dirs)) / "adapter_config.json").read_text()).get("r")
     if rank != lora_r:
         raise UsageError(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from agl.types import Rollout, Task, Transition
 
 if TYPE_CHECKING:
-    from agl.trainer import Trainer
+    from agl.trainer.trainer import Trainer
 
 __all__ = ["informative_groups", "resample"]
 

@@ -8,7 +8,7 @@ per-rollout timeout, and finishes the attempt:
 - the agent's return value (a number) becomes the attempt's primary ``agl.reward`` span
   (``agl.reward.source = "return"``); ``None`` means the agent emitted its rewards itself;
 - an exception becomes an ``agl.exception`` span with the traceback and the attempt's error;
-- ``agl.tracing.flush()`` runs before ``finish_attempt``, so every span of an attempt is in the store
+- ``agl.tracing.provider.flush()`` runs before ``finish_attempt``, so every span of an attempt is in the store
   before its status changes (the trainer reads spans as soon as a rollout is terminal).
 
 The agent is called as ``agent(task_input, resources)``, where ``resources`` is the ``Resources``
@@ -238,7 +238,7 @@ def _reward_value(value: Any) -> float | None:
 
 def _emit_return_reward(value: float) -> None:
     """The agent's return value as the attempt's primary reward (source "return")."""
-    from agl.tracing import get_tracer
+    from agl.tracing.provider import get_tracer
 
     get_tracer("agl.runner").start_span(
         semconv.SPAN_REWARD,
@@ -258,9 +258,9 @@ def _invoke(rid: str, number: int, resources: Resources | None, *, span: bool = 
     is False), the rollout's resources for ``agl.prompt()``, and the agent's exception recorded as an
     error span inside the rollout's trace before it propagates. A cancelled task (timeout, lost
     lease, shutdown) records nothing here: the runner records why it gave up."""
-    from agl.emit import emit_exception
-    from agl.prompts import resources_context
-    from agl.tracing import rollout_context
+    from agl.tracing.emit import emit_exception
+    from agl.tracing.prompts import resources_context
+    from agl.tracing.provider import rollout_context
 
     with rollout_context(rid, number, span=span), resources_context(resources):
         try:
@@ -341,13 +341,13 @@ class Runner:
         self._remaining: int | None = None
         self._idle_exit = False
         if trace:
-            from agl.tracing import setup_tracing
+            from agl.tracing.provider import setup_tracing
 
             setup_tracing(store)
         from agl.instrumentation.attribution import AttributionCheck
 
         self._attribution = AttributionCheck(store)  # warns once when LLM calls lose their agent
-        from agl.endpoint_gate import EndpointGate
+        from agl.runner.endpoint_gate import EndpointGate
 
         self._gate = EndpointGate()  # no claims while the agents' LLM endpoint refuses connections
 
@@ -647,7 +647,7 @@ class Runner:
 
     async def _record_in_context(self, rid: str, number: int, exc: BaseException) -> None:
         """An error the runner itself detected (timeout, shutdown), recorded on the rollout's trace."""
-        from agl.emit import emit_exception
+        from agl.tracing.emit import emit_exception
 
         def record() -> None:
             with _invoke(rid, number, None, span=False):
@@ -662,7 +662,7 @@ class Runner:
         self, claim: Claim, status: str, error: AttemptError | None, *, released: bool = False
     ) -> None:
         from agl.store.base import ConflictError, NotFoundError
-        from agl.tracing import flush
+        from agl.tracing.provider import flush
 
         rid, number = claim.rollout.id, claim.attempt.number
         # The flush guarantee: the attempt's spans are stored before its status changes. Only this

@@ -7,7 +7,7 @@ line (definitions in docs/architecture.md §8):
 - ``transitions``: every transition (``agl.types.Transition`` fields) plus its ``advantage`` under
   the default LightningRL settings (or ``--credit``/``--gamma``/``--advantage-level``). With
   ``--form trajectories`` the same calls are written merged, one record per agent conversation
-  (``agl.trajectories.Trajectory`` fields: ``prompt_ids``, ``completion_ids``, ``loss_mask`` 1 on the
+  (``agl.adapter.trajectories.Trajectory`` fields: ``prompt_ids``, ``completion_ids``, ``loss_mask`` 1 on the
   model's tokens, per-token ``logprobs``, and ``segments`` — each call's ``start``/``end`` in
   ``completion_ids``, span id, rewards and ``break_cause``) plus ``advantages``, one per segment: what
   the update trains on by default;
@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agl.adapter import Adapter, finishing_attempt
+from agl.adapter.trajectories import MergeStats, merge_transitions
 from agl.algorithms.lightning_rl import LightningRL, compute_advantages
 from agl.errors import UsageError
-from agl.gateway.tokenizer import load_tokenizer  # re-exported: agl.export.load_tokenizer
-from agl.trajectories import MergeStats, merge_transitions
+from agl.gateway.tokenizer import load_tokenizer  # re-exported: agl.reports.export.load_tokenizer
 from agl.types import Transition
 
 __all__ = [
@@ -116,11 +116,11 @@ def trajectory_records(
     min_reward: float | None = None,
     result: ExportResult | None = None,
 ) -> list[dict[str, Any]]:
-    """The transitions merged per agent conversation (:func:`agl.trajectories.merge_transitions`, one
+    """The transitions merged per agent conversation (:func:`agl.adapter.trajectories.merge_transitions`, one
     attempt at a time), as JSON objects with ``advantages``: one per segment, computed over all given
     transitions as :func:`transition_records` does. A segment's ``transition`` is the call's
     ``Transition.index`` in its attempt. Without ``advantages`` a record validates as a
-    :class:`~agl.trajectories.Trajectory`."""
+    :class:`~agl.adapter.trajectories.Trajectory`."""
     advantages, _ = compute_advantages(transitions, cfg)
     adv_of = {id(t): a for t, a in zip(transitions, advantages, strict=True)}
     stats = MergeStats()

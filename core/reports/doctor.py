@@ -9,8 +9,8 @@ uses and its span processors and exporters.
 From the shell (``agl doctor``, ``agl doctor --instrument`` to instrument first and check the hooks
 take) or from inside the application, where it matters most::
 
-    import agl.doctor
-    print(agl.doctor.report())
+    import agl.reports.doctor
+    print(agl.reports.doctor.report())
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _processors(provider: Any) -> list[Any]:
 def _tracing_lines() -> list[str]:
     from opentelemetry import trace
 
-    from agl import tracing
+    from agl.tracing import provider as tracing
 
     lines: list[str] = []
     agl_provider = tracing.get_tracer_provider()

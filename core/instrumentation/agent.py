@@ -152,7 +152,7 @@ class _Spec:
         self._open: list[SpanHandle] = []
 
     def _start(self, name: str, extra: dict[str, Any] | None = None) -> SpanHandle:
-        from agl.tracing import get_tracer
+        from agl.tracing.provider import get_tracer
 
         attrs = {**self.attributes, **(extra or {})}
         attrs[sc.GEN_AI_AGENT_NAME if self.span_name == sc.SPAN_INVOKE_AGENT else sc.GEN_AI_TOOL_NAME] = name

@@ -36,7 +36,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import Status, StatusCode
 
 from agl import semconv
-from agl.spanconv import MissingRolloutError, _raw_attributes, _rollout_of, span_from_otel
+from agl.tracing.spanconv import MissingRolloutError, _raw_attributes, _rollout_of, span_from_otel
 from agl.types import Span
 
 if TYPE_CHECKING:
@@ -407,7 +407,7 @@ class StoreSpanProcessor(SpanProcessor):
                 _log_once(
                     "queue-full",
                     logging.WARNING,
-                    "agl: span export queue full (%d spans); dropping spans (see agl.tracing.stats())",
+                    "agl: span export queue full (%d spans); dropping spans (see agl.tracing.provider.stats())",
                     self.max_queue_size,
                 )
                 return

@@ -119,7 +119,7 @@ def prompt(
 
 def _record(name: str, template: PromptTemplate, source: str, res: Resources | None) -> None:
     """One ``agl.prompt`` span per prompt name per rollout (only inside a rollout)."""
-    from agl.tracing import current_rollout, get_tracer
+    from agl.tracing.provider import current_rollout, get_tracer
 
     state = _CURRENT.get()
     if state is None or current_rollout() is None:

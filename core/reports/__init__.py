@@ -1,0 +1,8 @@
+"""Reports read off a store or a run directory (any process; the CLI and the dashboard use them).
+
+- :mod:`~agl.reports.export`: transitions and merged sequences as JSONL/Parquet (``agl transitions``);
+- :mod:`~agl.reports.inspect`: one rollout's tree, calls and rewards (``agl inspect``);
+- :mod:`~agl.reports.exactness`: whether every call's ids are exact (``agl exactness``);
+- :mod:`~agl.reports.doctor`: what is installed and instrumented (``agl doctor``);
+- :mod:`~agl.reports.plot`: reward curves from ``metrics.jsonl`` (``agl plot``).
+"""
