@@ -41,6 +41,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "spans": ("agl.cli.inspect", "print the span tree of a rollout"),
     "transitions": ("agl.cli.export", "print the transitions a rollout would train on"),
     "export": ("agl.cli.export", "export transitions, SFT or DPO data as JSONL"),
+    "train": ("agl.cli.train", "train an agent with LightningRL: agent module, task files, a config file"),
     "sft": ("agl.cli.sft", "supervised warm start on demonstrations from a store (agl.SFT)"),
     "judge": ("agl.cli.judge", "score a store's rollouts with an LLM judge; calls recorded beside them"),
     "gateway": ("agl.cli.gateway", "serve the OpenAI-compatible gateway (agl gateway serve)"),
@@ -63,6 +64,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:
+    """The sub-parser of ``command`` (None when no command was named)."""
+    if command is None:
+        return None
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(command)
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in args_list if not a.startswith("-")), None)
@@ -70,11 +81,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"agl: unknown command {command!r}; try: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     parser = build_parser(command)
+    sub = _command_parser(parser, command)
+    try:
+        if sub is not None and "--config" in sub._option_string_actions:
+            from agl.cli.config_file import apply_config_file
+
+            apply_config_file(sub, args_list)  # the file's settings become defaults; flags win
+    except (AglError, FileNotFoundError) as exc:
+        print(f"agl {command}: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(args_list)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 0 if command is None else 2
+    if getattr(args, "print_config", False) and sub is not None:
+        from agl.cli.config_file import format_config
+
+        print(format_config(sub, args), end="")
+        return 0
     try:
         rc = func(args)
     except KeyboardInterrupt:

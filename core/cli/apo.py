@@ -14,6 +14,7 @@ from typing import Any
 
 from agl.algorithms.apo.algorithm import APO
 from agl.cli.config_args import add_config_arguments, config_from_args
+from agl.cli.config_file import add_config_file_arguments
 from agl.config import LoopConfig, RunConfig
 from agl.errors import UsageError
 from agl.run.settings import Serving
@@ -105,6 +106,7 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not instrument the integrations of the frameworks the agent's module imports",
     )
+    add_config_file_arguments(parser)
     parser.set_defaults(func=_cli)
 
 

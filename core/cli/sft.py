@@ -11,6 +11,7 @@ from typing import Any
 
 from agl.algorithms.sft import SFT
 from agl.cli.config_args import add_config_arguments, config_from_args
+from agl.cli.config_file import add_config_file_arguments
 
 __all__ = ["register_cli"]
 
@@ -66,6 +67,7 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
             }
         },
     )
+    add_config_file_arguments(parser)
     parser.set_defaults(func=_cmd_sft)
 
 

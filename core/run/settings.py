@@ -73,7 +73,24 @@ class Serving:
         ),
     )
 
+    report_to: Any = field(
+        default=None,
+        metadata=_help(
+            "experiment trackers each step's metrics, the config and the reward plot go to: tensorboard, "
+            "trackio, wandb, mlflow, all or none (default: tensorboard when installed)"
+        ),
+    )
+    project: str | None = field(
+        default=None, metadata=_help("the trackers' project (W&B project, MLflow experiment; default: agl)")
+    )
+    run_name: str | None = field(
+        default=None, metadata=_help("the run's name in the trackers (default: run_dir's folder name)")
+    )
+
     def __post_init__(self) -> None:
+        from agl.run.trackers import resolve_report_to
+
+        self.report_to = resolve_report_to(self.report_to)  # names checked here, packages by MetricsLog
         if isinstance(self.backend, str) and self.backend not in BACKENDS:
             raise UsageError(
                 f"backend must be one of {', '.join(BACKENDS)} or a Backend instance, got {self.backend!r}"

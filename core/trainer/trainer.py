@@ -150,7 +150,8 @@ class Trainer:
         self.adapter_arg = adapter
         #: the per-rollout limits the store keeps (timeout, lease, attempts)
         self.rollout_config = self.rollout.for_store()
-        self.metrics = MetricsLog(self.serving.run_dir)
+        s = self.serving
+        self.metrics = MetricsLog(s.run_dir, report_to=s.report_to, project=s.project, run_name=s.run_name)
         self.checks = StepChecks()
         self.policy: Any = None
         self.env: Environment | None = None
@@ -251,7 +252,8 @@ class Trainer:
         if self.env is not None:
             self.env.close()
         self.rewarding.close()
-        self.metrics.close()
+        summary = self.metrics.summary(self.loop.steps)
+        self.metrics.close({k: summary[k] for k in ("val_reward_before", "val_reward_after")})
 
     def sync_weights(self, version: int) -> float:
         """Push the policy's weights to the inference engine as ``version``; returns seconds taken."""
@@ -341,17 +343,21 @@ class Trainer:
         from agl.trainer import malloc
 
         malloc.tune()  # freed activations leave the process instead of fragmenting the heap (agl.trainer.malloc)
-        self._start(agent, training=True)
-        # the judge's gateway, store and cache; AIR's gate and the credit rule are the adapter's
-        self.rewarding.open(self.run_dir, self.adapter)
+        from agl.run.trackers import run_config
+
+        parts = {"serving": self.serving, "loop": self.loop, "rollout": self.rollout, "config": self.config}
+        self.metrics.start(run_config(self.algorithm, **parts), resume=self.loop.resume)
         try:
+            self._start(agent, training=True)
+            # the judge's gateway, store and cache; AIR's gate and the credit rule are the adapter's
+            self.rewarding.open(self.run_dir, self.adapter)
             self._loop(train_tasks, val_tasks)
+            with contextlib.suppress(Exception):  # the reward curve, to run_dir and the trackers
+                from agl.reports.plot import plot_run
+
+                self.metrics.log_plot(plot_run(self.run_dir))
         finally:
             self.close()
-        with contextlib.suppress(Exception):
-            from agl.reports.plot import plot_run
-
-            plot_run(self.run_dir)
         if self.serving.progress:
             print(inspect_commands(self.run_dir, self.serving.store_url()))
         return self.metrics.summary(self.loop.steps)
