@@ -105,7 +105,8 @@ class UpdateSettings:
     #: down every token it holds, e.g. a long query's JOIN, not just the rambling. They still count in
     #: their group's reward statistics.
     mask_truncated: bool = field(
-        default=False, metadata=_help("leave calls cut at max_tokens out of the loss (DAPO's overlong filtering)")
+        default=False,
+        metadata=_help("leave calls cut at max_tokens out of the loss (DAPO's overlong filtering)"),
     )
 
     def _validate_update(self, owner: str) -> None:

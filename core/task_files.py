@@ -47,7 +47,9 @@ _PY_OBJECT = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
 
-def load_tasks(source: str | os.PathLike[str], *, split: str | None = None, name: str | None = None) -> list[Any]:
+def load_tasks(
+    source: str | os.PathLike[str], *, split: str | None = None, name: str | None = None
+) -> list[Any]:
     """The tasks of ``source`` (see the module docstring), every row checked; ``split`` picks a split of
     a saved ``DatasetDict`` or a Hub dataset (default: its only split, else ``train``), ``name`` a Hub
     dataset's configuration. Raises :class:`~agl.errors.UsageError` naming the file and the line or

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: the scripted model: held-out questions (a >= 40) right for even sums only; each training question
 #: right and wrong in turn, so every GRPO group has reward variance and the run updates
-REPLIES = '''
+REPLIES = """
 import re
 seen = {}
 
@@ -37,7 +37,7 @@ def script(request):
         seen[(a, b)] = seen.get((a, b), 0) + 1
         right = seen[(a, b)] % 2 == 1
     return f"Answer: {a + b}" if right else "I do not know"
-'''
+"""
 
 
 def readme_agent() -> str:
@@ -130,7 +130,9 @@ def test_train_from_jsonl_and_a_yaml_config_then_its_saved_config_runs_the_same(
     assert "learning_rate: 0.01" in saved and "# policy updates\nsteps: 2" in saved
     store = agl.store.open(f"sqlite:///{run1 / 'store.db'}")
     try:
-        names = {s.attributes.get("gen_ai.agent.name") for s in store.query_spans() if s.name == "invoke_agent"}
+        names = {
+            s.attributes.get("gen_ai.agent.name") for s in store.query_spans() if s.name == "invoke_agent"
+        }
     finally:
         store.close()
     assert names == {"adder"}
@@ -138,7 +140,9 @@ def test_train_from_jsonl_and_a_yaml_config_then_its_saved_config_runs_the_same(
     sys.modules["replies"].seen.clear()  # the scripted model starts afresh, as in a new process
     assert main(["train", "--config", str(run1 / "config.yaml"), "--run-dir", "runs/two"]) == 0
     again = _records(project / "runs" / "two")
-    assert [_comparable(r) | {"loss": None} for r in again] == [_comparable(r) | {"loss": None} for r in records]
+    assert [_comparable(r) | {"loss": None} for r in again] == [
+        _comparable(r) | {"loss": None} for r in records
+    ]
     losses = [(a["loss"], b["loss"]) for a, b in zip(again, records, strict=True) if "loss" in b]
     assert len(losses) == 2 and all(a == pytest.approx(b, rel=1e-4, abs=1e-6) for a, b in losses)
     assert (project / "runs" / "two" / "config.yaml").read_text() == saved.replace("runs/one", "runs/two")
@@ -175,7 +179,9 @@ def test_bad_rows_and_bad_settings_fail_with_one_line_and_write_nothing(
     ]
 
 
-def test_dev_runs_a_few_held_out_tasks_without_training(project: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_dev_runs_a_few_held_out_tasks_without_training(
+    project: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["train", "--config", "run.yaml", "--dev", "2"]) == 0
     out = capsys.readouterr().out
     assert "Answer: 43" in out or "I do not know" in out
@@ -185,3 +191,83 @@ def test_dev_runs_a_few_held_out_tasks_without_training(project: Path, capsys: p
 def test_the_readme_shows_the_same_agent_with_agl_train() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "agl train --agent my_agent:agent" in text
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def test_trackers_receive_every_steps_metrics_the_config_and_the_plot(project: Path) -> None:
+    """`agl train --report-to trackio wandb mlflow`, each tracker local (trackio's database in a folder,
+    W&B offline, MLflow's SQLite in the run directory): every step of metrics.jsonl reaches each."""
+    import os
+    import subprocess
+
+    names = [n for n in ("trackio", "wandb", "mlflow") if _installed(n)]
+    if not names:
+        pytest.skip("no tracker installed (pip install 'agl[trackio,wandb,mlflow]')")
+    env = dict(os.environ, TRACKIO_DIR=str(project / "trackio"), WANDB_MODE="offline", WANDB_SILENT="true")
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        env[var] = str(project / "wandb-home")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "agl.cli", "train", "--config", "run.yaml", "--threads", "1", "--steps", "1"]
+    cmd += ["--report-to", *names, "--project", "adder", "--run-name", "cli-run"]
+    proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = project / "runs" / "one"
+    records = _records(run_dir)
+    want = {r["step"]: r for r in records}
+    if "mlflow" in names:
+        _check_mlflow(run_dir, want)
+    if "trackio" in names:
+        _check_trackio(project / "trackio", want, env)
+    if "wandb" in names:
+        _check_wandb(run_dir)
+
+
+def _check_mlflow(run_dir: Path, want: dict[int, dict[str, Any]]) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    run = client.get_run(run_id)
+    assert run.info.run_name == "cli-run" and run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "adder"
+    for key in ("train_reward", "val_reward", "loss"):
+        got = {m.step: m.value for m in client.get_metric_history(run_id, key)}
+        assert got == {s: r[key] for s, r in want.items() if key in r}, key
+    assert run.data.params["loop.steps"] == "1" and run.data.params["algorithm.learning_rate"] == "0.01"
+    assert {f.path for f in client.list_artifacts(run_id)} == {"config.json", "reward_curve.png"}
+
+
+def _check_trackio(folder: Path, want: dict[int, dict[str, Any]], env: dict[str, str]) -> None:
+    import subprocess
+
+    # trackio reads TRACKIO_DIR when imported: read its database in a process that has it set
+    code = "import json; from trackio.sqlite_storage import SQLiteStorage as S; print(json.dumps(S.get_logs('adder', 'cli-run')))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    logs = [
+        row
+        for row in json.loads(out.stdout.strip().splitlines()[-1])
+        if "train_reward" in row or "val_reward" in row
+    ]
+    got = {row["step"]: row for row in logs}
+    assert set(got) == set(want)
+    for step, record in want.items():
+        for key in ("train_reward", "val_reward", "loss"):
+            if key in record:
+                assert got[step][key] == pytest.approx(record[key]), (step, key)
+    assert any((folder / "media").rglob("*.png")), "the reward curve is not in trackio"
+
+
+def _check_wandb(run_dir: Path) -> None:
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    data = next(runs[0].glob("run-*.wandb")).read_bytes()
+    for key in (b"train_reward", b"val_reward", b"loop.steps", b"val_reward_after"):
+        assert key in data, key  # history, config and summary records of the offline run
+    assert list((runs[0] / "files" / "media").rglob("reward_curve*.png"))
+    assert json.loads((run_dir / "trackers.json").read_text())["wandb"] in runs[0].name

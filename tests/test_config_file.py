@@ -49,7 +49,9 @@ def test_a_flag_overrides_the_file_and_yaml_and_toml_read_the_same(tmp_path: Pat
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text("steps: 3\ntasks-per-step: 2\nlora: false\nreport_to: mlflow\nlearning_rate: 1e-3\n")
     toml_file = tmp_path / "run.toml"
-    toml_file.write_text('steps = 3\ntasks_per_step = 2\nlora = false\nreport_to = ["mlflow"]\nlearning_rate = 1e-3\n')
+    toml_file.write_text(
+        'steps = 3\ntasks_per_step = 2\nlora = false\nreport_to = ["mlflow"]\nlearning_rate = 1e-3\n'
+    )
     for path in (yaml_file, toml_file):
         _, args = _parse("train", ["--agent", "m:f", "--config", str(path), "--steps", "7"])
         assert (args.steps, args.tasks_per_step, args.no_lora) == (7, 2, True)
@@ -94,7 +96,11 @@ def test_print_config_from_the_command_line(
     ],
 )
 def test_a_bad_config_file_fails_with_one_line_and_writes_nothing(
-    text: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    text: str,
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run.yaml").write_text(text)

@@ -119,9 +119,14 @@ def test_a_saved_dataset_and_its_splits(tmp_path: Path) -> None:
         load_tasks(tmp_path / "empty")
 
 
-def test_a_hub_dataset_not_in_the_cache_is_one_clear_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hub_dataset_not_in_the_cache_is_one_clear_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _needs("datasets")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
-    with pytest.raises(UsageError, match="agl-test/no-such-set: not a task file, a folder, or a Hub dataset in the local cache"):
+    with pytest.raises(
+        UsageError,
+        match="agl-test/no-such-set: not a task file, a folder, or a Hub dataset in the local cache",
+    ):
         load_tasks("agl-test/no-such-set")

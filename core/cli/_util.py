@@ -42,6 +42,12 @@ EXTRAS: dict[str, str] = {
     "tensorboard": "train",
     "gguf": "train",
     "openai": "openai",
+    "pyarrow": "train",
+    "trackio": "trackio",
+    "wandb": "wandb",
+    "mlflow": "mlflow",
+    "sqlalchemy": "mlflow",
+    "alembic": "mlflow",
     "psycopg": "postgres",
     "psycopg_pool": "postgres",
 }

@@ -62,7 +62,9 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--val-split", default=None, help="the split of --val's dataset (default: its only one)")
     a.add_argument("--dataset-name", default=None, help="a Hub dataset's configuration name")
     a.add_argument(
-        "--agents", default=None, help="comma-separated agent names whose LLM calls are trained (default: all)"
+        "--agents",
+        default=None,
+        help="comma-separated agent names whose LLM calls are trained (default: all)",
     )
     a.add_argument(
         "--dev",
@@ -89,7 +91,9 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
             "model": {"help": "a local model folder (default: the embedded SmolLM2-135M-Instruct)"},
             "tokenizer": {"help": "a local tokenizer folder (default: the model's)"},
             "report_to": {"nargs": "+", "metavar": "TRACKER"},
-            "gateway_api_key": {"help": "the gateway's bearer token (prefer $AGL_GATEWAY_API_KEY: a flag shows in ps)"},
+            "gateway_api_key": {
+                "help": "the gateway's bearer token (prefer $AGL_GATEWAY_API_KEY: a flag shows in ps)"
+            },
         },
     )
     s.add_argument(
@@ -209,4 +213,3 @@ def _trainer(args: argparse.Namespace, dests: dict[str, dict[str, str]]) -> Any:
         if isinstance(exc, UsageError):
             raise
         raise UsageError(str(exc)) from None
-

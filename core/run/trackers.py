@@ -92,7 +92,9 @@ def resolve_report_to(value: Any) -> tuple[str, ...] | None:
         if name not in TRACKERS:
             close = difflib.get_close_matches(name, list(TRACKERS), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise UsageError(f"report_to: unknown tracker {item!r}{hint} (agl reports to {', '.join(TRACKERS)})")
+            raise UsageError(
+                f"report_to: unknown tracker {item!r}{hint} (agl reports to {', '.join(TRACKERS)})"
+            )
         names.append(name)
     return tuple(dict.fromkeys(names))
 
@@ -354,7 +356,12 @@ class Mlflow(Tracker):
         self.client.set_terminated(self.run_id)
 
 
-_CLASSES: dict[str, type[Tracker]] = {"tensorboard": TensorBoard, "trackio": Trackio, "wandb": Wandb, "mlflow": Mlflow}
+_CLASSES: dict[str, type[Tracker]] = {
+    "tensorboard": TensorBoard,
+    "trackio": Trackio,
+    "wandb": Wandb,
+    "mlflow": Mlflow,
+}
 
 
 def open_trackers(
