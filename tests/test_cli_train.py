@@ -188,9 +188,37 @@ def test_dev_runs_a_few_held_out_tasks_without_training(
     assert not (project / "runs" / "one" / "metrics.jsonl").exists()
 
 
-def test_the_readme_shows_the_same_agent_with_agl_train() -> None:
+def _readme_commands() -> list[list[str]]:
+    """The README's `agl train` lines for the same agent (continuations joined, comments dropped)."""
+    import shlex
+
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "agl train --agent my_agent:agent" in text
+    m = re.search(r"```bash\n(agl train --agent my_agent:agent.*?)```", text, re.S)
+    assert m, "README.md does not show its agent with agl train"
+    lines = m.group(1).replace("\\\n", " ").splitlines()
+    return [shlex.split(line, comments=True) for line in lines if line.strip()]
+
+
+def test_the_readmes_agl_train_lines_run_the_readmes_agent(
+    project: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the README shows them: print the config (tasks from the module's own lists), run it, then a
+    flag over the file; here on the scripted engine and the tiny model, one step."""
+    printing, running, overriding = _readme_commands()
+    assert "--print-config" in printing and ">" in printing
+    argv = printing[1 : printing.index(">")]
+    assert main(argv) == 0
+    (project / "run.yaml").write_text(capsys.readouterr().out)
+    assert running == ["agl", "train", "--config", "run.yaml"]
+    assert overriding[:4] == ["agl", "train", "--config", "run.yaml"]
+    here = ["--backend", "scripted", "--script", "replies:script", "--model", str(tiny_model_dir)]
+    here += ["--steps", "1", "--tasks-per-step", "1", "--group-size", "2", "--val", "val.jsonl"]
+    here += ["--no-progress", "--run-dir", "runs/readme"]
+    assert main([*running[1:], *here]) == 0
+    records = _records(project / "runs" / "readme")
+    assert [r["step"] for r in records] == [0, 1] and records[0]["rollouts"] == 2
+    saved = (project / "runs" / "readme" / "config.yaml").read_text()
+    assert "train: 'my_agent:train'" in saved and "learning_rate: 0.001" in saved
 
 
 def _installed(module: str) -> bool:

@@ -1,4 +1,4 @@
-"""``agl apo``: APO (:mod:`agl.algorithms.apo`) from the command line — tasks from JSONL files, the agent as ``module:function``,
+"""``agl apo``: APO (:mod:`agl.algorithms.apo`) from the command line — tasks from task files (agl.task_files), settings from flags or a --config file, the agent as ``module:function``,
 the optimiser as any OpenAI-compatible endpoint. It builds an ``agl.Trainer`` with an ``agl.APO`` and
 runs it, printing the summary as JSON; bad input is a one-line error and exit status 2.
 """
@@ -28,30 +28,20 @@ _BUDGETS = ("rounds", "beam_width", "branch_factor", "rollouts_per_candidate", "
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[Any]:
-    """Task inputs, one JSON value per line (blank lines skipped); errors name the file and line."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"no such task file: {p}")
-    out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except ValueError as exc:
-            raise UsageError(f"{p}:{n} is not JSON: {exc}") from None
-    if not out:
-        raise UsageError(f"{p} holds no tasks")
-    return out
+    """Task inputs from a task file (:func:`agl.task_files.load_tasks`: JSONL, JSON, CSV, Parquet, a saved
+    dataset); errors name the file and line."""
+    from agl.task_files import load_tasks
+
+    return load_tasks(path)
 
 
 def register_cli(parser: argparse.ArgumentParser) -> None:
     """``agl apo``: optimise an agent's prompts (see :mod:`agl.algorithms.apo`)."""
     a = parser.add_argument
     a("--agent", required=True, help="the agent function as module:function (reads agl.prompt)")
-    a("--train", required=True, help="training tasks (JSONL, one task input per line)")
-    a("--val", required=True, help="validation tasks (JSONL): candidates are chosen on them")
-    a("--test", default=None, help="held-out tasks (JSONL): initial vs best prompt at the end")
+    a("--train", required=True, help="training tasks: a .jsonl/.json/.csv/.parquet file (as agl train)")
+    a("--val", required=True, help="validation tasks (the same forms): candidates are chosen on them")
+    a("--test", default=None, help="held-out tasks (the same forms): initial vs best prompt at the end")
     a(
         "--prompt",
         action="append",
