@@ -7,6 +7,10 @@ runs, so ``agl --help`` stays fast and never imports torch or a framework. It ex
 and sets ``func=callable(args) -> int | None`` with ``parser.set_defaults``. Shared helpers live in
 :mod:`agl.cli._util`.
 
+A command that trains (``train``, ``sft``, ``apo``) also takes ``--config FILE`` (YAML or TOML, keyed by
+its flags' names; a flag overrides the file) and ``--print-config``: :mod:`agl.cli.config_file`, which
+:func:`main` applies before parsing.
+
 Errors: an :class:`agl.errors.AglError` (a ``UsageError`` for a user's mistake, a ``StoreError``, ...),
 a missing file the user named (``FileNotFoundError``) or a refused permission (``PermissionError``)
 prints as one line, ``agl CMD: error: ...``, exit status 2; a missing optional module names the extra

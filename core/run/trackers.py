@@ -246,7 +246,7 @@ class Trackio(Tracker):
         import trackio
 
         self.trackio = trackio
-        self.project = project or os.environ.get("TRACKIO_PROJECT") or "agl"
+        self.project = project or "agl"
         self.run_name, self.resume = run_name, resume
         self.run: Any = None
         self.last_step = 0
