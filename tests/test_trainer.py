@@ -796,3 +796,19 @@ def test_a_step_whose_agent_selection_matches_nothing_is_refused(tmp_path: Path)
     with pytest.raises(RuntimeError, match=r"agents=\['wirter'\] matched 0 of 4 LLM calls") as err:
         trainer.fit(two_agent_app, [{"q": "What is 6 * 7?"}])
     assert "checker (2)" in str(err.value) and "writer (2)" in str(err.value)
+
+
+def test_flat_groups_after_learning_say_the_tasks_look_learnt() -> None:
+    """Two steps without an update after the reward rose to the run's best: no warm-start advice."""
+    from agl.trainer.notes import ADVICE, no_update_note
+
+    history = [
+        {"step": 0, "rollouts": 16, "train_reward": 0.2, "trained_transitions": 16, "no_update": False},
+        {"step": 1, "rollouts": 16, "train_reward": 1.0, "trained_transitions": 0, "no_update": True},
+    ]
+    record = {"step": 2, "rollouts": 16, "train_reward": 1.0, "groups": 4, "zero_variance_groups": 4}
+    record["transitions"] = 16
+    note = no_update_note(record, history) or ""
+    assert "these tasks look learnt" in note and "up from 0.200" in note and ADVICE not in note
+    flat_from_the_start = [dict(h, train_reward=1.0) for h in history]
+    assert ADVICE in (no_update_note(dict(record), flat_from_the_start) or "")
