@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from agl.cli.config_args import add_config_arguments
+from agl.cli.config_args import add_config_arguments, config_from_args
 from agl.config import LoopConfig, RunConfig
 from agl.run.settings import Serving
 
@@ -197,3 +197,12 @@ def warm_adapters_arg(args: argparse.Namespace) -> str | None:
     ``agl sft --adapter-per-agent`` run's (``Trainer(warm_adapters=...)``); None otherwise (a shared
     warm start is the base model, see :func:`model_arg`)."""
     return str(args.warm_start) if _warm_adapters(args) else None
+
+
+def train_settings(args: argparse.Namespace, **serving: Any) -> tuple[LoopConfig, Serving]:
+    """The run's ``LoopConfig`` and ``Serving``, each built whole from ``train``'s generated flags
+    (:func:`agl.cli.config_args.config_from_args`): the warm start resolved into the model and the
+    per-agent adapters; ``serving`` (a test's model or tokenizer object) wins where it is not None."""
+    loop = config_from_args(LoopConfig, args, warm_adapters=warm_adapters_arg(args))
+    values = {"model": model_arg(args), **{k: v for k, v in serving.items() if v is not None}}
+    return loop, config_from_args(Serving, args, **values)

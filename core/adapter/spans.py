@@ -16,6 +16,7 @@ from typing import Any, Union
 
 from agl import semconv as sc
 from agl.adapter.stats import AdapterStats
+from agl.errors import UsageError
 from agl.types import Rollout, Span
 
 AgentSelection = Union[None, str, "re.Pattern[str]", Iterable[str]]
@@ -198,7 +199,7 @@ def _target(
     else:
         rids = {s.rollout_id for s in spans}
         if len(rids) > 1:
-            raise ValueError(
+            raise UsageError(
                 f"spans of {len(rids)} rollouts given ({', '.join(sorted(rids)[:3])}, ...); "
                 "Adapter.transitions takes one attempt's spans — pass rollout= to pick one"
             )
@@ -330,12 +331,12 @@ def agent_matcher(agents: AgentSelection) -> Any:
         try:
             pattern = re.compile(agents)
         except re.error as exc:
-            raise ValueError(f"agents={agents!r} is not a valid regular expression: {exc}") from None
+            raise UsageError(f"agents={agents!r} is not a valid regular expression: {exc}") from None
         return lambda name: name is not None and pattern.fullmatch(name) is not None
     names = list(agents)
     for a in names:
         if not isinstance(a, str):
-            raise ValueError(f"agents must be names (str), got {a!r}")
+            raise UsageError(f"agents must be names (str), got {a!r}")
     wanted = frozenset(names)
     return lambda name: name in wanted
 
