@@ -82,7 +82,7 @@ _MOVED: dict[str, str] = {
     "agl.inspect": "agl.reports.inspect",
     "agl.malloc": "agl.trainer.malloc",
     "agl.monitors": "agl.trainer.monitors",
-    "agl.plot": "agl.reports.plot",
+    "agl.plot": "agl.run.plot",
     "agl.prompts": "agl.tracing.prompts",
     "agl.rewards": "agl.adapter.air_rules",
     "agl.spanconv": "agl.tracing.spanconv",

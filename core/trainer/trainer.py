@@ -282,7 +282,7 @@ class Trainer:
         finally:
             self.close()
         with contextlib.suppress(Exception):
-            from agl.reports.plot import plot_run
+            from agl.run.plot import plot_run
 
             plot_run(self.run_dir)
         if self.serving.progress:

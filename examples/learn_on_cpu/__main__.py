@@ -123,7 +123,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_seeds(args: argparse.Namespace) -> int:
-    from agl.reports.plot import plot_runs
+    from agl.run.plot import plot_runs
 
     _setup(args)
     root = _fresh_run_dir(args)

@@ -156,7 +156,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from agl.reports.plot import plot_runs
+    from agl.run.plot import plot_runs
 
     if bool(args.warm_start) != bool(args.warm_start_per_agent):
         raise SystemExit(
