@@ -171,14 +171,14 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         micro_batch_tokens=args.micro_batch_tokens,
         mask_truncated=args.mask_truncated,
     )
-    loop, serving = train_settings(args, model=model, tokenizer=tokenizer)
+    loop, serving, rest = train_settings(args, trainer_kw, model=model, tokenizer=tokenizer)
     trainer = Trainer(
         algorithm,
         serving=serving,
         loop=loop,
         agents=[AGENT],
         sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
-        **trainer_kw,
+        **rest,
     )
     val = _val_tasks(data.load_tasks("test", limit=args.val_tasks)) if args.val_tasks else None
     summary = trainer.fit(make_rollout(), data.load_tasks("train"), val)

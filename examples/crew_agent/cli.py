@@ -165,14 +165,14 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         lora_r=args.lora_r,
         lora_alpha=2 * args.lora_r,
     )
-    loop, serving = train_settings(args, model=model, tokenizer=tokenizer)
+    loop, serving, rest = train_settings(args, trainer_kw, model=model, tokenizer=tokenizer)
     trainer = Trainer(
         algorithm,
         serving=serving,
         loop=loop,
         agents=TRAINED_AGENTS,
         sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
-        **trainer_kw,
+        **rest,
     )
     val = _val_tasks(data.load_tasks("test", limit=args.val_tasks)) if args.val_tasks else None
     with researcher(args) as fixed:

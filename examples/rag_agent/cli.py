@@ -188,14 +188,16 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         micro_batch_tokens=args.micro_batch_tokens,
         mask_truncated=args.mask_truncated,
     )
-    loop, serving = train_settings(args, model=model, tokenizer=tokenizer)
+    loop, serving, rest = train_settings(
+        args, {**_judge_kw(args), **trainer_kw}, model=model, tokenizer=tokenizer
+    )
     trainer = Trainer(
         algorithm,
         serving=serving,
         loop=loop,
         agents=TRAINED_AGENTS,
         sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
-        **{**_judge_kw(args), **trainer_kw},
+        **rest,
     )
     scale = _scale(args)
     _prepare_index(args)
