@@ -231,7 +231,9 @@ def load_tokenizer(source: Any = None, *, strict: bool = False) -> Any:
         path = getattr(getattr(source, "config", None), "_name_or_path", None)
     if strict and path is not None:
         if not os.path.exists(path):
-            raise UsageError(f"tokenizer {path!r}: no such file or directory (or use --tokenizer default)")
+            raise FileNotFoundError(
+                f"tokenizer {path!r}: no such file or directory (or use --tokenizer default)"
+            )
         try:
             return _auto_tokenizer(path)
         except (OSError, ValueError) as exc:  # transformers' refusal of a folder the user named
