@@ -122,6 +122,9 @@ class Gateway:
         self._drifts = {id(b): (self.drift if b is backend else DriftTracker()) for b in self.names.backends}
         self.writer = SpanWriter(store, self.stats) if store is not None else None
         self._swap_lock = asyncio.Lock()
+        #: why the app's startup failed (a backend that would not start, a --serve target that names
+        #: no adapter), for the one who started it: uvicorn itself reports only that it failed
+        self.startup_error: BaseException | None = None
 
     # ------------------------------------------------------------------------------ plumbing
     def _auth(self, request: Request) -> None:
@@ -741,10 +744,14 @@ def create_app(backend: Backend, store: Any = None, **kwargs: Any) -> Starlette:
         backends = gw.names.backends
         started: list[Backend] = []
         try:
-            for b in backends:
-                await b.start()
-                started.append(b)
-            gw.names.check()  # --serve targets name adapters the started policy has
+            try:
+                for b in backends:
+                    await b.start()
+                    started.append(b)
+                gw.names.check()  # --serve targets name adapters the started policy has
+            except Exception as exc:  # uvicorn only says "startup failed": keep the reason to report
+                gw.startup_error = exc
+                raise
             yield
         finally:
             try:

@@ -28,7 +28,6 @@ from typing import Any
 
 from agl.errors import UsageError
 from agl.gateway.backends.base import Backend, UnknownModelError
-from agl.semconv import BASE_ADAPTER
 
 __all__ = ["BASE_TARGET", "MAX_SEEN", "POLICY_TARGET", "ModelNames", "Served"]
 
@@ -81,7 +80,9 @@ class ModelNames:
             if key.casefold() in {k.casefold() for k in self.serve}:
                 raise UsageError(f"--serve {name} is given twice")
             if not isinstance(target, (Backend, str)) or (isinstance(target, str) and not target.strip()):
-                raise UsageError(f"--serve {name}=...: the target must be a backend or a name, got {target!r}")
+                raise UsageError(
+                    f"--serve {name}=...: the target must be a backend or a name, got {target!r}"
+                )
             self.serve[key] = target.strip() if isinstance(target, str) else target
         self._serve_keys = {k.casefold(): k for k in self.serve}
         self._aliases = {n.casefold() for n in self.names}
@@ -177,7 +178,9 @@ class ModelNames:
     def describe(self) -> dict[str, Any]:
         """For ``/agl/v1/status``: the rules in force."""
         serve = {
-            name: f"{t.name} backend ({', '.join(t.models()) or 'names as asked'})" if isinstance(t, Backend) else t
+            name: f"{t.name} backend ({', '.join(t.models()) or 'names as asked'})"
+            if isinstance(t, Backend)
+            else t
             for name, t in self.serve.items()
         }
         return {"any_name": not self.only, "names": list(self.names), "serve": serve}
