@@ -1,9 +1,9 @@
 """Warn when LLM calls lose their agent, or were never traced: the checks the runner makes after an
 attempt, from the attempt's stored spans (so a warning is only ever given when it is true).
 
-**Untraced calls.** An attempt whose LLM calls went through the gateway but left no client-side span
-(``agl.side = client``: the ``openai``/``anthropic`` clients, a framework's LLM span) ran without agl's
-client instrumentation: ``agl.instrument()`` was not called in the agent's process, or ran too late.
+**Untraced calls.** An attempt whose LLM calls went through the gateway but left no span of agl's
+instrumentation (no client-side ``chat`` span, ``agl.side = client``, and no framework's span; with a
+framework's spans the unattributed check below names the missing client integration) ran without it: ``agl.instrument()`` was not called in the agent's process, or ran too late.
 The gateway still attributes each call to its rollout (the per-rollout URL), but not to an agent, so
 ``agents=`` selects nothing and tool errors reach no call. Whether integrations are instrumented when
 the run *starts* proves nothing either way: ``agl.instrument()`` instruments a framework when the
@@ -112,10 +112,10 @@ class AttributionCheck:
         if total == 0:
             return  # no LLM call went through the gateway: nothing to say
         self.checked += 1
-        if not client_spans(spans):
+        frameworks = frameworks_used(spans)
+        if not frameworks and not client_spans(spans):
             self._untraced(rollout_id, attempt, total)
             return
-        frameworks = frameworks_used(spans)
         if not frameworks or self.warned:  # a plain-client attempt: its calls need no agent span
             return
         if missing:
