@@ -218,10 +218,10 @@ def test_an_internal_bug_keeps_its_traceback(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "train_reward": 0.5}\n')
     code = (
         "import sys\n"
-        "import agl.reports.plot\n"
+        "import agl.run.plot\n"
         "def broken(*a, **k):\n"
         "    return {}['step']  # an internal KeyError, as a bug in agl would raise\n"
-        "agl.reports.plot.plot_runs = broken\n"
+        "agl.run.plot.plot_runs = broken\n"
         "import agl.cli.plot\n"
         "agl.cli.plot.plot_runs = broken\n"
         "from agl.cli import main\n"

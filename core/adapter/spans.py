@@ -16,6 +16,7 @@ from typing import Any, Union
 
 from agl import semconv as sc
 from agl.adapter.stats import AdapterStats
+from agl.errors import UsageError
 from agl.names import display_name
 from agl.types import Rollout, Span
 
@@ -199,7 +200,7 @@ def _target(
     else:
         rids = {s.rollout_id for s in spans}
         if len(rids) > 1:
-            raise ValueError(
+            raise UsageError(
                 f"spans of {len(rids)} rollouts given ({', '.join(sorted(rids)[:3])}, ...); "
                 "Adapter.transitions takes one attempt's spans — pass rollout= to pick one"
             )
@@ -333,12 +334,12 @@ def agent_matcher(agents: AgentSelection) -> Any:
         try:
             pattern = re.compile(agents)
         except re.error as exc:
-            raise ValueError(f"agents={agents!r} is not a valid regular expression: {exc}") from None
+            raise UsageError(f"agents={agents!r} is not a valid regular expression: {exc}") from None
         return lambda name: name is not None and pattern.fullmatch(name) is not None
     names = list(agents)
     for a in names:
         if not isinstance(a, str):
-            raise ValueError(f"agents must be names (str), got {a!r}")
+            raise UsageError(f"agents must be names (str), got {a!r}")
     wanted = frozenset(display_name(a) for a in names)  # as people see them, like the spans' names
     return lambda name: name is not None and display_name(name) in wanted
 

@@ -5,10 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
-from agl.cli._util import check_port, check_port_free, read_secret
+from agl.cli._util import (
+    STORE_ENV,
+    add_store_args,
+    check_port,
+    check_port_free,
+    open_store_from_args,
+    read_secret,
+)
 from agl.errors import UsageError
 from agl.gateway.serve import API_KEY_ENV, check_public_bind
 from agl.http_limits import HttpLimits
@@ -75,9 +83,7 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--script", help="scripted: a JSON file with a list of replies (strings or {content, tool_calls})"
     )
-    p.add_argument(
-        "--store", help="store URL for the spans (sqlite:///agl.db, http://127.0.0.1:4747, memory://)"
-    )
+    add_store_args(p, what="store for the spans (none given and no $AGL_STORE: spans are not recorded)")
     p.add_argument(
         "--host",
         default="127.0.0.1",
@@ -322,10 +328,8 @@ def _serve(args: Any) -> int:
     backend = build_backend(args)
     options = gateway_options(args, backend)
     store = None
-    if args.store:
-        import agl.store
-
-        store = agl.store.open(args.store)
+    if args.store or os.environ.get(STORE_ENV):  # the gateway alone has no default store
+        store = open_store_from_args(args, must_exist=False)
     else:
         print("agl gateway: no --store given: calls are served but no spans are recorded")
     app = create_app(

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind, StatusCode
 
 from agl import semconv
-from agl.errors import AglError
+from agl.errors import MissingRolloutError
 from agl.names import normalise_attributes
 from agl.types import _ID_RE, Span, SpanEvent, SpanStatus, _construct
 
@@ -25,10 +25,6 @@ __all__ = ["MissingRolloutError", "span_from_otel"]
 
 _ROLLOUT_KEY = semconv.AGL_ROLLOUT_ID
 _ATTEMPT_KEY = semconv.AGL_ATTEMPT
-
-
-class MissingRolloutError(AglError, ValueError):
-    """The span carries no ``agl.rollout.id``/``agl.attempt``: it belongs to no rollout."""
 
 
 def _attr_value(value: Any) -> Any:
