@@ -4,7 +4,6 @@ store can be looked at afterwards; failed attempts keep their error; untraced ru
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import subprocess
@@ -145,23 +144,6 @@ def test_transitions_and_export_honour_agl_store(tmp_path: Path, monkeypatch: py
     assert out_file.exists()
     monkeypatch.setenv("AGL_STORE", f"sqlite:///{tmp_path / 'nope.db'}")
     assert main(["transitions", rid]) == 2  # names the missing store instead of creating an empty one
-
-
-def test_runner_warns_once_when_nothing_is_instrumented(caplog: pytest.LogCaptureFixture) -> None:
-    from agl.instrumentation import instrumented
-    from agl.runner import runner as runner_mod
-    from agl.store.memory import MemoryStore
-
-    if instrumented():
-        pytest.skip("an earlier test left an integration instrumented")
-    runner_mod._untraced_warned = False
-    store = MemoryStore()
-    store.enqueue([NewRollout(input=1)])
-    with caplog.at_level(logging.WARNING, logger="agl.runner"):
-        agl.Runner(lambda x: 1.0, store, trace=False).run(until_idle=True)
-        agl.Runner(lambda x: 1.0, store, trace=False).run(until_idle=True)
-    warnings = [r for r in caplog.records if "no integration is instrumented" in r.getMessage()]
-    assert len(warnings) == 1
 
 
 def test_demo_store_is_inspectable_after_dev(

@@ -17,6 +17,7 @@ from typing import Any, Union
 from agl import semconv as sc
 from agl.adapter.stats import AdapterStats
 from agl.errors import UsageError
+from agl.names import display_name
 from agl.types import Rollout, Span
 
 AgentSelection = Union[None, str, "re.Pattern[str]", Iterable[str]]
@@ -294,11 +295,13 @@ def _break_cycles(parent: list[int]) -> int:
 
 
 def _agent_name(s: Span) -> str | None:
+    """The agent an ``invoke_agent`` span stands for, as people see it (:mod:`agl.names`: spans stored
+    before the normalisation, or by another OTel exporter, may still carry the raw name)."""
     name = s.attributes.get(sc.GEN_AI_AGENT_NAME)
-    if isinstance(name, str) and name:
-        return name
+    if isinstance(name, str) and name.strip():
+        return display_name(name)
     prefix = sc.OP_INVOKE_AGENT + " "
-    return (s.name[len(prefix) :] or None) if s.name.startswith(prefix) else None
+    return display_name(s.name[len(prefix) :]) if s.name.startswith(prefix) else None
 
 
 def _agent_of(
@@ -337,8 +340,8 @@ def agent_matcher(agents: AgentSelection) -> Any:
     for a in names:
         if not isinstance(a, str):
             raise UsageError(f"agents must be names (str), got {a!r}")
-    wanted = frozenset(names)
-    return lambda name: name in wanted
+    wanted = frozenset(display_name(a) for a in names)  # as people see them, like the spans' names
+    return lambda name: name is not None and display_name(name) in wanted
 
 
 def finishing_attempt(rollout: Rollout) -> int | None:

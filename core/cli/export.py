@@ -96,6 +96,28 @@ def _adapter_from_args(args: argparse.Namespace) -> Adapter:
     )
 
 
+def _selection(args: argparse.Namespace) -> str | None:
+    for flag in ("agents", "agents_regex", "adapter"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            return f"--{flag.replace('_', '-')} {value!r}"
+    return None
+
+
+def _say_if_nothing_selected(args: argparse.Namespace, stats: Any) -> None:
+    """A selection that matched none of the LLM calls says which agent names the spans hold (on stderr,
+    so --json output stays clean): the likely cause is a misspelt or differently written name."""
+    selection = _selection(args)
+    if selection is None or not stats.llm_calls or stats.unselected < stats.llm_calls:
+        return
+    seen = ", ".join(f"{name or '<no agent span>'} ({n})" for name, n in sorted(stats.agents.items()))
+    print(
+        f"agl: {selection} matches none of the {stats.llm_calls} LLM call(s); the agents that made them: "
+        f"{seen}",
+        file=sys.stderr,
+    )
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     check_format(args.fmt, args.form)  # before the store is opened or anything written
     adapter = _adapter_from_args(args)
@@ -116,6 +138,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         )
     finally:
         store.close()
+    _say_if_nothing_selected(args, adapter.stats)
     skipped = ", ".join(f"{k}={v}" for k, v in sorted(result.skipped.items())) or "none"
     what = "trajectories" if args.form == "trajectories" else args.fmt
     print(
@@ -240,6 +263,7 @@ def _cmd_transitions(args: argparse.Namespace) -> int:
     finally:
         store.close()
     ts = adapter.transitions(spans, rollout=rollout, attempt=attempt) if attempt is not None else []
+    _say_if_nothing_selected(args, adapter.last_stats)
     if args.json:
         for t in ts:
             print(json.dumps(t.model_dump(mode="json"), ensure_ascii=False))

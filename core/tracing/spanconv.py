@@ -18,6 +18,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from agl import semconv
 from agl.errors import MissingRolloutError
+from agl.names import normalise_attributes
 from agl.types import _ID_RE, Span, SpanEvent, SpanStatus, _construct
 
 __all__ = ["MissingRolloutError", "span_from_otel"]
@@ -116,7 +117,7 @@ def span_from_otel(span: ReadableSpan, *, rollout_id: str | None = None, attempt
     is left to check — the rollout id, the attempt, the name, the times — is checked here; a store
     server still validates every span it receives over HTTP.
     """
-    attributes = _attrs(_raw_attributes(span))
+    attributes = normalise_attributes(_attrs(_raw_attributes(span)))  # names as people see them
     if rollout_id is None or attempt is None:
         found = _rollout_of(attributes)
         if found is None:

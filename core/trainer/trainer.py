@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from agl.algorithms.per_agent_lora import warm_adapters_folder
 from agl.config import LoopConfig, RolloutSettings, RunConfig
 from agl.errors import UsageError
+from agl.gateway.sampling import SamplingLimits
 from agl.gateway.tokenizer import load_tokenizer
 from agl.lora import selected_loras
 from agl.run.metrics import MetricsLog
@@ -217,6 +218,9 @@ class Trainer:
             base_url=base_url,
             engine=engine,
             worker_id="agl-trainer",
+            # programs that set no max_tokens/temperature (written for a hosted API) get the run's; a
+            # program asking more than max_tokens is capped (agl.gateway.sampling)
+            sampling=SamplingLimits.from_config(self.config),
         )
         if self.adapter_arg is not None:
             self.adapter = self.adapter_arg

@@ -74,6 +74,11 @@ class GenerationRequest:
     adapter: str | None = None
     api: str = "chat"
     raw: dict[str, Any] = field(default_factory=dict)
+    #: the model name the client asked for, when the gateway serves it under another name (``model`` is
+    #: then the name the serving backend knows; see agl.gateway.model_names)
+    requested_model: str | None = None
+    #: the backend that serves the request (set by the gateway; None: its policy backend)
+    served_by: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass
