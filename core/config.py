@@ -25,7 +25,15 @@ from typing import Any, Literal, NamedTuple, get_type_hints
 
 from agl.errors import UsageError
 
-__all__ = ["LoopConfig", "RolloutConfig", "RunConfig", "UpdateSettings", "check_number", "config_fields"]
+__all__ = [
+    "LoopConfig",
+    "RolloutConfig",
+    "RolloutSettings",
+    "RunConfig",
+    "UpdateSettings",
+    "check_number",
+    "config_fields",
+]
 
 
 def check_number(
@@ -329,9 +337,10 @@ class LoopConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutSettings:
     """How long one of the trainer's rollouts may run and how often it is tried (the loop's defaults;
-    :meth:`for_store` gives the per-rollout :class:`agl.types.RolloutConfig` the store keeps)."""
+    :meth:`for_store` gives the per-rollout record :class:`agl.types.RolloutConfig` the store keeps).
+    Also importable as ``agl.config.RolloutConfig``, its name before the two were told apart."""
 
     timeout_s: float | None = field(
         default=None, metadata=_help("a rollout attempt's time limit in seconds (None: no limit)")
@@ -348,6 +357,10 @@ class RolloutConfig:
         return StoreRolloutConfig(
             timeout_s=self.timeout_s, lease_s=self.lease_s, max_attempts=self.max_attempts
         )
+
+
+#: the old name (``agl.types.RolloutConfig`` is the store's per-rollout record)
+RolloutConfig = RolloutSettings
 
 
 class ConfigField(NamedTuple):

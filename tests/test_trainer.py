@@ -538,7 +538,7 @@ def test_plot_keeps_a_resumed_recheck_on_another_held_out_set_apart(tmp_path: Pa
     draws one held-out series per set size, as the trainer's before/after summary compares them."""
     pytest.importorskip("matplotlib")
     from agl.cli import main
-    from agl.reports.plot import _val_series
+    from agl.run.plot import _val_series
 
     rows = [
         {"step": 0, "val_reward": 0.70, "val_tasks": 72},

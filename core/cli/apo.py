@@ -135,26 +135,22 @@ def _cli(args: argparse.Namespace) -> int:
         names = instrument_imported_frameworks()
         log.info("agl apo: instrumented %s", ", ".join(names) or "nothing (no framework imported)")
     backend = "openai" if args.base_url else ("vllm" if args.vllm_url else "transformers")
-    try:  # the Trainer checks the flags it is given: a refusal is the user's mistake, one line
-        trainer = Trainer(
-            apo,
-            model=args.model if backend == "transformers" else None,
-            backend=backend,
-            base_url=args.base_url,
-            api_key=args.api_key,
-            vllm_url=args.vllm_url,
-            model_name=args.model if backend != "transformers" else None,
-            store=args.store,
-            runners=args.runners,
-            run_dir=args.run_dir,
-            sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
-            seed=args.seed,
-            progress=not args.no_progress,
-        )
-    except ValueError as exc:
-        if isinstance(exc, UsageError):
-            raise
-        raise UsageError(str(exc)) from None
+    # the Trainer checks the flags it is given: a refusal is a UsageError, printed in one line
+    trainer = Trainer(
+        apo,
+        model=args.model if backend == "transformers" else None,
+        backend=backend,
+        base_url=args.base_url,
+        api_key=args.api_key,
+        vllm_url=args.vllm_url,
+        model_name=args.model if backend != "transformers" else None,
+        store=args.store,
+        runners=args.runners,
+        run_dir=args.run_dir,
+        sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
     if test is None:
         summary = trainer.fit(agent, train, val)
     else:  # Trainer.fit has no held-out split; APO.fit is the same run with the Trainer's settings

@@ -19,6 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from agl.errors import UsageError
 from agl.gateway.chat_format import content_chars, render_chat
 
 __all__ = [
@@ -86,10 +87,10 @@ class ChatTokenizer:
         """Wrap a Hugging Face fast tokenizer (its Rust ``backend_tokenizer`` does the encoding)."""
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         if backend is None:
-            raise ValueError("the transformers backend needs a fast (Rust) tokenizer")
+            raise UsageError("the transformers backend needs a fast (Rust) tokenizer")
         template = chat_template or getattr(hf_tokenizer, "chat_template", None)
         if not template:
-            raise ValueError("the tokenizer has no chat template; pass chat_template=")
+            raise UsageError("the tokenizer has no chat template; pass chat_template=")
         limit = getattr(hf_tokenizer, "model_max_length", None)
         return cls(
             backend,
@@ -233,7 +234,12 @@ def load_tokenizer(source: Any = None, *, strict: bool = False) -> Any:
             raise FileNotFoundError(
                 f"tokenizer {path!r}: no such file or directory (or use --tokenizer default)"
             )
-        return _auto_tokenizer(path)
+        try:
+            return _auto_tokenizer(path)
+        except (OSError, ValueError) as exc:  # transformers' refusal of a folder the user named
+            if isinstance(exc, UsageError):
+                raise
+            raise UsageError(f"tokenizer {path!r}: {exc}") from None
     if path and Path(path, "tokenizer.json").exists():
         return _auto_tokenizer(path)
     return _shipped_hf_tokenizer()
@@ -243,7 +249,7 @@ def _auto_tokenizer(path: str) -> Any:
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise ValueError(
+        raise UsageError(
             "loading a tokenizer directory needs transformers: pip install 'agl[train]'"
         ) from None
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -278,7 +284,7 @@ def resolve_tokenizer(tok: Any) -> Any:
         return load_tokenizer(os.fspath(tok), strict=True)
     if callable(getattr(tok, "encode", None)) or callable(getattr(tok, "apply_chat_template", None)):
         return tok
-    raise ValueError(
+    raise UsageError(
         "tokenizer must be 'default', a local tokenizer directory or a tokenizer object (with "
         f"apply_chat_template/encode), got {type(tok).__name__} {tok!r:.80}"
     )

@@ -118,11 +118,13 @@ class Environment:
         base_url: str | None = None,
         engine: dict[str, Any] | None = None,
         worker_id: str = "agl-trainer",
+        sampling: Any = None,
     ) -> None:
         """Open the store, serve the backend (``policy``: the engine shares the trainer's policy;
         ``source``: the model to load otherwise; ``base_url``: serve that OpenAI-compatible endpoint
-        instead; ``engine``: extra transformers-engine options) and start the runners for ``agent``
-        (none when ``serving.runners`` is 0 or ``agent`` is None)."""
+        instead; ``engine``: extra transformers-engine options; ``sampling``: the in-process gateway's
+        :class:`~agl.gateway.sampling.SamplingLimits`) and start the runners for ``agent`` (none when
+        ``serving.runners`` is 0 or ``agent`` is None)."""
         self.open_store()
         s = self.serving
         if s.gateway_url is None or base_url is not None:
@@ -134,6 +136,7 @@ class Environment:
                 backend,
                 self.store,
                 api_key=s.gateway_api_key,
+                app_options={"sampling": sampling} if sampling is not None else None,
                 host=host,
                 port=port,
                 startup_timeout_s=GATEWAY_STARTUP_S,

@@ -64,11 +64,12 @@ class StepChecks:
         if agents is None or isinstance(agents, (str, re.Pattern)):
             return
         made = {name for name, n in stats.agents.items() if n}
-        missing = [a for a in agents if a not in made]
+        wanted = {a.strip() if isinstance(a, str) else a for a in agents}  # as people see them (agl.names)
+        missing = [a for a in agents if (a.strip() if isinstance(a, str) else a) not in made]
         if not missing:
             return
         seen = ", ".join(f"{name or '<no agent span>'} ({n})" for name, n in sorted(stats.agents.items()))
-        others = sorted(name for name in made if name and name not in set(agents))
+        others = sorted(name for name in made if name and name not in wanted)
         if others:  # calls of named agents that are not selected: most likely a misspelt selection
             raise UsageError(
                 f"step {step}: the selected agent(s) {', '.join(map(repr, missing))} made none of the "

@@ -22,7 +22,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from agl.cli.config_args import add_config_arguments  # noqa: E402 (after the environment defaults)
+from agl.cli.config_args import add_config_arguments, config_from_args  # noqa: E402 (after the environment defaults)
 from agl.config import LoopConfig, RunConfig  # noqa: E402
 from agl.run.settings import Serving  # noqa: E402
 
@@ -39,20 +39,13 @@ def _trainer(args: argparse.Namespace, seed: int, run_dir: Path) -> Any:
         kl_coef=0.0,
         micro_batch_tokens=args.micro_batch_tokens,
     )
+    store = f"sqlite:///{(run_dir / 'store.db').resolve()}"  # inspectable after the run
     return agl.Trainer(
         algo,
-        model=args.model,
-        backend="transformers",
-        runners=args.runners,
-        run_dir=run_dir,
+        serving=config_from_args(Serving, args, backend="transformers", run_dir=run_dir, store=store),
+        loop=config_from_args(LoopConfig, args, seed=seed),
         agents=["calculator_agent"],
         sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
-        tasks_per_step=args.tasks_per_step,
-        steps=args.steps,
-        val_every=args.val_every,
-        max_staleness=args.max_staleness,
-        seed=seed,
-        store=f"sqlite:///{(run_dir / 'store.db').resolve()}",  # inspectable after the run
     )
 
 
@@ -130,7 +123,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_seeds(args: argparse.Namespace) -> int:
-    from agl.reports.plot import plot_runs
+    from agl.run.plot import plot_runs
 
     _setup(args)
     root = _fresh_run_dir(args)

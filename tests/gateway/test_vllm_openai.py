@@ -139,7 +139,7 @@ def test_vllm_errors_pass_through(
     store: Any, rollout: tuple[str, int], upstream: tuple[FakeVLLM, str]
 ) -> None:
     fake, root = upstream
-    with serve_gateway(VLLMBackend(root), store) as url:
+    with serve_gateway(VLLMBackend(root), store, only_model_names=True) as url:  # strict: a 404 for others
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x", max_retries=0)
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x " * 3000}])
