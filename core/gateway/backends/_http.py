@@ -258,6 +258,37 @@ class HttpUpstreamBackend(Backend):
         )
 
     # ---------------------------------------------------------------------------- streaming
+    async def sse(self, url: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """POST ``body`` and yield each server-sent JSON chunk until ``[DONE]``. Refusals raise as in
+        :meth:`forward`, an error chunk or a broken stream as BackendError; cancelling closes the
+        connection (vLLM then aborts the generation)."""
+        try:
+            async with self.session.post(url, data=_dumps(body), headers=_JSON) as resp:
+                if resp.status >= 400:
+                    raise self._refused(resp.status, await resp.read())
+                if not resp.content_type.startswith("text/event-stream"):
+                    raise BackendError(
+                        f"{self.name} upstream answered a stream request with {resp.content_type}"
+                    )
+                async for line in resp.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        return
+                    chunk = _loads(payload)
+                    if isinstance(chunk, dict) and chunk.get("error") is not None:
+                        err = chunk["error"]
+                        msg = err.get("message") if isinstance(err, dict) else err
+                        raise BackendError(f"{self.name} upstream failed mid-stream: {msg}")
+                    if isinstance(chunk, dict):
+                        yield chunk
+                raise BackendError(f"{self.name} upstream ended the stream without [DONE]")
+        except _TRANSPORT_ERRORS as exc:
+            raise self._unreachable(url, exc) from exc
+        except ValueError as exc:
+            raise BackendError(f"{self.name} upstream sent a chunk that is not JSON: {exc}") from exc
+
     async def stream_chat(self, request: GenerationRequest, model: str) -> AsyncIterator[dict[str, Any]]:
         """Stream a chat completion from the upstream; yields the gateway's stream events.
 
