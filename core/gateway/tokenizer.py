@@ -121,7 +121,9 @@ class ChatTokenizer:
 
         template_file = folder / "chat_template.jinja"
         template = (
-            template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
+            template_file.read_text(encoding="utf-8")
+            if template_file.is_file()
+            else config.get("chat_template")
         )
         if not isinstance(template, str) or not template:
             raise ValueError(f"{folder} has no chat template (chat_template.jinja or tokenizer_config.json)")

@@ -66,6 +66,7 @@ class FakeVLLM:
         pause_api: str = "keep",
         docs: bool = True,
         root: str | None = None,
+        lora_api: bool = True,
     ) -> None:
         if pause_api not in ("keep", "legacy", "none"):
             raise ValueError(f"pause_api is keep, legacy or none, not {pause_api!r}")
@@ -91,6 +92,7 @@ class FakeVLLM:
         self.streamed_tokens = 0
         self.replies = list(replies)
         self.model = model
+        self.lora_api = lora_api  # False: no runtime LoRA routes (no VLLM_ALLOW_RUNTIME_LORA_UPDATING)
         self.root = root or model  # the served folder /v1/models names (a local one: agl renders)
         self.max_model_len = max_model_len
         self.loras: dict[str, str] = {}
@@ -103,8 +105,9 @@ class FakeVLLM:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
-                Route("/v1/unload_lora_adapter", self.unload_lora, methods=["POST"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
+                *self._lora_routes(),
                 *self._pause_routes(docs),
             ]
         )
@@ -462,6 +465,20 @@ class FakeVLLM:
 
     # -- pause and resume (vllm/entrypoints/serve/rlhf/api_router.py, VLLM_SERVER_DEV_MODE=1) --
 
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": "0.32.0-fake"})
+
+    def _lora_routes(self) -> list[Route]:
+        if not self.lora_api:
+            return []
+        return [
+            Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_lora, methods=["POST"]),
+        ]
+
     def _pause_routes(self, docs: bool) -> list[Route]:
         routes = [Route("/openapi.json", self.openapi, methods=["GET"])] if docs else []
         if self.pause_api != "none":
@@ -540,7 +557,11 @@ class FakeVLLM:
         paths: dict[str, Any] = {
             "/v1/models": {"get": {"summary": "Show Available Models"}},
             "/v1/chat/completions": {"post": {"summary": "Create Chat Completion"}},
+            "/v1/completions": {"post": {"summary": "Create Completion"}},
         }
+        if self.lora_api:
+            paths["/v1/load_lora_adapter"] = {"post": {"summary": "Load Lora Adapter"}}
+            paths["/v1/unload_lora_adapter"] = {"post": {"summary": "Unload Lora Adapter"}}
         if self.pause_api != "none":
             names = ["wait_for_inflight_requests", "clear_cache"]
             if self.pause_api == "keep":

@@ -195,6 +195,8 @@ class VLLMServer:
             args += ["--max-model-len", str(self.max_model_len)]
         if self.tool_parser:
             args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_parser]
+        if not any(a.startswith("--logprobs-mode") for a in self.extra_args):
+            args += ["--logprobs-mode", "processed_logprobs"]  # of the distribution sampled from
         args += ["--host", self.host, "--port", str(self.port), *self.extra_args]
         return args
 
