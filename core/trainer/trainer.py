@@ -492,11 +492,15 @@ class Trainer:
         # not the autocast update's (bf16 rounding differs with every shape), so the ratio is taken
         # against the update's own log-probs and the mismatch is a bounded weight, not a clip
         precision = getattr(self.policy, "precision", "no")
-        decoupled = self.loop.off_policy == "tis" or precision != "no"
+        # likewise for an engine apart from the trainer (vLLM): other kernels, often another dtype
+        engine = "vllm" if self.serving.backend == "vllm" and self.behaviour_logprobs else None
+        decoupled = self.loop.off_policy == "tis" or precision != "no" or engine is not None
         tis = {"tis_cap": self.loop.tis_cap} if decoupled else {}
         update = self.policy.step(train_ts, advantages, **tis)
         if on_policy:
-            self.checks.on_policy(update.get("behaviour_ratio_dev"), self.config, precision, decoupled)
+            self.checks.on_policy(
+                update.get("behaviour_ratio_dev"), self.config, precision, decoupled, engine=engine
+            )
         # the update's metrics under their final names (PolicyUpdate.step names them for the record)
         return {
             "zero_variance_groups": adv_stats["zero_variance_groups"],

@@ -125,7 +125,7 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path: Path) -> Non
 def test_a_killed_server_is_restarted_with_its_adapters_and_the_calls_go_on(
     tmp_path: Path, store: Any, rollout: tuple[str, int]
 ) -> None:
-    server = fake_server(tmp_path, "--fake-token-delay", "0.3").start()
+    server = fake_server(tmp_path, "--fake-token-delay", "0.5").start()
     backend = VLLMBackend(server.url, server=server)
     try:
         with serve_gateway(backend, store) as url:
@@ -135,7 +135,7 @@ def test_a_killed_server_is_restarted_with_its_adapters_and_the_calls_go_on(
             assert r.status_code == 200
             client.chat.completions.create(model="smol", messages=chat)
             stream = iter(client.chat.completions.create(model="smol", messages=chat, stream=True))
-            next(stream)  # the call is in flight (the fake streams a token every 0.3 s)
+            next(stream)  # the call is in flight (the fake streams a token every 0.5 s)
             server.kill()  # SIGKILL, the whole process group
             with pytest.raises(openai.APIError):  # the call fails; its caller retries
                 list(stream)
@@ -159,3 +159,48 @@ def test_missing_names_each_flag() -> None:
     assert "vLLM >= 0.10.2" in text and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in text
     assert "VLLM_SERVER_DEV_MODE=1" in text
     assert "unreachable" in probe("http://127.0.0.1:9/v1").report()
+
+
+def test_agl_vllm_serve_starts_reports_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    cmd = " ".join(FAKE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agl.cli", "vllm", "serve", "--command", cmd, "--model", ASSETS, "--port", "0"]
+        + ["--log", str(tmp_path / "v.log"), "--", "--max-model-len", "1024"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("agl vllm: serving on"):
+                break
+        url = lines[-1].split()[-1]
+        assert httpx.get(url + "/models").json()["data"][0]["max_model_len"] == 1024  # the flag after --
+        assert any("agl can train through it: yes" in x for x in lines)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/models")
+
+
+def test_agl_doctor_upstream_reports_what_the_server_lacks() -> None:
+    from fake_vllm import FakeVLLM
+
+    from agl.gateway.testing import serve_asgi
+
+    fake = FakeVLLM(["x"], lora_api=False, pause_api="none")
+    with serve_asgi(fake.app) as root:
+        out = subprocess.run(
+            [sys.executable, "-m", "agl.cli", "doctor", "--upstream", root, "--generate"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert out.returncode == 1
+    assert "runtime LoRA loading: NO — VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in out.stdout
+    assert "pause/resume around a push (mode=keep): NO" in out.stdout
+    assert "token ids (exact prompt/response ids): yes" in out.stdout

@@ -73,6 +73,10 @@ def _error_message(status: int, raw: bytes) -> tuple[str, dict[str, Any] | None]
 class HttpUpstreamBackend(Backend):
     """Base for backends that forward to an OpenAI-compatible server at ``base_url`` (its ``/v1`` URL)."""
 
+    #: seconds an idle pooled connection is kept: shorter than the upstream's own keep-alive, or a
+    #: request may go out on a connection the server is closing and fail with "Server disconnected"
+    keepalive_s: float = 60.0
+
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0) -> None:
         super().__init__()
         url = base_url.rstrip("/")
@@ -90,7 +94,7 @@ class HttpUpstreamBackend(Backend):
             self._session = aiohttp.ClientSession(
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s),
                 auto_decompress=True,
             )
         return self._session
@@ -105,14 +109,21 @@ class HttpUpstreamBackend(Backend):
         return BackendError(f"{self.name} upstream {url} unreachable: {what}")
 
     async def request(self, method: str, url: str, body: Any = None) -> tuple[int, bytes]:
-        """(status, body bytes) of one call; transport failures become BackendError."""
-        try:
-            async with self.session.request(
-                method, url, data=None if body is None else _dumps(body), headers=_JSON
-            ) as resp:
-                return resp.status, await resp.read()
-        except _TRANSPORT_ERRORS as exc:
-            raise self._unreachable(url, exc) from exc
+        """(status, body bytes) of one control call; transport failures become BackendError. A pooled
+        connection the server closed while idle ("Server disconnected" before any answer) is retried
+        once on a fresh one: the server never saw that request."""
+        for attempt in (1, 2):
+            try:
+                async with self.session.request(
+                    method, url, data=None if body is None else _dumps(body), headers=_JSON
+                ) as resp:
+                    return resp.status, await resp.read()
+            except aiohttp.ServerDisconnectedError as exc:
+                if attempt == 2:
+                    raise self._unreachable(url, exc) from exc
+            except _TRANSPORT_ERRORS as exc:
+                raise self._unreachable(url, exc) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _refused(self, status: int, raw: bytes) -> BackendError:
         message, payload = _error_message(status, raw)

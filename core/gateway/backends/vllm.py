@@ -104,6 +104,8 @@ class VLLMBackend(HttpUpstreamBackend):
 
     name = "vllm"
     exact = True
+    #: vLLM's HTTP server closes connections idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+    keepalive_s = 4.0
 
     def __init__(
         self,
