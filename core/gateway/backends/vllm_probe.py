@@ -89,8 +89,14 @@ class VLLMSupport:
             limit = f", max_model_len {m['max_model_len']}" if m.get("max_model_len") else ""
             lines.append(f"  {kind} {m['id']} ({m.get('root')}{limit})")
 
+        unknown = (
+            "not checked (agl doctor --upstream URL --generate)"
+            if self.schema
+            else "unknown (no /openapi.json)"
+        )
+
         def mark(value: bool | None, yes: str, no: str) -> str:
-            return "unknown (no /openapi.json)" if value is None else (f"yes{yes}" if value else f"NO — {no}")
+            return unknown if value is None else (f"yes{yes}" if value else f"NO — {no}")
 
         lines += [
             "  token ids (exact prompt/response ids): "
