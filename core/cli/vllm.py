@@ -5,7 +5,9 @@ running until interrupted; ``agl gateway serve --backend vllm --upstream URL`` t
 from __future__ import annotations
 
 import argparse
+import signal
 import time
+from typing import Any
 
 from agl.cli._util import check_port, check_port_free
 
@@ -42,6 +44,10 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def _serve(args: argparse.Namespace) -> int:
     from agl.gateway.backends.vllm_probe import probe
     from agl.gateway.backends.vllm_server import VLLMServer
@@ -70,6 +76,9 @@ def _serve(args: argparse.Namespace) -> int:
         log_path=args.log or f"vllm-{args.port}.log",
         startup_timeout_s=args.startup_timeout,
     )
+    # Ctrl-C, or SIGTERM (a service manager; a shell's background job ignores SIGINT): stop cleanly
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupted)
     print(f"agl vllm: starting {' '.join(server.command())}", flush=True)
     print(f"agl vllm: its output goes to {server.log_path}", flush=True)
     server.start()

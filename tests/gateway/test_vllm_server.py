@@ -161,7 +161,7 @@ def test_missing_names_each_flag() -> None:
     assert "unreachable" in probe("http://127.0.0.1:9/v1").report()
 
 
-def test_agl_vllm_serve_starts_reports_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+def test_agl_vllm_serve_starts_reports_and_stops_on_sigterm(tmp_path: Path) -> None:
     cmd = " ".join(FAKE)
     proc = subprocess.Popen(
         [sys.executable, "-m", "agl.cli", "vllm", "serve", "--command", cmd, "--model", ASSETS, "--port", "0"]
@@ -181,7 +181,7 @@ def test_agl_vllm_serve_starts_reports_and_stops_on_ctrl_c(tmp_path: Path) -> No
         assert httpx.get(url + "/models").json()["data"][0]["max_model_len"] == 1024  # the flag after --
         assert any("agl can train through it: yes" in x for x in lines)
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/models")
