@@ -1,6 +1,19 @@
 """Proxy to a vLLM OpenAI-compatible server, with the engine's exact token ids and logprobs.
 
-Every forwarded request gets ``return_token_ids: true`` (vLLM >= 0.10.2: the chat response carries
+One rendering on every engine (``render="auto"``, the default, when the served model's tokenizer folder
+is readable here: ``tokenizer=``, else the ``root`` that ``/v1/models`` names): chats are rendered by
+agl exactly as the embedded engine renders them (the template, tools lowered where it ignores them,
+the opening a ``tool_choice`` forces) and sent as prompt token ids to ``POST /v1/completions``; the
+reply is decoded from vLLM's token ids and parsed for tool calls by agl (:mod:`._rendered`), and a
+completion's prompt is tokenised by agl too. vLLM's chat template and tool parser are then unused.
+``render="upstream"`` (or no readable tokenizer under ``"auto"``, with one warning) forwards chats to
+vLLM's chat route as below; ``render="agl"`` refuses to start without a tokenizer.
+
+A managed server (``server=``, :class:`~agl.gateway.backends.vllm_server.VLLMServer`) that dies is
+restarted by the next call (or by the call that saw it die, which fails as retriable), and the
+adapters that served the current weight version are loaded again under their names.
+
+On the upstream route, every forwarded request gets ``return_token_ids: true`` (vLLM >= 0.10.2: the chat response carries
 ``prompt_token_ids`` at top level and ``token_ids`` per choice; a completion choice carries both)
 and ``logprobs: true`` with ``top_logprobs: 0`` (chat: ``choices[i].logprobs.content[j].logprob``;
 completions: ``logprobs: 1`` → ``choices[i].logprobs.token_logprobs``). An upstream that returns no
@@ -30,7 +43,8 @@ go to the base model.
 Pause around a weight push (``pause_on_push``). vLLM's HTTP API for RL weight sync, at the server's
 root (not under ``/v1``) and only when vLLM runs with ``VLLM_SERVER_DEV_MODE=1``
 (``vllm/entrypoints/serve/rlhf/api_router.py``, ``attach_router`` returns early without it; newer
-trees keep the same routes in ``vllm/entrypoints/serve/dev/rlhf/api_router.py``):
+trees keep the same routes in ``vllm/entrypoints/serve/dev/rlhf/api_router.py``, vLLM 0.32 in
+``vllm/entrypoints/rl/online/api_router.py``):
 
 - ``POST /pause`` with query parameters ``mode`` (``PauseMode`` in ``vllm/v1/engine/__init__.py``:
   ``"abort"``, the default, aborts the requests in flight and returns their partial output; ``"wait"``
