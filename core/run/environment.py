@@ -170,7 +170,7 @@ class Environment:
         if s.backend == "scripted":
             return from_spec("scripted", script=s.script, accept_any_model=True, on_exhausted="repeat")
         if s.backend == "vllm":
-            return self._vllm_backend(policy, source)
+            return self._vllm_backend(policy, source, tokenizer)
         options = dict(engine or {}, model_name=self.served_name(source))
         if policy is not None:
             # the engine serves the policy itself: frozen base weights shared, LoRA tensors pushed
@@ -182,11 +182,13 @@ class Environment:
             return from_spec("transformers", model=str(source), **options)
         return from_spec("transformers", model=copy.deepcopy(source), tokenizer=tokenizer, **options)
 
-    def _vllm_backend(self, policy: Any, source: Any) -> Any:
+    def _vllm_backend(self, policy: Any, source: Any, tokenizer: Any) -> Any:
         """The vllm backend: at ``vllm_url``, or at a server started here (``vllm_python``) on the run's
         model with the policy's LoRA rank and adapters (:mod:`agl.gateway.backends.vllm_server`).
-        agl renders the chats with the model folder's tokenizer (one rendering on every engine)."""
+        agl renders the chats with the run's tokenizer (the trainer's, else the model folder's): one
+        rendering on every engine."""
         from agl.gateway.backends import from_spec
+        from agl.gateway.tokenizer import as_chat_tokenizer
 
         s = self.serving
         adapters = list(getattr(policy, "adapters", {}).values()) or None  # an adapter per agent
@@ -210,8 +212,10 @@ class Environment:
             folder = model
         url = self.vllm_server.url if self.vllm_server is not None else s.vllm_url
         name = s.model_name or (self.vllm_server.served_name if self.vllm_server is not None else None)
+        chat = as_chat_tokenizer(tokenizer) if tokenizer is not None else None
+        render_with = chat if hasattr(chat, "encode_chat") else folder
         return from_spec(
-            "vllm", url=url, model=name, adapters=adapters, server=self.vllm_server, tokenizer=folder
+            "vllm", url=url, model=name, adapters=adapters, server=self.vllm_server, tokenizer=render_with
         )
 
     def _advertised(self, bound_url: str, host: str) -> str:

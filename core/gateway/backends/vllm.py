@@ -236,7 +236,13 @@ class VLLMBackend(HttpUpstreamBackend):
         ):
             source = base["root"]
         if source is not None and not hasattr(source, "encode_chat"):
-            source = ChatTokenizer.from_dir(source)
+            try:
+                source = ChatTokenizer.from_dir(source)
+            except (OSError, ValueError) as exc:
+                if self.render == "agl":
+                    raise UsageError(f"render='agl': cannot read the tokenizer {source!r}: {exc}") from exc
+                log.warning("agl gateway: cannot read the tokenizer %r (%s)", source, exc)
+                source = None
         if source is None:
             if self.render == "agl":
                 raise UsageError(
