@@ -166,3 +166,18 @@ def test_render_agl_without_a_readable_tokenizer_is_refused() -> None:
             asyncio.run(backend.start())
     with pytest.raises(UsageError, match="render"):
         VLLMBackend("http://127.0.0.1:1", render="vllm")
+
+
+def test_an_adapter_name_an_earlier_run_left_loaded_is_replaced_in_place(
+    store: Any, upstream: tuple[FakeVLLM, str]
+) -> None:
+    fake, root = upstream
+    fake.loras[f"{MODEL}-agl-v1"] = "/earlier-run/adapters/v1"  # a long-running server, a second run
+    with serve_gateway(VLLMBackend(root), store) as url:
+        r = httpx.post(url.root + "/agl/v1/adapters", json={"path": "/this-run/adapters/v1", "version": 1})
+        assert r.status_code == 200 and r.json() == {"weight_version": 1}
+        r = httpx.post(url.root + "/agl/v1/adapters", json={"path": "/x", "name": f"{MODEL}-agl-v1"})
+        assert r.status_code == 400  # a name the user chose is never replaced behind their back
+    assert fake.loras[f"{MODEL}-agl-v1"] == "/this-run/adapters/v1"
+    loads = [b for k, b in fake.requests if k == "load_lora_adapter"]
+    assert [b.get("load_inplace", False) for b in loads] == [False, True, False]

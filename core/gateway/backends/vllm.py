@@ -467,7 +467,7 @@ class VLLMBackend(HttpUpstreamBackend):
         if not self.agent_adapters and self.current_upstream in self.adapters:
             current = [self.current_upstream]
         for lora_name in current:
-            await self._load_lora(lora_name, self._lora_paths[lora_name])
+            await self._load_lora(lora_name, self._lora_paths[lora_name], replace=True)
             if lora_name not in self.upstream_models:
                 self.upstream_models.append(lora_name)
         self.adapters = [n for n in self.adapters if n in current]
@@ -483,7 +483,7 @@ class VLLMBackend(HttpUpstreamBackend):
         new_version = self.weight_version + 1 if version is None else int(version)
         lora_name = name or f"{self.policy_name}-agl-v{new_version}"
         async with self._paused_push():
-            await self._load_lora(lora_name, path)
+            await self._load_lora(lora_name, path, replace=name is None)
             self.adapters.append(lora_name)
             self.current_upstream = lora_name
             if lora_name not in self.upstream_models:
@@ -537,7 +537,7 @@ class VLLMBackend(HttpUpstreamBackend):
         try:
             for adapter, (path, _) in changed.items():
                 lora_name = f"{self.policy_name}-{adapter}-v{new_version}"
-                await self._load_lora(lora_name, path)
+                await self._load_lora(lora_name, path, replace=True)
                 loaded[adapter] = lora_name
         except BackendError:
             for lora_name in loaded.values():
@@ -649,9 +649,11 @@ class VLLMBackend(HttpUpstreamBackend):
             return str(exc)
         return None if status < 400 else f"answered {status}: {raw[:300].decode(errors='replace')}"
 
-    async def _load_lora(self, lora_name: str, path: str) -> None:
-        """``POST /v1/load_lora_adapter``; BackendError with vLLM's answer when it refuses."""
-        body = {"lora_name": lora_name, "lora_path": path}
+    async def _load_lora(self, lora_name: str, path: str, *, replace: bool = False) -> None:
+        """``POST /v1/load_lora_adapter``; BackendError with vLLM's answer when it refuses. ``replace``
+        (a name agl made up): a name an earlier run left loaded on a long-running server is loaded
+        again in place from this run's folder (``load_inplace``; a new path, so no stale cache)."""
+        body: dict[str, Any] = {"lora_name": lora_name, "lora_path": path}
         try:
             status, raw = await self.request("POST", self.base_url + "/load_lora_adapter", body)
         except BackendError as exc:  # a managed server that died: restarted, then loaded there
@@ -663,6 +665,13 @@ class VLLMBackend(HttpUpstreamBackend):
                 raise
             await self.recover()
             status, raw = await self.request("POST", self.base_url + "/load_lora_adapter", body)
+        if replace and status == 400 and b"already been loaded" in raw:
+            log.info(
+                "agl gateway: vLLM already had an adapter %s (an earlier run's): replacing it", lora_name
+            )
+            status, raw = await self.request(
+                "POST", self.base_url + "/load_lora_adapter", {**body, "load_inplace": True}
+            )
         if status < 400:
             self._lora_paths[lora_name] = path
         if status >= 400:
