@@ -449,7 +449,10 @@ class VLLMBackend(HttpUpstreamBackend):
     async def _restart(self) -> None:
         assert self.server is not None
         log.warning("agl gateway: the vLLM server at %s died; restarting it", self.base_url)
-        await asyncio.to_thread(self.server.restart)
+        try:
+            await asyncio.to_thread(self.server.restart)
+        except Exception as exc:  # the calls waiting fail as backend errors; the next call tries again
+            raise BackendError(f"the vLLM server died and could not be restarted: {exc}") from exc
         self.restarts += 1
         await self.close()  # connections to the dead server go
         self.upstream_models = [m["id"] for m in await self._model_entries()]
