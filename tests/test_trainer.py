@@ -638,8 +638,10 @@ def test_vllm_backend_gets_each_steps_lora_adapter(tmp_path: Path) -> None:
     versions = [r["resources_version"] for r in trainer.history]
     assert [Path(b["lora_path"]).name for b in loads] == [f"v{v}" for v in versions]
     assert (Path(loads[-1]["lora_path"]) / "adapter_config.json").exists()
-    # after the last load the policy's requests are routed to that adapter
-    chats = [body for kind, body in fake.requests if kind == "chat"]
+    # after the last load the policy's requests are routed to that adapter (rendered by agl with the
+    # trainer's tokenizer: vLLM's completions route with the prompt ids)
+    chats = [body for kind, body in fake.requests if kind == "completions"]
+    assert chats and all(isinstance(b["prompt"], list) for b in chats)
     assert chats[-1]["model"] == loads[-1]["lora_name"]
     assert all(r["transitions"] == 2 and r["exact_token_ratio"] == 1.0 for r in trainer.history)
 

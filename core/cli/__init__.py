@@ -50,6 +50,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "judge": ("agl.cli.judge", "score a store's rollouts with an LLM judge; calls recorded beside them"),
     "gateway": ("agl.cli.gateway", "serve the OpenAI-compatible gateway (agl gateway serve)"),
     "models": ("agl.cli.models", "prepare the embedded default model (agl models prepare)"),
+    "vllm": ("agl.cli.vllm", "start a vLLM server set up for training through agl (agl vllm serve)"),
     "runner": ("agl.cli.runner", "run an agent against a store: claim rollouts, run them, report"),
     "apo": ("agl.cli.apo", "optimise an agent's prompts with any LLM (automatic prompt optimisation)"),
     "plot": ("agl.cli.plot", "plot the reward curve of a training or APO run"),

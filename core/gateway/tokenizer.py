@@ -102,6 +102,46 @@ class ChatTokenizer:
             name=name or getattr(hf_tokenizer, "name_or_path", "") or "model",
         )
 
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str], *, name: str | None = None) -> ChatTokenizer:
+        """The tokenizer of a Hugging Face model directory, read with ``tokenizers`` alone (no
+        transformers): ``tokenizer.json``, the special tokens of ``tokenizer_config.json``, the chat
+        template of ``chat_template.jinja`` or ``tokenizer_config.json``. What a gateway in front of a
+        vLLM server renders with; FileNotFoundError/ValueError name what is missing."""
+        from tokenizers import Tokenizer
+
+        folder = Path(path)
+        if not (folder / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{folder} has no tokenizer.json")
+        config_file = folder / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+
+        def token(key: str) -> str | None:
+            value = config.get(key)
+            return value.get("content") if isinstance(value, dict) else value
+
+        template_file = folder / "chat_template.jinja"
+        template = (
+            template_file.read_text(encoding="utf-8")
+            if template_file.is_file()
+            else config.get("chat_template")
+        )
+        if not isinstance(template, str) or not template:
+            raise ValueError(f"{folder} has no chat template (chat_template.jinja or tokenizer_config.json)")
+        eos = token("eos_token")
+        if not eos:
+            raise ValueError(f"{config_file} names no eos_token")
+        limit = config.get("model_max_length")
+        return cls(
+            Tokenizer.from_file(str(folder / "tokenizer.json")),
+            template,
+            eos_token=eos,
+            bos_token=token("bos_token"),
+            pad_token=token("pad_token"),
+            max_context=limit if isinstance(limit, int) and limit < 10**9 else None,
+            name=name or folder.name,
+        )
+
     def encode(self, text: str) -> list[int]:
         if len(text) > _NOGIL_CHARS:  # same ids; the GIL is released while it runs
             return self._tok.encode_batch([text], add_special_tokens=False)[0].ids

@@ -173,9 +173,12 @@ def rollouts_postfix(total: int, finished: Sequence[Any], rewards: dict[str, flo
 
 def engine_share(busy0: float | None, env: Any, step_s: float) -> dict[str, float]:
     """``engine_busy_s``/``engine_idle_s`` of a step that began with the in-process engine's busy
-    clock at ``busy0`` (nothing without such an engine: a remote or scripted one reports no clock)."""
+    clock at ``busy0`` (nothing without such an engine: a remote or scripted one reports no clock), and
+    ``engine_restarts``, the engine restarts of the run so far, once there was one."""
+    restarts = env.engine_restarts() if env is not None and hasattr(env, "engine_restarts") else 0
+    out: dict[str, float] = {"engine_restarts": restarts} if restarts else {}  # a dead engine came back
     busy1 = env.engine_busy_s() if env is not None else None
     if busy0 is None or busy1 is None:
-        return {}
+        return out
     busy = busy1 - busy0
-    return {"engine_busy_s": busy, "engine_idle_s": max(step_s - busy, 0.0)}
+    return {**out, "engine_busy_s": busy, "engine_idle_s": max(step_s - busy, 0.0)}

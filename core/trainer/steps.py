@@ -133,11 +133,15 @@ class Steps:
         # not the autocast update's (bf16 rounding differs with every shape), so the ratio is taken
         # against the update's own log-probs and the mismatch is a bounded weight, not a clip
         precision = getattr(t.policy, "precision", "no")
-        decoupled = t.loop.off_policy == "tis" or precision != "no"
+        # likewise for an engine apart from the trainer (vLLM): other kernels, often another dtype
+        engine = "vllm" if t.serving.backend == "vllm" and t.behaviour_logprobs else None
+        decoupled = t.loop.off_policy == "tis" or precision != "no" or engine is not None
         tis = {"tis_cap": t.loop.tis_cap} if decoupled else {}
         update = t.policy.step(train_ts, advantages, **tis)
         if on_policy:
-            t.checks.on_policy(update.get("behaviour_ratio_dev"), t.config, precision, decoupled)
+            t.checks.on_policy(
+                update.get("behaviour_ratio_dev"), t.config, precision, decoupled, engine=engine
+            )
         # the update's metrics under their final names (PolicyUpdate.step names them for the record)
         return {
             "zero_variance_groups": adv_stats["zero_variance_groups"],

@@ -42,7 +42,7 @@ def _trainer(args: argparse.Namespace, seed: int, run_dir: Path) -> Any:
     store = f"sqlite:///{(run_dir / 'store.db').resolve()}"  # inspectable after the run
     return agl.Trainer(
         algo,
-        serving=config_from_args(Serving, args, backend="transformers", run_dir=run_dir, store=store),
+        serving=config_from_args(Serving, args, run_dir=run_dir, store=store),
         loop=config_from_args(LoopConfig, args, seed=seed),
         agents=["calculator_agent"],
         sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
@@ -164,7 +164,10 @@ def cmd_dev(args: argparse.Namespace) -> int:
     _, val = split(n_val=args.n)
     run_dir = _fresh_run_dir(args)
     trainer = agl.Trainer(
-        backend="transformers",
+        backend=args.backend,
+        vllm_url=args.vllm_url,
+        vllm_python=args.vllm_python,
+        vllm_args=args.vllm_args,
         model=args.model,
         runners=args.runners,
         run_dir=run_dir,
@@ -198,6 +201,17 @@ def _common(sp: argparse.ArgumentParser) -> None:
         },
     )
     sp.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    add_config_arguments(
+        sp,
+        Serving,
+        only=["backend", "vllm_url", "vllm_python", "vllm_args"],
+        overrides={
+            "backend": {
+                "choices": ["transformers", "vllm"],
+                "help": "transformers (embedded, default) or vllm (give --vllm-python or --vllm-url)",
+            }
+        },
+    )
     add_config_arguments(
         sp,
         Serving,
