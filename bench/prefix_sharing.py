@@ -5,9 +5,10 @@ sql_agent's recipes, updated with and without sharing, against TRL's GRPOTrainer
     python bench/prefix_sharing.py record sql
     python bench/prefix_sharing.py run --data calc sql --iters 2 --threads 2
 
-``record`` runs the example's recipe as its README gives it (oracle demonstrations through the
-unchanged agent, ``agl sft`` warm start, then ``train --warm-start`` for one step with the recipe's
-group size, temperature and update settings, all on the embedded SmolLM2-135M-Instruct) and keeps the
+``record`` runs the example's recipe as its README gives it, on the embedded SmolLM2-135M-Instruct:
+calc_agent's warm-start recipe (oracle demonstrations through the unchanged agent, ``agl sft``, then
+``train --warm-start``: 8 problems x 4 samples at temperature 0.8) and sql_agent's base-model recipe
+(``train``: 2 questions x 8 samples at temperature 0.7), for one step each, and keeps the
 transitions and advantages the trainer handed to the policy update at that step, in
 ``bench/data/prefix_sharing/<name>_step.jsonl.gz``.
 
@@ -54,11 +55,11 @@ RECIPES = {
         "agents": "solver",
         "train": ["--tasks-per-step", "8", "--group-size", "4", "--temperature", "0.8"],
     },
+    # the base-model recipe (README: "defaults = the identical-credit run"): no warm start
     "sql": {
         "module": "examples.sql_agent",
-        "demos": ["--split", "train", "-n", "64"],
-        "agents": "writer,rewriter",
-        "train": ["--tasks-per-step", "6", "--group-size", "4", "--temperature", "1.0"],
+        "demos": None,
+        "train": ["--tasks-per-step", "2", "--group-size", "8", "--temperature", "0.7"],
     },
 }
 #: the recipes' update settings (both READMEs): LoRA r=16, lr 2e-4, no checkpointing, 1,024-token micro-batches
@@ -72,11 +73,13 @@ def record(name: str, work: Path, seed: int) -> Path:
     recipe, py = RECIPES[name], sys.executable
     work.mkdir(parents=True, exist_ok=True)
     demos, sft = work / f"{name}_demos.db", work / f"{name}_sft"
-    if not demos.exists():
+    if recipe["demos"] is None:
+        pass
+    elif not demos.exists():
         _sh(
             [py, "-m", recipe["module"], "dev", "--oracle", *recipe["demos"], "--store", f"sqlite:///{demos}"]
         )
-    if not (sft / "sft_summary.json").exists():
+    if recipe["demos"] is not None and not (sft / "sft_summary.json").exists():
         _sh([py, "-m", "agl.cli", "sft", "--store", f"sqlite:///{demos}", "--agents", recipe["agents"],
              "--min-reward", "1", "--out", str(sft), "--epochs", "1", "--batch-size", "4",
              "--learning-rate", "5e-4", "--threads", "2"])  # fmt: skip
@@ -116,7 +119,8 @@ def rl_step(name: str, work: Path, seed: int, out: Path) -> None:
     PolicyUpdate.step = keep
     cli = importlib.import_module(RECIPES[name]["module"] + ".cli")
     run_dir = work / f"{name}_rl"
-    cli.main(["--threads", "2", "train", "--warm-start", str(work / f"{name}_sft"), "--run-dir", str(run_dir),
+    warm = ["--warm-start", str(work / f"{name}_sft")] if RECIPES[name]["demos"] is not None else []
+    cli.main(["--threads", "2", "train", *warm, "--run-dir", str(run_dir),
               "--steps", "1", "--val-tasks", "0", "--no-val-before", "--runners", "16", "--seed", str(seed),
               "--micro-batch-tokens", str(MICRO_BATCH_TOKENS), *RECIPES[name]["train"], *UPDATE_FLAGS])  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -302,7 +302,9 @@ class PolicyUpdate:
         loss is the per-call loss, computed in one forward pass instead of one per call.
 
         Returns metrics: loss, kl, clip_fraction, entropy, grad_norm, tokens_per_s, transitions, tokens,
-        sequences, micro_batches, skipped (zero-advantage transitions left out), the merge statistics
+        sequences, micro_batches, skipped (zero-advantage transitions left out), ``tokens_flat`` and
+        ``tokens_packed`` (the step's tokens unshared, and through the model with each shared prefix
+        once: :mod:`agl.algorithms.prefix_tree`), the merge statistics
         (merge_rate, tokens_saved, breaks_*) and, when the transitions carry the engine's log-probs,
         ``behaviour_ratio_dev``: max |ratio - 1| before the first optimizer step (~0 when the run is
         on-policy; see :func:`agl.algorithms.offpolicy.ratio_deviation`). With an adapter per agent, each adapter is updated on
