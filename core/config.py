@@ -108,6 +108,14 @@ class UpdateSettings:
         default=True,
         metadata=_help("one merged sequence per agent conversation where turns extend exactly"),
     )
+    #: run the sequences of a step that share a token prefix (a group's prompt, a conversation's earlier
+    #: turns) through the model once, as a tree with a custom attention mask: the same log-probs, loss and
+    #: gradients on fewer tokens (agl.algorithms.prefix_tree); a model whose attention cannot take the
+    #: mask packs unshared, said once in the log. False: every sequence runs whole
+    share_prefixes: bool = field(
+        default=True,
+        metadata=_help("run a step's shared token prefixes through the model once (same loss, fewer tokens)"),
+    )
     #: leave calls the engine cut at ``max_tokens`` out of the loss (DAPO's overlong filtering): an
     #: unfinished answer scores 0 whatever it was on its way to, so its negative advantage would push
     #: down every token it holds, e.g. a long query's JOIN, not just the rambling. They still count in
@@ -130,6 +138,7 @@ class UpdateSettings:
             _check_int(owner, "micro_batch_tokens", self.micro_batch_tokens)
         _check_bool(owner, "lora", self.lora)
         _check_bool(owner, "merge_turns", self.merge_turns)
+        _check_bool(owner, "share_prefixes", self.share_prefixes)
         _check_bool(owner, "mask_truncated", self.mask_truncated)
         _check_bool(owner, "gradient_checkpointing", self.gradient_checkpointing, optional=True)
         if self.mixed_precision not in (None, "no", "bf16", "fp16"):

@@ -95,7 +95,8 @@ def test_a_step_changes_only_the_adapters_whose_agents_had_an_advantage(tok, tmp
         transition(tok, "writer", "r1", "SELECT 1"),
         transition(tok, "writer", "r2", "DROP TABLE"),
         transition(tok, "rewriter", "r1", "fine"),
-        transition(tok, "rewriter", "r2", "fine"),
+        # not "fine" again: two identical sequences with advantages +1 and -1 have exactly zero gradient
+        transition(tok, "rewriter", "r2", "not fine at all"),
     ]
     metrics = policy.step(ts, [1.0, -1.0, 0.0, 0.0])
     changed = {

@@ -71,6 +71,7 @@ def test_fields_are_exactly_the_contract() -> None:
         "gradient_checkpointing": None,
         "mixed_precision": None,
         "merge_turns": True,
+        "share_prefixes": True,
         "mask_truncated": False,
     }
 

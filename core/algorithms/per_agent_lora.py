@@ -71,6 +71,8 @@ _SUM_METRICS = (
     "skipped",
     "truncated_calls",
     "update_tokens",
+    "tokens_flat",
+    "tokens_packed",
     "response_tokens",
     "micro_batches",
     "update_s",

@@ -5,6 +5,12 @@ drives. It never generates or computes rewards (transitions and advantages come 
 TRL's fused head would score every position (no Triton: CPU), it runs the decoder and scores only the
 response positions, ``SCORE_CHUNK_TOKENS`` at a time under activation checkpointing
 (:func:`chunked_token_logps`), so no batch x length x vocab logits tensor is held for backward.
+
+A tree-packed micro-batch (:mod:`agl.algorithms.prefix_tree`) is scored the same way after one forward
+over its tree rows: :class:`~agl.algorithms.prefix_tree.PackedInputs` registered as the trainer's
+``packed`` say which flat inputs they stand for, and each response token's hidden state is gathered
+from its place in the tree. TRL's loss, the reference's log-probs and the proximal policy's of
+decoupled PPO all go through this one method, so all of them run on the tree.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from typing import Any
 
 import torch
 from trl import GRPOTrainer
+
+from agl.algorithms.prefix_tree import PackedInputs
 
 __all__ = [
     "SCORE_CHUNK_TOKENS",
@@ -103,6 +111,9 @@ class TransitionGRPOTrainer(GRPOTrainer):
 
     #: the policy's per-token log-probs of the last scored batch (detached), for the on-policy check
     last_logps: torch.Tensor | None = None
+    #: the tree layout of the micro-batch being scored (set by ``PolicyUpdate._tensors``); it applies
+    #: only to a call for exactly its flat ids, so any other call (another batch, inspection) runs flat
+    packed: PackedInputs | None = None
 
     def _get_per_token_logps_and_entropies(  # type: ignore[override]
         self,
@@ -126,10 +137,12 @@ class TransitionGRPOTrainer(GRPOTrainer):
             def _use_triton(device: torch.device) -> bool:
                 return device.type in ("cuda", "xpu")
 
+        plain = not (compute_aux_loss or any(v is not None for v in kwargs.values()))
+        packed = self.packed if plain and self.packed is not None else None
+        if packed is not None and not packed.matches(input_ids, logits_to_keep):
+            packed = None
         parts = None
-        if not (
-            _use_triton(input_ids.device) or compute_aux_loss or any(v is not None for v in kwargs.values())
-        ):
+        if plain and (packed is not None or not _use_triton(input_ids.device)):
             parts = backbone_and_head(self.accelerator.unwrap_model(model))
         if parts is None:
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
@@ -144,14 +157,31 @@ class TransitionGRPOTrainer(GRPOTrainer):
             )
         else:
             decoder, head = parts
-            with self.accelerator.autocast():
-                hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)[0]
-            logps, ent = chunked_token_logps(
-                hidden[:, -logits_to_keep - 1 : -1, :], input_ids[:, -logits_to_keep:], head, self.temperature
-            )
+            if packed is not None:
+                hidden, targets = self._tree_hidden(decoder, packed), input_ids[:, -logits_to_keep:]
+            else:
+                with self.accelerator.autocast():
+                    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)[0]
+                hidden, targets = hidden[:, -logits_to_keep - 1 : -1, :], input_ids[:, -logits_to_keep:]
+            logps, ent = chunked_token_logps(hidden, targets, head, self.temperature)
             entropies, aux = (ent if compute_entropy else None), None
         self.last_logps = logps.detach()
         return logps, entropies, aux
+
+    def _tree_hidden(self, decoder: Any, packed: PackedInputs) -> torch.Tensor:
+        """One forward over the tree rows, then each flat response position's predicting hidden state
+        gathered from its place in the tree: (sequences, response positions, hidden size)."""
+        attn = getattr(decoder.config, "_attn_implementation", None)
+        dtype = decoder.get_input_embeddings().weight.dtype
+        with self.accelerator.autocast():
+            hidden = decoder(
+                input_ids=packed.ids,
+                attention_mask=packed.attention_mask(attn, dtype),
+                position_ids=packed.positions,
+                use_cache=False,
+            )[0]
+        flat = hidden.reshape(-1, hidden.size(-1)).index_select(0, packed.gather.reshape(-1))
+        return flat.view(*packed.gather.shape, hidden.size(-1))
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:  # pragma: no cover - guard
         raise RuntimeError("agl's policy update gets transitions from the store; it never generates")

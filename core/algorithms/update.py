@@ -27,12 +27,17 @@ Where it departs from ``GRPOTrainer.train()`` and why:
   back to the current policy's detached log-probs for transitions without them (an ``openai`` passthrough
   run); a micro-batch never mixes the two, since TRL takes the fallback per batch;
 - transitions with zero advantage are skipped when there is no KL term: they carry no gradient, and
-  skipping them (as DAPO's dynamic sampling does) saves most of the compute on a CPU.
+  skipping them (as DAPO's dynamic sampling does) saves most of the compute on a CPU;
+- sequences that share a token prefix (a group's prompt, a conversation's earlier turns) go through the
+  model once per micro-batch as a tree (``share_prefixes``, :mod:`agl.algorithms.prefix_tree`): the same
+  per-token log-probs, loss and gradients as unshared, on fewer tokens; a model whose attention does
+  not take the tree's mask is packed unshared, said once in the log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import random
@@ -64,6 +69,7 @@ from agl.algorithms.grpo_setup import (
 )
 from agl.algorithms.offpolicy import DecoupledWeights, decoupled_weights, ratio_deviation
 from agl.algorithms.packing import MicroBatch, pack_micro_batches
+from agl.algorithms.prefix_tree import PackedInputs, pair_cost, sharing_refusal
 from agl.algorithms.scoring import chunked_token_logps, is_peft
 from agl.config import RunConfig
 from agl.lora import lora_names
@@ -77,6 +83,8 @@ __all__ = ["MicroBatch", "PolicyUpdate", "chunked_token_logps", "is_peft", "pack
 
 #: the former private name; ``agl.algorithms.sft`` still imports it
 _is_peft = is_peft
+
+log = logging.getLogger("agl.algorithms.update")
 
 
 class PolicyUpdate:
@@ -170,6 +178,9 @@ class PolicyUpdate:
         self.global_step = 0
         self.tis_cap: float | None = None  # this step's truncated-importance-weight cap (step(tis_cap=))
         self._rng = random.Random(seed)
+        #: the attention-to-token cost ratio prefix sharing plans with (None: off), once checked
+        self._share_cost: tuple[float | None] | None = None
+        self.share_cost()  # checks the model once, now: a fallback is said at the start of the run
 
     def _agent_adapters(
         self, model: Any, peft_config: Any, agents: Mapping[str, str] | Sequence[str]
@@ -252,6 +263,11 @@ class PolicyUpdate:
         if mb.has_logprobs:
             lps = [torch.tensor(t.logprobs, dtype=torch.float32) for t in rows]
             out["old_per_token_logps"] = padded(lps, 0.0, "right")
+        self.trainer.packed = None
+        if mb.tree is not None:  # the forward runs on the tree for exactly these flat ids
+            ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+            lens = ([len(t.prompt_ids) for t in rows], [len(t.completion_ids) for t in rows])
+            self.trainer.packed = PackedInputs.build(mb.tree, ids, *lens, pad_id=self.pad_id)
         return out
 
     def _ref_logps(self, inputs: dict) -> torch.Tensor:
@@ -286,7 +302,9 @@ class PolicyUpdate:
         loss is the per-call loss, computed in one forward pass instead of one per call.
 
         Returns metrics: loss, kl, clip_fraction, entropy, grad_norm, tokens_per_s, transitions, tokens,
-        sequences, micro_batches, skipped (zero-advantage transitions left out), the merge statistics
+        sequences, micro_batches, skipped (zero-advantage transitions left out), ``tokens_flat`` and
+        ``tokens_packed`` (the step's tokens unshared, and through the model with each shared prefix
+        once: :mod:`agl.algorithms.prefix_tree`), the merge statistics
         (merge_rate, tokens_saved, breaks_*) and, when the transitions carry the engine's log-probs,
         ``behaviour_ratio_dev``: max |ratio - 1| before the first optimizer step (~0 when the run is
         on-policy; see :func:`agl.algorithms.offpolicy.ratio_deviation`). With an adapter per agent, each adapter is updated on
@@ -352,7 +370,21 @@ class PolicyUpdate:
         if ratio_dev is not None:
             metrics["behaviour_ratio_dev"] = ratio_dev
         m.clear()
+        tr.packed = None
         return metrics
+
+    def share_cost(self) -> float | None:
+        """The attention-to-token cost ratio that prefix sharing plans with, or None when it is off:
+        ``share_prefixes=False``, or a model whose attention does not take the tree layout (checked once
+        on a two-sequence probe, :func:`agl.algorithms.prefix_tree.sharing_refusal`, and said once)."""
+        if not self.config.share_prefixes:
+            return None
+        if self._share_cost is None:
+            reason = sharing_refusal(self)
+            if reason is not None:
+                log.warning("shared-prefix packing is off: %s; sequences are packed unshared", reason)
+            self._share_cost = (pair_cost(self.model.config) if reason is None else None,)
+        return self._share_cost[0]
 
     def _trained_calls(self, transitions: Sequence[Transition], advantages: Sequence[float]) -> set[int]:
         """The calls this update trains. A call with zero advantage carries no gradient without a KL term:
@@ -380,7 +412,7 @@ class PolicyUpdate:
         acc = self.trainer.accelerator
         if acc.num_processes > 1:
             keep = keep[acc.process_index :: acc.num_processes]
-        mbs = pack_micro_batches(seqs, self.micro_batch_tokens, indices=keep)
+        mbs = pack_micro_batches(seqs, self.micro_batch_tokens, indices=keep, share_cost=self.share_cost())
         return _StepPlan(seqs, train_masks, token_adv, keep, mbs, n_calls, merge_stats.as_dict())
 
     def _totals(self, plan: _StepPlan) -> tuple[torch.Tensor, float, int]:
@@ -596,6 +628,11 @@ class _StepPlan:
     def tokens(self) -> int:
         return sum(self.seqs[k].tokens for k in self.keep)
 
+    @property
+    def tokens_packed(self) -> int:
+        """Tokens this rank runs through the model per epoch: shared prefixes once, padding excluded."""
+        return sum(mb.tokens for mb in self.mbs)
+
 
 def _check_advantages(transitions: Sequence[Transition], advantages: Sequence[float]) -> None:
     if len(transitions) != len(advantages):
@@ -614,6 +651,8 @@ def _count_metrics(plan: _StepPlan, transitions: Sequence[Transition], n_tok: fl
         "skipped": float(len(transitions) - plan.n_calls),
         "truncated_calls": float(sum(1 for t in transitions if t.truncated)),  # cut at max_tokens
         "update_tokens": n_tok,
+        "tokens_flat": float(plan.tokens),  # this rank's sequences as they would run unshared
+        "tokens_packed": float(plan.tokens_packed),  # what ran: each shared prefix once
         "response_tokens": float(plan.response_tokens),
         "micro_batches": float(len(plan.mbs)),
         **{k: float(v) for k, v in plan.merge_stats.items() if k in _MERGE_METRICS},
