@@ -44,6 +44,17 @@ def policy(request: Any) -> Any:
     return "¡Hola! Estoy bien, gracias."
 
 
+@pytest.fixture(autouse=True)
+def fresh_sdk_http_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test runs "a new program": the SDK keeps one module-level httpx client for its default
+    OpenAI client (``agents.models.openai_provider._http_client`` in newer releases), bound to the event
+    loop of the first ``asyncio.run``; a second program in the same process would reuse it on a closed
+    loop. Reset it, as a fresh process would have it."""
+    import agents.models.openai_provider as provider
+
+    monkeypatch.setattr(provider, "_http_client", None, raising=False)
+
+
 @pytest.mark.parametrize("default_model", [None, POLICY_NAME])
 def test_readme_handoffs_on_the_sdks_default_model(
     default_model: str | None, agl_store: Any, clean_agl: None, monkeypatch: pytest.MonkeyPatch, caplog: Any
