@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,11 @@ from vllm_real import SERVER_ARGS, model_dir, vllm_config
 
 pytest.importorskip("peft")
 pytest.importorskip("openai")
+
+#: the examples are imported from the repository root (as ``python -m examples.<name>`` runs them)
+ROOT = str(Path(__file__).resolve().parents[2])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 
 def _kill_during_step(trainer: Any, step: int, done: threading.Event) -> None:
