@@ -91,8 +91,8 @@ def test_a_repair_agent_acting_once_in_four_trains(tmp_path, rule: str) -> None:
     import openai
 
     import agl
-    from tests.test_adapter_per_agent import AGENTS, tiny_model
     from agl.trainer.trainer import load_tokenizer
+    from tests.test_adapter_per_agent import AGENTS, tiny_model
 
     seen: dict[str, int] = {}
     lock = threading.Lock()
