@@ -143,9 +143,15 @@ class Steps:
                 update.get("behaviour_ratio_dev"), t.config, precision, decoupled, engine=engine
             )
         # the update's metrics under their final names (PolicyUpdate.step names them for the record)
+        # with an adapter per agent: which baseline each agent got (1.0: all its calls in the step)
+        baselines = {
+            f"step_baseline/{agent}": float(rule == "step")
+            for agent, rule in adv_stats.get("agent_baselines", {}).items()
+        }
         return {
             "zero_variance_groups": adv_stats["zero_variance_groups"],
             "groups": adv_stats["groups"],
+            **baselines,
             **update,
         }
 
