@@ -114,6 +114,14 @@ class TransformersBackend(AgentAdapters, Backend):
     ``threads`` sets torch's intra-op threads (fewer than the cores helps on a busy CPU).
     ``default_temperature``/``default_top_p`` apply to requests that leave them out (the trainer sets
     them from its :class:`agl.RunConfig`).
+
+    Reproducibility: a request with a ``seed`` draws from a generator of its own, so its tokens do not
+    depend on its batch-mates' draws; but a padded batch's logits differ from a lone row's in the last
+    float bits (other matmul shapes, other reduction orders), and at temperature 1 one flipped draw
+    changes the rest of the reply. ``deterministic=True`` runs one row at a time (``max_batch_size``
+    becomes 1): every call computes exactly what it computes alone, so the same seed, prompt and
+    weights give the same tokens whatever else is queued, at the cost of batching's throughput
+    (``bench/generation.py --deterministic`` measures it).
     """
 
     name = "transformers"
@@ -137,8 +145,13 @@ class TransformersBackend(AgentAdapters, Backend):
         batch_window_s: float = 0.005,
         adapters: dict[str, str] | None = None,
         batched_lora: bool = False,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(deterministic, bool):
+            raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
+        #: batch-invariant logits: one row at a time (see the class docstring)
+        self.deterministic = deterministic
         self.batched_lora, self._lora_stack = batched_lora, None  # mixed batches: see _batched_lora
         #: named LoRA adapter folders to serve beside the base model (``agl gateway serve --adapter``)
         self._adapter_paths = check_lora_dirs(adapters) if adapters else {}
@@ -159,7 +172,7 @@ class TransformersBackend(AgentAdapters, Backend):
         self._chat_template = chat_template
         self._device = device
         self._dtype = dtype
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = 1 if deterministic else max_batch_size
         self.default_max_tokens = default_max_tokens
         self._max_context_arg = max_context
         self.model: Any = None
