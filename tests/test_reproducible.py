@@ -62,6 +62,10 @@ def tiny_model() -> LlamaForCausalLM:
     )
 
 
+#: task -> the explicit seed its second call sets (the injected divergence of the ``agl diff`` test)
+INJECT: dict[str, int] = {}
+
+
 def two_call_agent(task: dict, resources: agl.Resources) -> float:
     """Two calls one after the other (the second sees the first's reply); the reward is a property of
     the sampled tokens, so it varies inside a group."""
@@ -72,23 +76,27 @@ def two_call_agent(task: dict, resources: agl.Resources) -> float:
     first = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=6)
     messages += [{"role": "assistant", "content": first.choices[0].message.content or ""}]
     messages += [{"role": "user", "content": "Again."}]
-    second = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=6)
+    seed = {"seed": INJECT[task["q"]]} if task["q"] in INJECT else {}
+    second = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=6, **seed)
     text = (first.choices[0].message.content or "") + (second.choices[0].message.content or "")
     return float(sum(map(ord, text)) % 2)
 
 
-def _fit(tmp_path: Path, name: str, seed: int) -> tuple[Trainer, list[tuple[Any, ...]]]:
+TASKS = [{"q": "cats"}, {"q": "dogs"}, {"q": "fish"}, {"q": "owls"}]
+
+
+def _fit(tmp_path: Path, name: str, seed: int, steps: int = 2) -> tuple[Trainer, list[tuple[Any, ...]]]:
+    """A run of the tiny model through the deterministic engine, 4 runners, its store in run_dir."""
     trainer = Trainer(
         agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
         model=tiny_model(),
         backend="transformers",
         deterministic=True,
-        store="memory://",
         runners=4,
         run_dir=tmp_path / name,
         tokenizer=load_tokenizer(),
         tasks_per_step=2,
-        steps=2,
+        steps=steps,
         val_every=0,
         val_before=False,
         progress=False,
@@ -106,13 +114,15 @@ def _fit(tmp_path: Path, name: str, seed: int) -> tuple[Trainer, list[tuple[Any,
 
     PolicyUpdate.step = spy  # type: ignore[method-assign]
     try:
-        trainer.fit(two_call_agent, [{"q": "cats"}, {"q": "dogs"}, {"q": "fish"}, {"q": "owls"}])
+        trainer.fit(two_call_agent, TASKS)
     finally:
         PolicyUpdate.step = real  # type: ignore[method-assign]
     return trainer, seen
 
 
-def test_the_same_seed_reproduces_a_run_and_another_seed_does_not(tmp_path: Path) -> None:
+def test_the_same_seed_reproduces_a_run_and_another_seed_does_not(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     a, ts_a = _fit(tmp_path, "a", seed=7)
     b, ts_b = _fit(tmp_path, "b", seed=7)
     c, ts_c = _fit(tmp_path, "c", seed=8)
@@ -125,6 +135,54 @@ def test_the_same_seed_reproduces_a_run_and_another_seed_does_not(tmp_path: Path
     assert all(torch.equal(wa[k], wb[k]) for k in wa)  # bit-identical weights after 2 steps
     assert ts_c != ts_a
     assert any(not torch.equal(wa[k], wc[k]) for k in wa)
+    from agl.cli import main
+
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert "identical: " in capsys.readouterr().out
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "c")]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence: step 0, rollout train:s0/t0/m0" in out
+    # another seed draws another task first, or the same task with other call seeds
+    assert "reason: different task at this place" in out or "reason: different seed" in out
+
+
+def test_diff_finds_an_injected_divergence_at_its_call(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fit(tmp_path, "a", seed=3, steps=1)
+    INJECT["dogs"] = 4242  # run B: the second call of every "dogs" rollout sets its own seed
+    try:
+        _fit(tmp_path, "b", seed=3, steps=1)
+    finally:
+        INJECT.clear()
+    from agl.cli import main
+    from agl.reports.diff import diff_runs, open_run
+
+    a, b = open_run(str(tmp_path / "a")), open_run(str(tmp_path / "b"))
+    try:
+        dogs = sorted(
+            (r.metadata[sc.ROLLOUT_PLACE_KEY] for r in a.store.query_rollouts() if r.input == {"q": "dogs"}),
+            key=lambda p: p.endswith("/m1"),
+        )
+        result = diff_runs(a, b)
+    finally:
+        a.store.close()
+        b.store.close()
+    d = result.first
+    assert dogs and d is not None and not result.identical
+    assert (d.step, d.place, d.call) == (0, dogs[0], 1)  # the first dogs rollout, its second call
+    assert d.a is not None and d.b is not None and d.a.prompt_ids == d.b.prompt_ids
+    assert (d.b.seed, d.b.seed_source) == (
+        4242,
+        sc.SEED_SOURCE_AGENT,
+    ) and d.a.seed_source == sc.SEED_SOURCE_RUN
+    assert d.first_token == next(
+        i for i, (x, y) in enumerate(zip(d.a.response_ids, d.b.response_ids, strict=False)) if x != y
+    )
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--tokenizer", "default"]) == 1
+    out = capsys.readouterr().out
+    assert f"rollout {dogs[0]}, call 1" in out and "B: seed=4242 (agent)" in out
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "nowhere")]) == 2  # a one-line usage error
 
 
 def test_seeds_depend_on_the_place_only() -> None:
