@@ -25,7 +25,7 @@ from agl import semconv as sc  # noqa: E402
 from agl.algorithms.update import PolicyUpdate  # noqa: E402
 from agl.gateway.backends.base import GenerationRequest  # noqa: E402
 from agl.gateway.backends.transformers import TransformersBackend  # noqa: E402
-from agl.seeds import call_seed, derive_seed, rollout_place, rollout_seed  # noqa: E402
+from agl.gateway.seeds import call_seed, derive_seed, rollout_place, rollout_seed  # noqa: E402
 from agl.tracing import provider as tracing  # noqa: E402
 from agl.trainer.trainer import Trainer, load_tokenizer  # noqa: E402
 

@@ -223,7 +223,7 @@ def _request_attrs(
     }
     if request.agent:
         base[sc.AGL_LLM_AGENT] = request.agent
-    if request.seed is not None:  # reproducible runs: the seed the call was sampled with (agl.seeds)
+    if request.seed is not None:  # reproducible runs: the seed the call was sampled with (agl.gateway.seeds)
         base[sc.AGL_LLM_SEED] = int(request.seed)
         base[sc.AGL_LLM_SEED_SOURCE] = request.seed_source or sc.SEED_SOURCE_AGENT
     if request.call_index is not None:

@@ -2,7 +2,7 @@
 
 A run is a store (every rollout, its spans) and, for a run directory, its ``metrics.jsonl``. Rollouts
 are matched by their *place* in the run (:data:`agl.semconv.ROLLOUT_PLACE_KEY`, which the trainer writes
-with the rollout's seed, :mod:`agl.seeds`), never by id (ids are random) or by when they ran; rollouts
+with the rollout's seed, :mod:`agl.gateway.seeds`), never by id (ids are random) or by when they ran; rollouts
 without a place (enqueued by hand) are matched by their position among those of the same step and mode
 in store order. Within a matched pair, the LLM calls of each rollout's finishing attempt are matched by
 their index in the attempt (``agl.llm.call_index``, else store order).

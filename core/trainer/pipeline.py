@@ -28,7 +28,7 @@ from typing import Any
 
 from agl import semconv as sc
 from agl.errors import ConflictError, NotFoundError
-from agl.seeds import rollout_seed
+from agl.gateway.seeds import rollout_seed
 from agl.types import NewRollout, Rollout, Task, Transition
 
 log = logging.getLogger("agl.trainer")
@@ -92,7 +92,7 @@ class GroupPipeline:
     ) -> None:
         self.store = store
         #: the run's seed: each group's rollouts get seeds from it and the group's serial number (the
-        #: n-th group enqueued takes the n-th task of the seeded order, whatever the timing; agl.seeds)
+        #: n-th group enqueued takes the n-th task of the seeded order, whatever the timing; agl.gateway.seeds)
         self.seed = seed
         self.serial = 0
         self.adapt = adapt

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agl import semconv as sc
+from agl.gateway.seeds import rollout_place, rollout_seed
 from agl.run.metrics import rollouts_postfix
-from agl.seeds import rollout_place, rollout_seed
 from agl.trainer.order import TaskOrder
 from agl.trainer.pipeline import cancel_rollouts
 from agl.trainer.state import read_state, write_state
@@ -74,7 +74,7 @@ class Steps:
         return [r.id for r in self.store.enqueue(rollouts)] if rollouts else []
 
     def seeded(self, step: int, task: int, member: int, round_: str, mode: str) -> dict[str, Any]:
-        """A rollout's seed and place (:mod:`agl.seeds`): from the run's seed and where the rollout sits
+        """A rollout's seed and place (:mod:`agl.gateway.seeds`): from the run's seed and where the rollout sits
         in the step (the task's position in the draw, the group member), never from the order runners
         claim or finish rollouts in; the gateway derives each call's seed from it."""
         place = rollout_place(step, task, member, round_, mode)
