@@ -121,7 +121,7 @@ class TransformersBackend(AgentAdapters, Backend):
     changes the rest of the reply. ``deterministic=True`` runs one row at a time (``max_batch_size``
     becomes 1): every call computes exactly what it computes alone, so the same seed, prompt and
     weights give the same tokens whatever else is queued, at the cost of batching's throughput
-    (``bench/generation.py --deterministic`` measures it).
+    (``bench/reproducible.py`` measures it).
     """
 
     name = "transformers"
