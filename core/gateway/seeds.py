@@ -81,6 +81,8 @@ def call_seed(rollout_seed_: int, attempt: int, index: int) -> int:
     return derive_seed("call", int(rollout_seed_), int(attempt), int(index))
 
 
+#: the routes whose raw body a pass-through backend forwards as it is (as in agl.gateway.sampling)
+_FORWARDED = ("chat", "completions")
 _LOCAL_STORES = frozenset({"MemoryStore", "SQLiteStore"})  # read on the event loop (no network wait)
 
 
@@ -115,6 +117,8 @@ class CallSeeds:
         if base is not None:
             gen.seed = call_seed(base, gen.rollout[1], gen.call_index)
             gen.seed_source = sc.SEED_SOURCE_RUN
+            if gen.api in _FORWARDED and isinstance(gen.raw, dict):
+                gen.raw["seed"] = gen.seed  # a pass-through backend (vLLM) forwards the raw body
 
     async def _rollout_seed(self, rollout_id: str) -> int | None:
         if rollout_id in self._seeds:
