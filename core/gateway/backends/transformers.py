@@ -113,15 +113,8 @@ class TransformersBackend(AgentAdapters, Backend):
     :class:`~agl.gateway.tokenizer.ChatTokenizer`. ``model_name`` is what clients put in ``model``.
     ``threads`` sets torch's intra-op threads (fewer than the cores helps on a busy CPU).
     ``default_temperature``/``default_top_p`` apply to requests that leave them out (the trainer sets
-    them from its :class:`agl.RunConfig`).
-
-    Reproducibility: a request with a ``seed`` draws from a generator of its own, so its tokens do not
-    depend on its batch-mates' draws; but a padded batch's logits differ from a lone row's in the last
-    float bits (other matmul shapes, other reduction orders), and at temperature 1 one flipped draw
-    changes the rest of the reply. ``deterministic=True`` runs one row at a time (``max_batch_size``
-    becomes 1): every call computes exactly what it computes alone, so the same seed, prompt and
-    weights give the same tokens whatever else is queued, at the cost of batching's throughput
-    (``bench/reproducible.py`` measures it).
+    them from its :class:`agl.RunConfig`). ``deterministic=True``: one row at a time (a padded batch's
+    logits differ in the last bits), so a seed reproduces a call's tokens (cost: bench/reproducible.py).
     """
 
     name = "transformers"
@@ -150,8 +143,7 @@ class TransformersBackend(AgentAdapters, Backend):
         super().__init__()
         if not isinstance(deterministic, bool):
             raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
-        #: batch-invariant logits: one row at a time (see the class docstring)
-        self.deterministic = deterministic
+        self.deterministic = deterministic  # batch-invariant logits: one row at a time
         self.batched_lora, self._lora_stack = batched_lora, None  # mixed batches: see _batched_lora
         #: named LoRA adapter folders to serve beside the base model (``agl gateway serve --adapter``)
         self._adapter_paths = check_lora_dirs(adapters) if adapters else {}
