@@ -70,7 +70,9 @@ def format_diff(result: RunDiff, *, tokens: int = 16, tok: Any = None, file: Tex
                     )
             if d.first_token is not None:
                 start = d.first_token
-                print(f"  responses from token {start} (the first {start} are the same):", file=file)
+                same = d.a is not None and d.b is not None and d.a.response_ids == d.b.response_ids
+                head = "the same tokens, log-probs differ" if same else f"the first {start} are the same"
+                print(f"  responses from token {start} ({head}):", file=file)
                 rows = [(n, *_side(v, start, tokens, tok)) for n, v in (("A", d.a), ("B", d.b))]
                 width = max(len(r[1]) for r in rows)
                 for n, ids, text in rows:

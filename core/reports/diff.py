@@ -8,7 +8,8 @@ in store order. Within a matched pair, the LLM calls of each rollout's finishing
 their index in the attempt (``agl.llm.call_index``, else store order).
 
 The first divergence is the first matched call, in run order (step, then place, then call), whose
-prompt or response token ids differ, or the first rollout that exists in one run only, made a different
+prompt or response token ids differ, or whose tokens match but whose log-probs do not (the update
+weighs each token by its behaviour log-prob, so those runs' weights part too), or the first rollout that exists in one run only, made a different
 number of calls, or got a different final reward from the same calls. Its likely reason, in the order
 checked: a different task at that place (the runs' seeds or task lists differ), a different prompt (then the difference is upstream: the program, the task, an earlier reply
 it quoted), a different seed, a different weights version; with the same prompt, seed and version the
@@ -43,6 +44,8 @@ class CallView:
     index: int
     prompt_ids: list[int]
     response_ids: list[int]
+    #: the engine's log-prob of each response token (the behaviour policy the update corrects for)
+    logprobs: list[float] | None = None
     seed: int | None = None
     seed_source: str | None = None
     weight_version: int | None = None
@@ -163,6 +166,7 @@ def _calls(store: Any, rollout: Any) -> list[CallView]:
             index=len(calls),
             prompt_ids=list(a.get(sc.AGL_LLM_PROMPT_TOKEN_IDS) or []),
             response_ids=list(a.get(sc.AGL_LLM_RESPONSE_TOKEN_IDS) or []),
+            logprobs=a.get(sc.AGL_LLM_RESPONSE_LOGPROBS),
             seed=a.get(sc.AGL_LLM_SEED),
             seed_source=a.get(sc.AGL_LLM_SEED_SOURCE),
             weight_version=a.get(sc.AGL_LLM_WEIGHT_VERSION),
@@ -225,6 +229,13 @@ def _compare_rollout(
         if x.prompt_ids != y.prompt_ids or x.response_ids != y.response_ids:
             first = None if x.prompt_ids != y.prompt_ids else first_difference(x.response_ids, y.response_ids)
             return Divergence(step, place, x.index, _reason(x, y), x, y, first)
+        if x.logprobs != y.logprobs and x.logprobs is not None and y.logprobs is not None:
+            i = next((k for k, (p, q) in enumerate(zip(x.logprobs, y.logprobs, strict=False)) if p != q), 0)
+            why = (
+                f"same tokens, different log-probs (token {i}: A {x.logprobs[i]!r}, B {y.logprobs[i]!r}): the "
+                "engine's numerics (batching: deterministic=True); the update weighs by them, so weights part"
+            )
+            return Divergence(step, place, x.index, why, x, y, i)
     if len(ca) != len(cb):
         return Divergence(
             step,
