@@ -8,8 +8,10 @@ sends the same 8 seeded requests (temperature 1, distinct seeds, the prompts of 
 concurrently to each engine, in alternating order, and counts generated tokens per second of wall time
 (ratios are taken within a round: the load of a shared machine moves them much less than absolute
 figures). It also sends each request *alone* to both engines and reports how many of the 8 batched
-replies equal the lone reply token for token: the deterministic engine must give 8/8 by construction;
-the default engine's count shows how often batching's float rounding flips a draw at temperature 1.
+replies equal the lone reply token for token, and with their log-probs to the last bit: the
+deterministic engine must give 8/8 by construction; the default engine's counts show how often
+batching's float rounding flips a draw at temperature 1, and how often it changes the behaviour
+log-probs the update weighs each token by.
 """
 
 from __future__ import annotations
@@ -48,17 +50,21 @@ def _requests(new_tokens: int) -> list[Any]:
     ]
 
 
-async def _batch(engine: Any, new_tokens: int) -> tuple[float, list[list[int]]]:
-    """Tokens per second for the 8 requests at once, and their response ids."""
+Reply = tuple[list[int], list[float]]  # response ids, their log-probs
+
+
+async def _batch(engine: Any, new_tokens: int) -> tuple[float, list[Reply]]:
+    """Tokens per second for the 8 requests at once, and their replies."""
     t0 = time.perf_counter()
     out = await asyncio.gather(*(engine.generate(r) for r in _requests(new_tokens)))
     dt = time.perf_counter() - t0
-    ids = [o.choices[0].response_ids for o in out]
-    return sum(map(len, ids)) / dt, ids
+    replies = [(o.choices[0].response_ids, o.choices[0].logprobs) for o in out]
+    return sum(len(ids) for ids, _ in replies) / dt, replies
 
 
-async def _alone(engine: Any, new_tokens: int) -> list[list[int]]:
-    return [(await engine.generate(r)).choices[0].response_ids for r in _requests(new_tokens)]
+async def _alone(engine: Any, new_tokens: int) -> list[Reply]:
+    out = [(await engine.generate(r)).choices[0] for r in _requests(new_tokens)]
+    return [(c.response_ids, c.logprobs) for c in out]
 
 
 async def run(threads: int, new_tokens: int, rounds: int) -> dict[str, Any]:
@@ -73,7 +79,7 @@ async def run(threads: int, new_tokens: int, rounds: int) -> dict[str, Any]:
     await _batch(default, 4)  # warm-up: first-call allocations out of the figures
     await _batch(det, 4)
     tps: dict[str, list[float]] = {"default": [], "deterministic": []}
-    batched: dict[str, list[list[int]]] = {}
+    batched: dict[str, list[Reply]] = {}
     for k in range(rounds):
         order = [("default", default), ("deterministic", det)]
         for name, engine in order if k % 2 == 0 else order[::-1]:
@@ -86,11 +92,12 @@ async def run(threads: int, new_tokens: int, rounds: int) -> dict[str, Any]:
             f"round {k}: default {tps['default'][-1]:.1f} tok/s, deterministic {tps['deterministic'][-1]:.1f} tok/s",
             flush=True,
         )
-    same = {}
+    same, exact = {}, {}
     for name, engine in (("default", default), ("deterministic", det)):
         alone = await _alone(engine, new_tokens)
-        same[name] = sum(1 for a, b in zip(alone, batched[name], strict=True) if a == b)
-    return {"tps": tps, "same_alone_vs_batch": same}
+        same[name] = sum(1 for a, b in zip(alone, batched[name], strict=True) if a[0] == b[0])
+        exact[name] = sum(1 for a, b in zip(alone, batched[name], strict=True) if a == b)
+    return {"tps": tps, "same_alone_vs_batch": same, "exact_alone_vs_batch": exact}
 
 
 def main() -> None:
@@ -107,9 +114,11 @@ def main() -> None:
         f"{statistics.median(d):.1f} tok/s, deterministic {statistics.median(t):.1f} tok/s, ratio "
         f"{statistics.median(ratios):.2f} (rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
     )
-    s = res["same_alone_vs_batch"]
+    s, e = res["same_alone_vs_batch"], res["exact_alone_vs_batch"]
     print(
-        f"batched reply == the same request alone: default {s['default']}/8, deterministic {s['deterministic']}/8"
+        f"batched reply == the same request alone: tokens: default {s['default']}/8, deterministic "
+        f"{s['deterministic']}/8; tokens and log-probs to the bit: default {e['default']}/8, "
+        f"deterministic {e['deterministic']}/8"
     )
 
 
