@@ -211,6 +211,8 @@ class Trainer:
         engine = {"default_temperature": self.config.temperature, "default_top_p": self.config.top_p}
         if s.batched_lora:  # mixed-adapter rows through one batched LoRA product (adapter_per_agent)
             engine["batched_lora"] = True
+        if s.deterministic:  # batch-invariant generation: one row at a time (reproducible runs)
+            engine["deterministic"] = True
         env.start(
             agent,
             policy=self.policy if training else None,
