@@ -48,8 +48,8 @@ TIMEOUT_ENV = "AGL_DIST_TIMEOUT_S"
 _DEFAULT_TIMEOUT_S = 600.0
 #: the per-rank step counts summed over ranks in the logged record
 SUMMED = ("sequences", "tokens_flat", "tokens_packed", "response_tokens", "micro_batches")
-#: the loss, and TRL's per-micro-batch means taken on each rank alone (:func:`local_metrics`)
-AVERAGED = ("loss", "kl", "clip_fraction", "entropy")
+#: TRL's per-micro-batch means, taken on each rank alone (:func:`local_metrics`)
+AVERAGED = ("kl", "clip_fraction", "entropy")
 
 
 def timeout_s() -> float:
@@ -133,16 +133,30 @@ def local_metrics(accelerator: Any) -> Iterator[None]:
 
 
 def reduce_metrics(accelerator: Any, metrics: dict[str, float]) -> None:
-    """Over ranks, in place: sum the counts :data:`SUMMED` and average :data:`AVERAGED` of ``metrics``.
-    The loss is averaged because TRL scales each rank's part of the step's token mean by the number of
-    ranks (whose gradients DDP averages): the mean is the figure one process logs."""
+    """Over ranks, in place: sum the counts :data:`SUMMED`, average the loss, and average the means
+    :data:`AVERAGED` weighted by each rank's micro-batches (a rank without any has no figure). The loss
+    is a plain mean because TRL scales each rank's part of the step's token mean by the number of ranks
+    (whose gradients are averaged): the mean is the figure one process logs."""
     if accelerator.num_processes <= 1:
         return
     import torch
 
-    n = accelerator.num_processes
-    keys = [k for k in (*SUMMED, *AVERAGED) if k in metrics]
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    total = accelerator.reduce(values.to(accelerator.device), reduction="sum").cpu().tolist()
-    for k, v in zip(keys, total, strict=True):
-        metrics[k] = float(v) / (n if k in AVERAGED else 1)
+    mbs = float(metrics.get("micro_batches", 0.0))
+    summed = [k for k in SUMMED if k in metrics]
+    averaged = [k for k in AVERAGED if k in metrics]
+    local = [
+        float(metrics.get("loss", 0.0)),
+        *(metrics[k] for k in summed),
+        *(metrics[k] * mbs for k in averaged),
+    ]
+    total = accelerator.reduce(
+        torch.tensor(local, dtype=torch.float64).to(accelerator.device), reduction="sum"
+    )
+    loss, *rest = total.cpu().tolist()
+    if "loss" in metrics:
+        metrics["loss"] = loss / accelerator.num_processes
+    for k, v in zip(summed, rest, strict=False):
+        metrics[k] = float(v)
+    all_mbs = max(float(metrics.get("micro_batches", 1.0)), 1.0)
+    for k, v in zip(averaged, rest[len(summed) :], strict=True):
+        metrics[k] = float(v) / all_mbs

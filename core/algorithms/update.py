@@ -36,7 +36,6 @@ Where it departs from ``GRPOTrainer.train()`` and why:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -603,7 +602,10 @@ class PolicyUpdate:
             weights = os.path.join(path, "adapter_model.safetensors")
             if not os.path.isfile(weights):
                 raise FileNotFoundError(f"{path} holds no LoRA adapter (adapter_model.safetensors)")
-            set_peft_model_state_dict(model, load_file(weights, device=str(self.device)))
+            device = (
+                "cpu" if self.device.type == "cpu" else str(self.device)
+            )  # a rank's "cpu:<n>" is no device here
+            set_peft_model_state_dict(model, load_file(weights, device=device))
         else:
             tr._load_from_checkpoint(path, self._wrapped)
         tr._load_optimizer_and_scheduler(path)
