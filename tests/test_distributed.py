@@ -38,6 +38,10 @@ def test_shards_are_disjoint_cover_the_step_and_balance_tokens() -> None:
     assert max(loads) - min(loads) <= max(tokens[i] for i in keep)
     assert shard(keep, tokens, 0, 1) == keep
     assert shard([0], tokens, 1, 2) == []  # a rank may get nothing: the update still runs its passes
+    prompts = ["a", "a", "b", "b", "c", "c", "d", "d"]  # a group's sequences share a prompt
+    shares = [shard(range(8), tokens, r, 2, together=prompts) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == list(range(8))
+    assert {prompts[i] for i in shares[0]}.isdisjoint(prompts[i] for i in shares[1])
 
 
 def test_collective_timeout_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,6 +127,8 @@ def test_two_ranks_update_equals_one_process(tmp_path: Path, one_sequence: bool)
     _compare(tmp_path / "one", tmp_path / "two", 1e-5)
     metrics = json.loads((tmp_path / "two" / "metrics.json").read_text())
     assert metrics["sequences"] == (1 if one_sequence else 7)
+    if not one_sequence:  # the groups' shared prompts ran once per rank's tree, not once per call
+        assert metrics["tokens_packed"] < metrics["tokens_flat"]
 
 
 def test_fit_on_two_ranks_then_a_killed_rank_and_resume(tmp_path: Path) -> None:

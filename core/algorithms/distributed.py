@@ -4,8 +4,9 @@ trains, the step's figures summed over ranks, and the bounded collective timeout
 What holds, and why the step equals the one-process step:
 
 - every rank gets the whole step (the same transitions and advantages), so every rank plans the same
-  sequences; :func:`shard` then gives each rank a disjoint share, balanced by tokens (longest first to
-  the least loaded rank), and each rank packs its share under the same ``micro_batch_tokens`` budget;
+  sequences; :func:`shard` then gives each rank a disjoint share, balanced by tokens (largest first to
+  the least loaded rank) with the sequences of one prompt together, and each rank packs its share
+  under the same ``micro_batch_tokens`` budget (shared prefixes as a tree, as on one process);
 - the loss's normaliser is the trained response-token count summed over all ranks
   (``PolicyUpdate._totals``); TRL divides it by the number of processes and the gradients are averaged
   over ranks, so the gradient is the one-process gradient of the token-mean loss over the whole step;
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 __all__ = [
@@ -66,19 +67,31 @@ def timeout_s() -> float:
     return value
 
 
-def shard(keep: Sequence[int], tokens: Sequence[int], rank: int, world: int) -> list[int]:
-    """Rank ``rank``'s share of the sequences ``keep`` (``tokens[i]``: sequence i's token count): the
-    longest sequence goes to the least loaded rank, ties to the lower rank, so the shares are disjoint,
-    cover ``keep``, are the same on every rank and carry about the same tokens. Returned in index order."""
+def shard(
+    keep: Sequence[int],
+    tokens: Sequence[int],
+    rank: int,
+    world: int,
+    together: Sequence[Hashable] | None = None,
+) -> list[int]:
+    """Rank ``rank``'s share of the sequences ``keep`` (``tokens[i]``: sequence i's token count).
+    Sequences with the same ``together[i]`` (a group's prompt) stay on one rank, so that their shared
+    prefix is still run once (:mod:`agl.algorithms.prefix_tree`); the largest unit goes to the least
+    loaded rank, ties to the lower rank. The shares are disjoint, cover ``keep``, are the same on every
+    rank and carry about the same tokens. Returned in index order."""
     if world <= 1:
         return list(keep)
+    units: dict[Hashable, list[int]] = {}
+    for i in keep:
+        units.setdefault(together[i] if together is not None else i, []).append(i)
     load = [0] * world
-    owner: dict[int, int] = {}
-    for i in sorted(keep, key=lambda i: (-tokens[i], i)):
+    mine: list[int] = []
+    sized = sorted(units.values(), key=lambda u: (-sum(tokens[i] for i in u), u[0]))
+    for unit in sized:
         r = min(range(world), key=lambda r: (load[r], r))
-        owner[i] = r
-        load[r] += tokens[i]
-    return [i for i in keep if owner[i] == rank]
+        load[r] += sum(tokens[i] for i in unit)
+        mine += unit if r == rank else []
+    return sorted(mine)
 
 
 def _is_ddp(model: Any) -> bool:

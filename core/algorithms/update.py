@@ -7,8 +7,9 @@ subclasses ``trl.GRPOTrainer`` and takes from it, unchanged:
 
 - model preparation: LoRA wrapping through peft (``peft_config``), gradient checkpointing, dropout off,
   the fused LM head that computes per-token log-probs in chunks without materialising the logits;
-- the accelerate ``Accelerator`` (device placement, bf16/fp16 mixed precision, DDP/FSDP/DeepSpeed when
-  launched with ``accelerate launch``), the optimizer and scheduler (``Trainer._prepare_for_training``);
+- the accelerate ``Accelerator`` (device placement, bf16/fp16 mixed precision, the process group under
+  ``torchrun``/``accelerate launch``: :mod:`agl.algorithms.distributed`), the optimizer and scheduler
+  (``Trainer._prepare_for_training``);
 - the loss: ``GRPOTrainer._compute_loss`` with ``loss_type="dapo"`` (token-level PPO-clip, token-mean
   over every response token of the step via ``num_items_in_batch``), ``epsilon``/``epsilon_high``
   clipping, the k3 KL estimator to a reference (``beta``), and its clip/KL/entropy metrics;
@@ -418,7 +419,8 @@ class PolicyUpdate:
         keep = [k for k, m in enumerate(train_masks) if any(m)]
         n_calls = sum(1 for k in keep for seg in seqs[k].segments if seg.transition in trained)
         acc = self.trainer.accelerator  # each rank trains its share (agl.algorithms.distributed)
-        keep = shard(keep, [s.tokens for s in seqs], acc.process_index, acc.num_processes)
+        together = [s.prompt_ids for s in seqs] if acc.num_processes > 1 else None
+        keep = shard(keep, [s.tokens for s in seqs], acc.process_index, acc.num_processes, together)
         mbs = pack_micro_batches(seqs, self.micro_batch_tokens, indices=keep, share_cost=self.share_cost())
         return _StepPlan(seqs, train_masks, token_adv, keep, mbs, n_calls, merge_stats.as_dict())
 

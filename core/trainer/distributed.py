@@ -32,7 +32,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from agl.trainer.trainer import Trainer
 
-__all__ = ["COLLECTIVE", "Channel", "LeaderPolicy", "end", "follow", "follow_fit", "is_follower", "lead"]
+__all__ = [
+    "COLLECTIVE",
+    "Channel",
+    "LeaderPolicy",
+    "check_data_parallel",
+    "end",
+    "follow",
+    "follow_fit",
+    "is_follower",
+    "lead",
+]
 
 log = logging.getLogger("agl.trainer")
 
@@ -126,11 +136,26 @@ class LeaderPolicy:
             self._channel.send(("end", summary))
 
 
+def check_data_parallel(policy: Any) -> None:
+    """Refuse a sharded launch (FSDP, DeepSpeed, Megatron through ``accelerate config``): the Trainer
+    runs data-parallel (DDP) across processes; its engine shares and pushes the policy's unsharded
+    tensors, which sharded parameters are not."""
+    kind = str(getattr(policy.trainer.accelerator.distributed_type, "value", "NO")).upper()
+    if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        from agl.errors import UsageError
+
+        raise UsageError(
+            f"agl's Trainer runs several processes data-parallel (DDP); {kind} is not supported yet: "
+            "launch without --use_fsdp/--use_deepspeed (accelerate config: no sharding)"
+        )
+
+
 def lead(policy: Any) -> Any:
     """On rank 0 of a multi-process launch, ``policy`` as a :class:`LeaderPolicy`; else ``policy``."""
-    if world_size() <= 1 or rank() != 0:
+    if world_size() <= 1:
         return policy
-    return LeaderPolicy(policy, Channel())
+    check_data_parallel(policy)
+    return policy if rank() != 0 else LeaderPolicy(policy, Channel())
 
 
 def end(policy: Any, summary: dict[str, Any] | None) -> None:
