@@ -8,8 +8,12 @@ calculator's log) and replies of 4-16 tokens (``max_tokens=16``), advantages +-1
 present. The same fixed step (seed 0) is trained ``--steps`` times after one warm-up update; both
 configurations run in this one invocation, one after the other.
 
-    python bench/distributed.py               # 1 process, then 2 processes; a table
-    python bench/distributed.py --steps 5
+    python bench/distributed.py               # 1 process, then 2 processes, twice; a table
+    python bench/distributed.py --steps 5 --rounds 3
+
+Per run: wall seconds per update (rank 0), CPU seconds per update summed over ranks (what the split
+costs in work, whatever the load), communication and waiting per update, micro-batches per rank, peak
+RSS per process, and the logged loss (the same on 1 and 2 processes).
 
 Communication is timed around every ``torch.distributed`` collective the update makes (the step's
 token totals, the one gradient all-reduce, the logged figures): it includes the wait for the slower
@@ -98,12 +102,13 @@ def worker(out: Path, steps: int) -> None:
     policy = PolicyUpdate(model, None, config, output_dir=out / "ckpt", seed=0)
     ts, adv = _transitions()
     policy.step(ts, adv)  # warm-up: allocator, first backward
-    update_s, comm_s, micro = [], [], []
+    update_s, cpu_s, comm_s, micro = [], [], [], []
     for _ in range(steps):
         c0 = spent["s"]
-        t0 = time.perf_counter()
+        t0, p0 = time.perf_counter(), time.process_time()
         m = policy.step(ts, adv)
         update_s.append(time.perf_counter() - t0)
+        cpu_s.append(time.process_time() - p0)
         comm_s.append(spent["s"] - c0)
         micro.append(m["micro_batches"])
     rank = int(os.environ.get("RANK", "0"))
@@ -111,6 +116,7 @@ def worker(out: Path, steps: int) -> None:
         "rank": rank,
         "world": int(os.environ.get("WORLD_SIZE", "1")),
         "update_s": update_s,
+        "cpu_s": cpu_s,
         "comm_s": comm_s,
         "micro_batches": micro,
         "loss": m["loss"],
@@ -150,28 +156,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2, help="1 then 2 processes, this many times")
     parser.add_argument("--out", type=Path, default=Path("bench/results/distributed"))
     args = parser.parse_args()
     if args.worker is not None:
         worker(args.worker, args.steps)
         return
-    load0 = os.getloadavg()
-    runs = {n: _run(n, args.out / f"n{n}", args.steps) for n in (1, 2)}
-    load1 = os.getloadavg()
-    base = _mean(runs[1][0]["update_s"])
-    print(f"load average before {load0[0]:.2f}, after {load1[0]:.2f} (2 cores, shared)")
+    rows = []
+    for k in range(args.rounds):  # interleaved, so that a change of load hits both alike
+        for n in (1, 2):
+            load = os.getloadavg()[0]
+            ranks = _run(n, args.out / f"r{k}-n{n}", args.steps)
+            rows.append({"round": k, "n": n, "load_1min": load, "ranks": ranks})
     print(
-        "processes | update s/step | speedup | comm+wait s/step (rank 0) | micro-batches/rank | peak RSS MiB/process | loss"
+        "round | processes | load (1 min) | update s/step | CPU s/step, all ranks | comm+wait s/step (rank 0 / 1) | micro-batches/rank | peak RSS MiB/process | loss"
     )
-    for n, ranks in runs.items():
-        r0 = ranks[0]
-        upd = _mean(r0["update_s"])
-        rss = " / ".join(f"{r['peak_rss_mib']:.0f}" for r in ranks)
+    for row in rows:
+        ranks = row["ranks"]
+        comm = " / ".join(f"{_mean(r['comm_s']):.2f}" for r in ranks)
         mbs = " / ".join(f"{_mean(r['micro_batches']):.0f}" for r in ranks)
+        rss = " / ".join(f"{r['peak_rss_mib']:.0f}" for r in ranks)
         print(
-            f"{n} | {upd:.2f} | {base / upd:.2f}x | {_mean(r0['comm_s']):.3f} | {mbs} | {rss} | {r0['loss']:.6f}"
+            f"{row['round']} | {row['n']} | {row['load_1min']:.1f} | {_mean(ranks[0]['update_s']):.1f}"
+            f" | {sum(_mean(r['cpu_s']) for r in ranks):.1f} | {comm}"
+            f" | {mbs} | {rss} | {ranks[0]['loss']:.6f}"
         )
-    (args.out / "summary.json").write_text(json.dumps({"load": [load0, load1], "runs": runs}))
+    (args.out / "summary.json").write_text(json.dumps(rows))
 
 
 if __name__ == "__main__":
