@@ -1,5 +1,5 @@
-"""Training on several processes, for real: ``python -m torch.distributed.run`` (torchrun) starts 2 ranks
-of an ordinary script (tests/fixtures/distributed_worker.py) on the gloo backend, on CPU.
+"""Training on several processes, for real: ``python -m torch.distributed.run`` (torchrun) or
+``accelerate launch`` starts 2 ranks of an ordinary script (tests/fixtures/distributed_worker.py) on the gloo backend, on CPU.
 
 Asserts: two ranks' update equals one process's on the same transitions and seed (LoRA weights within
 1e-5, the logged loss and gradient norm, the step's counts); a rank with no micro-batch does not hang
@@ -78,10 +78,15 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _start(args: list[str], nproc: int, **env: str) -> subprocess.Popen:
-    """The worker on ``nproc`` ranks (torchrun on a free port), or alone for ``nproc=1``."""
+def _start(args: list[str], nproc: int, *, accelerate: bool = False, **env: str) -> subprocess.Popen:
+    """The worker on ``nproc`` ranks (torchrun, or ``accelerate launch``, on a free port), or alone
+    for ``nproc=1``."""
     launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     launch += [f"--master-port={_free_port()}", "--monitor-interval=0.5"]
+    if accelerate:  # on a machine without GPUs, --multi_gpu is what starts several gloo processes
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines=1"]
+        launch += [f"--num_processes={nproc}", f"--main_process_port={_free_port()}", "--mixed_precision=no"]
+        launch += ["--dynamo_backend=no"]
     cmd = [*(launch if nproc > 1 else [sys.executable]), str(WORKER), *args]
     return subprocess.Popen(cmd, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -125,6 +130,9 @@ def test_two_ranks_update_equals_one_process(tmp_path: Path, one_sequence: bool)
     _finish(one)
     _finish(two)
     _compare(tmp_path / "one", tmp_path / "two", 1e-5)
+    if not one_sequence:  # the same script under accelerate launch
+        _finish(_start(["update", str(tmp_path / "acc")], 2, accelerate=True))
+        _compare(tmp_path / "one", tmp_path / "acc", 1e-5)
     metrics = json.loads((tmp_path / "two" / "metrics.json").read_text())
     assert metrics["sequences"] == (1 if one_sequence else 7)
     if not one_sequence:  # the groups' shared prompts ran once per rank's tree, not once per call

@@ -27,6 +27,7 @@ import datetime
 import functools
 import logging
 import os
+import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -113,6 +114,9 @@ class LeaderPolicy:
         object.__setattr__(self, "_policy", policy)
         object.__setattr__(self, "_channel", channel)
         object.__setattr__(self, "ended", False)
+        # one collective call at a time, sent and made under the lock: the asynchronous schedule updates
+        # in a thread while a push may save the adapter in another; the ranks must see one order
+        object.__setattr__(self, "_lock", threading.RLock())
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._policy, name)
@@ -124,16 +128,18 @@ class LeaderPolicy:
         setattr(self._policy, name, value)
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        if self.ended:
-            raise RuntimeError(f"the distributed run has ended: cannot call {name}()")
-        self._channel.send(("call", name, args, kwargs))
-        return getattr(self._policy, name)(*args, **kwargs)
+        with self._lock:
+            if self.ended:
+                raise RuntimeError(f"the distributed run has ended: cannot call {name}()")
+            self._channel.send(("call", name, args, kwargs))
+            return getattr(self._policy, name)(*args, **kwargs)
 
     def end(self, summary: dict[str, Any] | None) -> None:
         """Release the followers: ``summary`` is what their ``fit`` returns (None: rank 0 failed)."""
-        if not self.ended:
-            object.__setattr__(self, "ended", True)
-            self._channel.send(("end", summary))
+        with self._lock:
+            if not self.ended:
+                object.__setattr__(self, "ended", True)
+                self._channel.send(("end", summary))
 
 
 def check_data_parallel(policy: Any) -> None:

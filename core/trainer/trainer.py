@@ -346,6 +346,8 @@ class Trainer:
         tasks = as_tasks(data, "test")
         if not tasks:
             raise UsageError("dev() needs at least one task")
+        if distributed.is_follower():  # under torchrun, rank 0 alone runs the rollouts
+            return []
         self._start(agent, training=False, base_url=base_url)
         steps = Steps(self)
         try:
