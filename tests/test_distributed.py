@@ -42,6 +42,8 @@ def test_shards_are_disjoint_cover_the_step_and_balance_tokens() -> None:
     shares = [shard(range(8), tokens, r, 2, together=prompts) for r in range(2)]
     assert sorted(shares[0] + shares[1]) == list(range(8))
     assert {prompts[i] for i in shares[0]}.isdisjoint(prompts[i] for i in shares[1])
+    one_prompt = shard(range(8), tokens, 1, 2, together=["p"] * 8)  # fewer prompts than ranks: split
+    assert one_prompt and len(one_prompt) < 8
 
 
 def test_collective_timeout_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:

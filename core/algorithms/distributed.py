@@ -76,11 +76,14 @@ def shard(
 ) -> list[int]:
     """Rank ``rank``'s share of the sequences ``keep`` (``tokens[i]``: sequence i's token count).
     Sequences with the same ``together[i]`` (a group's prompt) stay on one rank, so that their shared
-    prefix is still run once (:mod:`agl.algorithms.prefix_tree`); the largest unit goes to the least
+    prefix is still run once (:mod:`agl.algorithms.prefix_tree`), unless there are fewer prompts than
+    ranks (then each sequence goes alone, so no rank idles); the largest unit goes to the least
     loaded rank, ties to the lower rank. The shares are disjoint, cover ``keep``, are the same on every
     rank and carry about the same tokens. Returned in index order."""
     if world <= 1:
         return list(keep)
+    if together is not None and len({together[i] for i in keep}) < world:
+        together = None  # fewer prompts than ranks: every rank busy beats a prefix run once
     units: dict[Hashable, list[int]] = {}
     for i in keep:
         units.setdefault(together[i] if together is not None else i, []).append(i)
