@@ -604,9 +604,8 @@ class PolicyUpdate:
             weights = os.path.join(path, "adapter_model.safetensors")
             if not os.path.isfile(weights):
                 raise FileNotFoundError(f"{path} holds no LoRA adapter (adapter_model.safetensors)")
-            device = (
-                "cpu" if self.device.type == "cpu" else str(self.device)
-            )  # a rank's "cpu:<n>" is no device here
+            # safetensors takes "cpu", not a rank's "cpu:<n>"
+            device = "cpu" if self.device.type == "cpu" else str(self.device)
             set_peft_model_state_dict(model, load_file(weights, device=device))
         else:
             tr._load_from_checkpoint(path, self._wrapped)

@@ -132,7 +132,13 @@ class LeaderPolicy:
             if self.ended:
                 raise RuntimeError(f"the distributed run has ended: cannot call {name}()")
             self._channel.send(("call", name, args, kwargs))
-            return getattr(self._policy, name)(*args, **kwargs)
+            try:
+                return getattr(self._policy, name)(*args, **kwargs)
+            except BaseException:
+                # the followers may still be inside this call's collectives: a message now would
+                # wait for them for ever; rank 0's exit is what stops them (the launcher)
+                object.__setattr__(self, "ended", True)
+                raise
 
     def end(self, summary: dict[str, Any] | None) -> None:
         """Release the followers: ``summary`` is what their ``fit`` returns (None: rank 0 failed)."""
