@@ -1,7 +1,7 @@
 """Training on several processes, for real: ``python -m torch.distributed.run`` (torchrun) or
 ``accelerate launch`` starts 2 ranks of an ordinary script (tests/fixtures/distributed_worker.py) on the gloo backend, on CPU.
 
-Asserts: two ranks' update equals one process's on the same transitions and seed (LoRA weights within
+Asserts: two ranks' update equals one process's on the same transitions and seed (LoRA, or all, weights within
 1e-5, the logged loss and gradient norm, the step's counts); a rank with no micro-batch does not hang
 the step; a whole ``Trainer.fit`` on two ranks has one store, one metrics file and one set of
 checkpoints on rank 0 while rank 1 only updates; a rank killed mid-run fails the run within a bounded
@@ -105,11 +105,11 @@ def _finish(proc: subprocess.Popen, expect_ok: bool = True) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def _compare(one: Path, two: Path, tol: float) -> None:
+def _compare(one: Path, two: Path, tol: float, *, lora: bool = True) -> None:
     import torch
 
     a, b = torch.load(one / "weights.pt"), torch.load(two / "weights.pt")
-    assert a.keys() == b.keys() and any("lora_" in k for k in a)
+    assert a.keys() == b.keys() and any("lora_" in k for k in a) == lora
     moved = max((a[k] - torch.load(one / "start.pt")[k]).abs().max().item() for k in a)
     assert moved > 100 * tol  # the update changed the weights by far more than the tolerance
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
@@ -121,23 +121,28 @@ def _compare(one: Path, two: Path, tol: float) -> None:
         assert m2[key] == m1[key], key
 
 
-@pytest.mark.parametrize("one_sequence", [False, True], ids=["shared-step", "rank-without-micro-batch"])
-def test_two_ranks_update_equals_one_process(tmp_path: Path, one_sequence: bool) -> None:
-    """DDP on LoRA: the same weights, loss and gradient norm as one process; with a single trained
-    sequence, rank 1 has no micro-batch and still joins the step's collectives (no hang)."""
+@pytest.mark.parametrize(
+    ("one_sequence", "full"),
+    [(False, False), (True, False), (False, True)],
+    ids=["shared-step", "rank-without-micro-batch", "full-parameter"],
+)
+def test_two_ranks_update_equals_one_process(tmp_path: Path, one_sequence: bool, full: bool) -> None:
+    """DDP on LoRA (and on every weight): the same weights, loss and gradient norm as one process;
+    with a single trained sequence, rank 1 has no micro-batch and still joins the step's collectives
+    (no hang)."""
     _need_training()
-    extra = ["--one"] if one_sequence else []
+    extra = (["--one"] if one_sequence else []) + (["--full"] if full else [])
     two = _start(["update", str(tmp_path / "two"), *extra], 2)
     one = _start(["update", str(tmp_path / "one"), *extra], 1)
     _finish(one)
     _finish(two)
-    _compare(tmp_path / "one", tmp_path / "two", 1e-5)
-    if not one_sequence:  # the same script under accelerate launch
+    _compare(tmp_path / "one", tmp_path / "two", 1e-5, lora=not full)
+    if not (one_sequence or full):  # the same script under accelerate launch
         _finish(_start(["update", str(tmp_path / "acc")], 2, accelerate=True))
         _compare(tmp_path / "one", tmp_path / "acc", 1e-5)
     metrics = json.loads((tmp_path / "two" / "metrics.json").read_text())
     assert metrics["sequences"] == (1 if one_sequence else 7)
-    if not one_sequence:  # the groups' shared prompts ran once per rank's tree, not once per call
+    if not (one_sequence or full):  # the groups' shared prompts ran once per rank's tree, not once per call
         assert metrics["tokens_packed"] < metrics["tokens_flat"]
 
 
