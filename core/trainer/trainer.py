@@ -211,6 +211,8 @@ class Trainer:
         engine = {"default_temperature": self.config.temperature, "default_top_p": self.config.top_p}
         if s.batched_lora:  # mixed-adapter rows through one batched LoRA product (adapter_per_agent)
             engine["batched_lora"] = True
+        if s.engine_dtype is not None:  # bf16 serving where native (see agl.gateway.backends._dtype)
+            engine["dtype"] = s.engine_dtype
         env.start(
             agent,
             policy=self.policy if training else None,

@@ -49,6 +49,8 @@ from typing import Any
 
 from agl.gateway.backends._adapters import AgentAdapters, with_adapters
 from agl.gateway.backends._batching import Batch, BusyClock, Row
+from agl.gateway.backends._dtype import engine_copy as _engine_copy
+from agl.gateway.backends._dtype import resolve_dtype
 from agl.gateway.backends._stream_text import StreamText, tail_delta, token_logprobs
 from agl.gateway.backends._swaps import LiveSwaps
 from agl.gateway.backends.base import (
@@ -137,6 +139,7 @@ class TransformersBackend(AgentAdapters, Backend):
         batch_window_s: float = 0.005,
         adapters: dict[str, str] | None = None,
         batched_lora: bool = False,
+        _pushed_from: Any = None,
     ) -> None:
         super().__init__()
         self.batched_lora, self._lora_stack = batched_lora, None  # mixed batches: see _batched_lora
@@ -152,7 +155,7 @@ class TransformersBackend(AgentAdapters, Backend):
         self.default_temperature = float(default_temperature)
         self.default_top_p = float(default_top_p)
         self._generator: Any = None
-        self._pushed_from: Any = None
+        self._pushed_from: Any = _pushed_from
         self.threads = threads
         self._model_arg = model
         self._tokenizer_arg = tokenizer
@@ -187,8 +190,9 @@ class TransformersBackend(AgentAdapters, Backend):
     def for_policy(cls, policy: Any, **kwargs: Any) -> TransformersBackend:
         """An engine serving a :class:`~agl.algorithms.update.PolicyUpdate` of this process, sharing
         its frozen weights (see :meth:`push`); ``kwargs`` as for the constructor."""
-        backend = cls(_engine_copy(policy.model), **kwargs)
-        backend._pushed_from = policy.model
+        source = policy.model
+        dtype = resolve_dtype(kwargs.get("dtype"), str(next(source.parameters()).device))
+        backend = cls(_engine_copy(source, dtype), _pushed_from=source, **kwargs)
         backend.agent_adapters = list(getattr(policy, "adapters", {}).values())
         return backend
 
@@ -214,10 +218,14 @@ class TransformersBackend(AgentAdapters, Backend):
                 path = str(model)
                 self.model_name = self.model_name or Path(path).name
             device = self._device or ("cuda" if torch.cuda.is_available() else "cpu")
-            dtype = self._dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+            dtype = resolve_dtype(self._dtype, device) or (
+                torch.bfloat16 if device.startswith("cuda") else torch.float32
+            )
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
             if tok is None:
                 tok = AutoTokenizer.from_pretrained(path)
+        elif self._dtype is not None and self._pushed_from is None:  # a model object, cast as asked
+            model = model.to(resolve_dtype(self._dtype, str(next(model.parameters()).device)))
         if tok is None:
             tok = load_default_tokenizer()
         if not isinstance(tok, ChatTokenizer):
@@ -290,6 +298,11 @@ class TransformersBackend(AgentAdapters, Backend):
     @property
     def device(self) -> Any:
         return next(self.model.parameters()).device
+
+    @property
+    def serving_dtype(self) -> Any:
+        """The dtype the engine computes in (None before the model is loaded)."""
+        return None if self.model is None else next(self.model.parameters()).dtype
 
     # ------------------------------------------------------------------------ generation
     def _ensure_worker(self) -> None:
@@ -750,7 +763,7 @@ class TransformersBackend(AgentAdapters, Backend):
             import torch
 
             if self._pushed_from is not source:
-                self.model = _engine_copy(source)
+                self.model = _engine_copy(source, resolve_dtype(self._dtype, str(self.device)))
                 self._pushed_from = source
                 self.agent_adapters = list(getattr(policy, "adapters", {}).values())
             else:
@@ -770,25 +783,3 @@ def _trainable(model: Any, reference: Any) -> list[tuple[str, Any]]:
     """``model``'s parameters that are trainable in ``reference`` (by name, in a fixed order)."""
     wanted = {name for name, p in reference.named_parameters() if p.requires_grad}
     return [(name, p) for name, p in model.named_parameters() if name in wanted]
-
-
-def _engine_copy(source: Any) -> Any:
-    """A copy of ``source`` for inference that shares its frozen parameters and copies the rest."""
-    import copy
-
-    import torch
-
-    memo: dict[int, Any] = {id(p): p for p in source.parameters() if not p.requires_grad}
-    # buffers of frozen modules (e.g. rotary tables) are shared too; they never change
-    memo.update({id(b): b for b in source.buffers()})
-    with torch.no_grad():
-        engine = copy.deepcopy(source, memo)
-    for module in engine.modules():
-        # TRL patches ``forward`` on the training model's instance (its fused LM head); the copy must run
-        # its own class's forward, not a closure bound to the training model
-        module.__dict__.pop("forward", None)
-    for p in engine.parameters():
-        if p.requires_grad:
-            p.requires_grad_(False)
-    engine.eval()
-    return engine
