@@ -70,6 +70,7 @@ def main() -> int:
         spec = importlib.util.spec_from_file_location("agl_old_batching", args.old)
         assert spec and spec.loader
         old = importlib.util.module_from_spec(spec)
+        sys.modules["agl_old_batching"] = old  # dataclasses look their module up
         spec.loader.exec_module(old)
         loops = {"old": old, **loops}
     path = str(prepare_default_model())

@@ -51,7 +51,7 @@ from agl.gateway.backends._adapters import AgentAdapters, with_adapters
 from agl.gateway.backends._batching import Batch, BusyClock, Row
 from agl.gateway.backends._dtype import engine_copy as _engine_copy
 from agl.gateway.backends._dtype import resolve_dtype
-from agl.gateway.backends._stream_text import StreamText, tail_delta, token_logprobs
+from agl.gateway.backends._stream_text import StreamText, hand_over, tail_delta, token_logprobs
 from agl.gateway.backends._swaps import LiveSwaps
 from agl.gateway.backends.base import (
     Backend,
@@ -176,6 +176,7 @@ class TransformersBackend(AgentAdapters, Backend):
         #: in-place swaps waiting for the worker's next scheduler iteration (between decode steps)
         self._live_swaps = LiveSwaps()
         self.busy = BusyClock()  # seconds the scheduler ran at least one row (the busy share metric)
+        self._drawn: list[tuple[Any, Any, Any]] = []  # streamed tokens of this step (worker thread)
         self._processors_cache: dict[Any, Any] = {}  # per prompt length (min_length rules)
         self._wakeup: asyncio.Event | None = None
         self._lock: asyncio.Lock | None = None
@@ -506,6 +507,7 @@ class TransformersBackend(AgentAdapters, Backend):
                         admitting = [self._row(j) for j in self._take(room)]
                     if admitting:
                         ended += batch.admit(admitting)
+                        self._hand_tokens()
                         admitting = []
                         self.batch_sizes.append(len(batch))
                     if not len(batch):
@@ -515,13 +517,21 @@ class TransformersBackend(AgentAdapters, Backend):
                             return
                         continue
                     ended += batch.step()
+                    self._hand_tokens()
                 except Exception as exc:  # noqa: BLE001 - every request in the batch learns of it
+                    self._hand_tokens()  # what was drawn before the failure, before the error
                     log.exception("agl gateway: generation failed")
                     error = BackendError(f"generation failed: {type(exc).__name__}: {exc}")
                     for r in admitting + batch.fail():
                         self._deliver(r.payload, None, error)
                 for r in ended:
                     self._finish(r)
+
+    def _hand_tokens(self) -> None:
+        """Hand this step's streamed tokens to their event loops (one wake-up per loop and step)."""
+        drawn, self._drawn = self._drawn, []
+        if drawn:
+            hand_over(drawn)
 
     def _row(self, job: _Job) -> Row:
         r = job.request
@@ -533,7 +543,7 @@ class TransformersBackend(AgentAdapters, Backend):
             queue, loop = job.tokens, job.loop
 
             def on_token(token: int, logprob: float) -> None:
-                loop.call_soon_threadsafe(queue.put_nowait, (token, logprob))
+                self._drawn.append((loop, queue, (token, logprob)))
 
         return Row(
             prompt_ids=job.prompt_ids,
