@@ -93,3 +93,26 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_has_it_and_the_trainer_is_told() 
     assert next(Policy.model.parameters()).dtype is torch.float32  # the policy's weights are not cast
     same = TransformersBackend.for_policy(Policy)
     assert same.serving_dtype is torch.float32 and not serves_other_dtype(same, Policy)
+
+
+def test_a_push_into_a_bf16_engine_copies_the_trainable_tensors_cast() -> None:
+    import asyncio
+
+    from agl.gateway.backends.transformers import TransformersBackend
+
+    class Policy:
+        model = tiny(1)
+
+    for name, p in Policy.model.named_parameters():
+        p.requires_grad_("q_proj" in name)  # the trainable tensors (LoRA's role); the rest frozen
+    engine = TransformersBackend.for_policy(Policy, dtype="bfloat16")
+    with torch.no_grad():
+        for p in Policy.model.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    version = asyncio.run(engine.push(Policy, version=3))
+    assert version == 3
+    served = dict(engine.model.named_parameters())
+    for name, p in Policy.model.named_parameters():
+        assert served[name].dtype is torch.bfloat16
+        assert torch.equal(served[name], p.detach().to(torch.bfloat16))
