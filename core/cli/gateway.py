@@ -141,6 +141,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-batch-size", type=int, default=8, help="transformers: requests generated together")
     p.add_argument("--threads", type=int, help="transformers: torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        help="transformers: the dtype the engine computes in (auto: bf16 where the hardware has native "
+        "bf16 (CUDA, a CPU with AMX/AVX512-BF16), fp32 elsewhere; default: bf16 on CUDA, fp32 on CPU)",
+    )
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -216,6 +222,7 @@ def _target_backend(args: Any, name: str, target: str, adapters: list[str]) -> A
             model_name=name,
             max_batch_size=args.max_batch_size,
             threads=getattr(args, "threads", None),
+            dtype=getattr(args, "dtype", None),
         )
     what = {"scripted": "a script file", "transformers": "a checkpoint directory"}.get(args.backend)
     choices = [
@@ -239,6 +246,7 @@ def build_backend(args: Any) -> Any:
             model_name=(args.model_name or [None])[0],
             max_batch_size=args.max_batch_size,
             threads=getattr(args, "threads", None),
+            dtype=getattr(args, "dtype", None),
             adapters=_adapter_args(getattr(args, "adapter", None) or []) or None,
             batched_lora=bool(getattr(args, "batched_lora", False)),
         )

@@ -82,6 +82,15 @@ class Serving:
         default=None, metadata=_help(f"the gateway's bearer token (default: ${API_KEY_ENV})")
     )
     progress: bool = field(default=True, metadata=_help("show progress bars"))
+    engine_dtype: str | None = field(
+        default=None,
+        metadata=_help(
+            "transformers backend: the dtype the embedded engine computes in: auto (bf16 where the "
+            "hardware has native bf16: CUDA, a CPU with AMX/AVX512-BF16; fp32 elsewhere), float32, "
+            "bfloat16; None serves in the policy's dtype, sharing its frozen weights. Another dtype "
+            "than the policy's trains by decoupled PPO against the update's own log-probs"
+        ),
+    )
     batched_lora: bool = field(
         default=False,
         metadata=_help(
@@ -129,6 +138,17 @@ class Serving:
             )
         if self.vllm_url and self.vllm_python:
             raise UsageError("give vllm_url (a running server) or vllm_python (agl starts one), not both")
+        if self.engine_dtype is not None and str(self.engine_dtype).lower() not in (
+            "auto",
+            "float32",
+            "fp32",
+            "bfloat16",
+            "bf16",
+            "float16",
+        ):
+            raise UsageError(
+                f"engine_dtype must be auto, float32, bfloat16 or float16, got {self.engine_dtype!r}"
+            )
         if not isinstance(self.batched_lora, bool):
             raise UsageError(f"batched_lora must be True or False, got {self.batched_lora!r}")
         if self.batched_lora and self.backend != "transformers":

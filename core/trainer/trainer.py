@@ -217,6 +217,8 @@ class Trainer:
             engine["batched_lora"] = True
         if s.deterministic:  # batch-invariant generation: one row at a time (reproducible runs)
             engine["deterministic"] = True
+        if s.engine_dtype is not None:  # bf16 serving where native (see agl.gateway.backends._dtype)
+            engine["dtype"] = s.engine_dtype
         env.start(
             agent,
             policy=self.policy if training else None,

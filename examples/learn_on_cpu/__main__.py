@@ -204,7 +204,7 @@ def _common(sp: argparse.ArgumentParser) -> None:
     add_config_arguments(
         sp,
         Serving,
-        only=["backend", "vllm_url", "vllm_python", "vllm_args", "deterministic"],
+        only=["backend", "vllm_url", "vllm_python", "vllm_args", "deterministic", "engine_dtype"],
         overrides={
             "backend": {
                 "choices": ["transformers", "vllm"],

@@ -18,7 +18,7 @@ regular forward pass:
   with its own sampling settings and generator (:func:`sample`); rows that end (EOS, ``max_tokens``, a
   stop string, cancellation) leave the batch and columns no row uses any more are cut off the left.
 
-A seeded request draws from a fresh generator of its own, one ``multinomial`` on its own row per step,
+A seeded request draws from a fresh generator of its own, one uniform number per step (:func:`draw`),
 exactly as when it is alone, so batching changes its tokens only through float rounding in the model.
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 
 from agl.lora import PEFT_ROW_ADAPTERS
 
-__all__ = ["Batch", "BusyClock", "Row", "sample", "truncate"]
+__all__ = ["Batch", "BusyClock", "Row", "draw", "sample", "truncate"]
 
 
 @dataclass
@@ -94,6 +94,11 @@ def sample(rows: Sequence[Row], logits: Any) -> tuple[list[int], list[float]]:
     The recorded logprob is that of the distribution the token was drawn from: ``log_softmax(logits /
     temperature)`` after the model's processors, truncated and renormalised under ``top_p``/``top_k``;
     a greedy row (``temperature == 0``) records ``log_softmax(logits)`` and takes the argmax.
+
+    This is the one place a next token is drawn. Each sampled row draws one uniform number from its own
+    generator (:func:`draw`), so a row's tokens do not depend on the other rows of the batch; the
+    softmax, the cumulative sums and the look-ups run once for the whole batch (the per-row loop of
+    ``multinomial`` calls was a tenth of a decode step at batch 8, bench/README.md).
     """
     import torch
 
@@ -109,20 +114,41 @@ def sample(rows: Sequence[Row], logits: Any) -> tuple[list[int], list[float]]:
         logp = torch.log_softmax(scores, dim=-1)
     else:
         logp = torch.log_softmax(scores / torch.tensor(temps, device=scores.device)[:, None], dim=-1)
-    tokens: list[int] = []
-    lps: list[float] = []
-    greedy = logp.argmax(dim=-1).tolist() if any(r.temperature <= 0 for r in rows) else None
-    for i, r in enumerate(rows):
-        row = logp[i : i + 1]
-        if r.temperature <= 0:
-            assert greedy is not None
-            t = greedy[i]
-        else:
-            row = truncate(row, r.top_p, r.top_k)
-            t = int(torch.multinomial(row.exp(), 1, generator=r.generator)[0, 0])
-        tokens.append(t)
-        lps.append(float(row[0, t]))
-    return tokens, lps
+    if any(r.temperature > 0 and (r.top_p < 1.0 or r.top_k is not None) for r in rows):
+        logp = logp.clone()
+        for i, r in enumerate(rows):
+            if r.temperature > 0 and (r.top_p < 1.0 or r.top_k is not None):
+                logp[i : i + 1] = truncate(logp[i : i + 1], r.top_p, r.top_k)
+    drawn = [i for i, r in enumerate(rows) if r.temperature > 0]
+    tokens = None if len(drawn) == len(rows) else logp.argmax(dim=-1)
+    if len(drawn) == len(rows):
+        tokens = draw(logp, [r.generator for r in rows])
+    elif drawn:
+        index = torch.tensor(drawn, device=logp.device)
+        tokens[index] = draw(logp[index], [rows[i].generator for i in drawn])
+    lps = logp.gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), lps.tolist()
+
+
+def draw(logp: Any, generators: Sequence[Any]) -> Any:
+    """One token per row of ``logp`` (rows x vocab log-probs), row ``i`` drawn with ``generators[i]``.
+
+    Inverse-CDF sampling: a uniform ``u`` from the row's generator picks the first token whose
+    cumulative probability exceeds ``u`` times the row's total. A token of probability zero never
+    covers an interval, so it is never drawn (``right=True``: ties go past it)."""
+    import torch
+
+    cdf = logp.exp().cumsum(dim=-1)
+    u = torch.cat(
+        [torch.rand(1, generator=g, device=g.device) if g is not None else torch.rand(1) for g in generators]
+    )
+    target = (u.to(cdf.device) * cdf[:, -1])[:, None]
+    picked = torch.searchsorted(cdf, target, right=True)[:, 0]
+    over = picked >= cdf.size(-1)  # u * total rounded up to the total: the last token with mass
+    if bool(over.any()):
+        last = cdf.size(-1) - 1 - (logp > float("-inf")).flip(-1).int().argmax(dim=-1)
+        picked = torch.where(over, last, picked)
+    return picked
 
 
 def _cache_kwarg(model: Any) -> str:
@@ -199,10 +225,13 @@ class Batch:
         return self.model(**kwargs).logits[:, -1, :]
 
     def _new_cache(self) -> Any:
+        """A ``DynamicCache`` whose full-attention layers write in place (:mod:`._kv`)."""
         from transformers import DynamicCache
 
+        from agl.gateway.backends._kv import preallocate
+
         try:
-            return DynamicCache(config=self.model.config)
+            return preallocate(DynamicCache(config=self.model.config))
         except Exception:  # noqa: BLE001 - a config the cache cannot read: plain full-attention layers
             return DynamicCache()
 
@@ -211,10 +240,12 @@ class Batch:
         (a sliding-window or linear-attention cache cannot be left-padded and concatenated)."""
         from transformers.cache_utils import DynamicLayer
 
+        from agl.gateway.backends._kv import SlackLayer
+
         if self.cache is None:
             return True
         layers = getattr(self.cache, "layers", None)
-        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+        return bool(layers) and all(type(layer) in (DynamicLayer, SlackLayer) for layer in layers)
 
     def admit(self, rows: Sequence[Row]) -> list[Row]:
         """Prefill ``rows`` together, draw their first token, and join the ones still running to the

@@ -84,3 +84,22 @@ def tail_delta(choice: Any, sent: str) -> dict[str, Any]:
     if choice.tool_calls:
         tail["tool_calls"] = [{"index": k, **tc.to_openai()} for k, tc in enumerate(choice.tool_calls)]
     return tail
+
+
+def hand_over(drawn: list[tuple[Any, Any, Any]]) -> None:
+    """Put each ``(loop, queue, item)``'s item on its asyncio queue, one ``call_soon_threadsafe`` per
+    event loop (from the engine's worker thread, once per decode step): a cross-thread wake-up is a
+    syscall, and one per streamed row made a step's overhead grow with the batch. Order is kept."""
+    by_loop: dict[Any, list[tuple[Any, Any]]] = {}
+    for loop, queue, item in drawn:
+        by_loop.setdefault(loop, []).append((queue, item))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+
+def _put_all(items: list[tuple[Any, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

@@ -49,7 +49,9 @@ from typing import Any
 
 from agl.gateway.backends._adapters import AgentAdapters, with_adapters
 from agl.gateway.backends._batching import Batch, BusyClock, Row
-from agl.gateway.backends._stream_text import StreamText, tail_delta, token_logprobs
+from agl.gateway.backends._dtype import engine_copy as _engine_copy
+from agl.gateway.backends._dtype import resolve_dtype
+from agl.gateway.backends._stream_text import StreamText, hand_over, tail_delta, token_logprobs
 from agl.gateway.backends._swaps import LiveSwaps
 from agl.gateway.backends.base import (
     Backend,
@@ -139,6 +141,7 @@ class TransformersBackend(AgentAdapters, Backend):
         adapters: dict[str, str] | None = None,
         batched_lora: bool = False,
         deterministic: bool = False,
+        _pushed_from: Any = None,
     ) -> None:
         super().__init__()
         if not isinstance(deterministic, bool):
@@ -157,7 +160,7 @@ class TransformersBackend(AgentAdapters, Backend):
         self.default_temperature = float(default_temperature)
         self.default_top_p = float(default_top_p)
         self._generator: Any = None
-        self._pushed_from: Any = None
+        self._pushed_from: Any = _pushed_from
         self.threads = threads
         self._model_arg = model
         self._tokenizer_arg = tokenizer
@@ -178,6 +181,7 @@ class TransformersBackend(AgentAdapters, Backend):
         #: in-place swaps waiting for the worker's next scheduler iteration (between decode steps)
         self._live_swaps = LiveSwaps()
         self.busy = BusyClock()  # seconds the scheduler ran at least one row (the busy share metric)
+        self._drawn: list[tuple[Any, Any, Any]] = []  # streamed tokens of this step (worker thread)
         self._processors_cache: dict[Any, Any] = {}  # per prompt length (min_length rules)
         self._wakeup: asyncio.Event | None = None
         self._lock: asyncio.Lock | None = None
@@ -192,8 +196,9 @@ class TransformersBackend(AgentAdapters, Backend):
     def for_policy(cls, policy: Any, **kwargs: Any) -> TransformersBackend:
         """An engine serving a :class:`~agl.algorithms.update.PolicyUpdate` of this process, sharing
         its frozen weights (see :meth:`push`); ``kwargs`` as for the constructor."""
-        backend = cls(_engine_copy(policy.model), **kwargs)
-        backend._pushed_from = policy.model
+        source = policy.model
+        dtype = resolve_dtype(kwargs.get("dtype"), str(next(source.parameters()).device))
+        backend = cls(_engine_copy(source, dtype), _pushed_from=source, **kwargs)
         backend.agent_adapters = list(getattr(policy, "adapters", {}).values())
         return backend
 
@@ -219,10 +224,14 @@ class TransformersBackend(AgentAdapters, Backend):
                 path = str(model)
                 self.model_name = self.model_name or Path(path).name
             device = self._device or ("cuda" if torch.cuda.is_available() else "cpu")
-            dtype = self._dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+            dtype = resolve_dtype(self._dtype, device) or (
+                torch.bfloat16 if device.startswith("cuda") else torch.float32
+            )
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
             if tok is None:
                 tok = AutoTokenizer.from_pretrained(path)
+        elif self._dtype is not None and self._pushed_from is None:  # a model object, cast as asked
+            model = model.to(resolve_dtype(self._dtype, str(next(model.parameters()).device)))
         if tok is None:
             tok = load_default_tokenizer()
         if not isinstance(tok, ChatTokenizer):
@@ -295,6 +304,11 @@ class TransformersBackend(AgentAdapters, Backend):
     @property
     def device(self) -> Any:
         return next(self.model.parameters()).device
+
+    @property
+    def serving_dtype(self) -> Any:
+        """The dtype the engine computes in (None before the model is loaded)."""
+        return None if self.model is None else next(self.model.parameters()).dtype
 
     # ------------------------------------------------------------------------ generation
     def _ensure_worker(self) -> None:
@@ -498,6 +512,7 @@ class TransformersBackend(AgentAdapters, Backend):
                         admitting = [self._row(j) for j in self._take(room)]
                     if admitting:
                         ended += batch.admit(admitting)
+                        self._hand_tokens()
                         admitting = []
                         self.batch_sizes.append(len(batch))
                     if not len(batch):
@@ -507,13 +522,21 @@ class TransformersBackend(AgentAdapters, Backend):
                             return
                         continue
                     ended += batch.step()
+                    self._hand_tokens()
                 except Exception as exc:  # noqa: BLE001 - every request in the batch learns of it
+                    self._hand_tokens()  # what was drawn before the failure, before the error
                     log.exception("agl gateway: generation failed")
                     error = BackendError(f"generation failed: {type(exc).__name__}: {exc}")
                     for r in admitting + batch.fail():
                         self._deliver(r.payload, None, error)
                 for r in ended:
                     self._finish(r)
+
+    def _hand_tokens(self) -> None:
+        """Hand this step's streamed tokens to their event loops (one wake-up per loop and step)."""
+        drawn, self._drawn = self._drawn, []
+        if drawn:
+            hand_over(drawn)
 
     def _row(self, job: _Job) -> Row:
         r = job.request
@@ -525,7 +548,7 @@ class TransformersBackend(AgentAdapters, Backend):
             queue, loop = job.tokens, job.loop
 
             def on_token(token: int, logprob: float) -> None:
-                loop.call_soon_threadsafe(queue.put_nowait, (token, logprob))
+                self._drawn.append((loop, queue, (token, logprob)))
 
         return Row(
             prompt_ids=job.prompt_ids,
@@ -755,7 +778,7 @@ class TransformersBackend(AgentAdapters, Backend):
             import torch
 
             if self._pushed_from is not source:
-                self.model = _engine_copy(source)
+                self.model = _engine_copy(source, resolve_dtype(self._dtype, str(self.device)))
                 self._pushed_from = source
                 self.agent_adapters = list(getattr(policy, "adapters", {}).values())
             else:
@@ -775,25 +798,3 @@ def _trainable(model: Any, reference: Any) -> list[tuple[str, Any]]:
     """``model``'s parameters that are trainable in ``reference`` (by name, in a fixed order)."""
     wanted = {name for name, p in reference.named_parameters() if p.requires_grad}
     return [(name, p) for name, p in model.named_parameters() if name in wanted]
-
-
-def _engine_copy(source: Any) -> Any:
-    """A copy of ``source`` for inference that shares its frozen parameters and copies the rest."""
-    import copy
-
-    import torch
-
-    memo: dict[int, Any] = {id(p): p for p in source.parameters() if not p.requires_grad}
-    # buffers of frozen modules (e.g. rotary tables) are shared too; they never change
-    memo.update({id(b): b for b in source.buffers()})
-    with torch.no_grad():
-        engine = copy.deepcopy(source, memo)
-    for module in engine.modules():
-        # TRL patches ``forward`` on the training model's instance (its fused LM head); the copy must run
-        # its own class's forward, not a closure bound to the training model
-        module.__dict__.pop("forward", None)
-    for p in engine.parameters():
-        if p.requires_grad:
-            p.requires_grad_(False)
-    engine.eval()
-    return engine
