@@ -15,6 +15,8 @@ seed so that a change of machine load hits them alike. The seeds are fixed here,
     python bench/async_training.py --ks 0 1 2 --seeds 0  # another matrix
     python bench/async_training.py --example calc_agent --warm-start runs/calc_sft64 --ks 0 1 2
     python bench/async_training.py --report-only         # the table of runs already there
+    python bench/async_training.py --vllm-python V/bin/python --seeds 0   # learn_on_cpu served by a
+                                                         # managed vLLM server (issue 50), k = 0 and 1
 
 Per run, from its metrics.jsonl: wall time (the process, model load included), mean seconds per step,
 held-out reward before and after, the engine's busy share (``engine_busy_s`` over ``step_s``), the
@@ -72,6 +74,7 @@ def _command(args: argparse.Namespace, k: int, seed: int, run_dir: Path) -> list
         "--overwrite",
         "--threads",
         str(args.threads),
+        *(["--backend", "vllm", "--vllm-python", str(args.vllm_python)] if args.vllm_python else []),
     ]
 
 
@@ -180,6 +183,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        help="learn_on_cpu: serve the policy from a managed vLLM server run by this interpreter",
+    )
     args = parser.parse_args()
     if args.root is None:
         args.root = Path("runs/bench_async" + ("_calc" if args.example == "calc_agent" else ""))
