@@ -207,9 +207,9 @@ class PackedInputs:
     The loss is TRL's, on the flat micro-batch (``flat_ids``: left-padded prompts + right-padded
     completions, one row per sequence); only the forward runs on the tree. ``valid`` lists the flat
     response positions the loss uses (``b x keep + j`` for completion token j of flat row b, where
-    its mask is 1: padding and context such as tool results are not scored), and ``gather[k]`` the tree index (row x width + position) of the hidden
-    state that predicts ``valid[k]``'s token: the row position of the token before it in b's own
-    sequence."""
+    its mask is 1: padding and context such as tool results are not scored), and ``gather[k]`` the
+    tree index (row x width + position) of the hidden state that predicts ``valid[k]``'s token: the
+    row position of the token before it in b's own sequence."""
 
     flat_ids: torch.Tensor
     keep: int
