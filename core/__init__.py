@@ -12,9 +12,8 @@ The public API is imported lazily so ``import agl`` stays light (no torch, no ag
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
 import sys
+from importlib.machinery import ModuleSpec
 from typing import Any
 
 __version__ = "0.1.0"
@@ -83,7 +82,7 @@ _MOVED: dict[str, str] = {
     "agl.inspect": "agl.reports.inspect",
     "agl.malloc": "agl.trainer.malloc",
     "agl.monitors": "agl.trainer.monitors",
-    "agl.plot": "agl.reports.plot",
+    "agl.plot": "agl.run.plot",
     "agl.prompts": "agl.tracing.prompts",
     "agl.rewards": "agl.adapter.air_rules",
     "agl.spanconv": "agl.tracing.spanconv",
@@ -93,13 +92,14 @@ _MOVED: dict[str, str] = {
 }
 
 
-class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves a moved module's old path to the module at its new path (one object, two names)."""
+class _MovedFinder:
+    """Resolves a moved module's old path to the module at its new path (one object, two names). A
+    meta-path finder and loader by duck typing: ``importlib.abc`` would make ``import agl`` heavier."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname not in _MOVED:
             return None
-        return importlib.util.spec_from_loader(fullname, self)
+        return ModuleSpec(fullname, self)
 
     def create_module(self, spec: Any) -> Any:
         import warnings

@@ -25,7 +25,15 @@ from typing import Any, Literal, NamedTuple, get_type_hints
 
 from agl.errors import UsageError
 
-__all__ = ["LoopConfig", "RolloutConfig", "RunConfig", "UpdateSettings", "check_number", "config_fields"]
+__all__ = [
+    "LoopConfig",
+    "RolloutConfig",
+    "RolloutSettings",
+    "RunConfig",
+    "UpdateSettings",
+    "check_number",
+    "config_fields",
+]
 
 
 def check_number(
@@ -57,6 +65,10 @@ def _check_bool(owner: str, name: str, value: Any, *, optional: bool = False) ->
         raise UsageError(f"{owner}.{name} must be {allowed}, got {value!r}")
 
 
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
 @dataclass
 class UpdateSettings:
     """The token-level PPO-clip update's settings (the defaults every part of agl uses).
@@ -69,31 +81,49 @@ class UpdateSettings:
     "Trainer: LightningRL update vs TRL's GRPOTrainer").
     """
 
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None
-    kl_coef: float = 0.0
-    learning_rate: float = 1e-5
-    lora: bool = True
-    lora_r: int = 16
-    lora_alpha: int = 32
-    micro_batch_tokens: int | None = None
-    epochs_per_step: int = 1
-    max_grad_norm: float = 1.0
-    gradient_checkpointing: bool | None = None
-    mixed_precision: str | None = None
+    clip_eps: float = field(default=0.2, metadata=_help("PPO clip range of the probability ratio"))
+    clip_eps_high: float | None = field(
+        default=None, metadata=_help("upper clip range (DAPO's clip-higher; None: clip_eps)")
+    )
+    kl_coef: float = field(default=0.0, metadata=_help("KL penalty to the starting policy (0: none)"))
+    learning_rate: float = field(default=1e-5, metadata=_help("the policy update's learning rate"))
+    lora: bool = field(default=True, metadata=_help("train a LoRA adapter (False: full fine-tuning)"))
+    lora_r: int = field(default=16, metadata=_help("LoRA rank"))
+    lora_alpha: int = field(default=32, metadata=_help("LoRA alpha"))
+    micro_batch_tokens: int | None = field(
+        default=None,
+        metadata=_help("tokens per forward/backward pass (None: 4096 on CPU, sized to free memory on a GPU)"),
+    )
+    epochs_per_step: int = field(default=1, metadata=_help("passes over a step's transitions"))
+    max_grad_norm: float = field(default=1.0, metadata=_help("gradient clipping norm"))
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata=_help("activation checkpointing in the update (None: per device)")
+    )
+    mixed_precision: str | None = field(
+        default=None, metadata=_help("'no', 'bf16' or 'fp16' (None: bf16 on a GPU that has it, else off)")
+    )
     #: train on one merged sequence per agent conversation where turns extend exactly (agl.adapter.trajectories);
     #: False trains every LLM call as its own sequence (the per-call form, for comparison)
-    merge_turns: bool = True
+    merge_turns: bool = field(
+        default=True,
+        metadata=_help("one merged sequence per agent conversation where turns extend exactly"),
+    )
     #: run the sequences of a step that share a token prefix (a group's prompt, a conversation's earlier
     #: turns) through the model once, as a tree with a custom attention mask: the same log-probs, loss and
     #: gradients on fewer tokens (agl.algorithms.prefix_tree); a model whose attention cannot take the
     #: mask packs unshared, said once in the log. False: every sequence runs whole
-    share_prefixes: bool = True
+    share_prefixes: bool = field(
+        default=True,
+        metadata=_help("run a step's shared token prefixes through the model once (same loss, fewer tokens)"),
+    )
     #: leave calls the engine cut at ``max_tokens`` out of the loss (DAPO's overlong filtering): an
     #: unfinished answer scores 0 whatever it was on its way to, so its negative advantage would push
     #: down every token it holds, e.g. a long query's JOIN, not just the rambling. They still count in
     #: their group's reward statistics.
-    mask_truncated: bool = False
+    mask_truncated: bool = field(
+        default=False,
+        metadata=_help("leave calls cut at max_tokens out of the loss (DAPO's overlong filtering)"),
+    )
 
     def _validate_update(self, owner: str) -> None:
         check_number(owner, "clip_eps", self.clip_eps, lo=0.0, lo_open=True)
@@ -136,9 +166,11 @@ class RunConfig(UpdateSettings):
     the full one, biasing every token's ratio low).
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 64
+    temperature: float = field(
+        default=1.0, metadata=_help("sampling temperature, published to the agents and used by the update")
+    )
+    top_p: float = field(default=1.0, metadata=_help("nucleus sampling (training needs 1.0)"))
+    max_tokens: int = field(default=64, metadata=_help("the longest reply the agent's model may write"))
 
     def __post_init__(self) -> None:
         owner = "RunConfig"
@@ -201,10 +233,6 @@ class RunConfig(UpdateSettings):
                     raise UsageError(f"{key!r} is not a sampling setting; sampling has {SAMPLING_FIELDS}")
                 values[key] = value
         return cls(**values)
-
-
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
 
 
 def _check_count(name: str, value: Any, lo: int = 0) -> None:
@@ -318,9 +346,10 @@ class LoopConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutSettings:
     """How long one of the trainer's rollouts may run and how often it is tried (the loop's defaults;
-    :meth:`for_store` gives the per-rollout :class:`agl.types.RolloutConfig` the store keeps)."""
+    :meth:`for_store` gives the per-rollout record :class:`agl.types.RolloutConfig` the store keeps).
+    Also importable as ``agl.config.RolloutConfig``, its name before the two were told apart."""
 
     timeout_s: float | None = field(
         default=None, metadata=_help("a rollout attempt's time limit in seconds (None: no limit)")
@@ -337,6 +366,10 @@ class RolloutConfig:
         return StoreRolloutConfig(
             timeout_s=self.timeout_s, lease_s=self.lease_s, max_attempts=self.max_attempts
         )
+
+
+#: the old name (``agl.types.RolloutConfig`` is the store's per-rollout record)
+RolloutConfig = RolloutSettings
 
 
 class ConfigField(NamedTuple):

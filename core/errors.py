@@ -1,27 +1,28 @@
 """Every exception agl raises on purpose, under one root.
 
-Hierarchy (the defining module in brackets; each class also keeps the built-in base it had before
-``AglError`` existed, so ``except ValueError`` / ``except KeyError`` callers keep working)::
+Every class is defined here (the modules that raise them import them from here and keep the old names
+importable). Each class also keeps the built-in base it had before ``AglError`` existed, so ``except
+ValueError`` / ``except KeyError`` callers keep working::
 
     AglError
     ├── UsageError(ValueError) ................. a user's mistake: bad flag, bad file, busy port
-    ├── StoreError ............................. [agl.store.base] status/code = the HTTP answer
+    ├── StoreError ............................. status/code = the HTTP answer
     │   ├── InvalidInputError(ValueError) ...... 400
     │   ├── NotFoundError(KeyError) ............ 404
     │   ├── ConflictError ...................... 409
-    │   ├── StoreUnavailableError(ConnectionError)  [agl.store.http] 503, after the retry window
-    │   └── StoreAuthError(PermissionError) ....... [agl.store.http] 401
-    ├── BackendError ........................... [agl.gateway.backends.base] gateway answers 502
+    │   ├── StoreUnavailableError(ConnectionError)  503, after the retry window
+    │   └── StoreAuthError(PermissionError) ....... 401
+    ├── BackendError ........................... gateway answers 502
     │   └── UpstreamError ...................... an upstream's own 4xx, passed on
-    ├── ContextWindowError ..................... [agl.gateway.backends.base] gateway answers 400
-    ├── UnknownModelError ...................... [agl.gateway.backends.base] gateway answers 404
-    ├── ApiError ............................... [agl.gateway.protocol] an OpenAI-style error body
-    ├── MissingRolloutError(ValueError) ........ [agl.tracing.provider] a span that names no rollout
-    ├── MissingFrameworkError(ImportError) ..... [agl.instrumentation.registry]
-    ├── IntegrationNotFoundError(ValueError) ... [agl.instrumentation.registry]
-    ├── PatchTargetError(AttributeError) ....... [agl.instrumentation.toolkit]
-    ├── OptimizerError ......................... [agl.algorithms.apo.text] one APO child fails
-    └── BudgetExhausted ........................ [agl.algorithms.apo.optimizer]
+    ├── ContextWindowError ..................... gateway answers 400
+    ├── UnknownModelError ...................... gateway answers 404
+    ├── ApiError ............................... an OpenAI-style error body
+    ├── MissingRolloutError(ValueError) ........ a span that names no rollout
+    ├── MissingFrameworkError(ImportError) ..... an integration's framework is not installed
+    ├── IntegrationNotFoundError(ValueError) ... no integration of that name
+    ├── PatchTargetError(AttributeError) ....... a patched framework attribute is gone
+    ├── OptimizerError ......................... one APO child fails
+    └── BudgetExhausted ........................ APO's optimiser token budget is spent
 
 The ``agl`` command prints an ``AglError`` as one line (``agl CMD: error: ...``, exit status 2);
 anything else that escapes a command — a bare ``KeyError`` or ``ValueError`` from agl's own code —
@@ -29,26 +30,13 @@ is a bug and keeps its traceback. A library function that refuses a caller's inp
 above (``UsageError`` when no narrower one fits), never a bare built-in the CLI would have to guess
 about.
 
-This module imports nothing from agl at load time: the classes defined elsewhere are re-exported
-lazily (``agl.errors.StoreError`` imports ``agl.store.base`` on first use), so every module can
-import ``AglError`` from here without a cycle and ``import agl.errors`` stays light.
+This module imports nothing from agl: every module can import its errors from here without a cycle,
+and ``import agl.errors`` stays light.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the names re-exported below, for type checkers and linters
-    from agl.algorithms.apo.optimizer import BudgetExhausted
-    from agl.algorithms.apo.text import OptimizerError
-    from agl.gateway.backends.base import BackendError, ContextWindowError, UnknownModelError, UpstreamError
-    from agl.gateway.protocol import ApiError
-    from agl.instrumentation.registry import IntegrationNotFoundError, MissingFrameworkError
-    from agl.instrumentation.toolkit import PatchTargetError
-    from agl.store.base import ConflictError, InvalidInputError, NotFoundError, StoreError
-    from agl.store.http import StoreAuthError, StoreUnavailableError
-    from agl.tracing.provider import MissingRolloutError
+from typing import Any
 
 __all__ = [
     "AglError",
@@ -83,36 +71,140 @@ class UsageError(AglError, ValueError):
     library functions that raised ``ValueError`` before this class existed."""
 
 
-#: re-exported name -> the module that defines it (imported on first access)
-_HOMES: dict[str, str] = {
-    "StoreError": "agl.store.base",
-    "InvalidInputError": "agl.store.base",
-    "NotFoundError": "agl.store.base",
-    "ConflictError": "agl.store.base",
-    "StoreUnavailableError": "agl.store.http",
-    "StoreAuthError": "agl.store.http",
-    "BackendError": "agl.gateway.backends.base",
-    "UpstreamError": "agl.gateway.backends.base",
-    "ContextWindowError": "agl.gateway.backends.base",
-    "UnknownModelError": "agl.gateway.backends.base",
-    "ApiError": "agl.gateway.protocol",
-    "MissingRolloutError": "agl.tracing.provider",
-    "MissingFrameworkError": "agl.instrumentation.registry",
-    "IntegrationNotFoundError": "agl.instrumentation.registry",
-    "PatchTargetError": "agl.instrumentation.toolkit",
-    "OptimizerError": "agl.algorithms.apo.text",
-    "BudgetExhausted": "agl.algorithms.apo.optimizer",
-}
+# ------------------------------------------------------------------- store (HTTP status = the answer)
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'agl.errors' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
+class StoreError(AglError):
+    """Base of every error a store raises on purpose. ``status`` is the HTTP status the server uses."""
+
+    status = 400
+    code = "store_error"
 
 
-def __dir__() -> list[str]:
-    return sorted(__all__)
+class InvalidInputError(StoreError, ValueError):
+    status = 400
+    code = "invalid_input"
+
+
+class NotFoundError(StoreError, KeyError):
+    status = 404
+    code = "not_found"
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else "not found"
+
+
+class ConflictError(StoreError):
+    """The request is well-formed but illegal in the current state (e.g. finishing an ended attempt)."""
+
+    status = 409
+    code = "conflict"
+
+
+class StoreUnavailableError(StoreError, ConnectionError):
+    """The server could not be reached (or kept failing) for the whole retry window."""
+
+    status = 503
+    code = "unavailable"
+
+
+class StoreAuthError(StoreError, PermissionError):
+    """The server refused the bearer token (or none was given)."""
+
+    status = 401
+    code = "unauthorized"
+
+
+# ------------------------------------------------------------------- gateway and its backends
+
+
+class BackendError(AglError):
+    """The backend failed to produce a reply; the gateway answers 502 and records an ERROR span."""
+
+
+class UpstreamError(BackendError):
+    """An upstream server refused the request itself (4xx): the gateway passes status and body on."""
+
+    def __init__(self, status: int, message: str, body: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+class ContextWindowError(AglError):
+    """The rendered prompt does not fit the model's context window (the gateway answers 400)."""
+
+    def __init__(self, prompt_tokens: int, limit: int) -> None:
+        super().__init__(
+            f"this model's maximum context length is {limit} tokens, but the prompt has {prompt_tokens} "
+            "tokens; shorten the messages"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+
+class UnknownModelError(AglError):
+    """The request names a model this backend does not serve (the gateway answers 404)."""
+
+    def __init__(self, model: str, available: list[str]) -> None:
+        super().__init__(
+            f"the model {model!r} does not exist on this gateway; available: {', '.join(available)}"
+        )
+        self.model = model
+
+
+class ApiError(AglError):
+    """An error answered with an OpenAI-style JSON body: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ------------------------------------------------------------------- tracing and instrumentation
+
+
+class MissingRolloutError(AglError, ValueError):
+    """The span carries no ``agl.rollout.id``/``agl.attempt``: it belongs to no rollout."""
+
+
+class MissingFrameworkError(AglError, ImportError):
+    """An integration was asked for by name but its framework is not installed."""
+
+
+class IntegrationNotFoundError(AglError, ValueError):
+    """No registered integration has that name."""
+
+
+class PatchTargetError(AglError, AttributeError):
+    """A patch target does not exist (the framework renamed or removed it)."""
+
+
+# ------------------------------------------------------------------- APO
+
+
+class OptimizerError(AglError):
+    """An optimiser call that produced nothing usable (HTTP error, bad JSON, empty or invalid rewrite)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class BudgetExhausted(AglError):
+    """The next optimiser call would not fit in ``max_optimizer_tokens``."""

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from agl.instrumentation import Instrumentor
     from agl.types import Span
 
 __all__ = ["PROJECT_NAME", "hookspec", "agl_register_instrumentors", "agl_intermediate_reward"]
@@ -36,8 +35,10 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 
 
 @hookspec
-def agl_register_instrumentors(register: Callable[[type[Instrumentor]], None]) -> None:
-    """Register this plugin's Instrumentor classes by calling ``register(cls)`` once per class.
+def agl_register_instrumentors(register: Callable[[type], None]) -> None:
+    """Register this plugin's Instrumentor classes (subclasses of :class:`agl.Instrumentor`) by calling
+    ``register(cls)`` once per class. (The contract names no type above the ground floor, so that
+    ``hookspecs`` imports nothing of ``agl.instrumentation``.)
 
     Called once per plugin manager. Registering must not import the instrumented framework: the
     framework is imported only when ``agl.instrument()`` instruments it, so a plugin whose framework is

@@ -39,8 +39,10 @@ _RESERVED = (BASE_ADAPTER, "default")
 
 def lora_name(agent: str) -> str:
     """The LoRA an agent trains and is served by: its name with every character peft cannot key a module
-    by (``.``, spaces, ``:``, ...) replaced by ``_``."""
-    return _UNSAFE.sub("_", agent)
+    by (``.``, spaces, ``:``, ...) replaced by ``_``, after trimming the whitespace around it
+    (:func:`agl.names.display_name`: ``"Content Planner\\n"`` is ``Content_Planner``, like the name
+    people see)."""
+    return _UNSAFE.sub("_", agent.strip())
 
 
 def lora_names(agents: Any) -> dict[str, str]:
@@ -59,11 +61,11 @@ def lora_names(agents: Any) -> dict[str, str]:
         name = lora_name(agent)
         if name in _RESERVED:
             raise UsageError(f"agent {agent!r} cannot have a LoRA: {name!r} is a reserved adapter name")
-        if name in owner and owner[name] != agent:
+        if name in owner and owner[name] != agent.strip():
             raise UsageError(
                 f"agents {owner[name]!r} and {agent!r} map to one LoRA name {name!r}: rename one"
             )
-        owner[name] = agent
+        owner[name] = agent.strip()
         out[agent] = name
     if not out:
         raise UsageError("adapter_per_agent=True needs at least one agent name in agents=")

@@ -123,6 +123,12 @@ AGL_TASK_NAME = "agl.task.name"
 # last attempt carries the call's outcome (so one failing call is one ERROR, however often retried)
 AGL_TOOL_RETRIED = "agl.tool.retried"
 
+# the name exactly as the framework gave it, when agl's normalisation (agl.names: whitespace trimmed)
+# changed it: CrewAI's YAML ``role: >`` leaves a trailing newline in ``Agent.role``
+AGL_AGENT_NAME_RAW = "agl.agent.name.raw"
+AGL_TOOL_NAME_RAW = "agl.tool.name.raw"
+AGL_TASK_NAME_RAW = "agl.task.name.raw"
+
 # ------------------------------------------------------------------------------------- baggage/http
 BAGGAGE_ROLLOUT_ID = AGL_ROLLOUT_ID
 BAGGAGE_ATTEMPT = AGL_ATTEMPT

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from agl.cli.config_args import add_config_arguments
+from agl.cli.config_args import add_config_arguments, config_from_args
 from agl.config import LoopConfig, RunConfig
 from agl.run.settings import Serving
 
@@ -197,3 +197,22 @@ def warm_adapters_arg(args: argparse.Namespace) -> str | None:
     ``agl sft --adapter-per-agent`` run's (``Trainer(warm_adapters=...)``); None otherwise (a shared
     warm start is the base model, see :func:`model_arg`)."""
     return str(args.warm_start) if _warm_adapters(args) else None
+
+
+def train_settings(
+    args: argparse.Namespace, keywords: dict[str, Any], **serving: Any
+) -> tuple[LoopConfig, Serving, dict[str, Any]]:
+    """The run's ``LoopConfig`` and ``Serving``, each built whole from ``train``'s generated flags
+    (:func:`agl.cli.config_args.config_from_args`), the warm start resolved into the model and the
+    per-agent adapters. ``keywords`` (a caller's ``Trainer`` keywords, e.g. a test's scripted backend)
+    win over the flags for the fields they name; ``serving`` (a model or tokenizer object) wins where it
+    is not None. Returns the two configs and the keywords that belong to neither."""
+    import dataclasses
+
+    rest = dict(keywords)
+    own = {cls: {f.name for f in dataclasses.fields(cls)} for cls in (LoopConfig, Serving)}
+    loop_kw = {k: rest.pop(k) for k in list(rest) if k in own[LoopConfig]}
+    serving_kw = {k: rest.pop(k) for k in list(rest) if k in own[Serving]}
+    loop = config_from_args(LoopConfig, args, **{"warm_adapters": warm_adapters_arg(args), **loop_kw})
+    values = {"model": model_arg(args), **{k: v for k, v in serving.items() if v is not None}, **serving_kw}
+    return loop, config_from_args(Serving, args, **values), rest

@@ -83,7 +83,7 @@ def test_adapter_names_refuse_unnamed_agents_and_collisions() -> None:
     assert adapter_names(["writer", "sql.rewriter"]) == {"writer": "writer", "sql.rewriter": "sql_rewriter"}
     with pytest.raises(UsageError, match="needs the agents to train by name"):
         adapter_names(None)
-    with pytest.raises(UsageError, match="map to one adapter name 'a_b'"):
+    with pytest.raises(UsageError, match="map to one LoRA name 'a_b'"):
         adapter_names(["a.b", "a b"])
 
 
@@ -174,7 +174,7 @@ def test_trainer_validates_adapter_per_agent() -> None:
 
     with pytest.raises(UsageError, match="needs the agents to train by name"):
         Trainer(backend="scripted", script=["x"], adapter_per_agent=True)
-    with pytest.raises(UsageError, match="map to one adapter name"):
+    with pytest.raises(UsageError, match="map to one LoRA name"):
         Trainer(backend="scripted", script=["x"], agents=["a.b", "a:b"], adapter_per_agent=True)
     with pytest.raises(UsageError, match="needs lora=True"):
         Trainer(

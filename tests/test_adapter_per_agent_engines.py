@@ -99,7 +99,7 @@ def test_vllm_loads_each_agents_adapter_by_name_and_routes_its_calls(tmp_path: P
     by_version: dict[int, dict[str, str]] = {}
     for name, path in loads:
         by_version.setdefault(int(path.parent.name[1:]), {})[path.name] = name
-    chats = [b["model"] for k, b in fake.requests if k == "chat"]
+    chats = [b["model"] for k, b in fake.requests if k == "completions"]  # rendered by agl: prompt ids
     assert len(chats) == len(spans) == 8
     for span, upstream in zip(spans, chats, strict=True):
         adapter = span.attributes[sc.AGL_LLM_ADAPTER]

@@ -23,7 +23,7 @@ def test_plot_draws_a_train_reward_curve_per_adapter(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from agl.reports.plot import adapter_keys, reward_figure
+    from agl.run.plot import adapter_keys, reward_figure
 
     run = tmp_path / "run"
     run.mkdir()

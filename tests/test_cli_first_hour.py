@@ -4,7 +4,6 @@ store can be looked at afterwards; failed attempts keep their error; untraced ru
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import subprocess
@@ -147,23 +146,6 @@ def test_transitions_and_export_honour_agl_store(tmp_path: Path, monkeypatch: py
     assert main(["transitions", rid]) == 2  # names the missing store instead of creating an empty one
 
 
-def test_runner_warns_once_when_nothing_is_instrumented(caplog: pytest.LogCaptureFixture) -> None:
-    from agl.instrumentation import instrumented
-    from agl.runner import runner as runner_mod
-    from agl.store.memory import MemoryStore
-
-    if instrumented():
-        pytest.skip("an earlier test left an integration instrumented")
-    runner_mod._untraced_warned = False
-    store = MemoryStore()
-    store.enqueue([NewRollout(input=1)])
-    with caplog.at_level(logging.WARNING, logger="agl.runner"):
-        agl.Runner(lambda x: 1.0, store, trace=False).run(until_idle=True)
-        agl.Runner(lambda x: 1.0, store, trace=False).run(until_idle=True)
-    warnings = [r for r in caplog.records if "no integration is instrumented" in r.getMessage()]
-    assert len(warnings) == 1
-
-
 def test_demo_store_is_inspectable_after_dev(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -236,10 +218,10 @@ def test_an_internal_bug_keeps_its_traceback(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "train_reward": 0.5}\n')
     code = (
         "import sys\n"
-        "import agl.reports.plot\n"
+        "import agl.run.plot\n"
         "def broken(*a, **k):\n"
         "    return {}['step']  # an internal KeyError, as a bug in agl would raise\n"
-        "agl.reports.plot.plot_runs = broken\n"
+        "agl.run.plot.plot_runs = broken\n"
         "import agl.cli.plot\n"
         "agl.cli.plot.plot_runs = broken\n"
         "from agl.cli import main\n"

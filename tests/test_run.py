@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agl.config import LoopConfig, RolloutConfig, RunConfig, config_fields
+from agl.config import LoopConfig, RolloutSettings, RunConfig, config_fields
 from agl.gateway.backends import from_spec
 from agl.gateway.serve import rollout_base_url, root_url, v1_url
 from agl.run.environment import Environment
@@ -42,7 +42,7 @@ def test_keywords_are_routed_to_their_settings_and_unknown_ones_refused(tmp_path
 
 
 def test_every_config_field_has_help_and_a_type() -> None:
-    for cls in (LoopConfig, RolloutConfig, Serving):
+    for cls in (LoopConfig, RolloutSettings, Serving):
         rows = list(config_fields(cls))
         assert rows, cls
         for row in rows:
@@ -50,7 +50,7 @@ def test_every_config_field_has_help_and_a_type() -> None:
     loop = {row.name: row for row in config_fields(LoopConfig)}
     assert loop["steps"].default == 20 and loop["steps"].type is int
     assert loop["step_timeout_s"].default is None
-    assert RolloutConfig().for_store().lease_s == 120.0
+    assert RolloutSettings().for_store().lease_s == 120.0
     # RunConfig's fields come through too (their help may be empty): the examples give their own
     assert {row.name for row in config_fields(RunConfig)} >= {"temperature", "learning_rate"}
 

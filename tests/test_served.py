@@ -113,13 +113,13 @@ def test_step_timeout_cancels_the_needed_groups_and_leaves_the_ones_ahead_runnin
     import time
 
     import agl.store
-    from agl.config import RolloutConfig
+    from agl.config import RolloutSettings
     from agl.trainer.pipeline import GroupPipeline, wait_for_groups
     from agl.types import Task
 
     store = agl.store.open("memory://")
     try:
-        pipe = GroupPipeline(store, lambda r: ([], None), 2, RolloutConfig().for_store())
+        pipe = GroupPipeline(store, lambda r: ([], None), 2, RolloutSettings().for_store())
         first, ahead = pipe.enqueue([Task(id="a", input={"q": "a"}), Task(id="b", input={"q": "b"})], 0)
         t0 = time.monotonic()
         (got,) = wait_for_groups(pipe, 1, lambda g: True, lambda g: None, timeout_s=0.3)

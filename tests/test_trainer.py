@@ -538,7 +538,7 @@ def test_plot_keeps_a_resumed_recheck_on_another_held_out_set_apart(tmp_path: Pa
     draws one held-out series per set size, as the trainer's before/after summary compares them."""
     pytest.importorskip("matplotlib")
     from agl.cli import main
-    from agl.reports.plot import _val_series
+    from agl.run.plot import _val_series
 
     rows = [
         {"step": 0, "val_reward": 0.70, "val_tasks": 72},
@@ -638,8 +638,10 @@ def test_vllm_backend_gets_each_steps_lora_adapter(tmp_path: Path) -> None:
     versions = [r["resources_version"] for r in trainer.history]
     assert [Path(b["lora_path"]).name for b in loads] == [f"v{v}" for v in versions]
     assert (Path(loads[-1]["lora_path"]) / "adapter_config.json").exists()
-    # after the last load the policy's requests are routed to that adapter
-    chats = [body for kind, body in fake.requests if kind == "chat"]
+    # after the last load the policy's requests are routed to that adapter (rendered by agl with the
+    # trainer's tokenizer: vLLM's completions route with the prompt ids)
+    chats = [body for kind, body in fake.requests if kind == "completions"]
+    assert chats and all(isinstance(b["prompt"], list) for b in chats)
     assert chats[-1]["model"] == loads[-1]["lora_name"]
     assert all(r["transitions"] == 2 and r["exact_token_ratio"] == 1.0 for r in trainer.history)
 
@@ -796,3 +798,19 @@ def test_a_step_whose_agent_selection_matches_nothing_is_refused(tmp_path: Path)
     with pytest.raises(RuntimeError, match=r"agents=\['wirter'\] matched 0 of 4 LLM calls") as err:
         trainer.fit(two_agent_app, [{"q": "What is 6 * 7?"}])
     assert "checker (2)" in str(err.value) and "writer (2)" in str(err.value)
+
+
+def test_flat_groups_after_learning_say_the_tasks_look_learnt() -> None:
+    """Two steps without an update after the reward rose to the run's best: no warm-start advice."""
+    from agl.trainer.notes import ADVICE, no_update_note
+
+    history = [
+        {"step": 0, "rollouts": 16, "train_reward": 0.2, "trained_transitions": 16, "no_update": False},
+        {"step": 1, "rollouts": 16, "train_reward": 1.0, "trained_transitions": 0, "no_update": True},
+    ]
+    record = {"step": 2, "rollouts": 16, "train_reward": 1.0, "groups": 4, "zero_variance_groups": 4}
+    record["transitions"] = 16
+    note = no_update_note(record, history) or ""
+    assert "these tasks look learnt" in note and "up from 0.200" in note and ADVICE not in note
+    flat_from_the_start = [dict(h, train_reward=1.0) for h in history]
+    assert ADVICE in (no_update_note(dict(record), flat_from_the_start) or "")

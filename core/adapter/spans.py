@@ -16,6 +16,8 @@ from typing import Any, Union
 
 from agl import semconv as sc
 from agl.adapter.stats import AdapterStats
+from agl.errors import UsageError
+from agl.names import display_name
 from agl.types import Rollout, Span
 
 AgentSelection = Union[None, str, "re.Pattern[str]", Iterable[str]]
@@ -198,7 +200,7 @@ def _target(
     else:
         rids = {s.rollout_id for s in spans}
         if len(rids) > 1:
-            raise ValueError(
+            raise UsageError(
                 f"spans of {len(rids)} rollouts given ({', '.join(sorted(rids)[:3])}, ...); "
                 "Adapter.transitions takes one attempt's spans — pass rollout= to pick one"
             )
@@ -293,11 +295,13 @@ def _break_cycles(parent: list[int]) -> int:
 
 
 def _agent_name(s: Span) -> str | None:
+    """The agent an ``invoke_agent`` span stands for, as people see it (:mod:`agl.names`: spans stored
+    before the normalisation, or by another OTel exporter, may still carry the raw name)."""
     name = s.attributes.get(sc.GEN_AI_AGENT_NAME)
-    if isinstance(name, str) and name:
-        return name
+    if isinstance(name, str) and name.strip():
+        return display_name(name)
     prefix = sc.OP_INVOKE_AGENT + " "
-    return (s.name[len(prefix) :] or None) if s.name.startswith(prefix) else None
+    return display_name(s.name[len(prefix) :]) if s.name.startswith(prefix) else None
 
 
 def _agent_of(
@@ -330,14 +334,14 @@ def agent_matcher(agents: AgentSelection) -> Any:
         try:
             pattern = re.compile(agents)
         except re.error as exc:
-            raise ValueError(f"agents={agents!r} is not a valid regular expression: {exc}") from None
+            raise UsageError(f"agents={agents!r} is not a valid regular expression: {exc}") from None
         return lambda name: name is not None and pattern.fullmatch(name) is not None
     names = list(agents)
     for a in names:
         if not isinstance(a, str):
-            raise ValueError(f"agents must be names (str), got {a!r}")
-    wanted = frozenset(names)
-    return lambda name: name in wanted
+            raise UsageError(f"agents must be names (str), got {a!r}")
+    wanted = frozenset(display_name(a) for a in names)  # as people see them, like the spans' names
+    return lambda name: name is not None and display_name(name) in wanted
 
 
 def finishing_attempt(rollout: Rollout) -> int | None:

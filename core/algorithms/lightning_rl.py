@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from agl.adapter.air_rules import _returns as _credited
@@ -67,11 +67,16 @@ class LightningRL(UpdateSettings):
     configure the token-level PPO-clip update in :mod:`agl.algorithms.update`.
     """
 
-    credit: Credit = "identical"
-    gamma: float = 1.0
-    advantage_level: AdvantageLevel = "rollout"
-    normalize_std: bool = True
-    group_size: int = 4
+    credit: Credit = field(
+        default="identical",
+        metadata={"help": "credit assignment: every call gets the final return, or discounted per call"},
+    )
+    gamma: float = field(default=1.0, metadata={"help": "discount of the 'discounted' credit"})
+    advantage_level: AdvantageLevel = field(
+        default="rollout", metadata={"help": "GRPO's baseline over rollouts or over transitions"}
+    )
+    normalize_std: bool = field(default=True, metadata={"help": "divide advantages by the group's std"})
+    group_size: int = field(default=4, metadata={"help": "rollouts per task: the GRPO group"})
 
     def __post_init__(self) -> None:
         if self.credit not in ("identical", "discounted"):

@@ -69,8 +69,9 @@ from agl.algorithms.grpo_setup import (
 )
 from agl.algorithms.offpolicy import DecoupledWeights, decoupled_weights, ratio_deviation
 from agl.algorithms.packing import MicroBatch, pack_micro_batches
-from agl.algorithms.prefix_tree import PackedInputs, pair_cost, sharing_refusal
+from agl.algorithms.prefix_tree import PackedInputs, pair_cost
 from agl.algorithms.scoring import chunked_token_logps, is_peft
+from agl.algorithms.tree_check import sharing_refusal
 from agl.config import RunConfig
 from agl.lora import lora_names
 
@@ -377,7 +378,7 @@ class PolicyUpdate:
     def share_cost(self) -> float | None:
         """The attention-to-token cost ratio that prefix sharing plans with, or None when it is off:
         ``share_prefixes=False``, or a model whose attention does not take the tree layout (checked once
-        on a two-sequence probe, :func:`agl.algorithms.prefix_tree.sharing_refusal`, and said once)."""
+        on a two-sequence probe, :func:`agl.algorithms.tree_check.sharing_refusal`, and said once)."""
         if not self.config.share_prefixes:
             return None
         if self._share_cost is None:

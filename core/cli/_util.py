@@ -12,23 +12,24 @@ import socket
 from typing import Any
 
 from agl.errors import UsageError
+from agl.store.base import DEFAULT_STORE, STORE_ENV, STORE_TOKEN_ENV
 
 __all__ = [
     "DEFAULT_STORE",
     "EXTRAS",
     "STORE_ENV",
+    "STORE_TOKEN_ENV",
     "add_store_args",
     "check_port",
     "check_port_free",
     "missing_module_message",
     "open_store_from_args",
     "read_secret",
+    "store_token",
+    "store_url",
     "tokenizer_from_arg",
 ]
 
-#: where ``--store`` falls back to, then the default store
-STORE_ENV = "AGL_STORE"
-DEFAULT_STORE = "sqlite:///agl.db"
 
 #: a missing optional module -> the extra that installs it
 EXTRAS: dict[str, str] = {
@@ -42,6 +43,12 @@ EXTRAS: dict[str, str] = {
     "tensorboard": "train",
     "gguf": "train",
     "openai": "openai",
+    "pyarrow": "train",
+    "trackio": "trackio",
+    "wandb": "wandb",
+    "mlflow": "mlflow",
+    "sqlalchemy": "mlflow",
+    "alembic": "mlflow",
     "psycopg": "postgres",
     "psycopg_pool": "postgres",
 }
@@ -105,31 +112,54 @@ def check_port(port: int) -> None:
         raise UsageError(f"--port must be 0-65535, got {port}")
 
 
-def add_store_args(p: argparse.ArgumentParser) -> None:
-    """``--store``, ``--token`` and ``--json``: the flags of every command that reads a store."""
+def add_store_args(
+    p: argparse.ArgumentParser, *, json: bool = False, token_help: str | None = None, what: str = "store"
+) -> None:
+    """``--store URL`` (default ``$AGL_STORE``, then ``sqlite:///agl.db``) and ``--token`` (default
+    ``$AGL_STORE_TOKEN``): the store flags of every ``agl`` command, read back with :func:`store_url`,
+    :func:`store_token` and :func:`open_store_from_args`. ``json`` adds ``--json``."""
     p.add_argument(
         "--store",
         default=None,
         metavar="URL",
-        help=f"store URL: sqlite:///path.db or http://host:port (default: ${STORE_ENV} or {DEFAULT_STORE})",
+        help=f"the {what}: sqlite:///path.db, http://host:port, postgresql://..., memory:// "
+        f"(default: ${STORE_ENV}, else {DEFAULT_STORE})",
     )
-    p.add_argument("--token", default=None, help="bearer token for an http store (default: $AGL_STORE_TOKEN)")
-    p.add_argument("--json", action="store_true", help="print JSON records instead of text")
+    p.add_argument(
+        "--token",
+        default=None,
+        help=token_help
+        or f"bearer token of an http store (prefer ${STORE_TOKEN_ENV}: a --token is visible in ps)",
+    )
+    if json:
+        p.add_argument("--json", action="store_true", help="print JSON records instead of text")
 
 
-def open_store_from_args(args: argparse.Namespace) -> Any:
-    """The store ``--store`` names (else ``$AGL_STORE``, else ``sqlite:///agl.db``); a SQLite file that
-    does not exist is refused rather than created empty."""
+def store_url(args: argparse.Namespace) -> str:
+    """The store ``--store`` names, else ``$AGL_STORE``, else the default store."""
+    return args.store or os.environ.get(STORE_ENV) or DEFAULT_STORE
+
+
+def store_token(args: argparse.Namespace) -> str | None:
+    """``--token``, else ``$AGL_STORE_TOKEN``, else none."""
+    token = getattr(args, "token", None)
+    return token if token is not None else os.environ.get(STORE_TOKEN_ENV) or None
+
+
+def open_store_from_args(args: argparse.Namespace, *, must_exist: bool = True) -> Any:
+    """The store of :func:`store_url`, opened. With ``must_exist`` a SQLite file that does not exist
+    is refused rather than created empty (a typo would otherwise read as an empty store); an http
+    store gets the token and a short retry window, so an unreachable server fails in seconds."""
     import agl.store
 
-    url = args.store or os.environ.get(STORE_ENV) or DEFAULT_STORE
-    if url.startswith("sqlite:"):
+    url = store_url(args)
+    if must_exist and url.startswith("sqlite:"):
         rest = url.split("://", 1)[1]
         path = rest[1:] if rest.startswith("/") else rest
         if not os.path.exists(path):  # opening would create an empty store: say what is wrong instead
             raise FileNotFoundError(f"no store at {path!r}; pass --store URL or set {STORE_ENV}")
     if url.startswith(("http://", "https://")):
-        return agl.store.open(url, token=args.token, retry_timeout_s=5.0)
+        return agl.store.open(url, token=store_token(args), retry_timeout_s=5.0)
     return agl.store.open(url)
 
 
@@ -140,7 +170,5 @@ def tokenizer_from_arg(spec: str) -> Any:
 
     try:
         return load_tokenizer(spec, strict=True)
-    except ValueError as exc:
-        if isinstance(exc, UsageError):
-            raise
+    except UsageError as exc:
         raise UsageError(f"--tokenizer {spec}: {exc}") from None

@@ -1,4 +1,4 @@
-"""``agl apo``: APO (:mod:`agl.algorithms.apo`) from the command line — tasks from JSONL files, the agent as ``module:function``,
+"""``agl apo``: APO (:mod:`agl.algorithms.apo`) from the command line — tasks from task files (agl.task_files), settings from flags or a --config file, the agent as ``module:function``,
 the optimiser as any OpenAI-compatible endpoint. It builds an ``agl.Trainer`` with an ``agl.APO`` and
 runs it, printing the summary as JSON; bad input is a one-line error and exit status 2.
 """
@@ -14,6 +14,7 @@ from typing import Any
 
 from agl.algorithms.apo.algorithm import APO
 from agl.cli.config_args import add_config_arguments, config_from_args
+from agl.cli.config_file import add_config_file_arguments
 from agl.config import LoopConfig, RunConfig
 from agl.errors import UsageError
 from agl.run.settings import Serving
@@ -27,30 +28,20 @@ _BUDGETS = ("rounds", "beam_width", "branch_factor", "rollouts_per_candidate", "
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[Any]:
-    """Task inputs, one JSON value per line (blank lines skipped); errors name the file and line."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"no such task file: {p}")
-    out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except ValueError as exc:
-            raise UsageError(f"{p}:{n} is not JSON: {exc}") from None
-    if not out:
-        raise UsageError(f"{p} holds no tasks")
-    return out
+    """Task inputs from a task file (:func:`agl.task_files.load_tasks`: JSONL, JSON, CSV, Parquet, a saved
+    dataset); errors name the file and line."""
+    from agl.task_files import load_tasks
+
+    return load_tasks(path)
 
 
 def register_cli(parser: argparse.ArgumentParser) -> None:
     """``agl apo``: optimise an agent's prompts (see :mod:`agl.algorithms.apo`)."""
     a = parser.add_argument
     a("--agent", required=True, help="the agent function as module:function (reads agl.prompt)")
-    a("--train", required=True, help="training tasks (JSONL, one task input per line)")
-    a("--val", required=True, help="validation tasks (JSONL): candidates are chosen on them")
-    a("--test", default=None, help="held-out tasks (JSONL): initial vs best prompt at the end")
+    a("--train", required=True, help="training tasks: a .jsonl/.json/.csv/.parquet file (as agl train)")
+    a("--val", required=True, help="validation tasks (the same forms): candidates are chosen on them")
+    a("--test", default=None, help="held-out tasks (the same forms): initial vs best prompt at the end")
     a(
         "--prompt",
         action="append",
@@ -105,6 +96,7 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not instrument the integrations of the frameworks the agent's module imports",
     )
+    add_config_file_arguments(parser)
     parser.set_defaults(func=_cli)
 
 
@@ -143,26 +135,22 @@ def _cli(args: argparse.Namespace) -> int:
         names = instrument_imported_frameworks()
         log.info("agl apo: instrumented %s", ", ".join(names) or "nothing (no framework imported)")
     backend = "openai" if args.base_url else ("vllm" if args.vllm_url else "transformers")
-    try:  # the Trainer checks the flags it is given: a refusal is the user's mistake, one line
-        trainer = Trainer(
-            apo,
-            model=args.model if backend == "transformers" else None,
-            backend=backend,
-            base_url=args.base_url,
-            api_key=args.api_key,
-            vllm_url=args.vllm_url,
-            model_name=args.model if backend != "transformers" else None,
-            store=args.store,
-            runners=args.runners,
-            run_dir=args.run_dir,
-            sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
-            seed=args.seed,
-            progress=not args.no_progress,
-        )
-    except ValueError as exc:
-        if isinstance(exc, UsageError):
-            raise
-        raise UsageError(str(exc)) from None
+    # the Trainer checks the flags it is given: a refusal is a UsageError, printed in one line
+    trainer = Trainer(
+        apo,
+        model=args.model if backend == "transformers" else None,
+        backend=backend,
+        base_url=args.base_url,
+        api_key=args.api_key,
+        vllm_url=args.vllm_url,
+        model_name=args.model if backend != "transformers" else None,
+        store=args.store,
+        runners=args.runners,
+        run_dir=args.run_dir,
+        sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
     if test is None:
         summary = trainer.fit(agent, train, val)
     else:  # Trainer.fit has no held-out split; APO.fit is the same run with the Trainer's settings

@@ -1,6 +1,6 @@
 """Command-line flags generated from the fields of agl's typed configs (issue 34).
 
-A command offers a config dataclass's fields (:class:`agl.config.LoopConfig`, ``RolloutConfig``,
+A command offers a config dataclass's fields (:class:`agl.config.LoopConfig`, ``RolloutSettings``,
 ``RunConfig``, :class:`agl.run.settings.Serving`, :class:`agl.SFT`, :class:`agl.APO`) as flags without
 restating their types, defaults or help: :func:`add_config_arguments` reads them from the field
 (:func:`agl.config.config_fields`) and :func:`config_from_args` turns the parsed flags back into the

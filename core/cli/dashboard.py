@@ -11,21 +11,24 @@ import os
 import webbrowser
 from typing import Any
 
-from agl.cli._util import check_port, tokenizer_from_arg
+from agl.cli._util import (
+    STORE_TOKEN_ENV,
+    add_store_args,
+    check_port,
+    open_store_from_args,
+    store_token,
+    store_url,
+    tokenizer_from_arg,
+)
 from agl.errors import UsageError
 
 __all__ = ["register_cli", "serve_dashboard"]
 
-TOKEN_ENV = "AGL_STORE_TOKEN"
-STORE_ENV = "AGL_STORE"
-
 
 def register_cli(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--store",
-        default=None,
-        metavar="URL",
-        help=f"store URL: http://host:port, sqlite:///path.db (default: ${STORE_ENV} or sqlite:///agl.db)",
+    add_store_args(
+        parser,
+        token_help=f"bearer token: sent to an http store, and required from browsers (default: ${STORE_TOKEN_ENV})",
     )
     parser.add_argument(
         "--run-dir",
@@ -33,11 +36,6 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="DIR",
         help="trainer run directory with metrics.jsonl for the Runs page (repeat for several)",
-    )
-    parser.add_argument(
-        "--token",
-        default=None,
-        help=f"bearer token: sent to an http store, and required from browsers (default: ${TOKEN_ENV})",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=4748, help="port (default: 4748; 0 picks a free one)")
@@ -49,19 +47,6 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--open", action="store_true", help="open the page in a web browser")
     parser.set_defaults(func=_cmd)
-
-
-def _open_store(url: str, token: str | None) -> Any:
-    import agl.store
-
-    if url.startswith("sqlite:"):
-        rest = url.split("://", 1)[1]
-        path = rest[1:] if rest.startswith("/") else rest
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no store at {path!r}; pass --store URL or set {STORE_ENV}")
-    if url.startswith(("http://", "https://")):
-        return agl.store.open(url, token=token, retry_timeout_s=5.0)
-    return agl.store.open(url)
 
 
 def serve_dashboard(
@@ -84,7 +69,7 @@ def serve_dashboard(
     if not token and not is_loopback(host):
         raise UsageError(
             f"refusing to listen on {host!r} without a token: the dashboard shows prompts and can cancel "
-            f"rollouts. Pass --token or set {TOKEN_ENV}, or bind 127.0.0.1"
+            f"rollouts. Pass --token or set {STORE_TOKEN_ENV}, or bind 127.0.0.1"
         )
     app = create_dashboard_app(
         store, token=token, run_dirs=list(run_dirs or []), tokenizer=tokenizer, store_label=store_label
@@ -115,10 +100,9 @@ def _cmd(args: argparse.Namespace) -> int:
     for d in args.run_dir:
         if not os.path.isdir(d):
             raise FileNotFoundError(f"--run-dir {d!r} is not a directory")
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
-    url = args.store or os.environ.get(STORE_ENV) or "sqlite:///agl.db"
+    token = store_token(args)
     tokenizer = None if args.tokenizer in ("none", "") else tokenizer_from_arg(args.tokenizer)
-    store = _open_store(url, token)
+    store = open_store_from_args(args)
     try:
         serve_dashboard(
             store,
@@ -127,7 +111,7 @@ def _cmd(args: argparse.Namespace) -> int:
             token=token,
             run_dirs=args.run_dir,
             tokenizer=tokenizer,
-            store_label=url,
+            store_label=store_url(args),
             open_browser=args.open,
         )
     finally:

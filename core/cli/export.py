@@ -18,8 +18,7 @@ from agl.adapter import Adapter, finishing_attempt
 from agl.adapter.air_rules import AIR
 from agl.adapter.trajectories import merge_transitions
 from agl.algorithms.lightning_rl import LightningRL
-from agl.cli._util import open_store_from_args, tokenizer_from_arg
-from agl.errors import UsageError
+from agl.cli._util import add_store_args, open_store_from_args, tokenizer_from_arg
 from agl.reports.export import FORMATS, FORMS, check_format, export
 from agl.types import Rollout, Transition
 
@@ -27,12 +26,7 @@ __all__ = ["print_transitions", "register_cli"]
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--store",
-        default=None,
-        help="store URL: sqlite:///path.db or http://host:port (default: $AGL_STORE or sqlite:///agl.db)",
-    )
-    p.add_argument("--token", default=None, help="bearer token for an http store (default: $AGL_STORE_TOKEN)")
+    add_store_args(p)
     sel = p.add_mutually_exclusive_group()
     sel.add_argument("--agents", help="comma-separated agent names to keep (default: all)")
     sel.add_argument("--agents-regex", help="keep agents whose name fully matches this regular expression")
@@ -91,17 +85,37 @@ def _adapter_from_args(args: argparse.Namespace) -> Adapter:
 
         agents = lora_pattern(args.adapter)
     tokenizer = tokenizer_from_arg(args.tokenizer) if args.tokenizer else None
-    try:  # the flags' values are checked here: a refusal is the user's mistake, one line
-        algorithm = LightningRL(credit=args.credit, gamma=args.gamma, advantage_level=args.advantage_level)
-        return Adapter(
-            agents=agents,
-            tokenizer=tokenizer,
-            air=AIR.off() if args.no_air else AIR(),
-            missing_reward=args.missing_reward,
-            algorithm=algorithm,
-        )
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    # the flags' values are checked by LightningRL and Adapter: a refusal is a UsageError, one line
+    algorithm = LightningRL(credit=args.credit, gamma=args.gamma, advantage_level=args.advantage_level)
+    return Adapter(
+        agents=agents,
+        tokenizer=tokenizer,
+        air=AIR.off() if args.no_air else AIR(),
+        missing_reward=args.missing_reward,
+        algorithm=algorithm,
+    )
+
+
+def _selection(args: argparse.Namespace) -> str | None:
+    for flag in ("agents", "agents_regex", "adapter"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            return f"--{flag.replace('_', '-')} {value!r}"
+    return None
+
+
+def _say_if_nothing_selected(args: argparse.Namespace, stats: Any) -> None:
+    """A selection that matched none of the LLM calls says which agent names the spans hold (on stderr,
+    so --json output stays clean): the likely cause is a misspelt or differently written name."""
+    selection = _selection(args)
+    if selection is None or not stats.llm_calls or stats.unselected < stats.llm_calls:
+        return
+    seen = ", ".join(f"{name or '<no agent span>'} ({n})" for name, n in sorted(stats.agents.items()))
+    print(
+        f"agl: {selection} matches none of the {stats.llm_calls} LLM call(s); the agents that made them: "
+        f"{seen}",
+        file=sys.stderr,
+    )
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -124,6 +138,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         )
     finally:
         store.close()
+    _say_if_nothing_selected(args, adapter.stats)
     skipped = ", ".join(f"{k}={v}" for k, v in sorted(result.skipped.items())) or "none"
     what = "trajectories" if args.form == "trajectories" else args.fmt
     print(
@@ -248,6 +263,7 @@ def _cmd_transitions(args: argparse.Namespace) -> int:
     finally:
         store.close()
     ts = adapter.transitions(spans, rollout=rollout, attempt=attempt) if attempt is not None else []
+    _say_if_nothing_selected(args, adapter.last_stats)
     if args.json:
         for t in ts:
             print(json.dumps(t.model_dump(mode="json"), ensure_ascii=False))

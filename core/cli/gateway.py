@@ -5,10 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
-from agl.cli._util import check_port, check_port_free, read_secret
+from agl.cli._util import (
+    STORE_ENV,
+    add_store_args,
+    check_port,
+    check_port_free,
+    open_store_from_args,
+    read_secret,
+)
 from agl.errors import UsageError
 from agl.gateway.serve import API_KEY_ENV, check_public_bind
 from agl.http_limits import HttpLimits
@@ -43,7 +51,29 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         help="transformers: a local checkpoint path (default: SmolLM2-135M-Instruct, prepared on first use); "
         "vllm: the policy's model name (default: the upstream's first model); scripted: the model name",
     )
-    p.add_argument("--model-name", help="the name clients use for the model (transformers backend)")
+    p.add_argument(
+        "--model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a name clients use for the policy; repeat for several (transformers: the first is the "
+        "model's own name). Any other name is served by the policy too, unless --only-model-names",
+    )
+    p.add_argument(
+        "--only-model-names",
+        action="store_true",
+        help="strict: serve only the backend's names, --model-name and --serve names; any other model "
+        "name is a 404 (by default every name a program asks for is served by the policy)",
+    )
+    p.add_argument(
+        "--serve",
+        action="append",
+        default=[],
+        metavar="NAME=TARGET",
+        help="serve model NAME with TARGET: 'policy', 'base' (no adapter), an --adapter name, a "
+        "checkpoint directory (transformers: a second, frozen model), a script file (scripted) or an "
+        "http(s) URL (an OpenAI-compatible server; vllm: exact token ids); repeat for several",
+    )
     p.add_argument("--upstream", help="vllm/openai: the upstream base URL (e.g. http://gpu:8000/v1)")
     p.add_argument(
         "--upstream-api-key",
@@ -53,9 +83,7 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--script", help="scripted: a JSON file with a list of replies (strings or {content, tool_calls})"
     )
-    p.add_argument(
-        "--store", help="store URL for the spans (sqlite:///agl.db, http://127.0.0.1:4747, memory://)"
-    )
+    add_store_args(p, what="store for the spans (none given and no $AGL_STORE: spans are not recorded)")
     p.add_argument(
         "--host",
         default="127.0.0.1",
@@ -82,6 +110,7 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         "right after) or just after it, batched (lower latency; readers must POST /agl/v1/flush first)",
     )
     _add_engine_options(p)
+    _add_sampling_options(p)
     HttpLimits.add_arguments(p)
     p.add_argument(
         "--log-level",
@@ -114,6 +143,90 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="transformers: torch CPU threads (default: torch's choice)")
 
 
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    """Sampling defaults and caps for programs that set none (agl.gateway.sampling)."""
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        metavar="N",
+        help="the most tokens a reply may have: the default for a request that sets no max_tokens and "
+        "the cap for one that asks more (default: none; the transformers engine's own default is 512)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        metavar="T",
+        help="the sampling temperature of a request that sets none (a program's own value wins)",
+    )
+
+
+def gateway_options(args: Any, backend: Any) -> dict[str, Any]:
+    """The gateway's model-name and sampling options from the command line (``create_app`` keywords)."""
+    from agl.gateway.sampling import SamplingLimits
+
+    names = list(args.model_name or [])
+    if args.backend == "transformers" and names:
+        names = names[1:]  # the first is the model's own name (build_backend gives it to the engine)
+    return {
+        "model_names": names,
+        "only_model_names": bool(args.only_model_names),
+        "serve": _serve_targets(args, backend),
+        "sampling": SamplingLimits(max_tokens=args.max_tokens, temperature=args.temperature),
+    }
+
+
+def _serve_targets(args: Any, backend: Any) -> dict[str, Any]:
+    """``--serve NAME=TARGET`` values as ``{name: backend or adapter name}`` (module docstring of
+    agl.gateway.model_names); a malformed or repeated name, or a target that names nothing, is a
+    UsageError before anything loads."""
+    from agl.gateway.model_names import BASE_TARGET, POLICY_TARGET
+
+    adapters = list(_adapter_args(getattr(args, "adapter", None) or []))
+    out: dict[str, Any] = {}
+    for value in args.serve or []:
+        name, sep, target = (part.strip() for part in value.partition("="))
+        if not sep or not name or not target:
+            raise UsageError(f"--serve takes NAME=TARGET, got {value!r}")
+        if name.casefold() in {n.casefold() for n in out}:
+            raise UsageError(f"--serve {name} is given twice")
+        if target in (POLICY_TARGET, BASE_TARGET) or target in adapters:
+            out[name] = target
+        else:
+            out[name] = _target_backend(args, name, target, adapters)
+    return out
+
+
+def _target_backend(args: Any, name: str, target: str, adapters: list[str]) -> Any:
+    """The backend of a ``--serve NAME=TARGET`` that is no adapter: a URL, a script, a checkpoint."""
+    from agl.gateway.backends import from_spec
+    from agl.gateway.model_names import BASE_TARGET, POLICY_TARGET
+
+    if target.startswith(("http://", "https://")):
+        kind = "vllm" if args.backend == "vllm" else "openai"
+        if kind == "vllm":
+            return from_spec("vllm", url=target, api_key=args.upstream_api_key)
+        return from_spec("openai", url=target, api_key=args.upstream_api_key)
+    path = Path(target)
+    if args.backend == "scripted" and path.is_file():
+        return from_spec("scripted", script=_read_script(target), models=[name], on_exhausted="cycle")
+    if args.backend == "transformers" and path.is_dir():
+        return from_spec(
+            "transformers",
+            model=str(path),
+            model_name=name,
+            max_batch_size=args.max_batch_size,
+            threads=getattr(args, "threads", None),
+        )
+    what = {"scripted": "a script file", "transformers": "a checkpoint directory"}.get(args.backend)
+    choices = [
+        f"'{POLICY_TARGET}'",
+        f"'{BASE_TARGET}'",
+        f"an --adapter name ({', '.join(adapters) or 'none given'})",
+    ]
+    choices += [what] if what else []
+    raise UsageError(f"--serve {name}={target}: {target!r} is none of {', '.join(choices)}, an http(s) URL")
+
+
 def build_backend(args: Any) -> Any:
     """The backend the command-line arguments describe (through :func:`agl.gateway.backends.from_spec`)."""
     from agl.gateway.backends import from_spec
@@ -123,7 +236,7 @@ def build_backend(args: Any) -> Any:
         return from_spec(
             "transformers",
             model=args.model,
-            model_name=args.model_name,
+            model_name=(args.model_name or [None])[0],
             max_batch_size=args.max_batch_size,
             threads=getattr(args, "threads", None),
             adapters=_adapter_args(getattr(args, "adapter", None) or []) or None,
@@ -146,6 +259,16 @@ def build_backend(args: Any) -> Any:
     return from_spec(
         "openai", url=args.upstream, api_key=args.upstream_api_key, models=[args.model] if args.model else ()
     )
+
+
+def _names_line(options: dict[str, Any]) -> str:
+    serve = ", ".join(
+        f"{n} -> {t if isinstance(t, str) else f'{t.name} backend'}" for n, t in options["serve"].items()
+    )
+    rule = (
+        "only the names given" if options["only_model_names"] else "any name a program asks for (the policy)"
+    )
+    return rule + (f"; {serve}" if serve else "")
 
 
 def _adapter_args(values: list[str]) -> dict[str, str]:
@@ -203,19 +326,21 @@ def _serve(args: Any) -> int:
     check_port(args.port)
     check_port_free(args.host, args.port)
     backend = build_backend(args)
+    options = gateway_options(args, backend)
     store = None
-    if args.store:
-        import agl.store
-
-        store = agl.store.open(args.store)
+    if args.store or os.environ.get(STORE_ENV):  # the gateway alone has no default store
+        store = open_store_from_args(args, must_exist=False)
     else:
         print("agl gateway: no --store given: calls are served but no spans are recorded")
-    app = create_app(backend, store, api_key=api_key, span_writes=args.span_writes.replace("-", "_"))
+    app = create_app(
+        backend, store, api_key=api_key, span_writes=args.span_writes.replace("-", "_"), **options
+    )
     print(f"agl gateway: {args.backend} backend on http://{args.host}:{args.port}/v1", flush=True)
     print(
         f"  per-rollout base URL: http://{args.host}:{args.port}/rollouts/{{rollout_id}}/attempts/{{n}}/v1",
         flush=True,
     )
+    print(f"  model names: {_names_line(options)}", flush=True)
     uvicorn.run(
         app,
         host=args.host,

@@ -28,7 +28,7 @@ __all__ = ["register_cli"]
 def register_cli(parser: argparse.ArgumentParser) -> None:
     command = parser.prog.split()[-1]
     if command == "spans":
-        add_store_args(parser)
+        add_store_args(parser, json=True)
         parser.add_argument("rollout_id", metavar="ROLLOUT_ID")
         parser.add_argument("--attempt", type=int, default=None, help="attempt number (default: the latest)")
         parser.add_argument("--all-attempts", action="store_true", help="every attempt, one tree each")
@@ -38,14 +38,14 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         return
     sub = parser.add_subparsers(dest="rollouts_command", metavar="SUBCOMMAND")
     ls = sub.add_parser("list", help="rollouts, oldest first, with status and attempts")
-    add_store_args(ls)
+    add_store_args(ls, json=True)
     ls.add_argument("--status", action="append", help="only this status (repeat for several)")
     ls.add_argument("--mode", choices=["train", "val", "test"])
     ls.add_argument("--group", dest="group_id", help="only this group id")
     ls.add_argument("--limit", type=int, default=None, help="at most this many (the newest ones)")
     ls.set_defaults(func=_cmd_list)
     show = sub.add_parser("show", help="one rollout: its attempts, status, errors")
-    add_store_args(show)
+    add_store_args(show, json=True)
     show.add_argument("rollout_id", metavar="ID")
     show.add_argument("--traceback", action="store_true", help="print each failed attempt's traceback")
     show.set_defaults(func=_cmd_show)

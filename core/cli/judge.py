@@ -13,13 +13,14 @@ import json
 import sys
 from typing import Any
 
+from agl.cli._util import add_store_args, open_store_from_args, store_url
 from agl.errors import UsageError
 
 __all__ = ["register_cli"]
 
 
 def register_cli(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--store", required=True, help="the store whose rollouts to score (URL)")
+    add_store_args(parser, what="store whose rollouts to score")
     parser.add_argument("--base-url", required=True, help="the judge's OpenAI-compatible endpoint")
     parser.add_argument("--model", required=True, help="the judge model's name at that endpoint")
     parser.add_argument("--rubric", required=True, help="a text file with the rubric")
@@ -46,14 +47,12 @@ def _read_rubric(path: str) -> str:
     return text
 
 
-def _open_writable(url: str) -> Any:
+def _open_writable(args: argparse.Namespace) -> Any:
     """The store, or one line saying it cannot be opened for writing. A store that opens but refuses
     writes fails on the judge's first write — its rollout's enqueue, before the endpoint is asked."""
-    import agl.store
-
-    first = (str(url).splitlines() or [""])[0]
+    first = (store_url(args).splitlines() or [""])[0]
     try:
-        store = agl.store.open(url)
+        store = open_store_from_args(args)
     except Exception as exc:  # noqa: BLE001 - any failure to open is the one line below
         raise UsageError(f"cannot open the store {first} for writing: {str(exc).splitlines()[0]}") from None
     return store
@@ -82,7 +81,7 @@ def _cmd_judge(args: argparse.Namespace) -> int:
         from agl.cli import read_secret
 
         api_key = read_secret(None, args.api_key_file, "AGL_JUDGE_API_KEY", "judge API key")
-    store = _open_writable(args.store)
+    store = _open_writable(args)
     try:
         rollouts = _targets(store, args)
         if not rollouts:

@@ -1,4 +1,4 @@
-"""``agl plot RUN_DIR...``: draw the reward curve of training or APO runs (:func:`agl.reports.plot.plot_runs`)."""
+"""``agl plot RUN_DIR...``: draw the reward curve of training or APO runs (:func:`agl.run.plot.plot_runs`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agl.errors import UsageError
-from agl.reports.plot import plot_runs
+from agl.run.plot import plot_runs
 
 __all__ = ["register_cli"]
 

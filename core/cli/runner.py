@@ -9,9 +9,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
-from typing import Any
 
+from agl.cli._util import add_store_args, open_store_from_args, store_url
 from agl.errors import UsageError
 from agl.runner.runner import Runner, instrument_imported_frameworks, load_agent
 
@@ -21,9 +20,7 @@ log = logging.getLogger("agl.runner")
 
 
 def register_cli(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--store", required=True, help="store URL: http://host:port, sqlite:///path.db, memory://"
-    )
+    add_store_args(parser, what="store to claim rollouts from")
     parser.add_argument("--agent", required=True, help="the agent function as module:function")
     parser.add_argument("--concurrency", type=int, default=1, help="rollouts run at once (default 1)")
     parser.add_argument(
@@ -45,11 +42,6 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--until-idle", action="store_true", help="exit when no work arrives for a while")
     parser.add_argument("--idle-s", type=float, default=5.0, help="long-poll wait per claim (default 5 s)")
     parser.add_argument(
-        "--token",
-        default=os.environ.get("AGL_STORE_TOKEN"),
-        help="bearer token of the store server (prefer $AGL_STORE_TOKEN: a --token is visible in ps)",
-    )
-    parser.add_argument(
         "--no-instrument",
         action="store_true",
         help="do not instrument the integrations of the frameworks the agent's module imports",
@@ -59,7 +51,6 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
 
 
 def _cli(args: argparse.Namespace) -> int:
-    import agl.store
 
     if args.concurrency < 1:
         raise UsageError("--concurrency must be >= 1")
@@ -71,10 +62,7 @@ def _cli(args: argparse.Namespace) -> int:
     if not args.no_instrument:
         names = instrument_imported_frameworks()
         log.info("agl runner: instrumented %s", ", ".join(names) or "nothing (no framework imported)")
-    kwargs: dict[str, Any] = {}
-    if args.token and args.store.startswith(("http://", "https://")):
-        kwargs["token"] = args.token
-    store = agl.store.open(args.store, **kwargs)
+    store = open_store_from_args(args)
     runner = Runner(
         agent,
         store,
@@ -86,7 +74,11 @@ def _cli(args: argparse.Namespace) -> int:
         max_hung=args.max_hung,
     )
     log.info(
-        "agl runner %s: %s on %s, concurrency %d", runner.worker_id, agent.name, args.store, args.concurrency
+        "agl runner %s: %s on %s, concurrency %d",
+        runner.worker_id,
+        agent.name,
+        store_url(args),
+        args.concurrency,
     )
     try:
         stats = runner.run(max_rollouts=args.max_rollouts, until_idle=args.until_idle)

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from agl.algorithms.sft import SFT
+from agl.cli._util import add_store_args, open_store_from_args
 from agl.cli.config_args import add_config_arguments, config_from_args
+from agl.cli.config_file import add_config_file_arguments
 
 __all__ = ["register_cli"]
 
@@ -31,9 +33,7 @@ _SFT_FLAGS = {
 
 
 def register_cli(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--store", required=True, help="store URL with the demonstrations (sqlite:///… or http://…)"
-    )
+    add_store_args(parser, what="store with the demonstrations")
     sel = parser.add_mutually_exclusive_group()
     sel.add_argument("--agents", help="comma-separated agent names to train on (default: all)")
     sel.add_argument("--agents-regex", help="agents whose name fully matches this regular expression")
@@ -66,6 +66,7 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
             }
         },
     )
+    add_config_file_arguments(parser)
     parser.set_defaults(func=_cmd_sft)
 
 
@@ -86,9 +87,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    import agl.store
-
-    store = agl.store.open(args.store)
+    store = open_store_from_args(args)
     try:
         selection = None if cfg.adapter_per_agent else agents  # per agent: fit names what is missing
         transitions = cfg.read(store, agents=selection, mode=args.mode, progress=sys.stderr.isatty())

@@ -14,10 +14,11 @@ from typing import Any
 from agl.cli._util import check_port, check_port_free, read_secret
 from agl.errors import UsageError
 from agl.http_limits import HttpLimits
+from agl.store.base import STORE_TOKEN_ENV
 
 __all__ = ["register_cli"]
 
-TOKEN_ENV = "AGL_STORE_TOKEN"
+TOKEN_ENV = STORE_TOKEN_ENV
 
 
 def register_cli(parser: argparse.ArgumentParser) -> None:

@@ -26,6 +26,8 @@ _LAZY: dict[str, str] = {
     "VLLMBackend": "agl.gateway.backends.vllm",
     "OpenAIBackend": "agl.gateway.backends.openai",
     "serve_gateway": "agl.gateway.testing",
+    "SamplingLimits": "agl.gateway.sampling",
+    "ModelNames": "agl.gateway.model_names",
     "rollout_base_url": "agl.gateway.serve",
 }
 

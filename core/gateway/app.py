@@ -29,7 +29,7 @@ import logging
 import re
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -51,6 +51,7 @@ from agl.gateway.backends.base import (
     UpstreamError,
 )
 from agl.gateway.chat_format import content_chars
+from agl.gateway.model_names import ModelNames, Served
 from agl.gateway.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -63,7 +64,9 @@ from agl.gateway.protocol import (
     responses_body,
     responses_to_generation,
 )
+from agl.gateway.sampling import SamplingLimits
 from agl.gateway.spans import DriftTracker, SpanWriter, build_chat_spans, parse_trace_headers
+from agl.names import display_name
 
 __all__ = ["Gateway", "create_app"]
 
@@ -76,7 +79,14 @@ def _error(exc: ApiError) -> Response:
 
 
 class Gateway:
-    """Serves one backend; records a server-side ``chat`` span per call into ``store`` (optional).
+    """Serves the policy ``backend`` (and the backends ``serve`` maps names to); records a server-side
+    ``chat`` span per call into ``store`` (optional).
+
+    Model names (:mod:`agl.gateway.model_names`): any name a program asks for is served by the policy,
+    unless ``only_model_names`` (then only the backends' names, ``model_names`` and the ``serve`` names
+    are); ``serve`` maps names to other backends or to the policy's adapters. ``sampling``
+    (:class:`~agl.gateway.sampling.SamplingLimits`): the ``max_tokens`` default and cap and the
+    ``temperature`` default every request gets.
 
     ``stats`` counts calls, unattributed calls (no rollout: served, span not stored), cancelled
     calls, backend errors and span writes.
@@ -90,18 +100,31 @@ class Gateway:
         api_key: str | None = None,
         max_body_bytes: int = 32 * 1024 * 1024,
         span_writes: str = "before_reply",
+        model_names: Iterable[str] = (),
+        only_model_names: bool = False,
+        serve: Mapping[str, Backend | str] | None = None,
+        sampling: SamplingLimits | None = None,
     ) -> None:
         if span_writes not in ("after_reply", "before_reply"):
             raise ValueError(f"span_writes must be 'after_reply' or 'before_reply', got {span_writes!r}")
+        if sampling is not None and not isinstance(sampling, SamplingLimits):
+            raise TypeError(f"sampling must be an agl.gateway.sampling.SamplingLimits, got {sampling!r}")
         self.span_writes = span_writes
         self.backend = backend
+        self.names = ModelNames(backend, names=model_names, serve=serve, only=only_model_names)
+        self.sampling = sampling or SamplingLimits()
         self.store = store
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.stats: dict[str, int] = defaultdict(int)
         self.drift = DriftTracker()
+        #: one drift tracker per backend: each renders and tokenises conversations its own way
+        self._drifts = {id(b): (self.drift if b is backend else DriftTracker()) for b in self.names.backends}
         self.writer = SpanWriter(store, self.stats) if store is not None else None
         self._swap_lock = asyncio.Lock()
+        #: why the app's startup failed (a backend that would not start, a --serve target that names
+        #: no adapter), for the one who started it: uvicorn itself reports only that it failed
+        self.startup_error: BaseException | None = None
 
     # ------------------------------------------------------------------------------ plumbing
     def _auth(self, request: Request) -> None:
@@ -122,15 +145,19 @@ class Gateway:
         """The largest request body read: ``max_body_bytes``, lowered to what a prompt that fits the
         backend's context window can take (12 bytes per content character, the longest JSON escape,
         plus 1 MiB for everything else), so a huge body is refused before it is even parsed."""
-        chars = self.backend.max_prompt_chars()
-        if chars is None:
+        limits = [b.max_prompt_chars() for b in self.names.backends]
+        if any(chars is None for chars in limits):
             return self.max_body_bytes
-        return min(self.max_body_bytes, 12 * chars + (1 << 20))
+        return min(self.max_body_bytes, 12 * max(limits) + (1 << 20))  # type: ignore[type-var]
+
+    def _backend(self, gen: GenerationRequest) -> Backend:
+        """The backend that serves ``gen`` (chosen by :meth:`_route`)."""
+        return gen.served_by or self.backend
 
     def _check_prompt_size(self, gen: GenerationRequest) -> None:
         """Refuse a prompt that cannot fit the context window before it is rendered or tokenised
         (tokenising megabytes takes seconds of CPU)."""
-        limit = self.backend.max_prompt_chars()
+        limit = self._backend(gen).max_prompt_chars()
         if limit is None:
             return
         chars = content_chars(gen.messages, gen.prompt)
@@ -167,7 +194,7 @@ class Gateway:
         trace_id, parent_id, bag = parse_trace_headers(
             headers.get(sc.HEADER_TRACEPARENT), headers.get(sc.HEADER_BAGGAGE)
         )
-        request.state.agl_agent = bag.get(sc.BAGGAGE_AGENT) or None  # for _route: parsed once
+        request.state.agl_agent = display_name(bag.get(sc.BAGGAGE_AGENT))  # for _route: parsed once
         params = request.path_params
         if "rollout_id" in params:
             rid, attempt = params["rollout_id"], params["attempt"]
@@ -193,30 +220,50 @@ class Gateway:
         return (rid, int(raw_attempt)), trace_id, parent_id
 
     def _route(self, request: Request, gen: GenerationRequest) -> GenerationRequest:
-        """The adapter that serves ``gen`` on a backend with named adapters (one per agent): a model name
-        ``"<base>:<adapter>"`` picks one, else the calling agent's (W3C baggage ``agl.agent``). The
-        calling agent is recorded on every backend (the server span's ``agl.llm.agent``)."""
+        """Who serves ``gen``: the backend its model name goes to (:mod:`agl.gateway.model_names`; the
+        backend then sees the name it knows), and on a backend with named adapters (one per agent) the
+        adapter: the one the name maps to, else the one a model name ``"<base>:<adapter>"`` picks, else
+        the calling agent's (W3C baggage ``agl.agent``). The calling agent is recorded on every backend
+        (the server span's ``agl.llm.agent``). The gateway's sampling defaults and cap apply last."""
         gen.agent = getattr(request.state, "agl_agent", None)  # set by _context, which runs first
-        if self.backend.agent_loras():
-            self.backend.route(gen)
+        served = self._served(gen.model)
+        gen.requested_model, gen.served_by = gen.model, served.backend
+        if served.model is not None:
+            gen.model = served.model
+        if served.backend.agent_loras():
+            served.backend.route(gen)
+            if served.forces_adapter:
+                gen.adapter = served.adapter
+        self.sampling.apply(gen)
         return gen
+
+    def _served(self, model: str) -> Served:
+        try:
+            return self.names.resolve(model)
+        except UnknownModelError as exc:
+            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+
+    def _check_model(self, gen: GenerationRequest) -> Backend:
+        backend = self._backend(gen)
+        try:
+            backend.check_model(gen.model)
+        except UnknownModelError as exc:
+            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+        return backend
 
     async def _run(self, request: Request, gen: GenerationRequest) -> GenerationResult:
         """Generate; a client that disconnects first cancels the generation."""
-        try:
-            self.backend.check_model(gen.model)
-        except UnknownModelError as exc:
-            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+        backend = self._check_model(gen)
         self._check_prompt_size(gen)
-        if not self.backend.cancellable:
-            return await self.backend.generate(gen)
+        if not backend.cancellable:
+            return await backend.generate(gen)
         # generate in this task; a watcher cancels it when the client disconnects (one extra task,
         # not two: this is on every request's path)
         me = asyncio.current_task()
         gone: list[bool] = []
         watch = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request, me, gone))
         try:
-            return await self.backend.generate(gen)
+            return await backend.generate(gen)
         except asyncio.CancelledError:
             if not gone:
                 raise
@@ -262,6 +309,8 @@ class Gateway:
                     await self.writer.write(spans)  # type: ignore[union-attr]
                 elif spans:
                     self.writer.submit(spans)  # type: ignore[union-attr]
+        if gen.requested_model:  # the reply names the model as the client asked for it (the span has both)
+            result.model = gen.requested_model
         return result
 
     def _api_error(self, exc: Exception, gen: GenerationRequest) -> tuple[ApiError, BaseException | None]:
@@ -275,9 +324,10 @@ class Gateway:
             code = "context_length_exceeded" if "context length" in str(exc).lower() else "upstream_error"
             return ApiError(exc.status, str(exc), type="invalid_request_error", code=code), None
         self.stats["backend_errors"] += 1
+        name = self._backend(gen).name
         if not isinstance(exc, BackendError):
-            log.error("agl gateway: backend %s failed", self.backend.name, exc_info=exc)
-        message = f"the {self.backend.name} backend failed: {exc}"
+            log.error("agl gateway: backend %s failed", name, exc_info=exc)
+        message = f"the {name} backend failed: {exc}"
         return ApiError(502, message, type="backend_error", code="backend_error"), exc
 
     def _spans(
@@ -295,9 +345,11 @@ class Gateway:
         if rollout is None or self.writer is None:
             return []
         prefix = None
+        backend = self._backend(gen)
         if result is not None and result.prompt_ids is not None and gen.messages is not None:
             choice = result.choices[0]
-            prefix = self.drift.observe(
+            drift = self._drifts.get(id(backend), self.drift)
+            prefix = drift.observe(
                 rollout, gen.messages, gen.tools, result.prompt_ids, choice.message(), choice.response_ids
             )
         return build_chat_spans(
@@ -307,7 +359,7 @@ class Gateway:
             trace_id=trace[0],
             parent_id=trace[1],
             start_ns=start_ns,
-            backend_name=self.backend.name,
+            backend_name=backend.name,
             response_id=response_id,
             prefix_match=prefix,
             error=error,
@@ -328,7 +380,7 @@ class Gateway:
             rollout, trace_id, parent_id = self._context(request)
             gen = self._route(request, req.to_generation(rollout, body))
             response_id = new_id("chatcmpl")
-            if req.stream and self.backend.streams:
+            if req.stream and self._backend(gen).streams:
                 events, first, start_ns = await self._open_stream(gen, (trace_id, parent_id), response_id)
                 tracked = self._tracked(gen, events, (trace_id, parent_id), start_ns, response_id)
                 return StreamingResponse(
@@ -341,7 +393,7 @@ class Gateway:
             return Response(status_code=499)
         tokens = None
         if req.logprobs:
-            tokens = [self._token_strings(c.response_ids) for c in result.choices]
+            tokens = [self._token_strings(self._backend(gen), c.response_ids) for c in result.choices]
         if not req.stream:
             return Response(
                 sse.dumps(
@@ -365,16 +417,13 @@ class Gateway:
         The backend's first event comes before the 200 is committed, so a refusal (bad input, unknown
         model, upstream down) is still a plain HTTP error, with an ERROR span where the backend failed.
         """
-        try:
-            self.backend.check_model(gen.model)
-        except UnknownModelError as exc:
-            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+        backend = self._check_model(gen)
         self._check_prompt_size(gen)
         start_ns = time.time_ns()
         self.stats["calls"] += 1
         if gen.rollout is None:
             self.stats["unattributed_calls"] += 1
-        events = self.backend.stream(gen)
+        events = backend.stream(gen)
         try:
             first = await anext(events)  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001 - mapped like a non-streamed call's failure
@@ -446,7 +495,7 @@ class Gateway:
     ) -> AsyncIterator[bytes]:
         """Chat-completion chunks from the tracked events, as they come."""
         head = {"id": response_id, "object": "chat.completion.chunk", "created": int(time.time())}
-        head["model"] = gen.model
+        head["model"] = gen.requested_model or gen.model
         return sse.chat_stream(
             events,
             head,
@@ -456,8 +505,9 @@ class Gateway:
             include_usage=bool((req.stream_options or {}).get("include_usage")),
         )
 
-    def _token_strings(self, ids: list[int] | None) -> list[str] | None:
-        tok = getattr(self.backend, "tokenizer", None)
+    @staticmethod
+    def _token_strings(backend: Backend, ids: list[int] | None) -> list[str] | None:
+        tok = getattr(backend, "tokenizer", None)
         if ids is None or tok is None:
             return None
         return [tok.decode([i]) for i in ids]
@@ -491,7 +541,7 @@ class Gateway:
             gen = self._route(request, responses_to_generation(req, rollout))
             response_id = new_id("resp")
             created = time.time()
-            if req.stream and self.backend.streams:
+            if req.stream and self._backend(gen).streams:
                 events, _, start_ns = await self._open_stream(gen, (trace_id, parent_id), response_id)
                 tracked = self._tracked(gen, events, (trace_id, parent_id), start_ns, response_id)
                 return StreamingResponse(
@@ -521,11 +571,12 @@ class Gateway:
             gen = self._route(request, anthropic.to_generation(req, body, rollout))
             message_id = new_id("msg")
             trace = (trace_id, parent_id)
-            if req.stream and self.backend.streams:
+            if req.stream and self._backend(gen).streams:
                 events, first, start_ns = await self._open_stream(gen, trace, message_id)
                 tracked = self._tracked(gen, events, trace, start_ns, message_id)
                 prompt_tokens = len(first.get("prompt_ids") or ()) or None
-                stream = anthropic.message_stream(gen.model, message_id, tracked, prompt_tokens)
+                model = gen.requested_model or gen.model
+                stream = anthropic.message_stream(model, message_id, tracked, prompt_tokens)
                 return StreamingResponse(stream, media_type="text/event-stream")
             result = await self._call(request, gen, trace=trace, response_id=message_id)
         except ApiError as exc:
@@ -545,10 +596,11 @@ class Gateway:
         (backends without a local tokenizer answer 404: the count would be a guess)."""
         try:
             body = await self._body(request)
-            anthropic.parse(body, counting=True)
-            tok = getattr(self.backend, "tokenizer", None)
+            req = anthropic.parse(body, counting=True)
+            backend = self._served(req.model).backend
+            tok = getattr(backend, "tokenizer", None)
             if tok is None:
-                raise ApiError(404, f"the {self.backend.name} backend has no local tokenizer to count with")
+                raise ApiError(404, f"the {backend.name} backend has no local tokenizer to count with")
             messages = anthropic.chat_messages(body)
             _, ids = await tok.aencode_chat(messages, anthropic.chat_tools(body.get("tools")))
         except ApiError as exc:
@@ -564,7 +616,7 @@ class Gateway:
             return _error(exc)
         created = int(time.time())
         data = [
-            {"id": m, "object": "model", "created": created, "owned_by": "agl"} for m in self.backend.models()
+            {"id": m, "object": "model", "created": created, "owned_by": "agl"} for m in self.names.listed()
         ]
         return Response(sse.dumps({"object": "list", "data": data}), media_type="application/json")
 
@@ -577,7 +629,8 @@ class Gateway:
             sse.dumps(
                 {
                     "backend": self.backend.name,
-                    "models": self.backend.models(),
+                    "models": self.names.listed(),
+                    "model_names": self.names.describe(),
                     "weight_version": self.backend.weight_version,
                     "exact": self.backend.exact,
                     "stats": dict(self.stats),
@@ -688,12 +741,22 @@ def create_app(backend: Backend, store: Any = None, **kwargs: Any) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await backend.start()
+        backends = gw.names.backends
+        started: list[Backend] = []
         try:
+            try:
+                for b in backends:
+                    await b.start()
+                    started.append(b)
+                gw.names.check()  # --serve targets name adapters the started policy has
+            except Exception as exc:  # uvicorn only says "startup failed": keep the reason to report
+                gw.startup_error = exc
+                raise
             yield
         finally:
             try:
-                await backend.close()
+                for b in reversed(started):
+                    await b.close()
             finally:
                 if gw.writer is not None:  # requests are done: store what is queued, lose nothing
                     await asyncio.to_thread(gw.writer.close)

@@ -13,7 +13,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from agl.errors import AglError
+from agl.errors import ApiError
 from agl.gateway.backends.base import Choice, GenerationRequest, GenerationResult
 from agl.gateway.chat_format import flatten_content
 
@@ -28,29 +28,6 @@ __all__ = [
     "responses_body",
     "responses_to_generation",
 ]
-
-
-class ApiError(AglError):
-    """An error answered with an OpenAI-style JSON body: ``{"error": {message, type, param, code}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class _Open(BaseModel):

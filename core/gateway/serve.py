@@ -100,20 +100,31 @@ class ServedGateway:
 
     @classmethod
     def for_backend(
-        cls, backend: Any, store: Any = None, *, api_key: str | None = None, **options: Any
+        cls,
+        backend: Any,
+        store: Any = None,
+        *,
+        api_key: str | None = None,
+        app_options: dict[str, Any] | None = None,
+        **options: Any,
     ) -> ServedGateway:
-        """The gateway app for ``backend`` (spans into ``store``), served; ``options`` as above."""
+        """The gateway app for ``backend`` (spans into ``store``), served; ``app_options`` are the
+        gateway's own (:class:`agl.gateway.app.Gateway`'s keywords: model names, sampling), ``options``
+        as above."""
         from agl.gateway.app import create_app
 
-        return cls(create_app(backend, store, api_key=api_key), **options)
+        return cls(create_app(backend, store, api_key=api_key, **(app_options or {})), **options)
 
     def _wait_started(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
             if self._error or not self._thread.is_alive():
-                raise RuntimeError(
-                    f"the gateway failed to start: {self._error[0] if self._error else 'it exited'}"
-                )
+                gateway = getattr(getattr(self.app, "state", None), "gateway", None)
+                reason = getattr(gateway, "startup_error", None)
+                if isinstance(reason, UsageError):
+                    raise reason  # the user's mistake, said as it is
+                reason = reason or (self._error[0] if self._error else "it exited")
+                raise RuntimeError(f"the gateway failed to start: {reason}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the gateway did not start within {timeout_s} s")
             time.sleep(0.01)

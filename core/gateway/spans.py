@@ -217,7 +217,8 @@ def _request_attrs(
         sc.AGL_ATTEMPT: rollout[1],
         sc.AGL_LLM_BACKEND: backend_name,
         sc.AGL_LLM_API: request.api,
-        sc.GEN_AI_REQUEST_MODEL: request.model,
+        # the name the program asked for; gen_ai.response.model says which model served it
+        sc.GEN_AI_REQUEST_MODEL: request.requested_model or request.model,
         sc.GEN_AI_RESPONSE_ID: response_id,
     }
     if request.agent:

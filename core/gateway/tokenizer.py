@@ -19,6 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from agl.errors import UsageError
 from agl.gateway.chat_format import content_chars, render_chat
 
 __all__ = [
@@ -86,10 +87,10 @@ class ChatTokenizer:
         """Wrap a Hugging Face fast tokenizer (its Rust ``backend_tokenizer`` does the encoding)."""
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         if backend is None:
-            raise ValueError("the transformers backend needs a fast (Rust) tokenizer")
+            raise UsageError("the transformers backend needs a fast (Rust) tokenizer")
         template = chat_template or getattr(hf_tokenizer, "chat_template", None)
         if not template:
-            raise ValueError("the tokenizer has no chat template; pass chat_template=")
+            raise UsageError("the tokenizer has no chat template; pass chat_template=")
         limit = getattr(hf_tokenizer, "model_max_length", None)
         return cls(
             backend,
@@ -99,6 +100,46 @@ class ChatTokenizer:
             pad_token=hf_tokenizer.pad_token,
             max_context=limit if isinstance(limit, int) and limit < 10**9 else None,
             name=name or getattr(hf_tokenizer, "name_or_path", "") or "model",
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str], *, name: str | None = None) -> ChatTokenizer:
+        """The tokenizer of a Hugging Face model directory, read with ``tokenizers`` alone (no
+        transformers): ``tokenizer.json``, the special tokens of ``tokenizer_config.json``, the chat
+        template of ``chat_template.jinja`` or ``tokenizer_config.json``. What a gateway in front of a
+        vLLM server renders with; FileNotFoundError/ValueError name what is missing."""
+        from tokenizers import Tokenizer
+
+        folder = Path(path)
+        if not (folder / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{folder} has no tokenizer.json")
+        config_file = folder / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+
+        def token(key: str) -> str | None:
+            value = config.get(key)
+            return value.get("content") if isinstance(value, dict) else value
+
+        template_file = folder / "chat_template.jinja"
+        template = (
+            template_file.read_text(encoding="utf-8")
+            if template_file.is_file()
+            else config.get("chat_template")
+        )
+        if not isinstance(template, str) or not template:
+            raise ValueError(f"{folder} has no chat template (chat_template.jinja or tokenizer_config.json)")
+        eos = token("eos_token")
+        if not eos:
+            raise ValueError(f"{config_file} names no eos_token")
+        limit = config.get("model_max_length")
+        return cls(
+            Tokenizer.from_file(str(folder / "tokenizer.json")),
+            template,
+            eos_token=eos,
+            bos_token=token("bos_token"),
+            pad_token=token("pad_token"),
+            max_context=limit if isinstance(limit, int) and limit < 10**9 else None,
+            name=name or folder.name,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -233,7 +274,12 @@ def load_tokenizer(source: Any = None, *, strict: bool = False) -> Any:
             raise FileNotFoundError(
                 f"tokenizer {path!r}: no such file or directory (or use --tokenizer default)"
             )
-        return _auto_tokenizer(path)
+        try:
+            return _auto_tokenizer(path)
+        except (OSError, ValueError) as exc:  # transformers' refusal of a folder the user named
+            if isinstance(exc, UsageError):
+                raise
+            raise UsageError(f"tokenizer {path!r}: {exc}") from None
     if path and Path(path, "tokenizer.json").exists():
         return _auto_tokenizer(path)
     return _shipped_hf_tokenizer()
@@ -243,7 +289,7 @@ def _auto_tokenizer(path: str) -> Any:
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise ValueError(
+        raise UsageError(
             "loading a tokenizer directory needs transformers: pip install 'agl[train]'"
         ) from None
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -278,7 +324,7 @@ def resolve_tokenizer(tok: Any) -> Any:
         return load_tokenizer(os.fspath(tok), strict=True)
     if callable(getattr(tok, "encode", None)) or callable(getattr(tok, "apply_chat_template", None)):
         return tok
-    raise ValueError(
+    raise UsageError(
         "tokenizer must be 'default', a local tokenizer directory or a tokenizer object (with "
         f"apply_chat_template/encode), got {type(tok).__name__} {tok!r:.80}"
     )

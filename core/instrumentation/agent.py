@@ -33,6 +33,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import Status, StatusCode
 
 from agl import semconv as sc
+from agl.names import display_name
 
 __all__ = ["SpanHandle", "agent", "agent_context", "request_context", "tool"]
 
@@ -77,6 +78,7 @@ def agent_context(
     async runs in a copy of the caller's context): once ``live()`` is false, :func:`request_context`
     sends the name that was there before, so a leaked context never names a finished agent.
     """
+    name = display_name(name)  # the name people see (agl.names): what the spans and the adapter say
     before = baggage.get_baggage(sc.BAGGAGE_AGENT, ctx)
     outer = otel_context.get_value(_SCOPE_KEY, ctx)
     if name:

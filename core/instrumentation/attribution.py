@@ -1,4 +1,15 @@
-"""Warn when LLM calls lose their agent: the check the runner makes after each attempt.
+"""Warn when LLM calls lose their agent, or were never traced: the checks the runner makes after an
+attempt, from the attempt's stored spans (so a warning is only ever given when it is true).
+
+**Untraced calls.** An attempt whose LLM calls went through the gateway but left no span of agl's
+instrumentation (no client-side ``chat`` span, ``agl.side = client``, and no framework's span; with a
+framework's spans the unattributed check below names the missing client integration) ran without it: ``agl.instrument()`` was not called in the agent's process, or ran too late.
+The gateway still attributes each call to its rollout (the per-rollout URL), but not to an agent, so
+``agents=`` selects nothing and tool errors reach no call. Whether integrations are instrumented when
+the run *starts* proves nothing either way: ``agl.instrument()`` instruments a framework when the
+program imports it (integrations "waiting for import"), which is usually after the runner started.
+
+**Unattributed calls.**
 
 An agent framework can be instrumented and still produce calls that no agent span covers: the
 application replaced agl's hook, its LLM client bypasses the instrumented framework, the ``openai``
@@ -73,23 +84,25 @@ def _likely_cause(frameworks: list[str], active: list[str]) -> str:
     )
 
 
+def client_spans(spans: Sequence[Any]) -> int:
+    """Spans an instrumented LLM client (or a framework's LLM hook) made in the agent's process."""
+    return sum(1 for s in spans if s.attributes.get(sc.AGL_SIDE) == sc.SIDE_CLIENT)
+
+
 class AttributionCheck:
-    """Looks at the first attempts' spans; warns once if gateway calls ran under no agent span in an
-    attempt that used an agent framework (the runner calls :meth:`after_attempt` once spans are flushed)."""
+    """Looks at the first attempts' spans (the runner calls :meth:`after_attempt` once they are
+    flushed); warns once if gateway calls left no client span at all, and once if they ran under no
+    agent span in an attempt that used an agent framework."""
 
     def __init__(self, store: Any) -> None:
         self.store = store
         self.checked = 0
         self.warned = False
+        self.warned_untraced = False
 
     def after_attempt(self, rollout_id: str, attempt: int) -> None:
-        if self.warned or self.checked >= CHECKED_ATTEMPTS:
+        if (self.warned and self.warned_untraced) or self.checked >= CHECKED_ATTEMPTS:
             return
-        from agl.instrumentation import instrumented
-
-        active = instrumented()
-        if not any(name not in _NOT_AGENT_FRAMEWORKS for name in active):
-            return  # no framework can have made spans: nothing to query
         try:
             spans = self.store.query_spans(rollout_id=rollout_id, attempt=attempt)
         except Exception as exc:  # noqa: BLE001 - a diagnostic must never fail the rollout
@@ -97,13 +110,18 @@ class AttributionCheck:
             return
         missing, total = unattributed_calls(spans)
         if total == 0:
-            return
-        frameworks = frameworks_used(spans)
-        if not frameworks:  # a plain-client attempt: its calls need no framework's agent span
-            self.checked += 1
-            return
+            return  # no LLM call went through the gateway: nothing to say
         self.checked += 1
+        frameworks = frameworks_used(spans)
+        if not frameworks and not client_spans(spans):
+            self._untraced(rollout_id, attempt, total)
+            return
+        if not frameworks or self.warned:  # a plain-client attempt: its calls need no agent span
+            return
         if missing:
+            from agl.instrumentation import instrumented
+
+            active = instrumented()
             self.warned = True
             log.warning(
                 "agl runner: %d of %d LLM calls of rollout %s attempt %d went through the gateway but ran "
@@ -117,3 +135,18 @@ class AttributionCheck:
                 ", ".join(frameworks),
                 _likely_cause(frameworks, active),
             )
+
+    def _untraced(self, rollout_id: str, attempt: int, total: int) -> None:
+        if self.warned_untraced:
+            return
+        self.warned_untraced = True
+        log.warning(
+            "agl runner: the %d LLM call(s) of rollout %s attempt %d went through the gateway but left no "
+            "client-side span: agl's client instrumentation did not run in the agent's process (call "
+            "agl.instrument() in the agent's module before it builds its clients; agl runner does it "
+            "unless --no-instrument). The calls still count for their rollout, but not for an agent: "
+            "agents= selects none of them and tool errors reach no call. (Warned once.)",
+            total,
+            rollout_id,
+            attempt,
+        )

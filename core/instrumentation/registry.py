@@ -27,7 +27,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.sdk.trace import TracerProvider
 
 from agl import plugins
-from agl.errors import AglError
+from agl.errors import IntegrationNotFoundError, MissingFrameworkError
 from agl.instrumentation.toolkit import PatchLedger
 from agl.plugins import AglPluginManager, disabled_integrations, get_plugin_manager
 
@@ -48,14 +48,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("agl.instrumentation")
-
-
-class MissingFrameworkError(AglError, ImportError):
-    """An integration was asked for by name but its framework is not installed."""
-
-
-class IntegrationNotFoundError(AglError, ValueError):
-    """No registered integration has that name."""
 
 
 @dataclass

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from agl.errors import AglError
+from agl.errors import PatchTargetError
 from agl.plugins import get_plugin_manager
 
 __all__ = ["PatchLedger", "PatchTargetError", "failure_counts", "guarded", "safe_json"]
@@ -125,10 +125,6 @@ class guarded:  # noqa: N801 - used like a function: ``with guarded("site"):``
 
 
 # -------------------------------------------------------------------------------------- ledger
-
-
-class PatchTargetError(AglError, AttributeError):
-    """A patch target does not exist (the framework renamed or removed it)."""
 
 
 @dataclass

@@ -86,6 +86,8 @@ class Environment:
         self.url: str | None = None
         self.model_name: str | None = None
         self._runner: RunnerThread | None = None
+        #: the vLLM server this run started (``serving.vllm_python``), stopped by :meth:`close`
+        self.vllm_server: Any = None
 
     # ------------------------------------------------------------------------------ start
     def open_store(self) -> Store:
@@ -118,11 +120,13 @@ class Environment:
         base_url: str | None = None,
         engine: dict[str, Any] | None = None,
         worker_id: str = "agl-trainer",
+        sampling: Any = None,
     ) -> None:
         """Open the store, serve the backend (``policy``: the engine shares the trainer's policy;
         ``source``: the model to load otherwise; ``base_url``: serve that OpenAI-compatible endpoint
-        instead; ``engine``: extra transformers-engine options) and start the runners for ``agent``
-        (none when ``serving.runners`` is 0 or ``agent`` is None)."""
+        instead; ``engine``: extra transformers-engine options; ``sampling``: the in-process gateway's
+        :class:`~agl.gateway.sampling.SamplingLimits`) and start the runners for ``agent`` (none when
+        ``serving.runners`` is 0 or ``agent`` is None)."""
         self.open_store()
         s = self.serving
         if s.gateway_url is None or base_url is not None:
@@ -134,6 +138,7 @@ class Environment:
                 backend,
                 self.store,
                 api_key=s.gateway_api_key,
+                app_options={"sampling": sampling} if sampling is not None else None,
                 host=host,
                 port=port,
                 startup_timeout_s=GATEWAY_STARTUP_S,
@@ -168,8 +173,7 @@ class Environment:
         if s.backend == "scripted":
             return from_spec("scripted", script=s.script, accept_any_model=True, on_exhausted="repeat")
         if s.backend == "vllm":
-            adapters = list(getattr(policy, "adapters", {}).values()) or None  # an adapter per agent
-            return from_spec("vllm", url=s.vllm_url, model=s.model_name, adapters=adapters)
+            return self._vllm_backend(policy, source, tokenizer)
         options = dict(engine or {}, model_name=self.served_name(source))
         if policy is not None:
             # the engine serves the policy itself: frozen base weights shared, LoRA tensors pushed
@@ -180,6 +184,42 @@ class Environment:
         if isinstance(source, (str, os.PathLike)):
             return from_spec("transformers", model=str(source), **options)
         return from_spec("transformers", model=copy.deepcopy(source), tokenizer=tokenizer, **options)
+
+    def _vllm_backend(self, policy: Any, source: Any, tokenizer: Any) -> Any:
+        """The vllm backend: at ``vllm_url``, or at a server started here (``vllm_python``) on the run's
+        model with the policy's LoRA rank and adapters (:mod:`agl.gateway.backends.vllm_server`).
+        agl renders the chats with the run's tokenizer (the trainer's, else the model folder's): one
+        rendering on every engine."""
+        from agl.gateway.backends import from_spec
+        from agl.gateway.tokenizer import as_chat_tokenizer
+
+        s = self.serving
+        adapters = list(getattr(policy, "adapters", {}).values()) or None  # an adapter per agent
+        folder = str(source) if isinstance(source, (str, os.PathLike)) else None
+        if s.vllm_python and self.vllm_server is None:
+            from agl.gateway.backends.vllm_server import VLLMServer
+
+            model = folder or str(self.model_source())
+            self.vllm_server = VLLMServer(
+                model,
+                python=s.vllm_python,
+                served_name=self.served_name(model),
+                port=s.vllm_port,
+                lora_rank=int(getattr(getattr(policy, "config", None), "lora_r", 16) or 16),
+                adapters=len(adapters or ()) or 1,
+                extra_args=s.vllm_args or (),
+                log_path=s.run_dir / "vllm.log",
+            )
+            log.info("agl: starting vLLM (%s); its log: %s", model, s.run_dir / "vllm.log")
+            self.vllm_server.start()
+            folder = model
+        url = self.vllm_server.url if self.vllm_server is not None else s.vllm_url
+        name = s.model_name or (self.vllm_server.served_name if self.vllm_server is not None else None)
+        chat = as_chat_tokenizer(tokenizer) if tokenizer is not None else None
+        render_with = chat if hasattr(chat, "encode_chat") else folder
+        return from_spec(
+            "vllm", url=url, model=name, adapters=adapters, server=self.vllm_server, tokenizer=render_with
+        )
 
     def _advertised(self, bound_url: str, host: str) -> str:
         """The URL published to the runners: ``gateway_advertise``, this host's name for a wildcard
@@ -267,6 +307,11 @@ class Environment:
         reported = status.json().get("weight_version") if status.status_code < 400 else status.text[:200]
         prove_push(reported, version, "the gateway's /agl/v1/status")
 
+    def engine_restarts(self) -> int:
+        """How many times the engine was restarted after dying (a managed vLLM server)."""
+        backend = self.gateway.backend if self.gateway is not None else None
+        return int(getattr(backend, "restarts", 0) or 0)
+
     def engine_busy_s(self) -> float | None:
         """Seconds the in-process engine has spent generating so far (None: no such engine here)."""
         backend = self.gateway.backend if self.gateway is not None else None
@@ -299,6 +344,9 @@ class Environment:
         if self.gateway is not None:
             self.gateway.close()
             self.gateway = None
+        if self.vllm_server is not None:
+            self.vllm_server.stop()
+            self.vllm_server = None
 
 
 def prune(folder: Path, keep: int) -> None:

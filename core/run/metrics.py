@@ -1,14 +1,16 @@
 """``MetricsLog``: a run's metrics, one record per step, where the tools read them.
 
 Each record is appended to ``run_dir/metrics.jsonl`` (what ``agl plot``, the dashboard and a resumed
-run read) and its numbers to TensorBoard under ``run_dir/tb`` (optional: without TensorBoard the
-JSONL is still written). ``history`` keeps the records in memory; :func:`bar_postfix` is the progress
-bar's summary of a step. The Trainer and SFT both write through it.
+run read) and its numbers to the experiment trackers ``report_to`` names (:mod:`agl.run.trackers`:
+TensorBoard under ``run_dir/tb``, trackio, W&B, MLflow; by default TensorBoard when it is installed,
+and the JSONL is written either way). ``history`` keeps the records in memory; :func:`bar_postfix` is
+the progress bar's summary of a step. The Trainer and SFT both write through it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,15 +18,54 @@ from typing import Any
 
 __all__ = ["MetricsLog", "bar_postfix", "rollouts_postfix"]
 
+log = logging.getLogger("agl.metrics")
+
 
 class MetricsLog:
-    """``metrics.jsonl`` + TensorBoard scalars for the run in ``run_dir``; ``history``: records so far."""
+    """``metrics.jsonl`` + the ``report_to`` trackers for the run in ``run_dir``; ``history``: records so
+    far. ``start(config)`` opens the trackers with the run's resolved configuration (the first
+    ``write`` opens them without one), ``log_plot`` hands them the reward curve, ``close`` finishes them."""
 
-    def __init__(self, run_dir: str | Path, history: Sequence[dict[str, Any]] = ()) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        history: Sequence[dict[str, Any]] = (),
+        *,
+        report_to: Any = None,
+        project: str | None = None,
+        run_name: str | None = None,
+    ) -> None:
+        from agl.run.trackers import check_installed, resolve_report_to
+
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.history: list[dict[str, Any]] = list(history)
-        self._tb: Any = None
+        #: the tracker names (None: TensorBoard when installed); a missing package is refused here
+        self.report_to = resolve_report_to(report_to)
+        check_installed(self.report_to)
+        self.project, self.run_name = project, run_name
+        self._trackers: list[Any] | None = None  # opened by start(), or by the first write()
+
+    def start(self, config: dict[str, Any] | None = None, *, resume: bool = False) -> None:
+        """Open the trackers and record the run's resolved ``config`` in them (a no-op once open)."""
+        if self._trackers is not None:
+            return
+        from agl.run.trackers import open_trackers
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._trackers = []
+        try:
+            trackers = open_trackers(
+                self.report_to, self.run_dir, project=self.project, run_name=self.run_name, resume=resume
+            )
+        except Exception as exc:  # noqa: BLE001 - by default TensorBoard is optional, as it always was
+            if self.report_to is not None:
+                raise
+            log.debug("agl: TensorBoard not written: %s", exc)
+            return
+        for tracker in trackers:
+            tracker.start(config or {})
+            self._trackers.append(tracker)
 
     def reset(self) -> None:
         """Start a fresh log: remove an earlier run's ``metrics.jsonl`` and forget the history."""
@@ -49,23 +90,26 @@ class MetricsLog:
         os.replace(tmp, self.path)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append ``record`` (it has a ``step``) to the history, the JSONL file and TensorBoard."""
+        """Append ``record`` (it has a ``step``) to the history, the JSONL file and every tracker."""
         self.history.append(record)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._tb is None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        if self._trackers is None:
+            self.start()
+        from agl.run.trackers import numeric_metrics
 
-                self._tb = SummaryWriter(str(self.run_dir / "tb"))
-            except Exception:  # noqa: BLE001 - TensorBoard is optional
-                self._tb = False
-        if self._tb:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-                    self._tb.add_scalar(key, value, record["step"])
-            self._tb.flush()
+        metrics = numeric_metrics(record)
+        for tracker in self._trackers or ():
+            tracker.log(metrics, int(record["step"]))
+
+    def log_plot(self, path: str | Path) -> None:
+        """The run's reward-curve PNG, to every tracker (a tracker that cannot take it logs why)."""
+        for tracker in self._trackers or ():
+            try:
+                tracker.log_plot(Path(path))
+            except Exception as exc:  # noqa: BLE001 - a plot a tracker refuses must not fail the run
+                log.warning("agl: %s did not take the reward plot: %s", tracker.name, exc)
 
     def summary(self, steps: int) -> dict[str, Any]:
         """A finished run's summary: its held-out reward before and after, the run's steps and history."""
@@ -87,10 +131,15 @@ class MetricsLog:
             "history": self.history,
         }
 
-    def close(self) -> None:
-        if self._tb:
-            self._tb.close()
-        self._tb = None
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        """Finish every tracker (``summary``: the held-out reward before and after, for their run
+        summaries); the JSONL needs no closing. Writing again opens them anew."""
+        trackers, self._trackers = self._trackers or [], None
+        for tracker in trackers:
+            try:
+                tracker.finish(summary or {})
+            except Exception as exc:  # noqa: BLE001 - one tracker failing to close must not hide the rest
+                log.warning("agl: closing %s failed: %s", tracker.name, exc)
 
 
 def _val_set_size(record: dict[str, Any]) -> int | None:
@@ -124,9 +173,12 @@ def rollouts_postfix(total: int, finished: Sequence[Any], rewards: dict[str, flo
 
 def engine_share(busy0: float | None, env: Any, step_s: float) -> dict[str, float]:
     """``engine_busy_s``/``engine_idle_s`` of a step that began with the in-process engine's busy
-    clock at ``busy0`` (nothing without such an engine: a remote or scripted one reports no clock)."""
+    clock at ``busy0`` (nothing without such an engine: a remote or scripted one reports no clock), and
+    ``engine_restarts``, the engine restarts of the run so far, once there was one."""
+    restarts = env.engine_restarts() if env is not None and hasattr(env, "engine_restarts") else 0
+    out: dict[str, float] = {"engine_restarts": restarts} if restarts else {}  # a dead engine came back
     busy1 = env.engine_busy_s() if env is not None else None
     if busy0 is None or busy1 is None:
-        return {}
+        return out
     busy = busy1 - busy0
-    return {"engine_busy_s": busy, "engine_idle_s": max(step_s - busy, 0.0)}
+    return {**out, "engine_busy_s": busy, "engine_idle_s": max(step_s - busy, 0.0)}

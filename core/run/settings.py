@@ -45,7 +45,24 @@ class Serving:
     tokenizer: Any = field(default=None, metadata=_help("a tokenizer (None: the model's, or SmolLM2's)"))
     base_url: str | None = field(default=None, metadata=_help("openai backend: the endpoint's URL"))
     api_key: str | None = field(default=None, metadata=_help("openai backend: the endpoint's API key"))
-    vllm_url: str | None = field(default=None, metadata=_help("vllm backend: the vLLM OpenAI server's URL"))
+    vllm_url: str | None = field(
+        default=None,
+        metadata=_help("vllm backend: a running vLLM OpenAI server's URL (else give vllm_python)"),
+    )
+    vllm_python: str | None = field(
+        default=None,
+        metadata=_help(
+            "vllm backend: an interpreter with vLLM installed; agl starts the server on the run's model "
+            "(LoRA rank, adapters, flags), logs to run_dir/vllm.log, restarts it if it dies, stops it at the end"
+        ),
+    )
+    vllm_args: str | None = field(
+        default=None,
+        metadata=_help("vllm backend, managed server: more vLLM flags (e.g. '--gpu-memory-utilization 0.5')"),
+    )
+    vllm_port: int = field(
+        default=0, metadata=_help("vllm backend, managed server: its port (0: a free one)")
+    )
     script: Any = field(default=None, metadata=_help("scripted backend: the replies"))
     store: Any = field(default=None, metadata=_help("a Store or URL (None: SQLite in run_dir)"))
     run_dir: Path = field(default=Path("runs/agl"), metadata=_help("where metrics, checkpoints, store go"))
@@ -73,17 +90,37 @@ class Serving:
         ),
     )
 
+    report_to: Any = field(
+        default=None,
+        metadata=_help(
+            "experiment trackers each step's metrics, the config and the reward plot go to: tensorboard, "
+            "trackio, wandb, mlflow, all or none (default: tensorboard when installed)"
+        ),
+    )
+    project: str | None = field(
+        default=None, metadata=_help("the trackers' project (W&B project, MLflow experiment; default: agl)")
+    )
+    run_name: str | None = field(
+        default=None, metadata=_help("the run's name in the trackers (default: run_dir's folder name)")
+    )
+
     def __post_init__(self) -> None:
+        from agl.run.trackers import resolve_report_to
+
+        self.report_to = resolve_report_to(self.report_to)  # names checked here, packages by MetricsLog
         if isinstance(self.backend, str) and self.backend not in BACKENDS:
             raise UsageError(
                 f"backend must be one of {', '.join(BACKENDS)} or a Backend instance, got {self.backend!r}"
             )
         if isinstance(self.runners, bool) or not isinstance(self.runners, int) or self.runners < 0:
             raise UsageError(f"runners must be an integer >= 0, got {self.runners!r}")
-        if self.backend == "vllm" and not self.vllm_url:
+        if self.backend == "vllm" and not self.vllm_url and not self.vllm_python:
             raise UsageError(
-                "backend='vllm' needs vllm_url (the vLLM OpenAI server, e.g. http://host:8000/v1)"
+                "backend='vllm' needs vllm_url (a running vLLM OpenAI server, e.g. http://host:8000/v1) or "
+                "vllm_python (an interpreter with vLLM installed: agl starts the server)"
             )
+        if self.vllm_url and self.vllm_python:
+            raise UsageError("give vllm_url (a running server) or vllm_python (agl starts one), not both")
         if not isinstance(self.batched_lora, bool):
             raise UsageError(f"batched_lora must be True or False, got {self.batched_lora!r}")
         if self.batched_lora and self.backend != "transformers":

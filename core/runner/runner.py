@@ -346,7 +346,9 @@ class Runner:
             setup_tracing(store)
         from agl.instrumentation.attribution import AttributionCheck
 
-        self._attribution = AttributionCheck(store)  # warns once when LLM calls lose their agent
+        # warns once when LLM calls left no client span or lost their agent (from the stored spans, at
+        # the end of an attempt: before the agent runs, integrations may still wait for their import)
+        self._attribution = AttributionCheck(store)
         from agl.runner.endpoint_gate import EndpointGate
 
         self._gate = EndpointGate()  # no claims while the agents' LLM endpoint refuses connections
@@ -388,7 +390,6 @@ class Runner:
         self._stop_evt, self._hard_evt = asyncio.Event(), asyncio.Event()
         self._remaining = max_rollouts
         self._idle_exit = until_idle
-        _warn_if_untraced()
         loop = asyncio.get_running_loop()
         installed: list[int] = []
         if signals and threading.current_thread() is threading.main_thread():
@@ -696,29 +697,6 @@ class Runner:
 
 class _ShutdownError(RuntimeError):
     pass
-
-
-_untraced_warned = False
-
-
-def _warn_if_untraced() -> None:
-    """Warn once when no integration is instrumented: the agent's LLM calls would then make no spans,
-    carry no rollout id to the gateway (whose replies and spans then belong to no rollout) and give
-    the trainer nothing to learn from. ``agl runner`` instruments by itself; library users call
-    ``agl.instrument()`` in the agent's module."""
-    global _untraced_warned
-    if _untraced_warned:
-        return
-    from agl.instrumentation import instrumented
-
-    if instrumented():
-        return
-    _untraced_warned = True
-    log.warning(
-        "agl runner: no integration is instrumented, so the agent's LLM calls are not traced and not "
-        "attributed to their rollout; call agl.instrument() in the agent's module (agl runner does it "
-        "for the frameworks the module imports, unless --no-instrument)"
-    )
 
 
 def instrument_imported_frameworks() -> list[str]:

@@ -11,6 +11,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from agl.store.base import STORE_TOKEN_ENV
+
 __all__ = ["ServerProcess"]
 
 
@@ -70,7 +72,7 @@ class ServerProcess:
 
         env = {**os.environ, **self.env}
         if self.token is not None:
-            env["AGL_STORE_TOKEN"] = self.token
+            env[STORE_TOKEN_ENV] = self.token
         log = open(self.log_path, "ab") if self.log_path is not None else subprocess.DEVNULL  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=log, env=env)

@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from agl.errors import AglError
+from agl.errors import ConflictError, InvalidInputError, NotFoundError, StoreError
 from agl.types import (
     Attempt,
     AttemptError,
@@ -60,6 +60,13 @@ from agl.types import (
     Task,
 )
 
+#: the environment variable a command's ``--store`` falls back to, then :data:`DEFAULT_STORE`
+STORE_ENV = "AGL_STORE"
+#: the documented default store of the ``agl`` commands
+DEFAULT_STORE = "sqlite:///agl.db"
+#: the environment variable holding an HTTP store server's bearer token (clients and the server)
+STORE_TOKEN_ENV = "AGL_STORE_TOKEN"
+
 __all__ = [
     "ConflictError",
     "InvalidInputError",
@@ -71,33 +78,6 @@ __all__ = [
 
 #: Statuses a worker may finish its own attempt with. ``lost``/``timed_out`` are the store's to set.
 FINISH_STATUSES = ("succeeded", "failed")
-
-
-class StoreError(AglError):
-    """Base of every error a store raises on purpose. ``status`` is the HTTP status the server uses."""
-
-    status = 400
-    code = "store_error"
-
-
-class InvalidInputError(StoreError, ValueError):
-    status = 400
-    code = "invalid_input"
-
-
-class NotFoundError(StoreError, KeyError):
-    status = 404
-    code = "not_found"
-
-    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
-        return str(self.args[0]) if self.args else "not found"
-
-
-class ConflictError(StoreError):
-    """The request is well-formed but illegal in the current state (e.g. finishing an ended attempt)."""
-
-    status = 409
-    code = "conflict"
 
 
 @runtime_checkable

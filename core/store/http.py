@@ -42,6 +42,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 import pydantic_core
 
+from agl.errors import StoreAuthError, StoreUnavailableError
 from agl.store._common import (
     check_attempt_number,
     check_error,
@@ -72,7 +73,7 @@ from agl.store._wire import (
     _trusted,
     dump_spans,
 )
-from agl.store.base import ConflictError, InvalidInputError, NotFoundError, StoreError
+from agl.store.base import STORE_TOKEN_ENV, ConflictError, InvalidInputError, NotFoundError, StoreError
 from agl.types import (
     _ID_RE,
     Attempt,
@@ -88,27 +89,13 @@ from agl.types import (
 
 __all__ = ["AsyncHttpStore", "HttpStore", "StoreAuthError", "StoreUnavailableError"]
 
-TOKEN_ENV = "AGL_STORE_TOKEN"
+TOKEN_ENV = STORE_TOKEN_ENV
 #: Longest single long-poll request; the server caps its own hold at 30 s as well.
 MAX_POLL_S = 30.0
 _POLL_MARGIN_S = 15.0
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 2.0
 _RETRY_STATUSES = frozenset({502, 503, 504})
-
-
-class StoreUnavailableError(StoreError, ConnectionError):
-    """The server could not be reached (or kept failing) for the whole retry window."""
-
-    status = 503
-    code = "unavailable"
-
-
-class StoreAuthError(StoreError, PermissionError):
-    """The server refused the bearer token (or none was given)."""
-
-    status = 401
-    code = "unauthorized"
 
 
 _ERRORS: dict[str, type[StoreError]] = {

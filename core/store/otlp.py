@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
+from agl.names import normalise_attributes
 from agl.semconv import AGL_ATTEMPT, AGL_ROLLOUT_ID
 from agl.store._common import describe_validation_error
 from agl.store.base import InvalidInputError, Store, StoreError
@@ -177,7 +178,7 @@ def spans_from_request(msg: Any) -> tuple[list[Span], list[str]]:
         resource = _attrs(rs.resource.attributes)
         for ss in rs.scope_spans:
             for ps in ss.spans:
-                attrs = _attrs(ps.attributes)
+                attrs = normalise_attributes(_attrs(ps.attributes))
                 rollout_id = attrs.get(AGL_ROLLOUT_ID, resource.get(AGL_ROLLOUT_ID))
                 raw_attempt = attrs.get(AGL_ATTEMPT, resource.get(AGL_ATTEMPT))
                 if rollout_id is None or raw_attempt is None:

@@ -40,6 +40,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
+from agl.errors import UsageError
 from agl.http_limits import HttpLimits, is_loopback
 from agl.store._process import ServerProcess
 from agl.store._serverkit import (
@@ -68,7 +69,7 @@ from agl.store._serverkit import (
     _Waker,
 )
 from agl.store._wire import dump_spans
-from agl.store.base import InvalidInputError, Store, StoreError
+from agl.store.base import STORE_TOKEN_ENV, InvalidInputError, Store, StoreError
 from agl.types import AttemptError, Claim, Rollout
 
 __all__ = [
@@ -682,9 +683,9 @@ def serve(
     serve`` mounts the dashboard at ``/ui``).
     """
     if not token and not is_loopback(host):
-        raise ValueError(
+        raise UsageError(
             f"refusing to listen on non-loopback address {host!r} without a token: "
-            "set AGL_STORE_TOKEN or pass --token-file"
+            f"set {STORE_TOKEN_ENV} or pass --token-file"
         )
     import uvicorn
 

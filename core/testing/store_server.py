@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agl.store.base import STORE_TOKEN_ENV
 from agl.store.server import ServerProcess, create_app
 
 __all__ = ["NamespacedStores", "TestStoreServer", "serve_test_store", "shared_test_server"]
@@ -136,7 +137,7 @@ def serve_test_store(db: str, *, host: str = "127.0.0.1", port: int = 0) -> None
     from agl.store import open as open_store
     from agl.store.server import serve
 
-    token = os.environ.get("AGL_STORE_TOKEN") or None
+    token = os.environ.get(STORE_TOKEN_ENV) or None
     if db.startswith(("postgresql://", "postgres://")):  # --db may name a PostgreSQL database
         store, factory = open_store(db), _pg_factory(db)
     else:

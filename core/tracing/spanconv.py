@@ -17,17 +17,14 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind, StatusCode
 
 from agl import semconv
-from agl.errors import AglError
+from agl.errors import MissingRolloutError
+from agl.names import normalise_attributes
 from agl.types import _ID_RE, Span, SpanEvent, SpanStatus, _construct
 
 __all__ = ["MissingRolloutError", "span_from_otel"]
 
 _ROLLOUT_KEY = semconv.AGL_ROLLOUT_ID
 _ATTEMPT_KEY = semconv.AGL_ATTEMPT
-
-
-class MissingRolloutError(AglError, ValueError):
-    """The span carries no ``agl.rollout.id``/``agl.attempt``: it belongs to no rollout."""
 
 
 def _attr_value(value: Any) -> Any:
@@ -120,7 +117,7 @@ def span_from_otel(span: ReadableSpan, *, rollout_id: str | None = None, attempt
     is left to check — the rollout id, the attempt, the name, the times — is checked here; a store
     server still validates every span it receives over HTTP.
     """
-    attributes = _attrs(_raw_attributes(span))
+    attributes = normalise_attributes(_attrs(_raw_attributes(span)))  # names as people see them
     if rollout_id is None or attempt is None:
         found = _rollout_of(attributes)
         if found is None:

@@ -26,23 +26,28 @@ store once their lease lapses. So every rollout id is trained in exactly one rec
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agl.adapter.air_rules import reward_split
 from agl.run.metrics import engine_share
 from agl.trainer.order import TaskOrder
-from agl.trainer.pipeline import PIPELINE_KEY, Group, GroupPipeline, VersionLedger, group_lag, wait_for_groups
-from agl.types import Rollout, Task, Transition
+from agl.trainer.pipeline import (
+    PIPELINE_KEY,
+    Group,
+    GroupPipeline,
+    VersionLedger,
+    group_lag,
+    wait_for_groups,
+)
+from agl.trainer.steps import Steps
+from agl.types import Task, Transition
 
 if TYPE_CHECKING:
     from agl.trainer.trainer import Trainer
 
-__all__ = ["AsyncLoop"]
+__all__ = ["AsyncLoop", "AsyncSchedule"]
 
 log = logging.getLogger("agl.trainer")
 
@@ -51,18 +56,18 @@ def _mean(xs: list[float]) -> float | None:
     return float(sum(xs) / len(xs)) if xs else None
 
 
-class AsyncLoop:
-    """The asynchronous loop of one ``Trainer.fit`` (see the module docstring)."""
+class AsyncSchedule:
+    """The asynchronous schedule of one ``Trainer.fit`` (see the module docstring)."""
 
-    def __init__(self, trainer: Trainer, train_tasks: list[Task], val_tasks: list[Task]) -> None:
+    def __init__(self, trainer: Trainer, steps: Steps, train_tasks: list[Task]) -> None:
         self.t = trainer
+        self.steps = steps
         self.cfg = trainer.loop
         self.k = self.cfg.max_staleness
         self.train_tasks = train_tasks
-        self.val_tasks = val_tasks
         self.order = TaskOrder(len(train_tasks), self.cfg.seed)
         self.pipe = GroupPipeline(
-            trainer.store, self._adapt, trainer.algorithm.group_size, trainer.rollout_config
+            trainer.store, steps.adapt, trainer.algorithm.group_size, trainer.rollout_config
         )
         #: a scripted or hosted engine never serves the pushed versions: staleness is unknown there
         self.versions_known = trainer.env is not None and trainer.env.serves_pushed_weights
@@ -76,52 +81,16 @@ class AsyncLoop:
     def draw(self, n: int) -> list[Task]:
         return [self.train_tasks[i] for i in self.order.take(n)]
 
-    def _adapt(self, r: Rollout) -> tuple[list[Transition], float | None]:
-        if r.status == "cancelled":
-            return [], None
-        ts = self.t.adapter.from_store(self.t.store, [r])
-        return ts, self.t._rollout_reward(r, ts)
+    # ------------------------------------------------------------------------- schedule
+    def checkpoint(self, done: int) -> None:
+        self.steps.checkpoint(self.order, {"next_step": done, **self.pipe.state(), **self.ledger.state()})
 
-    # -------------------------------------------------------------------------------- loop
-    def run(self) -> None:
-        """Steps from the start (or resumed) step to ``steps``; the last only measures held-out reward."""
-        from tqdm.auto import tqdm
-
-        from agl.trainer import malloc
-
-        cfg, t = self.cfg, self.t
-        start = self._resume()
-        bar = tqdm(
-            total=cfg.steps,
-            initial=start,
-            desc="agl fit",
-            unit="step",
-            disable=not t.serving.progress,
-            dynamic_ncols=True,
-        )
-        for step in range(start, cfg.steps + 1):
-            final = step == cfg.steps
-            periodic = (
-                cfg.val_before
-                if step == start and not final
-                else bool(cfg.val_every and step % cfg.val_every == 0)
-            )
-            do_val = bool(self.val_tasks) and (final or periodic)
-            if final and not do_val:
-                break
-            record = self._step(step, final, self.val_tasks if do_val else [])
-            malloc.trim()
-            if t.gate is not None and not final:
-                t.gate.apply(t, record)
-            t.metrics.write(record)
-            if not final:
-                bar.update(1)
-                done = step + 1
-                if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
-                    extra = {"next_step": done, **self.pipe.state(), **self.ledger.state()}
-                    t._checkpoint(self.order, extra)
+    def finish(self) -> None:
+        """Groups still outstanding after the last step would only run for nothing: cancel them."""
         self.pipe.cancel_outstanding()
-        bar.close()
+
+    def step(self, step: int, final: bool, val_tasks: list[Task], bar: Any) -> dict[str, Any]:
+        return self._step(step, final, val_tasks)
 
     def _step(self, step: int, final: bool, val_tasks: list[Task]) -> dict[str, Any]:
         """publish -> push -> top up the pipeline -> take complete groups -> update -> held-out."""
@@ -129,21 +98,21 @@ class AsyncLoop:
         assert t.env is not None
         t_step = time.perf_counter()
         busy0 = t.env.engine_busy_s()
-        version = t._publish()
-        sync_s = t.sync_weights(version)
+        version = self.steps.publish()
+        sync_s = self.steps.push(version)
         self.ledger.pushed(version, t.policy.global_step)
         if not final:
             self.pipe.fill(self.budget_at(step), step, self.draw)
         else:  # nothing trains any more: groups still running would only slow the held-out check
             self.pipe.cancel_outstanding()
-        val_ids = t._enqueue(val_tasks, version, step, 1)
+        val_ids = self.steps.enqueue(val_tasks, version, step, 1)
         record: dict[str, Any] = {"step": step, "resources_version": version, "max_staleness": self.k}
         ids: list[str] = []
         transitions: dict[str, list[Transition]] = {}
         if not final:
             ids, transitions = self._train(step, version, record)
         if val_ids:  # the held-out rollouts ran on this step's weights while the update ran
-            vt, rewards, _ = t._collect(val_ids, None, f"step {step} held-out")
+            vt, rewards, _ = self.steps.collect(val_ids, None, f"step {step} held-out")
             transitions.update(vt)
             vr = [rewards[r] for r in val_ids if r in rewards]
             record.update(val_reward=_mean(vr), val_rollouts=len(vr), val_tasks=len(val_tasks))
@@ -206,30 +175,22 @@ class AsyncLoop:
             rollout_s=idle_s,
         )
         record.update(reward_split(train_ts, t.history))
-        record.update(t._update(train_ts, on_policy=not any(lags)))
+        record.update(self.steps.update(train_ts, on_policy=not any(lags)))
         return ids, transitions
 
     # ------------------------------------------------------------------------------ resume
-    def _resume(self) -> int:
+    def start(self) -> int:
         """With ``resume=True`` and a saved state: restore the policy, task order and consumed groups,
         keep the metrics of the checkpointed steps only, and pick up the store's outstanding groups;
         returns the step to continue from (0 otherwise)."""
-        t = self.t
-        state_file = Path(t.run_dir) / "trainer_state.json"
-        if not (self.cfg.resume and state_file.exists()):
+        state = self.steps.state()
+        if state is None:
             return 0
-        state = json.loads(state_file.read_text())
-        global_step = t.policy.load_checkpoint(state["checkpoint"])
+        global_step, start = self.steps.restore(state, self.order)
         self.ledger.restore(state, global_step)
-        start = int(state.get("next_step", global_step))
-        self.order.restore(state)
-        t.metrics.load()
-        t.metrics.truncate(start)  # steps after the checkpoint: their updates died with the process
         restored = self.pipe.restore(state)
-        for r in t.store.query_rollouts(status=["queued", "running"]):
-            if r.mode != "train" or not r.metadata.get(PIPELINE_KEY):  # held-out checks are re-run
-                with contextlib.suppress(Exception):
-                    t.store.cancel(r.id)
+        # held-out checks are re-run; a train group of the pipeline is kept (restored above)
+        self.steps.cancel_live(keep=lambda r: r.mode == "train" and bool(r.metadata.get(PIPELINE_KEY)))
         log.info(
             "agl trainer: resumed at step %d from %s with %d outstanding groups",
             start,
@@ -237,3 +198,7 @@ class AsyncLoop:
             restored,
         )
         return start
+
+
+#: the name this schedule had before the loop skeleton was shared (agl.trainer.loop)
+AsyncLoop = AsyncSchedule

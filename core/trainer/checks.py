@@ -64,11 +64,12 @@ class StepChecks:
         if agents is None or isinstance(agents, (str, re.Pattern)):
             return
         made = {name for name, n in stats.agents.items() if n}
-        missing = [a for a in agents if a not in made]
+        wanted = {a.strip() if isinstance(a, str) else a for a in agents}  # as people see them (agl.names)
+        missing = [a for a in agents if (a.strip() if isinstance(a, str) else a) not in made]
         if not missing:
             return
         seen = ", ".join(f"{name or '<no agent span>'} ({n})" for name, n in sorted(stats.agents.items()))
-        others = sorted(name for name in made if name and name not in set(agents))
+        others = sorted(name for name in made if name and name not in wanted)
         if others:  # calls of named agents that are not selected: most likely a misspelt selection
             raise UsageError(
                 f"step {step}: the selected agent(s) {', '.join(map(repr, missing))} made none of the "
@@ -91,16 +92,32 @@ class StepChecks:
     OFF_POLICY_WARN = 0.05
 
     def on_policy(
-        self, ratio_dev: float | None, config: RunConfig, precision: str = "no", corrected: bool = False
+        self,
+        ratio_dev: float | None,
+        config: RunConfig,
+        precision: str = "no",
+        corrected: bool = False,
+        *,
+        engine: str | None = None,
     ) -> None:
         """Say once when the update's first ratio shows that the engine's recorded log-probs are not the
-        policy's. Under mixed precision with ``corrected`` (the update trains by decoupled PPO, so the
+        policy's. A separate ``engine`` (vLLM) with ``corrected`` is expected and logged at INFO. Under mixed precision with ``corrected`` (the update trains by decoupled PPO, so the
         mismatch is weighted, not clipped) that is expected and logged at INFO with its size; otherwise
         a warning names the likeliest cause: the update's autocast when it has one, else sampling
         settings the agent overrides or weights the engine does not share."""
         if ratio_dev is None or ratio_dev <= self.OFF_POLICY_WARN or self.warned_off_policy:
             return
         self.warned_off_policy = True
+        if engine is not None and corrected:  # a separate engine (vLLM): its own kernels and dtype
+            log.info(
+                "agl trainer: the %s engine computes its log-probs apart from the update (its own kernels, "
+                "often bf16), so they differ from the update's (max |ratio - 1| %.3g in the first update); "
+                "every step trains by decoupled PPO against the update's own log-probs, each token weighted "
+                "by min(pi/mu, tis_cap): tis_weight_mean and tis_clip_fraction in the metrics show how much",
+                engine,
+                ratio_dev,
+            )
+            return
         if precision != "no" and corrected:
             log.info(
                 "agl trainer: the update runs in %s autocast and the engine without it, so their log-probs "

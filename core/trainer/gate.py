@@ -11,13 +11,13 @@ gate only logs (``gate_rollback`` says so).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from agl.errors import UsageError
+from agl.trainer.state import read_state
 
 __all__ = ["Gate"]
 
@@ -60,12 +60,12 @@ class Gate:
         why = self.check(record, trainer.history)
         if why is None:
             return
-        state_file = trainer.run_dir / "trainer_state.json"
-        if not state_file.exists():
+        state = read_state(trainer.run_dir)
+        if state is None:
             log.warning("agl gate: %s — no checkpoint yet, training goes on", why)
             record["gate_rollback"] = {"reason": why, "checkpoint": None}
             return
-        checkpoint = json.loads(state_file.read_text())["checkpoint"]
+        checkpoint = state["checkpoint"]
         step = trainer.policy.load_checkpoint(checkpoint)
         log.warning("agl gate: %s — rolled back to %s (update step %d)", why, checkpoint, step)
         record["gate_rollback"] = {"reason": why, "checkpoint": checkpoint, "update_step": step}

@@ -1,6 +1,6 @@
 """The ``Trainer``'s keywords, each routed into the settings value it belongs to: one table (:data:`HOME`)
 keeps every keyword of today's ``Trainer(...)`` working while the numbers live in typed values
-(:class:`agl.run.Serving`, :class:`agl.config.LoopConfig`, :class:`agl.config.RolloutConfig`,
+(:class:`agl.run.Serving`, :class:`agl.config.LoopConfig`, :class:`agl.config.RolloutSettings`,
 :class:`agl.config.RunConfig`); an unknown keyword is refused by name."""
 
 from __future__ import annotations

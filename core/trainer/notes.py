@@ -48,8 +48,22 @@ def no_update_note(record: dict[str, Any], history: Sequence[dict[str, Any]]) ->
     note = f"agl trainer: step {step} made no update: {_why(record)}; the policy is unchanged"
     previous = history[-1] if history else None
     if previous is not None and previous.get("no_update"):
-        note += f". Two steps in a row without an update: {ADVICE}"
+        note += f". Two steps in a row without an update: {_learnt(record, history) or ADVICE}"
     return note
+
+
+def _learnt(record: dict[str, Any], history: Sequence[dict[str, Any]]) -> str | None:
+    """The advice for flat groups that are flat because the run learnt its tasks: every rollout gets the
+    best training reward of the run, which earlier steps fell short of (a run that starts there gets
+    :data:`ADVICE`: its tasks were too easy, or the reward does not vary)."""
+    reward = record.get("train_reward")
+    earlier = [h["train_reward"] for h in history if h.get("train_reward") is not None]
+    if reward is None or not earlier or reward < max(earlier) or min(earlier) >= reward:
+        return None
+    return (
+        f"every rollout now gets the run's best reward ({reward:.3f}, up from {min(earlier):.3f}): these "
+        "tasks look learnt, and harder or more varied tasks would give the update more to learn from"
+    )
 
 
 def inspect_commands(run_dir: str | Path, store_url: str | None) -> str:

@@ -26,9 +26,28 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agl.errors import ConflictError, NotFoundError
 from agl.types import NewRollout, Rollout, Task, Transition
 
 log = logging.getLogger("agl.trainer")
+
+
+def cancel_rollouts(store: Any, ids: Sequence[str]) -> int:
+    """Cancel each rollout (the Trainer no longer wants it); returns how many were cancelled. A rollout
+    that finished meanwhile (the store's conflict) or is gone (not found) is skipped; any other failure
+    (a dead store server) is logged, not swallowed, and the rest are still tried."""
+    n = 0
+    for rid in ids:
+        try:
+            store.cancel(rid)
+        except (ConflictError, NotFoundError):
+            continue
+        except Exception as exc:  # noqa: BLE001 - one failed cancel must not stop the others; said loudly
+            log.warning("agl trainer: could not cancel rollout %s: %s: %s", rid, type(exc).__name__, exc)
+            continue
+        n += 1
+    return n
+
 
 __all__ = ["Group", "GroupPipeline", "PIPELINE_KEY", "VersionLedger", "group_lag", "wait_for_groups"]
 
@@ -142,16 +161,9 @@ class GroupPipeline:
     def cancel_unfinished(self, groups: Sequence[Group]) -> int:
         """Cancel the unfinished rollouts of ``groups``; returns how many it asked to cancel. A
         cancelled rollout ends its attempt, so its group completes without it."""
-        n = 0
-        for g in groups:
-            for rid in g.ids:
-                if rid not in g.finished:
-                    n += 1
-                    try:
-                        self.store.cancel(rid)
-                    except Exception:  # noqa: BLE001 - it may have finished meanwhile
-                        pass
-        return n
+        ids = [rid for g in groups for rid in g.ids if rid not in g.finished]
+        cancel_rollouts(self.store, ids)
+        return len(ids)
 
     # ----------------------------------------------------------------------------- resume
     def state(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from agl.types import Rollout, Task, Transition
 
 if TYPE_CHECKING:
-    from agl.trainer.trainer import Trainer
+    from agl.trainer.steps import Steps
 
 __all__ = ["informative_groups", "resample"]
 
@@ -31,7 +31,9 @@ def informative_groups(
 
 
 def resample(
-    t: Trainer,
+    steps: Steps,
+    algorithm: Any,
+    rounds_max: int,
     step: int,
     want: int,
     version: int,
@@ -42,22 +44,22 @@ def resample(
     bar: Any,
     draw: Callable[[int], list[Task]],
 ) -> tuple[list[str], dict[str, Any]]:
-    """Rounds of ``draw(k)`` fresh tasks, enqueued on ``version`` and collected into ``transitions``,
+    """Up to ``rounds_max`` rounds of ``draw(k)`` fresh tasks, enqueued on ``version`` and collected into ``transitions``,
     ``rewards`` and ``finished`` (updated in place). Returns every training rollout id and the sampling
     metrics, with the groups to train on (``kept_groups``)."""
-    informative, n_groups = informative_groups(ids, transitions, t.algorithm)
+    informative, n_groups = informative_groups(ids, transitions, algorithm)
     rounds = 0
-    while len(informative) < want and rounds < t.loop.dynamic_sampling:
+    while len(informative) < want and rounds < rounds_max:
         rounds += 1
         rate = max(len(informative), 1) / max(n_groups, 1)
         k = min(want, math.ceil((want - len(informative)) / rate))
-        more = t._enqueue(draw(k), version, step, t.algorithm.group_size, group_suffix=f"r{rounds}")
-        new_ts, new_rewards, new_finished = t._collect(more, bar, f"step {step} round {rounds}")
+        more = steps.enqueue(draw(k), version, step, algorithm.group_size, group_suffix=f"r{rounds}")
+        new_ts, new_rewards, new_finished = steps.collect(more, bar, f"step {step} round {rounds}")
         transitions.update(new_ts)
         rewards.update(new_rewards)
         finished.extend(new_finished)
         ids = ids + more
-        informative, n_groups = informative_groups(ids, transitions, t.algorithm)
+        informative, n_groups = informative_groups(ids, transitions, algorithm)
     return ids, {
         "kept_groups": informative[:want],
         "groups": n_groups,

@@ -28,29 +28,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
-import os
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agl.adapter.air_rules import agent_rewards, reward_split
 from agl.algorithms.per_agent_lora import warm_adapters_folder
-from agl.config import LoopConfig, RolloutConfig, RunConfig
+from agl.config import LoopConfig, RolloutSettings, RunConfig
 from agl.errors import UsageError
+from agl.gateway.sampling import SamplingLimits
 from agl.gateway.tokenizer import load_tokenizer
 from agl.lora import selected_loras
-from agl.run.metrics import MetricsLog, bar_postfix, engine_share, rollouts_postfix
-from agl.run.served import prove_calls
+from agl.run.metrics import MetricsLog
 from agl.run.settings import Serving
 from agl.trainer.checks import StepChecks
 from agl.trainer.keywords import merged, route_keywords
-from agl.trainer.notes import inspect_commands, no_update_note
-from agl.trainer.order import TaskOrder
-from agl.trainer.sampling import resample
-from agl.types import NewRollout, Rollout, Task, Transition, as_tasks
+from agl.trainer.loop import Schedule, run_loop
+from agl.trainer.notes import inspect_commands
+from agl.trainer.steps import Steps
+from agl.trainer.sync import SyncSchedule
+from agl.types import Task, Transition, as_tasks
 
 if TYPE_CHECKING:
     from agl.run.environment import Environment
@@ -78,7 +75,7 @@ class Trainer:
     - ``serving`` (:class:`agl.run.Serving`): what serves the policy and where rollouts go — backend,
       store, runners, run directory, gateway (bind, advertised URL, key, or one started elsewhere);
     - ``loop`` (:class:`agl.config.LoopConfig`): steps, tasks per step, held-out checks, dynamic
-      sampling, checkpoints, resume, seed; ``rollout`` (:class:`agl.config.RolloutConfig`): a
+      sampling, checkpoints, resume, seed; ``rollout`` (:class:`agl.config.RolloutSettings`): a
       rollout's timeout, lease and attempts;
     - ``config`` (:class:`agl.config.RunConfig`): sampling and the update's settings.
 
@@ -102,7 +99,7 @@ class Trainer:
         *,
         serving: Serving | None = None,
         loop: LoopConfig | None = None,
-        rollout: RolloutConfig | None = None,
+        rollout: RolloutSettings | None = None,
         config: RunConfig | None = None,
         agents: Any = None,
         adapter: Any = None,
@@ -124,7 +121,7 @@ class Trainer:
             parts["serving"]["model"] = model
         self.serving = merged(Serving, serving, parts["serving"])
         self.loop = merged(LoopConfig, loop, parts["loop"])
-        self.rollout = merged(RolloutConfig, rollout, parts["rollout"])
+        self.rollout = merged(RolloutSettings, rollout, parts["rollout"])
         #: the one run configuration: sampling published to the agents and used by the in-process
         #: gateway, and the update settings (temperature included) the policy update reads
         self.config = RunConfig.resolve(self.algorithm, base=config, **parts["config"])
@@ -150,7 +147,8 @@ class Trainer:
         self.adapter_arg = adapter
         #: the per-rollout limits the store keeps (timeout, lease, attempts)
         self.rollout_config = self.rollout.for_store()
-        self.metrics = MetricsLog(self.serving.run_dir)
+        s = self.serving
+        self.metrics = MetricsLog(s.run_dir, report_to=s.report_to, project=s.project, run_name=s.run_name)
         self.checks = StepChecks()
         self.policy: Any = None
         self.env: Environment | None = None
@@ -221,6 +219,9 @@ class Trainer:
             base_url=base_url,
             engine=engine,
             worker_id="agl-trainer",
+            # programs that set no max_tokens/temperature (written for a hosted API) get the run's; a
+            # program asking more than max_tokens is capped (agl.gateway.sampling)
+            sampling=SamplingLimits.from_config(self.config),
         )
         if self.adapter_arg is not None:
             self.adapter = self.adapter_arg
@@ -251,74 +252,12 @@ class Trainer:
         if self.env is not None:
             self.env.close()
         self.rewarding.close()
-        self.metrics.close()
+        summary = self.metrics.summary(self.loop.steps)
+        self.metrics.close({k: summary[k] for k in ("val_reward_before", "val_reward_after")})
 
     def sync_weights(self, version: int) -> float:
         """Push the policy's weights to the inference engine as ``version``; returns seconds taken."""
         return self.env.push_weights(self.policy, version) if self.env is not None else 0.0
-
-    # ------------------------------------------------------------------------------ rollouts
-    def _publish(self) -> int:
-        assert self.env is not None
-        return self.env.publish(self.config.sampling)
-
-    def _enqueue(
-        self, tasks: Sequence[Task], version: int, step: int, repeat: int, group_suffix: str = ""
-    ) -> list[str]:
-        # a task drawn again in a later sampling round of the same step is a group of its own
-        rollouts = [
-            NewRollout.from_task(
-                task,
-                group_id=f"{task.id}-s{step}{group_suffix}",
-                resources_version=version,
-                config=self.rollout_config,
-                metadata={"step": step},
-            )
-            for task in tasks
-            for _ in range(repeat)
-        ]
-        return [r.id for r in self.store.enqueue(rollouts)] if rollouts else []
-
-    def _rollout_reward(self, rollout: Rollout, transitions: list[Transition]) -> float:
-        """A rollout's reward: its final reward as the adapter defines it (one definition)."""
-        if transitions:
-            return transitions[0].final_reward
-        return float(self.adapter.rollout_reward(self.store, rollout))
-
-    def _collect(
-        self, ids: Sequence[str], bar: Any, label: str
-    ) -> tuple[dict[str, list[Transition]], dict[str, float], list[Rollout]]:
-        """Wait for rollouts, adapting each as it finishes; the bar shows the live mean reward."""
-        pending = set(ids)
-        transitions: dict[str, list[Transition]] = {}
-        rewards: dict[str, float] = {}
-        finished: list[Rollout] = []
-        timeout_s = self.loop.step_timeout_s
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while pending:
-            done = [
-                r for r in self.store.wait_for_rollouts(sorted(pending), timeout_s=0.5) if r.id in pending
-            ]
-            for r in done:
-                pending.discard(r.id)
-                ts = self.adapter.from_store(self.store, [r]) if r.status != "cancelled" else []
-                transitions[r.id] = ts
-                if r.status != "cancelled":
-                    rewards[r.id] = self._rollout_reward(r, ts)
-                finished.append(r)
-            if bar is not None and done:
-                bar.set_postfix(rollouts_postfix(len(ids), finished, rewards), refresh=True)
-            if deadline is not None and time.monotonic() > deadline and pending:
-                log.warning(
-                    "agl trainer: %s: %d rollouts did not finish in time; cancelling them",
-                    label,
-                    len(pending),
-                )
-                for rid in list(pending):
-                    with contextlib.suppress(Exception):
-                        self.store.cancel(rid)
-                deadline = None
-        return transitions, rewards, finished
 
     # ----------------------------------------------------------------------------------- fit
     def fit(self, agent: Any, train: Iterable[Any], val: Iterable[Any] | None = None) -> dict[str, Any]:
@@ -341,199 +280,37 @@ class Trainer:
         from agl.trainer import malloc
 
         malloc.tune()  # freed activations leave the process instead of fragmenting the heap (agl.trainer.malloc)
-        self._start(agent, training=True)
-        # the judge's gateway, store and cache; AIR's gate and the credit rule are the adapter's
-        self.rewarding.open(self.run_dir, self.adapter)
+        from agl.run.trackers import run_config
+
+        parts = {"serving": self.serving, "loop": self.loop, "rollout": self.rollout, "config": self.config}
+        self.metrics.start(run_config(self.algorithm, **parts), resume=self.loop.resume)
         try:
+            self._start(agent, training=True)
+            # the judge's gateway, store and cache; AIR's gate and the credit rule are the adapter's
+            self.rewarding.open(self.run_dir, self.adapter)
             self._loop(train_tasks, val_tasks)
+            with contextlib.suppress(Exception):  # the reward curve, to run_dir and the trackers
+                from agl.run.plot import plot_run
+
+                self.metrics.log_plot(plot_run(self.run_dir))
         finally:
             self.close()
-        with contextlib.suppress(Exception):
-            from agl.reports.plot import plot_run
-
-            plot_run(self.run_dir)
         if self.serving.progress:
             print(inspect_commands(self.run_dir, self.serving.store_url()))
         return self.metrics.summary(self.loop.steps)
 
     def _loop(self, train_tasks: list[Task], val_tasks: list[Task]) -> None:
-        """Steps from the start (or the resumed) step to ``loop.steps``; the last one only measures the
-        held-out reward. A checkpoint every ``checkpoint_every`` steps and after the last update."""
-        from tqdm.auto import tqdm
+        """The run's steps: the synchronous schedule, or the asynchronous one with ``max_staleness > 0``,
+        under the one loop skeleton (:mod:`agl.trainer.loop`)."""
+        steps = Steps(self)
+        schedule: Schedule
+        if self.loop.max_staleness:
+            from agl.trainer.async_loop import AsyncSchedule
 
-        from agl.trainer import malloc
-
-        cfg = self.loop
-        if cfg.max_staleness:  # asynchronous training: its own loop (agl.trainer.async_loop)
-            from agl.trainer.async_loop import AsyncLoop
-
-            AsyncLoop(self, train_tasks, val_tasks).run()
-            return
-        order = TaskOrder(len(train_tasks), cfg.seed)
-        start_step = self._resume(order)
-        bar = tqdm(
-            total=cfg.steps,
-            initial=start_step,
-            desc="agl fit",
-            unit="step",
-            disable=not self.serving.progress,
-            dynamic_ncols=True,
-        )
-        for step in range(start_step, cfg.steps + 1):
-            final = step == cfg.steps
-            if step == start_step and not final:
-                periodic = cfg.val_before
-            else:
-                periodic = bool(cfg.val_every and step % cfg.val_every == 0)
-            do_val = bool(val_tasks) and (final or periodic)
-            if final and not do_val:
-                break
-            batch = [] if final else [train_tasks[i] for i in order.take(cfg.tasks_per_step)]
-            record = self._step(
-                step,
-                batch,
-                val_tasks if do_val else [],
-                bar,
-                draw=lambda k: [train_tasks[i] for i in order.take(k)],
-            )
-            malloc.trim()
-            if self.gate is not None and not final:  # roll back when a chosen monitor fired
-                self.gate.apply(self, record)
-            note = no_update_note(record, self.history)
-            if note:
-                log.warning(note)
-            self.metrics.write(record)
-            if not final:
-                bar.update(1)
-                bar.set_postfix(bar_postfix(record, self.history))
-                done = step + 1
-                if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
-                    self._checkpoint(order, {"next_step": done})
-        bar.close()
-
-    def _step(
-        self,
-        step: int,
-        batch: list[Task],
-        val_tasks: list[Task],
-        bar: Any,
-        draw: Callable[[int], list[Task]] | None = None,
-    ) -> dict[str, Any]:
-        """One step of the loop: publish -> push -> enqueue -> collect -> adapt -> update. Returns the
-        step's metrics record (a step with no training batch only measures the held-out reward).
-        ``draw(k)`` gives ``k`` more training tasks, for dynamic sampling's extra rounds."""
-        t_step = time.perf_counter()
-        busy0 = self.env.engine_busy_s() if self.env is not None else None
-        version = self._publish()
-        sync_s = self.sync_weights(version)
-        ids = self._enqueue(batch, version, step, self.algorithm.group_size)
-        val_ids = self._enqueue(val_tasks, version, step, 1)
-        t0 = time.perf_counter()
-        stats_before = self.adapter.stats.copy()
-        transitions, rewards, finished = self._collect(ids + val_ids, bar, f"step {step}")
-        sampled: dict[str, Any] = {}
-        if batch and self.loop.dynamic_sampling and draw is not None:
-            ids, sampled = resample(
-                self, step, len(batch), version, ids, transitions, rewards, finished, bar, draw
-            )
-        rollout_s = time.perf_counter() - t0
-        self.checks.adapted(step, self.adapter.stats.since(stats_before), self.adapter.agents)
-        record: dict[str, Any] = {"step": step, "resources_version": version}
-        # judge scores -> the trained reward, judge-gated AIR (agl.trainer.rewarding)
-        if batch:
-            transitions, rewards, judged = self.rewarding.assemble(self.store, ids, transitions, rewards)
-            record.update(judged)
-        if val_ids:
-            vr = [rewards[r] for r in val_ids if r in rewards]
-            record.update(val_reward=_mean(vr), val_rollouts=len(vr), val_tasks=len(val_tasks))
-        if batch:
-            train_ids = set(ids)
-            train_ts = [t for rid in ids for t in transitions.get(rid, [])]
-            if self.env is not None and self.env.serves_pushed_weights:  # all ran after this push
-                prove_calls(train_ts, {version}, f"step {step}")
-            record.update(
-                train_reward=_mean([rewards[r] for r in ids if r in rewards]),
-                rollouts=len(ids),
-                rollouts_failed=sum(1 for r in finished if r.id in train_ids and r.status != "succeeded"),
-                transitions=len(train_ts),
-                exact_token_ratio=(sum(1 for t in train_ts if t.exact) / len(train_ts)) if train_ts else None,
-            )
-            record.update(reward_split(train_ts, self.history))
-            record.update(agent_rewards(self.agent_adapters, ids, transitions, rewards))
-            if sampled:
-                keep = set(sampled.pop("kept_groups"))
-                # nothing informative after every round: the update still runs (it skips zero
-                # advantages), so the step count, schedule and checkpoints stay in step with `step`
-                record.update(self._update([t for t in train_ts if t.group_id in keep] or train_ts))
-                record.update(sampled)  # groups counted over every round, not only the ones trained
-            else:
-                record.update(self._update(train_ts))
-        # the reward-hacking monitors' metrics and warnings (agl.trainer.monitors)
-        record.update(
-            self.rewarding.monitor(
-                self.store, step, ids if batch else [], val_ids, transitions, record, self.history
-            )
-        )
-        record.update(rollout_s=rollout_s, sync_s=sync_s, step_s=time.perf_counter() - t_step)
-        record.update(engine_share(busy0, self.env, record["step_s"]))
-        return record
-
-    def _update(self, train_ts: list[Transition], *, on_policy: bool = True) -> dict[str, Any]:
-        """Advantages and one policy update over a step's transitions; returns their metrics.
-        ``on_policy=False`` (older weights served some calls) skips the on-policy ratio check."""
-        if not train_ts:
-            return {}
-        if not self.behaviour_logprobs:
-            train_ts = [t.model_copy(update={"response_logprobs": None}) for t in train_ts]
-        # GRPO groups per agent with an adapter per agent (each agent's weights are compared alone)
-        per_agent = {"per_agent": True} if self.agent_adapters else {}
-        advantages, adv_stats = self.algorithm.compute_advantages(train_ts, **per_agent)
-        # decoupled PPO when asked for, and always under mixed precision: the engine's log-probs are
-        # not the autocast update's (bf16 rounding differs with every shape), so the ratio is taken
-        # against the update's own log-probs and the mismatch is a bounded weight, not a clip
-        precision = getattr(self.policy, "precision", "no")
-        decoupled = self.loop.off_policy == "tis" or precision != "no"
-        tis = {"tis_cap": self.loop.tis_cap} if decoupled else {}
-        update = self.policy.step(train_ts, advantages, **tis)
-        if on_policy:
-            self.checks.on_policy(update.get("behaviour_ratio_dev"), self.config, precision, decoupled)
-        # the update's metrics under their final names (PolicyUpdate.step names them for the record)
-        return {
-            "zero_variance_groups": adv_stats["zero_variance_groups"],
-            "groups": adv_stats["groups"],
-            **update,
-        }
-
-    def _resume(self, order: TaskOrder) -> int:
-        """With ``resume=True`` and a saved state: restore the policy, task order, RNG and history, and
-        cancel rollouts a crashed run left; returns the step to continue from (0 otherwise)."""
-        state_file = self.run_dir / "trainer_state.json"
-        if not (self.loop.resume and state_file.exists()):
-            return 0
-        state = json.loads(state_file.read_text())
-        start_step = self.policy.load_checkpoint(state["checkpoint"])
-        start_step = int(state.get("next_step", start_step))
-        order.restore(state)
-        self.metrics.load()
-        self.metrics.truncate(start_step)  # steps after the checkpoint: their updates died with the process
-        for r in self.store.query_rollouts(status=["queued", "running"]):
-            with contextlib.suppress(Exception):
-                self.store.cancel(r.id)
-        log.info("agl trainer: resumed at step %d from %s", start_step, state["checkpoint"])
-        return start_step
-
-    def _checkpoint(self, order: TaskOrder, extra: dict[str, Any] | None = None) -> None:
-        """Save the policy, then ``trainer_state.json`` atomically (the task order and ``extra``)."""
-        path = self.policy.save_checkpoint()
-        state = {
-            "checkpoint": str(Path(path).resolve()),
-            "step": self.policy.global_step,
-            **order.state(),
-            **(extra or {}),
-        }
-        tmp = self.run_dir / "trainer_state.json.tmp"
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.run_dir / "trainer_state.json")
+            schedule = AsyncSchedule(self, steps, train_tasks)
+        else:
+            schedule = SyncSchedule(self, steps, train_tasks)
+        run_loop(self, schedule, val_tasks)
 
     # ----------------------------------------------------------------------------------- dev
     def dev(
@@ -558,10 +335,11 @@ class Trainer:
         if not tasks:
             raise UsageError("dev() needs at least one task")
         self._start(agent, training=False, base_url=base_url)
+        steps = Steps(self)
         try:
-            version = self._publish()
-            ids = self._enqueue(tasks, version, 0, repeat)
-            transitions, rewards, finished = self._collect(ids, None, "dev")
+            version = steps.publish()
+            ids = steps.enqueue(tasks, version, 0, repeat)
+            transitions, rewards, finished = steps.collect(ids, None, "dev")
         finally:
             self.close()
         if show:

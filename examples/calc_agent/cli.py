@@ -9,7 +9,12 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from examples._cli import checkpointing_arg, example_parser, model_arg, oracle_backend, warm_adapters_arg
+from examples._cli import (
+    checkpointing_arg,
+    example_parser,
+    oracle_backend,
+    train_settings,
+)
 
 __all__ = ["dev", "main", "parser", "train"]
 
@@ -166,33 +171,14 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         micro_batch_tokens=args.micro_batch_tokens,
         mask_truncated=args.mask_truncated,
     )
-    kw: dict[str, Any] = {
-        "agents": [AGENT],
-        "runners": args.runners,
-        "run_dir": args.run_dir,
-        "sampling": {"max_tokens": args.max_tokens, "temperature": args.temperature},
-        "tasks_per_step": args.tasks_per_step,
-        "steps": args.steps,
-        "val_every": args.val_every,
-        "val_before": not args.no_val_before,
-        "dynamic_sampling": args.dynamic_sampling,
-        "adapter_per_agent": args.adapter_per_agent,
-        "warm_adapters": warm_adapters_arg(args),
-        "max_staleness": args.max_staleness,
-        "seed": args.seed,
-        "resume": args.resume,
-        "checkpoint_every": args.checkpoint_every,
-        "batched_lora": args.batched_lora,
-        **trainer_kw,
-    }
+    loop, serving, rest = train_settings(args, trainer_kw, model=model, tokenizer=tokenizer)
     trainer = Trainer(
         algorithm,
-        model=model if model is not None else model_arg(args),
-        tokenizer=tokenizer,
-        backend=args.backend,
-        vllm_url=args.vllm_url,
-        model_name=args.model_name,
-        **kw,
+        serving=serving,
+        loop=loop,
+        agents=[AGENT],
+        sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
+        **rest,
     )
     val = _val_tasks(data.load_tasks("test", limit=args.val_tasks)) if args.val_tasks else None
     summary = trainer.fit(make_rollout(), data.load_tasks("train"), val)

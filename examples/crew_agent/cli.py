@@ -13,7 +13,7 @@ from typing import Any
 
 from agl.config import LoopConfig, RunConfig
 from agl.run.settings import Serving
-from examples._cli import add_config_options, add_schedule_options
+from examples._cli import add_config_options, add_schedule_options, train_settings
 
 __all__ = ["dev", "main", "parser", "train"]
 
@@ -165,31 +165,14 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         lora_r=args.lora_r,
         lora_alpha=2 * args.lora_r,
     )
-    kw: dict[str, Any] = {
-        "agents": TRAINED_AGENTS,
-        "runners": args.runners,
-        "run_dir": args.run_dir,
-        "sampling": {"max_tokens": args.max_tokens, "temperature": args.temperature},
-        "tasks_per_step": args.tasks_per_step,
-        "steps": args.steps,
-        "val_every": args.val_every,
-        "val_before": not args.no_val_before,
-        "dynamic_sampling": args.dynamic_sampling,
-        "adapter_per_agent": args.adapter_per_agent,
-        "max_staleness": args.max_staleness,
-        "seed": args.seed,
-        "resume": args.resume,
-        "checkpoint_every": args.checkpoint_every,
-        "batched_lora": args.batched_lora,
-        **trainer_kw,
-    }
+    loop, serving, rest = train_settings(args, trainer_kw, model=model, tokenizer=tokenizer)
     trainer = Trainer(
         algorithm,
-        model=model if model is not None else args.model,
-        tokenizer=tokenizer,
-        backend=args.backend,
-        vllm_url=args.vllm_url,
-        **kw,
+        serving=serving,
+        loop=loop,
+        agents=TRAINED_AGENTS,
+        sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
+        **rest,
     )
     val = _val_tasks(data.load_tasks("test", limit=args.val_tasks)) if args.val_tasks else None
     with researcher(args) as fixed:

@@ -22,7 +22,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from agl.cli.config_args import add_config_arguments  # noqa: E402 (after the environment defaults)
+from agl.cli.config_args import add_config_arguments, config_from_args  # noqa: E402 (after the environment defaults)
 from agl.config import LoopConfig, RunConfig  # noqa: E402
 from agl.run.settings import Serving  # noqa: E402
 
@@ -39,20 +39,13 @@ def _trainer(args: argparse.Namespace, seed: int, run_dir: Path) -> Any:
         kl_coef=0.0,
         micro_batch_tokens=args.micro_batch_tokens,
     )
+    store = f"sqlite:///{(run_dir / 'store.db').resolve()}"  # inspectable after the run
     return agl.Trainer(
         algo,
-        model=args.model,
-        backend="transformers",
-        runners=args.runners,
-        run_dir=run_dir,
+        serving=config_from_args(Serving, args, run_dir=run_dir, store=store),
+        loop=config_from_args(LoopConfig, args, seed=seed),
         agents=["calculator_agent"],
         sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
-        tasks_per_step=args.tasks_per_step,
-        steps=args.steps,
-        val_every=args.val_every,
-        max_staleness=args.max_staleness,
-        seed=seed,
-        store=f"sqlite:///{(run_dir / 'store.db').resolve()}",  # inspectable after the run
     )
 
 
@@ -130,7 +123,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_seeds(args: argparse.Namespace) -> int:
-    from agl.reports.plot import plot_runs
+    from agl.run.plot import plot_runs
 
     _setup(args)
     root = _fresh_run_dir(args)
@@ -171,7 +164,10 @@ def cmd_dev(args: argparse.Namespace) -> int:
     _, val = split(n_val=args.n)
     run_dir = _fresh_run_dir(args)
     trainer = agl.Trainer(
-        backend="transformers",
+        backend=args.backend,
+        vllm_url=args.vllm_url,
+        vllm_python=args.vllm_python,
+        vllm_args=args.vllm_args,
         model=args.model,
         runners=args.runners,
         run_dir=run_dir,
@@ -205,6 +201,17 @@ def _common(sp: argparse.ArgumentParser) -> None:
         },
     )
     sp.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    add_config_arguments(
+        sp,
+        Serving,
+        only=["backend", "vllm_url", "vllm_python", "vllm_args"],
+        overrides={
+            "backend": {
+                "choices": ["transformers", "vllm"],
+                "help": "transformers (embedded, default) or vllm (give --vllm-python or --vllm-url)",
+            }
+        },
+    )
     add_config_arguments(
         sp,
         Serving,

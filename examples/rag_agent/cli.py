@@ -16,9 +16,8 @@ from examples._cli import (
     add_schedule_options,
     add_update_options,
     checkpointing_arg,
-    model_arg,
     oracle_backend,
-    warm_adapters_arg,
+    train_settings,
 )
 
 __all__ = ["dev", "main", "parser", "train"]
@@ -189,33 +188,16 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         micro_batch_tokens=args.micro_batch_tokens,
         mask_truncated=args.mask_truncated,
     )
-    kw: dict[str, Any] = {**_judge_kw(args), **trainer_kw}
-    kw = {
-        "agents": TRAINED_AGENTS,
-        "runners": args.runners,
-        "run_dir": args.run_dir,
-        "sampling": {"max_tokens": args.max_tokens, "temperature": args.temperature},
-        "tasks_per_step": args.tasks_per_step,
-        "steps": args.steps,
-        "val_every": args.val_every,
-        "val_before": not args.no_val_before,
-        "dynamic_sampling": args.dynamic_sampling,
-        "adapter_per_agent": args.adapter_per_agent,
-        "warm_adapters": warm_adapters_arg(args),
-        "max_staleness": args.max_staleness,
-        "seed": args.seed,
-        "resume": args.resume,
-        "checkpoint_every": args.checkpoint_every,
-        "batched_lora": args.batched_lora,
-        **kw,
-    }
+    loop, serving, rest = train_settings(
+        args, {**_judge_kw(args), **trainer_kw}, model=model, tokenizer=tokenizer
+    )
     trainer = Trainer(
         algorithm,
-        model=model if model is not None else model_arg(args),
-        tokenizer=tokenizer,
-        backend=args.backend,
-        vllm_url=args.vllm_url,
-        **kw,
+        serving=serving,
+        loop=loop,
+        agents=TRAINED_AGENTS,
+        sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
+        **rest,
     )
     scale = _scale(args)
     _prepare_index(args)

@@ -22,7 +22,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from agl.cli.config_args import add_config_arguments  # noqa: E402 (after the environment defaults)
+from agl.cli.config_args import add_config_arguments, config_from_args  # noqa: E402 (after the environment defaults)
 from agl.config import LoopConfig, RunConfig  # noqa: E402
 from agl.run.settings import Serving  # noqa: E402
 
@@ -43,21 +43,17 @@ def _trainer(args: argparse.Namespace, seed: int, run_dir: Path, per_agent: bool
         micro_batch_tokens=args.micro_batch_tokens,
     )
     model, warm_adapters = _warm_start(args, per_agent)
+    store = f"sqlite:///{(run_dir / 'store.db').resolve()}"  # inspectable, and read for the table
     return agl.Trainer(
         algo,
-        model=model,
-        backend="transformers",
-        warm_adapters=warm_adapters,
-        runners=args.runners,
-        run_dir=run_dir,
+        serving=config_from_args(
+            Serving, args, model=model, backend="transformers", run_dir=run_dir, store=store
+        ),
+        loop=config_from_args(
+            LoopConfig, args, seed=seed, adapter_per_agent=per_agent, warm_adapters=warm_adapters
+        ),
         agents=AGENTS,
-        adapter_per_agent=per_agent,
         sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
-        tasks_per_step=args.tasks_per_step,
-        steps=args.steps,
-        val_every=args.val_every,
-        seed=seed,
-        store=f"sqlite:///{(run_dir / 'store.db').resolve()}",  # inspectable, and read for the table
         **extra,
     )
 
@@ -160,7 +156,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from agl.reports.plot import plot_runs
+    from agl.run.plot import plot_runs
 
     if bool(args.warm_start) != bool(args.warm_start_per_agent):
         raise SystemExit(

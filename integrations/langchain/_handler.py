@@ -7,7 +7,10 @@ small record per live run and opens OpenTelemetry spans for the runs that matter
 - ``invoke_agent`` for agents: LangGraph nodes (the node name), graphs and prebuilt agents that have
   a name of their own (``create_agent(name=...)``, ``create_react_agent(name=...)``,
   ``compile(name=...)``), top-level runs named with ``run_name``, and runs whose metadata has
-  ``agl_agent``; see :func:`node_agent` and :func:`root_agent`;
+  ``agl_agent``; see :func:`node_agent` and :func:`root_agent`. One span per agent turn: an agent run
+  directly inside an agent span of the same name (the prebuilt swarm's and supervisor's node + subgraph),
+  or inside a node's span that nothing ran under yet (a node that runs one prebuilt agent), is a turn
+  of that span's agent (``AglCallbackHandler._turn_of``);
 - ``execute_tool`` for tool runs (``@tool``, ``StructuredTool``, tools run by ``ToolNode``), ERROR
   when the tool raised or LangChain reported a handled tool error (``ToolMessage.status == "error"``),
   plus a synthetic ERROR span for a failed call a node reported without running a tool (ToolNode
@@ -187,6 +190,7 @@ class _Run:
         "call_id",
         "pending",
         "agent",
+        "busy",
     )
 
     def __init__(self, run_id: UUID, parent: _Run | None, name: str, metadata: dict[str, Any]) -> None:
@@ -204,6 +208,7 @@ class _Run:
         self.call_id: str | None = None
         self.pending: list[_Pending] | None = None  # failed tool runs without a call id (see on_tool_error)
         self.agent: str | None = None  # the gen_ai.agent.name of this run's invoke_agent span, if any
+        self.busy = False  # something ran under this run's span (an LLM call, a tool, an agent)
 
     def owner_run(self) -> _Run | None:
         """This run or its nearest ancestor that has a span."""
@@ -276,6 +281,9 @@ class AglCallbackHandler(BaseCallbackHandler):
         return trace.set_span_in_context(owner.span, base)
 
     def _open(self, run: _Run, name: str, attributes: dict[str, Any]) -> trace.Span:
+        owner = run.parent.owner_run() if run.parent is not None else None
+        if owner is not None:
+            owner.busy = True
         span = self.tracer.start_span(
             name,
             context=self._parent_context(run),
@@ -329,7 +337,8 @@ class AglCallbackHandler(BaseCallbackHandler):
             otel_context.attach(run.ctx)
 
     def _mark_graph(self, graph: _Run) -> None:
-        """``graph`` runs LangGraph nodes; a graph with a name of its own is an agent."""
+        """``graph`` runs LangGraph nodes; a graph with a name of its own is an agent, unless it is the
+        turn of the agent it runs in (:meth:`_turn_of`)."""
         if graph.is_graph:
             return
         with self._lock:
@@ -337,7 +346,30 @@ class AglCallbackHandler(BaseCallbackHandler):
                 return
             graph.is_graph = True
             if graph.span is None and graph.name != DEFAULT_GRAPH_NAME:
-                self._open_agent(graph, graph.name)
+                if self._turn_of(graph, graph.name) is None:
+                    self._open_agent(graph, graph.name)
+
+    @staticmethod
+    def _turn_of(run: _Run, agent: str) -> _Run | None:
+        """The agent run whose turn ``run`` (an agent called ``agent``) is, or None when it is an agent of
+        its own: one ``invoke_agent`` span per agent turn. LangGraph's prebuilt multi-agent graphs run
+        each agent as a node named after it whose subgraph has the same name (``langgraph_swarm``,
+        ``langgraph_supervisor``), and a graph node often just runs one prebuilt agent
+        (``create_react_agent`` inside a node function). So an agent directly inside an agent span
+        (nothing with a span in between) is that agent's turn when it has the same name, or when the
+        enclosing span is a node's that nothing has run under yet: the node's span then takes the
+        agent's own name (the node stays in ``agl.langgraph.node``). Its runs send the agent's name as
+        baggage from then on."""
+        owner = run.parent.owner_run() if run.parent is not None else None
+        if owner is None or owner.agent is None or owner.span is None:
+            return None
+        if owner.agent == agent:
+            return owner
+        if owner.is_node and not owner.busy:
+            owner.span.set_attribute(sc.GEN_AI_AGENT_NAME, agent)
+            owner.agent = agent
+            return owner
+        return None
 
     def _seen_tool_call(self, call_id: str) -> bool:
         with self._lock:
@@ -380,7 +412,7 @@ class AglCallbackHandler(BaseCallbackHandler):
         if isinstance(explicit, str) and explicit:
             if parent is None or parent.metadata.get(AGENT_METADATA_KEY) != explicit:
                 agent = explicit
-        if agent is not None:
+        if agent is not None and self._turn_of(run, agent) is None:
             self._open_agent(run, agent)
         if run.span is not None or run.is_node:
             owner = run.owner()
@@ -483,6 +515,7 @@ class AglCallbackHandler(BaseCallbackHandler):
         owner = parent.owner_run() if parent is not None else None
         if owner is None or owner.span is None:
             return
+        owner.busy = True  # a node that called the model itself is an agent of its own (see _turn_of)
         want = owner.span.get_span_context()
         have = current_span().get_span_context()
         if have.is_valid and have.trace_id == want.trace_id:

@@ -65,6 +65,8 @@ class FakeVLLM:
         token_delay_s: float = 0.0,
         pause_api: str = "keep",
         docs: bool = True,
+        root: str | None = None,
+        lora_api: bool = True,
     ) -> None:
         if pause_api not in ("keep", "legacy", "none"):
             raise ValueError(f"pause_api is keep, legacy or none, not {pause_api!r}")
@@ -90,6 +92,8 @@ class FakeVLLM:
         self.streamed_tokens = 0
         self.replies = list(replies)
         self.model = model
+        self.lora_api = lora_api  # False: no runtime LoRA routes (no VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+        self.root = root or model  # the served folder /v1/models names (a local one: agl renders)
         self.max_model_len = max_model_len
         self.loras: dict[str, str] = {}
         self.requests: list[tuple[str, dict[str, Any]]] = []
@@ -101,8 +105,9 @@ class FakeVLLM:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
-                Route("/v1/unload_lora_adapter", self.unload_lora, methods=["POST"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
+                *self._lora_routes(),
                 *self._pause_routes(docs),
             ]
         )
@@ -119,7 +124,7 @@ class FakeVLLM:
                 "id": self.model,
                 "object": "model",
                 "owned_by": "vllm",
-                "root": self.model,
+                "root": self.root,
                 "max_model_len": self.max_model_len,
             }
         ]
@@ -339,11 +344,17 @@ class FakeVLLM:
         if (err := self._check(body)) is not None:
             return err
         await self._admit(body)
-        prompt_ids = self.tok.encode(body["prompt"])
+        prompt = body["prompt"]  # a text, or token ids (vLLM takes them as they are)
+        prompt_ids = list(prompt) if isinstance(prompt, list) else self.tok.encode(prompt)
         out = self._generate(prompt_ids, body.get("max_tokens", 16))
         if isinstance(out, Response):
             return out
         text, ids, logprobs, finish = out
+        if body.get("stream"):
+            return StreamingResponse(
+                self._completion_stream(body, prompt_ids, ids, logprobs, finish),
+                media_type="text/event-stream",
+            )
         choice: dict[str, Any] = {
             "index": 0,
             "text": text,
@@ -376,6 +387,44 @@ class FakeVLLM:
                 "usage": usage,
             }
         )
+
+    async def _completion_stream(
+        self, body: dict[str, Any], prompt_ids: list[int], ids: list[int], logprobs: list[float], finish: str
+    ) -> AsyncIterator[bytes]:
+        """vLLM's completion stream: one chunk per token (its ``token_ids``, text, log-prob), the first
+        with ``prompt_token_ids``, the last with ``finish_reason``."""
+        head = {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": body["model"]}
+        epoch = self._abort_epoch
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            for k, (tid, lp) in enumerate(zip(ids, logprobs, strict=True)):
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                if await self._aborted(epoch):
+                    yield _sse({**head, "choices": [{"index": 0, "text": "", "finish_reason": "abort"}]})
+                    break
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "text": "" if tid == self.tok.eos_token_id else self.tok.decode([tid]),
+                    "logprobs": {"token_logprobs": [lp]} if body.get("logprobs") is not None else None,
+                    "finish_reason": finish if k == len(ids) - 1 else None,
+                    "stop_reason": None,
+                }
+                if body.get("return_token_ids"):
+                    choice["token_ids"] = [tid]
+                    if k == 0:
+                        choice["prompt_token_ids"] = prompt_ids
+                self.streamed_tokens += 1
+                yield _sse({**head, "choices": [choice]})
+            yield b"data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            self.stream_cancelled.set()
+            raise
+        finally:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.set()
 
     async def load_lora(self, request: Request) -> Response:
         body = json.loads(await request.body())
@@ -415,6 +464,20 @@ class FakeVLLM:
         return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
 
     # -- pause and resume (vllm/entrypoints/serve/rlhf/api_router.py, VLLM_SERVER_DEV_MODE=1) --
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": "0.32.0-fake"})
+
+    def _lora_routes(self) -> list[Route]:
+        if not self.lora_api:
+            return []
+        return [
+            Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_lora, methods=["POST"]),
+        ]
 
     def _pause_routes(self, docs: bool) -> list[Route]:
         routes = [Route("/openapi.json", self.openapi, methods=["GET"])] if docs else []
@@ -494,7 +557,11 @@ class FakeVLLM:
         paths: dict[str, Any] = {
             "/v1/models": {"get": {"summary": "Show Available Models"}},
             "/v1/chat/completions": {"post": {"summary": "Create Chat Completion"}},
+            "/v1/completions": {"post": {"summary": "Create Completion"}},
         }
+        if self.lora_api:
+            paths["/v1/load_lora_adapter"] = {"post": {"summary": "Load Lora Adapter"}}
+            paths["/v1/unload_lora_adapter"] = {"post": {"summary": "Unload Lora Adapter"}}
         if self.pause_api != "none":
             names = ["wait_for_inflight_requests", "clear_cache"]
             if self.pause_api == "keep":
@@ -506,3 +573,7 @@ class FakeVLLM:
         return JSONResponse(
             {"openapi": "3.1.0", "info": {"title": "FastAPI", "version": "0.1.0"}, "paths": paths}
         )
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"

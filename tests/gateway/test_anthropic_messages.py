@@ -231,7 +231,7 @@ def test_malformed_requests_get_anthropic_errors_and_record_nothing(
     store: Any, rollout: tuple[str, int], body: dict[str, Any], status: int, needle: str
 ) -> None:
     backend = ScriptedBackend(["never"])
-    with serve_gateway(backend, store) as url:
+    with serve_gateway(backend, store, only_model_names=True) as url:  # strict: "nope" is a 404
         r = httpx.post(url.for_rollout(*rollout) + "/messages", json=body, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()

@@ -97,16 +97,22 @@ def test_invalid_json_is_400(gw: tuple[GatewayURL, str], store: Any, raw: bytes)
     assert store.query_spans() == []
 
 
-def test_unknown_model_is_404_with_the_real_client(gw: tuple[GatewayURL, str], store: Any) -> None:
+def test_unknown_model_is_404_in_strict_mode_with_the_real_client(
+    store: Any, rollout: tuple[str, int]
+) -> None:
+    """``only_model_names`` (``--only-model-names``) keeps the 404 for a name not served."""
     openai = _openai()
-    _, base = gw
-    client = openai.OpenAI(base_url=base, api_key="x", max_retries=0)
-    with pytest.raises(openai.NotFoundError) as info:
-        client.chat.completions.create(model="gpt-nope", messages=MSG)
-    assert "gpt-nope" in str(info.value) and "scripted" in str(info.value)
-    err = _error(httpx.post(base + "/responses", json={"model": "gpt-nope", "input": "x"}), 404)
-    assert err["code"] == "model_not_found" and err["param"] == "model"
-    assert store.query_spans() == []
+    backend = ScriptedBackend(["ok"], on_exhausted="repeat")
+    with serve_gateway(backend, store, only_model_names=True, model_names=["alias"]) as url:
+        base = url.for_rollout(*rollout)
+        client = openai.OpenAI(base_url=base, api_key="x", max_retries=0)
+        with pytest.raises(openai.NotFoundError) as info:
+            client.chat.completions.create(model="gpt-nope", messages=MSG)
+        assert "gpt-nope" in str(info.value) and "scripted, alias" in str(info.value)
+        err = _error(httpx.post(base + "/responses", json={"model": "gpt-nope", "input": "x"}), 404)
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+        assert store.query_spans() == []
+        assert client.chat.completions.create(model="ALIAS", messages=MSG).choices[0].message.content == "ok"
 
 
 def test_prompt_over_the_context_window_is_400_naming_the_limit(

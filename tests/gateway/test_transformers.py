@@ -299,7 +299,7 @@ def test_lora_adapter_swap(store: Any, rollout: tuple[str, int], tmp_path: Path)
 
 
 def test_context_window_and_unknown_model(store: Any, backend: Any) -> None:
-    with serve_gateway(backend, store) as url:
+    with serve_gateway(backend, store, only_model_names=True) as url:  # strict: other names are a 404
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(

@@ -139,7 +139,7 @@ def test_vllm_errors_pass_through(
     store: Any, rollout: tuple[str, int], upstream: tuple[FakeVLLM, str]
 ) -> None:
     fake, root = upstream
-    with serve_gateway(VLLMBackend(root), store) as url:
+    with serve_gateway(VLLMBackend(root), store, only_model_names=True) as url:  # strict: a 404 for others
         client = openai.OpenAI(base_url=url.for_rollout(*rollout), api_key="x", max_retries=0)
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x " * 3000}])
@@ -282,12 +282,12 @@ def test_vllm_adapter_per_agent_refused_load_keeps_the_routing(
     """A push whose second adapter vLLM refuses changes nothing: the first one's new copy is unloaded,
     calls keep their adapters, the weight version stays."""
     fake, root = upstream
-    fake.loras[f"{MODEL}-rewriter-v1"] = "/taken"
+    fake.refuse_loras.add(f"{MODEL}-rewriter-v1")
     backend = VLLMBackend(root, adapters=["writer", "rewriter"])
     with serve_gateway(backend, store) as url:
         paths = {a: _adapter_dir(tmp_path, a, a.encode()) for a in ("writer", "rewriter")}
         r = httpx.post(url.root + "/agl/v1/adapters", json={"adapters": paths, "version": 1})
-        assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "No adapter found" in r.json()["error"]["message"]
         assert httpx.get(url.root + "/agl/v1/status").json()["weight_version"] == 0
     assert ("unload_lora_adapter", {"lora_name": f"{MODEL}-writer-v1"}) in fake.requests
     assert backend.agent_adapters == {"writer": None, "rewriter": None}

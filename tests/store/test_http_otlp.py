@@ -60,7 +60,7 @@ def test_sdk_exporter_spans_land_with_rollout_from_resource(served: tuple[Memory
     tp = provider(url, {"service.name": "agent-svc", AGL_ROLLOUT_ID: rid, AGL_ATTEMPT: 1})
     tracer = tp.get_tracer("test")
     with tracer.start_as_current_span(SPAN_INVOKE_AGENT, kind=SpanKind.INTERNAL) as agent:
-        agent.set_attribute("gen_ai.agent.name", "writer")
+        agent.set_attribute("gen_ai.agent.name", "writer\n")  # a YAML-folded name: stored trimmed
         with tracer.start_as_current_span(SPAN_EXECUTE_TOOL, kind=SpanKind.CLIENT) as tool:
             tool.set_attribute(GEN_AI_TOOL_NAME, "search")
             tool.set_attribute("ids", [1, 2, 3])
@@ -83,6 +83,7 @@ def test_sdk_exporter_spans_land_with_rollout_from_resource(served: tuple[Memory
     assert tool_span.events[0].name == "retry" and tool_span.events[0].attributes == {"n": 2}
     assert tool_span.resource["service.name"] == "agent-svc" and tool_span.resource[AGL_ROLLOUT_ID] == rid
     assert agent_span.attributes["gen_ai.agent.name"] == "writer"
+    assert agent_span.attributes["agl.agent.name.raw"] == "writer\n"  # agl.names keeps the raw value
     assert [s.seq for s in spans] == [1, 2] and tool_span.attempt == 1
     assert tool_span.end_ns >= tool_span.start_ns > 0
 

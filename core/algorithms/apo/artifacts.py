@@ -80,6 +80,6 @@ class RunFiles:
         """``best_prompts.json`` and the reward curve (a plot that fails never fails the run)."""
         self.write_json(self.run_dir / BEST, {k: v for k, v in summary.items() if k != "history"})
         with contextlib.suppress(Exception):
-            from agl.reports.plot import plot_run
+            from agl.run.plot import plot_run
 
             plot_run(self.run_dir)

@@ -13,6 +13,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from agl.algorithms.apo.settings import RunSettings
+from agl.errors import UsageError
 from agl.gateway.serve import ServedGateway
 from agl.run.environment import Environment as RunEnvironment
 from agl.run.environment import open_store
@@ -48,7 +49,7 @@ class Environment:
     def _start(self, agent: Any) -> None:
         s = self.settings.serving
         if s.backend == "openai" and s.gateway_url is None and (not s.base_url or not s.model_name):
-            raise ValueError(
+            raise UsageError(
                 "the openai backend needs base_url (an OpenAI-compatible endpoint) and the model's "
                 "name (Trainer model_name=, agl apo --model)"
             )
@@ -65,7 +66,7 @@ class Environment:
         apo = self.apo
         self.opt_store = open_store(apo.optimizer_store, self.settings.run_dir / "optimizer.db")
         if self.opt_store is self.store:
-            raise ValueError(
+            raise UsageError(
                 "optimizer_store must not be the agent's store: runners would claim the optimiser's rollouts"
             )
         if apo.optimizer_backend is not None:

@@ -24,6 +24,7 @@ from agl.algorithms.apo.evaluation import Evaluator, Result, TrainBatches
 from agl.algorithms.apo.optimizer import BudgetExhausted, OptimizerClient
 from agl.algorithms.apo.settings import RunSettings
 from agl.algorithms.apo.text import OptimizerError
+from agl.errors import UsageError
 from agl.types import Task
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class ApoRun:
         results = ev.run([(None, base_version, t) for t in self.val], "round0-val")
         initial = ev.discover_prompts(results)
         if not initial:
-            raise ValueError(
+            raise UsageError(
                 "the agent read no prompt through agl.prompt(): make it read its prompt with "
                 "agl.prompt(name, default=...) or pass APO(prompts={name: template})"
             )
@@ -94,7 +95,7 @@ class ApoRun:
         names = [str(n) for n in wanted]
         missing = [n for n in names if n not in prompts]
         if missing:
-            raise ValueError(
+            raise UsageError(
                 f"APO agents {missing} have no prompt (prompts: {', '.join(sorted(prompts)) or 'none'}); "
                 "the agent must read them with agl.prompt(name, default=...), or pass APO(prompts=...)"
             )

@@ -33,7 +33,7 @@ from agl.algorithms.apo.text import (
     parse_rewrite,
     summarize_trace,
 )
-from agl.errors import AglError
+from agl.errors import BudgetExhausted
 from agl.tracing.prompts import placeholders
 from agl.types import NewRollout, RolloutConfig, Span
 
@@ -46,10 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["BudgetExhausted", "OptimizerClient"]
 
 log = logging.getLogger("agl.apo")
-
-
-class BudgetExhausted(AglError):
-    """The next optimiser call would not fit in ``max_optimizer_tokens``."""
 
 
 class OptimizerClient:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from agl import semconv as sc
-from agl.errors import AglError
+from agl.errors import OptimizerError
 from agl.types import Span
 
 __all__ = [
@@ -44,14 +44,6 @@ REWRITE_SYSTEM = (
 JSON_ASK = 'Reply with JSON only, exactly {"prompt": "<the complete new prompt>"}.'
 TEXT_ASK = "Reply with the complete new prompt only, nothing before or after it."
 REPAIR_ASK = 'That reply was not valid JSON of the form {"prompt": "..."}. ' + JSON_ASK
-
-
-class OptimizerError(AglError):
-    """An optimiser call that produced nothing usable (HTTP error, bad JSON, empty or invalid rewrite)."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 # ------------------------------------------------------------------------------------ parsing

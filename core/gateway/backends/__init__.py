@@ -44,7 +44,9 @@ def from_spec(name: str, **options: Any) -> Backend:
     - ``transformers``: ``model`` (a path, a loaded model or None for the default), or ``policy`` (a
       ``PolicyUpdate`` whose frozen weights the engine shares), plus the constructor's keywords;
     - ``scripted``: ``script`` (required), plus ``ScriptedBackend``'s keywords;
-    - ``vllm``: ``url`` (required), ``model``, ``api_key``;
+    - ``vllm``: ``url`` (required), ``model``, ``api_key``, ``adapters``, ``tokenizer`` and ``render`` (who
+      renders chats: agl by default where the tokenizer is found), ``server`` (a managed server, restarted
+      when it dies);
     - ``openai``: ``url`` (required), ``api_key``, ``models``, ``timeout_s``.
     """
     makers = {"transformers": _transformers, "scripted": _scripted, "vllm": _vllm, "openai": _openai}

@@ -73,6 +73,10 @@ def _error_message(status: int, raw: bytes) -> tuple[str, dict[str, Any] | None]
 class HttpUpstreamBackend(Backend):
     """Base for backends that forward to an OpenAI-compatible server at ``base_url`` (its ``/v1`` URL)."""
 
+    #: seconds an idle pooled connection is kept: shorter than the upstream's own keep-alive, or a
+    #: request may go out on a connection the server is closing and fail with "Server disconnected"
+    keepalive_s: float = 60.0
+
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0) -> None:
         super().__init__()
         url = base_url.rstrip("/")
@@ -90,7 +94,7 @@ class HttpUpstreamBackend(Backend):
             self._session = aiohttp.ClientSession(
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s),
                 auto_decompress=True,
             )
         return self._session
@@ -105,14 +109,21 @@ class HttpUpstreamBackend(Backend):
         return BackendError(f"{self.name} upstream {url} unreachable: {what}")
 
     async def request(self, method: str, url: str, body: Any = None) -> tuple[int, bytes]:
-        """(status, body bytes) of one call; transport failures become BackendError."""
-        try:
-            async with self.session.request(
-                method, url, data=None if body is None else _dumps(body), headers=_JSON
-            ) as resp:
-                return resp.status, await resp.read()
-        except _TRANSPORT_ERRORS as exc:
-            raise self._unreachable(url, exc) from exc
+        """(status, body bytes) of one control call; transport failures become BackendError. A pooled
+        connection the server closed while idle ("Server disconnected" before any answer) is retried
+        once on a fresh one: the server never saw that request."""
+        for attempt in (1, 2):
+            try:
+                async with self.session.request(
+                    method, url, data=None if body is None else _dumps(body), headers=_JSON
+                ) as resp:
+                    return resp.status, await resp.read()
+            except aiohttp.ServerDisconnectedError as exc:
+                if attempt == 2:
+                    raise self._unreachable(url, exc) from exc
+            except _TRANSPORT_ERRORS as exc:
+                raise self._unreachable(url, exc) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _refused(self, status: int, raw: bytes) -> BackendError:
         message, payload = _error_message(status, raw)
@@ -258,6 +269,37 @@ class HttpUpstreamBackend(Backend):
         )
 
     # ---------------------------------------------------------------------------- streaming
+    async def sse(self, url: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """POST ``body`` and yield each server-sent JSON chunk until ``[DONE]``. Refusals raise as in
+        :meth:`forward`, an error chunk or a broken stream as BackendError; cancelling closes the
+        connection (vLLM then aborts the generation)."""
+        try:
+            async with self.session.post(url, data=_dumps(body), headers=_JSON) as resp:
+                if resp.status >= 400:
+                    raise self._refused(resp.status, await resp.read())
+                if not resp.content_type.startswith("text/event-stream"):
+                    raise BackendError(
+                        f"{self.name} upstream answered a stream request with {resp.content_type}"
+                    )
+                async for line in resp.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        return
+                    chunk = _loads(payload)
+                    if isinstance(chunk, dict) and chunk.get("error") is not None:
+                        err = chunk["error"]
+                        msg = err.get("message") if isinstance(err, dict) else err
+                        raise BackendError(f"{self.name} upstream failed mid-stream: {msg}")
+                    if isinstance(chunk, dict):
+                        yield chunk
+                raise BackendError(f"{self.name} upstream ended the stream without [DONE]")
+        except _TRANSPORT_ERRORS as exc:
+            raise self._unreachable(url, exc) from exc
+        except ValueError as exc:
+            raise BackendError(f"{self.name} upstream sent a chunk that is not JSON: {exc}") from exc
+
     async def stream_chat(self, request: GenerationRequest, model: str) -> AsyncIterator[dict[str, Any]]:
         """Stream a chat completion from the upstream; yields the gateway's stream events.
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agl.errors import AglError
+from agl.errors import BackendError, ContextWindowError, UnknownModelError, UpstreamError
 from agl.lora import lora_name
 
 __all__ = [
@@ -26,41 +26,6 @@ __all__ = [
     "UnknownModelError",
     "UpstreamError",
 ]
-
-
-class BackendError(AglError):
-    """The backend failed to produce a reply; the gateway answers 502 and records an ERROR span."""
-
-
-class UpstreamError(BackendError):
-    """An upstream server refused the request itself (4xx): the gateway passes status and body on."""
-
-    def __init__(self, status: int, message: str, body: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = body
-
-
-class ContextWindowError(AglError):
-    """The rendered prompt does not fit the model's context window (the gateway answers 400)."""
-
-    def __init__(self, prompt_tokens: int, limit: int) -> None:
-        super().__init__(
-            f"this model's maximum context length is {limit} tokens, but the prompt has {prompt_tokens} "
-            "tokens; shorten the messages"
-        )
-        self.prompt_tokens = prompt_tokens
-        self.limit = limit
-
-
-class UnknownModelError(AglError):
-    """The request names a model this backend does not serve (the gateway answers 404)."""
-
-    def __init__(self, model: str, available: list[str]) -> None:
-        super().__init__(
-            f"the model {model!r} does not exist on this gateway; available: {', '.join(available)}"
-        )
-        self.model = model
 
 
 @dataclass(frozen=True)
@@ -109,6 +74,11 @@ class GenerationRequest:
     adapter: str | None = None
     api: str = "chat"
     raw: dict[str, Any] = field(default_factory=dict)
+    #: the model name the client asked for, when the gateway serves it under another name (``model`` is
+    #: then the name the serving backend knows; see agl.gateway.model_names)
+    requested_model: str | None = None
+    #: the backend that serves the request (set by the gateway; None: its policy backend)
+    served_by: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass

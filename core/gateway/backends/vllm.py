@@ -1,6 +1,19 @@
 """Proxy to a vLLM OpenAI-compatible server, with the engine's exact token ids and logprobs.
 
-Every forwarded request gets ``return_token_ids: true`` (vLLM >= 0.10.2: the chat response carries
+One rendering on every engine (``render="auto"``, the default, when the served model's tokenizer folder
+is readable here: ``tokenizer=``, else the ``root`` that ``/v1/models`` names): chats are rendered by
+agl exactly as the embedded engine renders them (the template, tools lowered where it ignores them,
+the opening a ``tool_choice`` forces) and sent as prompt token ids to ``POST /v1/completions``; the
+reply is decoded from vLLM's token ids and parsed for tool calls by agl (:mod:`._rendered`), and a
+completion's prompt is tokenised by agl too. vLLM's chat template and tool parser are then unused.
+``render="upstream"`` (or no readable tokenizer under ``"auto"``, with one warning) forwards chats to
+vLLM's chat route as below; ``render="agl"`` refuses to start without a tokenizer.
+
+A managed server (``server=``, :class:`~agl.gateway.backends.vllm_server.VLLMServer`) that dies is
+restarted by the next call (or by the call that saw it die, which fails as retriable), and the
+adapters that served the current weight version are loaded again under their names.
+
+On the upstream route, every forwarded request gets ``return_token_ids: true`` (vLLM >= 0.10.2: the chat response carries
 ``prompt_token_ids`` at top level and ``token_ids`` per choice; a completion choice carries both)
 and ``logprobs: true`` with ``top_logprobs: 0`` (chat: ``choices[i].logprobs.content[j].logprob``;
 completions: ``logprobs: 1`` → ``choices[i].logprobs.token_logprobs``). An upstream that returns no
@@ -30,7 +43,8 @@ go to the base model.
 Pause around a weight push (``pause_on_push``). vLLM's HTTP API for RL weight sync, at the server's
 root (not under ``/v1``) and only when vLLM runs with ``VLLM_SERVER_DEV_MODE=1``
 (``vllm/entrypoints/serve/rlhf/api_router.py``, ``attach_router`` returns early without it; newer
-trees keep the same routes in ``vllm/entrypoints/serve/dev/rlhf/api_router.py``):
+trees keep the same routes in ``vllm/entrypoints/serve/dev/rlhf/api_router.py``, vLLM 0.32 in
+``vllm/entrypoints/rl/online/api_router.py``):
 
 - ``POST /pause`` with query parameters ``mode`` (``PauseMode`` in ``vllm/v1/engine/__init__.py``:
   ``"abort"``, the default, aborts the requests in flight and returns their partial output; ``"wait"``
@@ -74,8 +88,15 @@ from pathlib import Path
 from typing import Any
 
 from agl.errors import UsageError
+from agl.gateway.backends import _rendered
 from agl.gateway.backends._http import HttpUpstreamBackend
-from agl.gateway.backends.base import BackendError, GenerationRequest, GenerationResult, UnknownModelError
+from agl.gateway.backends.base import (
+    BackendError,
+    GenerationRequest,
+    GenerationResult,
+    UnknownModelError,
+    UpstreamError,
+)
 from agl.lora import is_lora_name
 from agl.semconv import BASE_ADAPTER
 
@@ -85,6 +106,8 @@ log = logging.getLogger("agl.gateway")
 
 #: the pause a weight push asks for: in-flight requests frozen in place, caches kept (see above)
 PAUSE_QUERY = "mode=keep&clear_cache=false"
+#: who renders a chat into prompt ids (see :class:`VLLMBackend`)
+RENDERS = ("auto", "agl", "upstream")
 #: what the server offers: pause with ``mode`` / no ``/pause`` / ``/pause`` without ``mode`` /
 #: ``/pause`` whose parameters could not be read (no OpenAPI schema)
 _KEEP, _ABSENT, _NO_KEEP, _UNKNOWN = "keep", "absent", "no-keep", "unknown"
@@ -95,6 +118,8 @@ class VLLMBackend(HttpUpstreamBackend):
 
     name = "vllm"
     exact = True
+    #: vLLM's HTTP server closes connections idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+    keepalive_s = 4.0
 
     def __init__(
         self,
@@ -106,7 +131,12 @@ class VLLMBackend(HttpUpstreamBackend):
         keep_adapters: int = 2,
         adapters: Sequence[str] | dict[str, str] | None = None,
         pause_on_push: bool | None = None,
+        tokenizer: Any = None,
+        render: str = "auto",
+        server: Any = None,
     ) -> None:
+        if render not in RENDERS:
+            raise UsageError(f"render is one of {', '.join(RENDERS)}, not {render!r}")
         if pause_on_push is not None and not isinstance(pause_on_push, bool):
             raise UsageError(
                 f"pause_on_push is True, False or None (when vLLM offers it), not {pause_on_push!r}"
@@ -132,11 +162,26 @@ class VLLMBackend(HttpUpstreamBackend):
         for name in self.agent_adapters:
             if not is_lora_name(name):
                 raise UsageError(f"adapter name {name!r} is not one an agent's adapter has")
+        #: who renders chats: "agl" (this gateway, as the embedded engine: prompt ids sent), "upstream"
+        #: (vLLM's own template and tool parser), "auto" (agl when a tokenizer is found)
+        self.render = render
+        self._tokenizer_source = tokenizer
+        self.tokenizer: Any = None  # the ChatTokenizer agl renders with (None: vLLM renders)
+        self._eos: set[int] = set()
+        self.max_model_len: int | None = None
+        #: a managed server (:class:`~agl.gateway.backends.vllm_server.VLLMServer`): restarted when it dies
+        self.server = server
+        self.restarts = 0
+        self._recovering: asyncio.Task[None] | None = None
+        self._lora_paths: dict[str, str] = {}  # loaded LoRA name -> its folder (reloaded after a restart)
 
     async def start(self) -> None:
-        """List the upstream's models; an upstream that is not up yet is retried on the first request."""
+        """List the upstream's models and find the tokenizer agl renders with; an upstream that is not
+        up yet is retried on the first request."""
+        entries: list[dict[str, Any]] = []
         try:
-            self.upstream_models = await self._get_models()
+            entries = await self._model_entries()
+            self.upstream_models = [m["id"] for m in entries]
             self._start_error = None
             if not self.upstream_models:
                 self._start_error = f"{self.base_url}/models answers but lists no models"
@@ -154,9 +199,70 @@ class VLLMBackend(HttpUpstreamBackend):
             self.policy_name = self.upstream_models[0]
         if self.current_upstream is None:
             self.current_upstream = self.policy_name
+        if self._start_error is None:
+            self._setup_rendering(entries)
         if self._initial and self._start_error is None:
             await self.load_agent_adapters(self._initial, version=self.weight_version)
             self._initial = {}
+
+    async def _model_entries(self) -> list[dict[str, Any]]:
+        """``/v1/models`` entries (``id``, ``root``: the served folder, ``max_model_len``)."""
+        url = self.base_url + "/models"
+        status, raw = await self.request("GET", url)
+        try:
+            items = json.loads(raw).get("data") if status < 400 else None
+        except (ValueError, AttributeError):
+            items = None
+        if not isinstance(items, list):
+            raise BackendError(f"{url} answered {status} without a model list: {raw[:200]!r}")
+        return [m for m in items if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+    def _setup_rendering(self, entries: list[dict[str, Any]]) -> None:
+        """Find the tokenizer agl renders with: the one given, else the served model's folder when
+        this machine can read it. ``render="agl"`` without one is a UsageError; ``"auto"`` falls back
+        to vLLM's rendering with one warning (tools may then reach the model differently)."""
+        base = next((m for m in entries if m["id"] == self.policy_name), entries[0] if entries else {})
+        if isinstance(base.get("max_model_len"), int):
+            self.max_model_len = base["max_model_len"]
+        if self.render == "upstream" or self.tokenizer is not None:
+            return
+        from agl.gateway.tokenizer import ChatTokenizer
+
+        source = self._tokenizer_source
+        if (
+            source is None
+            and isinstance(base.get("root"), str)
+            and Path(base["root"], "tokenizer.json").is_file()
+        ):
+            source = base["root"]
+        if source is not None and not hasattr(source, "encode_chat"):
+            try:
+                source = ChatTokenizer.from_dir(source)
+            except (OSError, ValueError) as exc:
+                if self.render == "agl":
+                    raise UsageError(f"render='agl': cannot read the tokenizer {source!r}: {exc}") from exc
+                log.warning("agl gateway: cannot read the tokenizer %r (%s)", source, exc)
+                source = None
+        if source is None:
+            if self.render == "agl":
+                raise UsageError(
+                    f"render='agl' needs the served model's tokenizer: vLLM at {self.base_url} serves "
+                    f"{base.get('root')!r}, which this machine cannot read; pass tokenizer= (a folder)"
+                )
+            log.warning(
+                "agl gateway: vLLM at %s serves %r, whose tokenizer this machine cannot read: vLLM renders "
+                "the chats itself (its template and tool parser, not agl's); pass tokenizer= to render here",
+                self.base_url,
+                base.get("root"),
+            )
+            return
+        self.tokenizer = source
+        self._eos = {source.eos_token_id}
+
+    def max_prompt_chars(self) -> int | None:
+        if self.tokenizer is None or self.max_model_len is None:
+            return None
+        return self.tokenizer.max_prompt_chars(self.max_model_len)
 
     async def _ensure_started(self) -> None:
         if not self.upstream_models:
@@ -212,9 +318,14 @@ class VLLMBackend(HttpUpstreamBackend):
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         await self._ensure_started()
+        await self._wait_recovered()
         version = self.weight_version
         upstream = self._route(request)
-        result = await self.forward(request, upstream)
+        async with self._crash_watch():
+            if self.tokenizer is not None:
+                result = await self._generate_rendered(request, upstream)
+            else:
+                result = await self.forward(request, upstream)
         result.weight_version = version
         result.adapter = self._served_by(request)
         if not result.exact:
@@ -224,14 +335,147 @@ class VLLMBackend(HttpUpstreamBackend):
     async def stream(self, request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
         """Chat streamed from vLLM, token ids and logprobs collected from its chunks."""
         await self._ensure_started()
+        await self._wait_recovered()
         version = self.weight_version
-        async for event in self.stream_chat(request, self._route(request)):
+        upstream = self._route(request)
+        events = (
+            self._stream_rendered(request, upstream)
+            if self.tokenizer
+            else self.stream_chat(request, upstream)
+        )
+        async for event in self._watched(events):
             if event["type"] == "end":
                 event["result"].weight_version = version
                 event["result"].adapter = self._served_by(request)
                 if not event["result"].exact:
                     log.warning("agl gateway: vLLM at %s streamed no token ids", self.base_url)
             yield event
+
+    # ------------------------------------------------------------------ rendered by agl (one rendering)
+    async def _generate_rendered(self, request: GenerationRequest, upstream: str) -> GenerationResult:
+        """The call rendered and tokenised here (as the embedded engine does), sent as prompt ids."""
+        if request.api == "completions" and not isinstance(request.prompt, str):
+            return await self.forward(request, upstream)
+        rendered = await _rendered.render(self.tokenizer, request, self.max_model_len)
+        if request.api == "completions":  # the client's own completion body, its prompt as agl's ids
+            body = self.completion_body(request, upstream)
+            body["prompt"] = rendered.ids
+            data = await self._post(self.base_url + "/completions", body)
+            choices = [self.parse_completion_choice(c) for c in data["choices"]]
+            for raw in data["choices"]:
+                _rendered.check_prompt(raw.get("prompt_token_ids"), rendered)
+            return GenerationResult(
+                model=request.model,
+                choices=choices,
+                prompt_ids=list(rendered.ids),
+                prompt_tokens=len(rendered.ids),
+                exact=all(c.response_ids is not None for c in choices),
+                raw=data,
+            )
+        body = _rendered.completion_body(request, rendered, upstream)
+        data = await self._post(self.base_url + "/completions", body)
+        return _rendered.rendered_result(self.tokenizer, request, rendered, data, self._eos)
+
+    async def _stream_rendered(
+        self, request: GenerationRequest, upstream: str
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A chat streamed from vLLM's completions route, rendered and decoded here."""
+        if request.n != 1 or request.messages is None:  # several choices, or a completion: sent whole
+            result = await self._generate_rendered(request, upstream)
+            async for event in _whole_stream(result):
+                yield event
+            return
+        rendered = await _rendered.render(self.tokenizer, request, self.max_model_len)
+        body = _rendered.completion_body(request, rendered, upstream)
+        body["stream"] = True
+        stream = _rendered.RenderedStream(self.tokenizer, request, rendered, self._eos)
+        yield {"type": "start", "prompt_ids": list(rendered.ids)}
+        async for chunk in self.sse(self.base_url + "/completions", body):
+            for raw in chunk.get("choices") or ():
+                event = stream.chunk(raw)
+                if event is not None:
+                    yield event
+        for event in stream.end():
+            yield event
+
+    # --------------------------------------------------------------------- a crashed managed server
+    async def _wait_recovered(self) -> None:
+        """Wait out a restart in progress; start one when the managed server is found dead."""
+        if self.server is not None and not self.server.alive():
+            await self.recover()
+        elif self._recovering is not None and not self._recovering.done():
+            await asyncio.shield(self._recovering)
+
+    @asynccontextmanager
+    async def _crash_watch(self) -> AsyncIterator[None]:
+        """A call that fails because the managed server died restarts it (in the background) and fails
+        as retriable (502): the caller retries, or the store retries its attempt."""
+        try:
+            yield
+        except BackendError as exc:
+            if await self._server_died(exc):
+                self._start_recovery()
+                raise BackendError(
+                    f"the vLLM server died during the call and is being restarted: retry ({exc})"
+                ) from exc
+            raise
+
+    async def _watched(self, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+        async with self._crash_watch():
+            async for event in events:
+                yield event
+
+    async def _server_died(self, exc: BaseException) -> bool:
+        """Whether ``exc`` came from a managed server that is gone (its launcher notices within a
+        second, so a failed call waits up to two for it)."""
+        if self.server is None or isinstance(exc, UpstreamError):
+            return False
+        for _ in range(20):
+            if not self.server.alive():
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    def _start_recovery(self) -> asyncio.Task[None]:
+        if self._recovering is None or self._recovering.done():
+            self._recovering = asyncio.create_task(self._restart())
+        return self._recovering
+
+    async def recover(self) -> None:
+        """Restart the managed server and load the adapters it served again (one restart at a time;
+        every caller waits for the same one)."""
+        await asyncio.shield(self._start_recovery())
+
+    async def _restart(self) -> None:
+        assert self.server is not None
+        log.warning("agl gateway: the vLLM server at %s died; restarting it", self.base_url)
+        try:
+            await asyncio.to_thread(self.server.restart)
+        except Exception as exc:  # the calls waiting fail as backend errors; the next call tries again
+            raise BackendError(f"the vLLM server died and could not be restarted: {exc}") from exc
+        self.restarts += 1
+        await self.close()  # connections to the dead server go
+        self.upstream_models = [m["id"] for m in await self._model_entries()]
+        await self._reload_adapters()
+        log.warning(
+            "agl gateway: vLLM restarted (%d restart(s)); serving weight version %d",
+            self.restarts,
+            self.weight_version,
+        )
+
+    async def _reload_adapters(self) -> None:
+        """Load the adapters that served the current weight version again, under their names; the
+        older copies (kept for calls in flight) died with the server."""
+        current = [n for n in self.agent_adapters.values() if n]
+        if not self.agent_adapters and self.current_upstream in self.adapters:
+            current = [self.current_upstream]
+        for lora_name in current:
+            await self._load_lora(lora_name, self._lora_paths[lora_name], replace=True)
+            if lora_name not in self.upstream_models:
+                self.upstream_models.append(lora_name)
+        self.adapters = [n for n in self.adapters if n in current]
+        for adapter, names in self._agent_loras.items():
+            self._agent_loras[adapter] = [n for n in names if n in current]
 
     async def load_adapter(self, path: str, *, name: str | None = None, version: int | None = None) -> int:
         """Load a LoRA adapter into vLLM and route the policy's requests to it (``name`` an agent's
@@ -242,7 +486,7 @@ class VLLMBackend(HttpUpstreamBackend):
         new_version = self.weight_version + 1 if version is None else int(version)
         lora_name = name or f"{self.policy_name}-agl-v{new_version}"
         async with self._paused_push():
-            await self._load_lora(lora_name, path)
+            await self._load_lora(lora_name, path, replace=name is None)
             self.adapters.append(lora_name)
             self.current_upstream = lora_name
             if lora_name not in self.upstream_models:
@@ -296,7 +540,7 @@ class VLLMBackend(HttpUpstreamBackend):
         try:
             for adapter, (path, _) in changed.items():
                 lora_name = f"{self.policy_name}-{adapter}-v{new_version}"
-                await self._load_lora(lora_name, path)
+                await self._load_lora(lora_name, path, replace=True)
                 loaded[adapter] = lora_name
         except BackendError:
             for lora_name in loaded.values():
@@ -408,11 +652,31 @@ class VLLMBackend(HttpUpstreamBackend):
             return str(exc)
         return None if status < 400 else f"answered {status}: {raw[:300].decode(errors='replace')}"
 
-    async def _load_lora(self, lora_name: str, path: str) -> None:
-        """``POST /v1/load_lora_adapter``; BackendError with vLLM's answer when it refuses."""
-        status, raw = await self.request(
-            "POST", self.base_url + "/load_lora_adapter", {"lora_name": lora_name, "lora_path": path}
-        )
+    async def _load_lora(self, lora_name: str, path: str, *, replace: bool = False) -> None:
+        """``POST /v1/load_lora_adapter``; BackendError with vLLM's answer when it refuses. ``replace``
+        (a name agl made up): a name an earlier run left loaded on a long-running server is loaded
+        again in place from this run's folder (``load_inplace``; a new path, so no stale cache)."""
+        body: dict[str, Any] = {"lora_name": lora_name, "lora_path": path}
+        try:
+            status, raw = await self.request("POST", self.base_url + "/load_lora_adapter", body)
+        except BackendError as exc:  # a managed server that died: restarted, then loaded there
+            if (
+                self._recovering is not None
+                and not self._recovering.done()
+                or not await self._server_died(exc)
+            ):
+                raise
+            await self.recover()
+            status, raw = await self.request("POST", self.base_url + "/load_lora_adapter", body)
+        if replace and status == 400 and b"already been loaded" in raw:
+            log.info(
+                "agl gateway: vLLM already had an adapter %s (an earlier run's): replacing it", lora_name
+            )
+            status, raw = await self.request(
+                "POST", self.base_url + "/load_lora_adapter", {**body, "load_inplace": True}
+            )
+        if status < 400:
+            self._lora_paths[lora_name] = path
         if status >= 400:
             raise BackendError(
                 f"vLLM refused to load adapter {lora_name!r} from {path!r}: {raw[:500].decode(errors='replace')}"
@@ -422,6 +686,7 @@ class VLLMBackend(HttpUpstreamBackend):
         """``POST /v1/unload_lora_adapter``; a failure is only logged (an adapter left loaded is harmless)."""
         try:
             await self.request("POST", self.base_url + "/unload_lora_adapter", {"lora_name": lora_name})
+            self._lora_paths.pop(lora_name, None)
             if lora_name in self.upstream_models:
                 self.upstream_models.remove(lora_name)
         except Exception as exc:  # noqa: BLE001 - an adapter left loaded is harmless
@@ -432,6 +697,24 @@ class VLLMBackend(HttpUpstreamBackend):
             "the vllm backend takes new weights as LoRA adapters (load_adapter); for full weights restart "
             "vLLM on the new checkpoint"
         )
+
+
+async def _whole_stream(result: GenerationResult) -> AsyncIterator[dict[str, Any]]:
+    """A finished result as stream events: one whole delta per choice."""
+    yield {"type": "start", "prompt_ids": result.prompt_ids}
+    for i, c in enumerate(result.choices):
+        delta: dict[str, Any] = {"role": "assistant", "content": c.content}
+        if c.tool_calls:
+            delta["tool_calls"] = [{"index": k, **tc.to_openai()} for k, tc in enumerate(c.tool_calls)]
+        yield {
+            "type": "delta",
+            "index": i,
+            "delta": delta,
+            "token_ids": c.response_ids,
+            "logprobs": None,
+            "finish_reason": c.finish_reason,
+        }
+    yield {"type": "end", "result": result}
 
 
 def _pause_support_in_schema(raw: bytes) -> str | None:

@@ -1,0 +1,183 @@
+"""The step interface: what a schedule (synchronous or asynchronous) does to the run, and nothing more.
+
+A step of either schedule is made of the same moves — publish a resources version, push the policy's
+weights to the engine, enqueue rollouts, collect them (adapting each as it finishes), update the policy,
+checkpoint — and the schedules differ only in how they order and overlap them. :class:`Steps` is those
+moves over one :class:`~agl.trainer.Trainer`'s run: the schedules (:mod:`agl.trainer.sync`,
+:mod:`agl.trainer.async_loop`), dynamic sampling (:mod:`agl.trainer.sampling`) and ``Trainer.dev`` work
+through it and never reach into the Trainer. It reads the Trainer's public attributes only (its store,
+environment, adapter, policy, algorithm and configs).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agl.run.metrics import rollouts_postfix
+from agl.trainer.order import TaskOrder
+from agl.trainer.pipeline import cancel_rollouts
+from agl.trainer.state import read_state, write_state
+from agl.types import NewRollout, Rollout, Task, Transition
+
+if TYPE_CHECKING:
+    from agl.trainer.trainer import Trainer
+
+__all__ = ["Steps"]
+
+log = logging.getLogger("agl.trainer")
+
+
+class Steps:
+    """publish, push, enqueue, collect, update, checkpoint and the saved state of one Trainer's run."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.t = trainer
+
+    @property
+    def store(self) -> Any:
+        return self.t.store
+
+    # ------------------------------------------------------------------------- serving
+    def publish(self) -> int:
+        """Publish a resources snapshot (the gateway, the model, the sampling); returns its version, the
+        step's weight version."""
+        assert self.t.env is not None
+        return self.t.env.publish(self.t.config.sampling)
+
+    def push(self, version: int) -> float:
+        """Push the policy's weights to the engine as ``version``; returns the seconds it took."""
+        return self.t.sync_weights(version)
+
+    # ------------------------------------------------------------------------ rollouts
+    def enqueue(
+        self, tasks: Sequence[Task], version: int, step: int, repeat: int, group_suffix: str = ""
+    ) -> list[str]:
+        """``repeat`` rollouts of each task pinned to ``version``, one group per task; returns their ids.
+        A task drawn again in a later sampling round of the same step is a group of its own."""
+        rollouts = [
+            NewRollout.from_task(
+                task,
+                group_id=f"{task.id}-s{step}{group_suffix}",
+                resources_version=version,
+                config=self.t.rollout_config,
+                metadata={"step": step},
+            )
+            for task in tasks
+            for _ in range(repeat)
+        ]
+        return [r.id for r in self.store.enqueue(rollouts)] if rollouts else []
+
+    def reward(self, rollout: Rollout, transitions: list[Transition]) -> float:
+        """A rollout's reward: its final reward as the adapter defines it (one definition)."""
+        if transitions:
+            return transitions[0].final_reward
+        return float(self.t.adapter.rollout_reward(self.store, rollout))
+
+    def adapt(self, rollout: Rollout) -> tuple[list[Transition], float | None]:
+        """A finished rollout's transitions and reward (none for a cancelled one)."""
+        if rollout.status == "cancelled":
+            return [], None
+        ts = self.t.adapter.from_store(self.store, [rollout])
+        return ts, self.reward(rollout, ts)
+
+    def collect(
+        self, ids: Sequence[str], bar: Any, label: str
+    ) -> tuple[dict[str, list[Transition]], dict[str, float], list[Rollout]]:
+        """Wait for rollouts, adapting each as it finishes; the bar shows the live mean reward. Rollouts
+        still running after ``LoopConfig.step_timeout_s`` are cancelled."""
+        pending = set(ids)
+        transitions: dict[str, list[Transition]] = {}
+        rewards: dict[str, float] = {}
+        finished: list[Rollout] = []
+        timeout_s = self.t.loop.step_timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            done = [
+                r for r in self.store.wait_for_rollouts(sorted(pending), timeout_s=0.5) if r.id in pending
+            ]
+            for r in done:
+                pending.discard(r.id)
+                transitions[r.id], reward = self.adapt(r)
+                if reward is not None:
+                    rewards[r.id] = reward
+                finished.append(r)
+            if bar is not None and done:
+                bar.set_postfix(rollouts_postfix(len(ids), finished, rewards), refresh=True)
+            if deadline is not None and time.monotonic() > deadline and pending:
+                log.warning(
+                    "agl trainer: %s: %d rollouts did not finish in time; cancelling them",
+                    label,
+                    len(pending),
+                )
+                cancel_rollouts(self.store, list(pending))
+                deadline = None
+        return transitions, rewards, finished
+
+    # -------------------------------------------------------------------------- update
+    def update(self, train_ts: list[Transition], *, on_policy: bool = True) -> dict[str, Any]:
+        """Advantages and one policy update over a step's transitions; returns their metrics.
+        ``on_policy=False`` (older weights served some calls) skips the on-policy ratio check."""
+        t = self.t
+        if not train_ts:
+            return {}
+        if not t.behaviour_logprobs:
+            train_ts = [x.model_copy(update={"response_logprobs": None}) for x in train_ts]
+        # GRPO groups per agent with a LoRA per agent (each agent's weights are compared alone)
+        per_agent = {"per_agent": True} if t.agent_adapters else {}
+        advantages, adv_stats = t.algorithm.compute_advantages(train_ts, **per_agent)
+        # decoupled PPO when asked for, and always under mixed precision: the engine's log-probs are
+        # not the autocast update's (bf16 rounding differs with every shape), so the ratio is taken
+        # against the update's own log-probs and the mismatch is a bounded weight, not a clip
+        precision = getattr(t.policy, "precision", "no")
+        # likewise for an engine apart from the trainer (vLLM): other kernels, often another dtype
+        engine = "vllm" if t.serving.backend == "vllm" and t.behaviour_logprobs else None
+        decoupled = t.loop.off_policy == "tis" or precision != "no" or engine is not None
+        tis = {"tis_cap": t.loop.tis_cap} if decoupled else {}
+        update = t.policy.step(train_ts, advantages, **tis)
+        if on_policy:
+            t.checks.on_policy(
+                update.get("behaviour_ratio_dev"), t.config, precision, decoupled, engine=engine
+            )
+        # the update's metrics under their final names (PolicyUpdate.step names them for the record)
+        return {
+            "zero_variance_groups": adv_stats["zero_variance_groups"],
+            "groups": adv_stats["groups"],
+            **update,
+        }
+
+    # ------------------------------------------------------------------- checkpoint, state
+    def checkpoint(self, order: TaskOrder, extra: dict[str, Any] | None = None) -> None:
+        """Save the policy, then the run's state (the task order and ``extra``) atomically."""
+        path = self.t.policy.save_checkpoint()
+        state = {
+            "checkpoint": str(Path(path).resolve()),
+            "step": self.t.policy.global_step,
+            **order.state(),
+            **(extra or {}),
+        }
+        write_state(self.t.run_dir, state)
+
+    def state(self) -> dict[str, Any] | None:
+        """The saved state to resume from: None unless ``resume=True`` and a checkpoint exists."""
+        return read_state(self.t.run_dir) if self.t.loop.resume else None
+
+    def restore(self, state: dict[str, Any], order: TaskOrder) -> tuple[int, int]:
+        """Reload the checkpoint ``state`` names into the policy and the task order; drop the metrics of
+        steps after it (their updates died with the process). Returns (the policy's update step, the
+        step to continue from)."""
+        global_step = self.t.policy.load_checkpoint(state["checkpoint"])
+        start = int(state.get("next_step", global_step))
+        order.restore(state)
+        self.t.metrics.load()
+        self.t.metrics.truncate(start)
+        return global_step, start
+
+    def cancel_live(self, keep: Any = None) -> None:
+        """Cancel the rollouts a crashed run left queued or running, except those ``keep(rollout)``
+        says the schedule picks up again."""
+        live = self.store.query_rollouts(status=["queued", "running"])
+        cancel_rollouts(self.store, [r.id for r in live if keep is None or not keep(r)])

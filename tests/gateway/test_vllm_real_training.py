@@ -1,0 +1,89 @@
+"""A short LightningRL run with the policy served by a real vLLM server that the run starts itself
+(``Trainer(backend="vllm", vllm_python=...)``), SIGKILLed in the middle of a step: the run restarts it
+with the last pushed adapter, loses no rollout and says so in the step's metrics. Skipped unless
+AGL_VLLM_PYTHON is set (vllm_real.py); ``tox -e vllm`` runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_real import SERVER_ARGS, model_dir, vllm_config
+
+pytest.importorskip("peft")
+pytest.importorskip("openai")
+
+#: the examples are imported from the repository root (as ``python -m examples.<name>`` runs them)
+ROOT = str(Path(__file__).resolve().parents[2])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def _kill_during_step(trainer: Any, step: int, done: threading.Event) -> None:
+    """SIGKILL the run's vLLM server a few seconds into ``step``'s rollouts."""
+    while not done.is_set():
+        if len(trainer.history) >= step and trainer.env is not None and trainer.env.vllm_server is not None:
+            time.sleep(3.0)
+            trainer.env.vllm_server.kill()
+            return
+        time.sleep(0.2)
+
+
+def test_lightning_rl_trains_through_a_managed_vllm_that_crashes_mid_step(tmp_path: Path) -> None:
+    import agl
+    from examples.learn_on_cpu.agent import calc_agent
+    from examples.learn_on_cpu.data import split
+
+    python, _ = vllm_config()
+    if python is None:
+        pytest.skip("needs AGL_VLLM_PYTHON: the run starts its own server")
+    train, val = split(n_val=4)
+    trainer = agl.Trainer(
+        agl.LightningRL(group_size=4, learning_rate=1e-3, lora_r=8, lora_alpha=16, kl_coef=0.0),
+        model=str(model_dir()),
+        backend="vllm",
+        vllm_python=python,
+        vllm_args=" ".join(["--dtype", "bfloat16", *SERVER_ARGS]),
+        runners=8,
+        run_dir=tmp_path / "run",
+        agents=["calculator_agent"],
+        sampling={"temperature": 1.0, "max_tokens": 16},
+        tasks_per_step=2,
+        steps=2,
+        val_every=2,
+        seed=0,
+        progress=False,
+    )
+    done = threading.Event()
+    killer = threading.Thread(target=_kill_during_step, args=(trainer, 1, done), daemon=True)
+    killer.start()
+    try:
+        out = trainer.fit(calc_agent, train, val)
+    finally:
+        done.set()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "rollouts" in r]
+    assert out["steps"] == 2 and len(steps) == 2
+    assert all(r["rollouts"] == 8 and r["rollouts_failed"] == 0 for r in steps)  # nothing lost
+    assert all(r["exact_token_ratio"] == 1.0 for r in steps)
+    assert steps[0].get("engine_restarts") is None and steps[1]["engine_restarts"] == 1
+    assert out["val_reward_before"] is not None and out["val_reward_after"] is not None
+    log = (tmp_path / "run" / "vllm.log").read_text()
+    assert log.count("=== agl:") == 2  # started, then restarted after the kill
+    assert trainer.env is None or trainer.env.vllm_server is None  # stopped at the end
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    leftovers = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(tmp_path).encode() in cmdline:
+            leftovers.append(pid)
+    assert leftovers == []
