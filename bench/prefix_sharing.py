@@ -254,9 +254,9 @@ def side_trl(name: str, iters: int, every_call: bool) -> dict:
             "tokens_packed": float(plan.tokens_packed), "micro_batches": float(len(plan.mbs))}  # fmt: skip
 
 
-def _child(name: str, side: str, iters: int, threads: int, every_call: bool) -> dict:
+def _child(name: str, side: str, iters: int, threads: int, every_call: bool, malloc: str = "glibc") -> dict:
     argv = [sys.executable, __file__, "_side", name, side, "--iters", str(iters), "--threads", str(threads)]
-    argv += ["--every-call"] if every_call else []
+    argv += (["--every-call"] if every_call else []) + ["--malloc", malloc]
     out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
         print(out.stderr[-3000:], file=sys.stderr)
@@ -279,7 +279,9 @@ def describe(name: str, every_call: bool) -> str:
     )
 
 
-def run(names: list[str], rounds: int, threads: int, sides: list[str], every_call: list[bool]) -> None:
+def run(
+    names: list[str], rounds: int, threads: int, sides: list[str], every_call: list[bool], malloc: str
+) -> None:
     """Each case: ``rounds`` rounds, each running every side once in a fresh child, one after another,
     so that a change of machine load falls on all sides alike; medians over the rounds."""
     for name, every in ((n, e) for n in names for e in every_call):
@@ -289,7 +291,7 @@ def run(names: list[str], rounds: int, threads: int, sides: list[str], every_cal
         loads = [os.getloadavg()[0]]
         for _ in range(rounds):
             for side in sides:
-                r = _child(name, side, 1, threads, every)
+                r = _child(name, side, 1, threads, every, malloc)
                 loads.append(os.getloadavg()[0])
                 if side in res:
                     for key in ("update_s", "cpu_s"):
@@ -299,7 +301,8 @@ def run(names: list[str], rounds: int, threads: int, sides: list[str], every_cal
                     res[side] = r
         _table(label, res)
         print(
-            f"load average (1 min) over the case: {min(loads):.1f}-{max(loads):.1f}; {threads} torch threads\n"
+            f"load average (1 min) over the case: {min(loads):.1f}-{max(loads):.1f}; {threads} torch threads; "
+            f"malloc: {malloc}\n"
         )
 
 
@@ -346,6 +349,12 @@ def main() -> None:
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--threads", type=int, default=2)
     b.add_argument(
+        "--malloc",
+        choices=["glibc", "tune"],
+        default="glibc",
+        help="tune: agl.trainer.malloc.tune() in each child, as Trainer.fit does (default: glibc's own)",
+    )
+    b.add_argument(
         "--advantages", nargs="+", choices=["recorded", "every-call"], default=["recorded", "every-call"]
     )
     c = sub.add_parser("_side")
@@ -354,16 +363,28 @@ def main() -> None:
     c.add_argument("--iters", type=int)
     c.add_argument("--threads", type=int)
     c.add_argument("--every-call", action="store_true")
+    c.add_argument("--malloc", default="glibc")
     args = p.parse_args()
     if args.cmd == "record":
         record(args.name, args.work, args.seed)
     elif args.cmd == "_rlstep":
         rl_step(args.name, args.work, args.seed, args.out)
     elif args.cmd == "run":
-        run(args.data, args.rounds, args.threads, args.sides, [a == "every-call" for a in args.advantages])
+        run(
+            args.data,
+            args.rounds,
+            args.threads,
+            args.sides,
+            [a == "every-call" for a in args.advantages],
+            args.malloc,
+        )
     else:
         import torch
 
+        if args.malloc == "tune":
+            from agl.trainer.malloc import tune
+
+            tune()
         torch.set_num_threads(args.threads)
         if args.side == "trl":
             out = side_trl(args.name, args.iters, args.every_call)
