@@ -138,16 +138,21 @@ def rl_step(name: str, work: Path, seed: int, out: Path) -> None:
     print(f"recorded {len(kept[0]['transitions'])} transitions -> {out}")
 
 
-def load_step(name: str, every_call: bool = False) -> tuple[list, list[float], dict]:
+def load_step(name: str, every_call: bool = False, groups: int = 0) -> tuple[list, list[float], dict]:
     """The recorded step: its transitions, advantages and record. ``every_call``: advantages +1/-1 by
     rollout in turn instead of the recorded ones, so every call trains (a step in which every group
-    has reward variance; the recorded step trains only the groups that had some)."""
+    has reward variance; the recorded step trains only the groups that had some). ``groups``: only the
+    first that many groups (tasks) of the step, for a shorter run on a busy machine (0: all)."""
     from agl.types import Transition
 
     with gzip.open(DATA / f"{name}_step.jsonl.gz", "rt") as f:
         rec = json.loads(f.readline())
     ts = [Transition.model_validate(t) for t in rec["transitions"]]
     adv = rec["advantages"]
+    if groups:
+        first = list(dict.fromkeys(t.group_id for t in ts))[:groups]
+        keep = [i for i, t in enumerate(ts) if t.group_id in first]
+        ts, adv = [ts[i] for i in keep], [adv[i] for i in keep]
     if every_call:
         rollouts = sorted({t.rollout_id for t in ts})
         adv = [1.0 if rollouts.index(t.rollout_id) % 2 == 0 else -1.0 for t in ts]
@@ -181,8 +186,8 @@ def _warmup_slice(transitions: list, advantages: list[float]) -> tuple[list, lis
     return [transitions[i] for i in keep], [advantages[i] for i in keep]
 
 
-def side_agl(name: str, share: bool, iters: int, every_call: bool) -> dict:
-    ts, adv, _ = load_step(name, every_call)
+def side_agl(name: str, share: bool, iters: int, every_call: bool, groups: int = 0) -> dict:
+    ts, adv, _ = load_step(name, every_call, groups)
     up = _policy(share)
     up.step(*_warmup_slice(ts, adv))
     runs, cpu = [], []
@@ -203,7 +208,7 @@ def side_agl(name: str, share: bool, iters: int, every_call: bool) -> dict:
     }
 
 
-def side_trl(name: str, iters: int, every_call: bool) -> dict:
+def side_trl(name: str, iters: int, every_call: bool, groups: int = 0) -> dict:
     """TRL's GRPOTrainer.training_step over agl's unshared micro-batches of the same sequences."""
     import torch
     from datasets import Dataset
@@ -213,7 +218,7 @@ def side_trl(name: str, iters: int, every_call: bool) -> dict:
     from agl.gateway.models import prepare_default_model
     from agl.trainer.trainer import load_tokenizer
 
-    ts, adv, _ = load_step(name, every_call)
+    ts, adv, _ = load_step(name, every_call, groups)
     flat = _policy(False)  # agl's plan and batch tensors, so both sides see the same micro-batches
     plan = flat._plan(ts, adv, True)
     batches = [flat._tensors(plan.seqs, mb, plan.token_adv, plan.train_masks) for mb in plan.mbs]
@@ -254,9 +259,11 @@ def side_trl(name: str, iters: int, every_call: bool) -> dict:
             "tokens_packed": float(plan.tokens_packed), "micro_batches": float(len(plan.mbs))}  # fmt: skip
 
 
-def _child(name: str, side: str, iters: int, threads: int, every_call: bool, malloc: str = "glibc") -> dict:
+def _child(
+    name: str, side: str, iters: int, threads: int, every_call: bool, malloc: str = "glibc", groups: int = 0
+) -> dict:
     argv = [sys.executable, __file__, "_side", name, side, "--iters", str(iters), "--threads", str(threads)]
-    argv += (["--every-call"] if every_call else []) + ["--malloc", malloc]
+    argv += (["--every-call"] if every_call else []) + ["--malloc", malloc, "--groups", str(groups)]
     out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
         print(out.stderr[-3000:], file=sys.stderr)
@@ -264,11 +271,11 @@ def _child(name: str, side: str, iters: int, threads: int, every_call: bool, mal
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def describe(name: str, every_call: bool) -> str:
+def describe(name: str, every_call: bool, groups: int = 0) -> str:
     """The recorded step's shape: calls, sequences, tokens, the prompt's share of a sequence."""
     from agl.adapter.trajectories import merge_transitions
 
-    ts, adv, rec = load_step(name, every_call)
+    ts, adv, rec = load_step(name, every_call, groups)
     seqs, _ = merge_transitions(ts)
     first = sum(len(s.prompt_ids) for s in seqs) / max(1, sum(s.tokens for s in seqs))
     groups = len({t.group_id for t in ts})
@@ -280,25 +287,39 @@ def describe(name: str, every_call: bool) -> str:
 
 
 def run(
-    names: list[str], rounds: int, threads: int, sides: list[str], every_call: list[bool], malloc: str
+    names: list[str],
+    rounds: int,
+    threads: int,
+    sides: list[str],
+    every_call: list[bool],
+    malloc: str,
+    groups: int = 0,
 ) -> None:
     """Each case: ``rounds`` rounds, each running every side once in a fresh child, one after another,
     so that a change of machine load falls on all sides alike; medians over the rounds."""
+    from tqdm import tqdm
+
     for name, every in ((n, e) for n in names for e in every_call):
-        label = f"{name}, {'every call trained' if every else 'recorded advantages'}"
-        print(describe(name, every), flush=True)
+        label = f"{name}{f' (first {groups} groups)' if groups else ''}, "
+        label += "every call trained" if every else "recorded advantages"
+        print(describe(name, every, groups), flush=True)
         res: dict[str, dict] = {}
         loads = [os.getloadavg()[0]]
-        for _ in range(rounds):
-            for side in sides:
-                r = _child(name, side, 1, threads, every, malloc)
+        bar = tqdm(total=rounds * len(sides), desc=label, unit="side", file=sys.stderr)
+        for k in range(rounds):
+            for side in sides[::-1] if k % 2 else sides:  # odd rounds run the sides in reverse order
+                bar.set_postfix_str(f"round {k + 1}: {side}")
+                r = _child(name, side, 1, threads, every, malloc, groups)
                 loads.append(os.getloadavg()[0])
+                bar.write(json.dumps({"case": label, "round": k + 1, "side": side, "load": loads[-1], **r}))
+                bar.update()
                 if side in res:
                     for key in ("update_s", "cpu_s"):
                         res[side][key] += r[key]
                     res[side]["peak_rss_mb"] = max(res[side]["peak_rss_mb"], r["peak_rss_mb"])
                 else:
                     res[side] = r
+        bar.close()
         _table(label, res)
         print(
             f"load average (1 min) over the case: {min(loads):.1f}-{max(loads):.1f}; {threads} torch threads; "
@@ -354,6 +375,7 @@ def main() -> None:
         default="glibc",
         help="tune: agl.trainer.malloc.tune() in each child, as Trainer.fit does (default: glibc's own)",
     )
+    b.add_argument("--groups", type=int, default=0, help="only the step's first N groups (0: all)")
     b.add_argument(
         "--advantages", nargs="+", choices=["recorded", "every-call"], default=["recorded", "every-call"]
     )
@@ -364,6 +386,7 @@ def main() -> None:
     c.add_argument("--threads", type=int)
     c.add_argument("--every-call", action="store_true")
     c.add_argument("--malloc", default="glibc")
+    c.add_argument("--groups", type=int, default=0)
     args = p.parse_args()
     if args.cmd == "record":
         record(args.name, args.work, args.seed)
@@ -377,6 +400,7 @@ def main() -> None:
             args.sides,
             [a == "every-call" for a in args.advantages],
             args.malloc,
+            args.groups,
         )
     else:
         import torch
@@ -387,9 +411,9 @@ def main() -> None:
             tune()
         torch.set_num_threads(args.threads)
         if args.side == "trl":
-            out = side_trl(args.name, args.iters, args.every_call)
+            out = side_trl(args.name, args.iters, args.every_call, args.groups)
         else:
-            out = side_agl(args.name, args.side == "shared", args.iters, args.every_call)
+            out = side_agl(args.name, args.side == "shared", args.iters, args.every_call, args.groups)
         out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(out))
 
