@@ -16,6 +16,12 @@ skipped (bench/_matrix.py). Seeds fixed here.
     python bench/per_agent_learning.py --build-warm-start   # demos, the SFT and its check if missing (~12 min)
     python bench/per_agent_learning.py                      # 2 setups x seeds 0 1 2 (~20 min a run here)
     python bench/per_agent_learning.py --report-only        # the table and plot of the runs there
+    python bench/per_agent_learning.py --repairs 4 --build-warm-start   # issue 56: the same, from demos
+                                                            # where every 4th question shows a repair
+
+With ``--repairs N`` the oracle's demonstrations also show repairs (``dev --oracle --repairs N``: the
+writer's query broken, the rewriter's fix), so the warm start covers the rewriter too; its runs are
+named ``*_rN_*`` and kept apart from the others.
 
 Per run: held-out after, wall time and load; per setup: mean, seed range, and whether the mean gain
 over the warm start exceeds twice the seed range (the project's bar for an RL result). The warm start's
@@ -44,9 +50,17 @@ RECIPE = (
 )  # fmt: skip
 
 
-def _sft(root: Path, out: Path, threads: int) -> list[str]:
+def _demos_db(root: Path, repairs: int) -> Path:
+    return root / (f"sql_demos128_r{repairs}.db" if repairs else "sql_demos128.db")
+
+
+def _tag(repairs: int) -> str:
+    return f"_r{repairs}" if repairs else ""
+
+
+def _sft(root: Path, out: Path, threads: int, repairs: int = 0) -> list[str]:
     return [
-        sys.executable, "-m", "agl.cli", "sft", "--store", f"sqlite:///{root / 'sql_demos128.db'}",
+        sys.executable, "-m", "agl.cli", "sft", "--store", f"sqlite:///{_demos_db(root, repairs)}",
         "--agents", "writer,rewriter", "--min-reward", "1", "--out", str(out), "--epochs", "1",
         "--batch-size", "4", "--learning-rate", "5e-4", "--threads", str(threads),
     ]  # fmt: skip
@@ -60,44 +74,87 @@ def _train(threads: int, warm: Path, run_dir: Path, per_agent: bool, extra: list
     ]  # fmt: skip
 
 
-def warm_dir(root: Path) -> Path:
+def warm_dir(root: Path, repairs: int = 0) -> Path:
     """The one warm start of both setups: a shared ``agl sft`` run (its merged model)."""
-    return root / "sft_shared"
+    return root / f"sft_shared{_tag(repairs)}"
 
 
-def build_warm_starts(root: Path, threads: int) -> None:
-    """The 128 oracle demonstrations, the SFT on them, and the warm start's held-out check."""
+def build_warm_starts(root: Path, threads: int, repairs: int = 0) -> None:
+    """The 128 oracle demonstrations (with a repair every ``repairs`` questions), the SFT on them, and
+    the warm start's held-out check."""
     root.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    if not (root / "sql_demos128.db").exists():
+    db = _demos_db(root, repairs)
+    if not db.exists():
         demos = [sys.executable, "-m", "examples.sql_agent", "dev", "--oracle", "--split", "train", "-n", "128",
-                 "--store", f"sqlite:///{root / 'sql_demos128.db'}"]  # fmt: skip
+                 "--store", f"sqlite:///{db}", *(["--repairs", str(repairs)] if repairs else [])]  # fmt: skip
         subprocess.run(demos, check=True, env=env)
-    out = warm_dir(root)
+    out = warm_dir(root, repairs)
     if not (out / "sft_summary.json").exists():
-        subprocess.run(_sft(root, out, threads), check=True, env=env)
-    check = root / "warm_shared_s0"
+        subprocess.run(_sft(root, out, threads, repairs), check=True, env=env)
+    check = root / f"warm_shared{_tag(repairs)}_s0"
     extra = ["--steps", "0", "--val-tasks", "90", "--runners", "16"]
     run_once(check, _train(threads, out, check, False, extra), "warm start")
 
 
+def rescues(run_dir: Path) -> tuple[int, int]:
+    """``(rescued, repaired)`` over the run's held-out rollouts: those where the rewriter acted, and
+    of them those that ended right (the rewriter's rescue rate on held-out is their ratio)."""
+    db = run_dir / "store.db"
+    if not db.exists():
+        return 0, 0
+    import agl.store
+    from agl.adapter import Adapter
+
+    store = agl.store.open(f"sqlite:///{db}")
+    try:
+        ids = [r.id for r in store.query_rollouts(mode="val")]
+        ts = Adapter(agents=["writer", "rewriter"]).from_store(store, ids) if ids else []
+    finally:
+        store.close()
+    repaired = {t.rollout_id: t.final_reward for t in ts if t.agent == "rewriter"}
+    return sum(1 for r in repaired.values() if r >= 1.0), len(repaired)
+
+
+def trained_per_agent(run_dir: Path) -> dict[str, float]:
+    """Transitions each agent trained on over the run (the step metrics' ``trained_transitions/*``)."""
+    out: dict[str, float] = {}
+    for r in records(run_dir):
+        for k, v in r.items():
+            if k.startswith("trained_transitions/"):
+                out[k.split("/", 1)[1]] = out.get(k.split("/", 1)[1], 0.0) + float(v)
+    return out
+
+
 def summarise(run_dir: Path) -> dict[str, Any]:
     steps = sum(1 for r in records(run_dir) if "train_reward" in r)
-    return {**summary(run_dir, "setup"), "steps": steps}
+    rescued, repaired = rescues(run_dir)
+    return {**summary(run_dir, "setup"), "steps": steps, "rescued": rescued, "repaired": repaired,
+            "trained": trained_per_agent(run_dir)}  # fmt: skip
 
 
-def report(root: Path) -> list[dict[str, Any]]:
+def report(root: Path, repairs: int = 0) -> list[dict[str, Any]]:
+    """The table of every finished run in ``root``; the bar and the plot for the runs of ``repairs``."""
     rows = [summarise(d) for d in sorted(root.iterdir()) if d.is_dir() and finished(d)]
-    print("| run | held-out (90) | steps | wall min | load |")
-    print("|---|---:|---:|---:|---|")
+    print(
+        "| run | held-out (90) | rescued / repaired (held-out) | trained per agent | steps | wall min | load |"
+    )
+    print("|---|---:|---:|---|---:|---:|---|")
     for r in rows:
+        trained = ", ".join(f"{a} {n:.0f}" for a, n in sorted(r["trained"].items())) or "—"
         print(
-            f"| {r['run']} | {fmt(r['val_after'])} | {r['steps']} | {r['wall_s'] / 60:.1f} | "
-            f"{r['load'][0]:.1f}–{r['load'][1]:.1f} |"
+            f"| {r['run']} | {fmt(r['val_after'])} | {r['rescued']} / {r['repaired']} | {trained} | "
+            f"{r['steps']} | {r['wall_s'] / 60:.1f} | {r['load'][0]:.1f}–{r['load'][1]:.1f} |"
         )
+    tag = _tag(repairs)
+    mine = [
+        {**r, "setup": r["setup"][: -len(tag)] if tag else r["setup"]}
+        for r in rows
+        if (r["setup"].endswith(tag) if tag else "_r" not in r["setup"])
+    ]
     for setup in SETUPS:
-        after = [r["val_after"] for r in rows if r["setup"] == setup and r["val_after"] is not None]
-        warm = [r["val_after"] for r in rows if r["setup"] == "warm_shared" and r["val_after"] is not None]
+        after = [r["val_after"] for r in mine if r["setup"] == setup and r["val_after"] is not None]
+        warm = [r["val_after"] for r in mine if r["setup"] == "warm_shared" and r["val_after"] is not None]
         if not after:
             continue
         mean, spread = statistics.fmean(after), max(after) - min(after)
@@ -110,8 +167,8 @@ def report(root: Path) -> list[dict[str, Any]]:
             )
         print(line)
     (root / "summary.json").write_text(json.dumps(rows, indent=1))
-    if rows:
-        plot(rows, root / "per_agent_learning.png")
+    if mine:
+        plot(mine, root / f"per_agent_learning{tag}.png")
     return rows
 
 
@@ -138,20 +195,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--build-warm-start", action="store_true", help="demos, the SFT and its check first")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument(
+        "--repairs", type=int, default=0, metavar="N", help="demonstrations with a repair every N questions"
+    )
+    parser.add_argument("--warm-only", action="store_true", help="build and check the warm start, no RL runs")
     args = parser.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
     if args.build_warm_start:
-        build_warm_starts(args.root, args.threads)
-    if not args.report_only:
-        if not (warm_dir(args.root) / "sft_summary.json").exists():
+        build_warm_starts(args.root, args.threads, args.repairs)
+    if not (args.report_only or args.warm_only):
+        warm = warm_dir(args.root, args.repairs)
+        if not (warm / "sft_summary.json").exists():
             raise SystemExit(f"no warm start in {args.root}: run with --build-warm-start first")
         for seed in args.seeds:
             for setup in args.setups:
-                run_dir = args.root / f"{setup}_s{seed}"
+                run_dir = args.root / f"{setup}{_tag(args.repairs)}_s{seed}"
                 extra = ["--seed", str(seed), *RECIPE]
-                cmd = _train(args.threads, warm_dir(args.root), run_dir, setup == "per_agent", extra)
+                cmd = _train(args.threads, warm, run_dir, setup == "per_agent", extra)
                 run_once(run_dir, cmd, f"{setup} seed={seed}")
-    report(args.root)
+    report(args.root, args.repairs)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,18 @@ AGL_LLM_CHOICE_INDEX = "agl.llm.choice_index"  # for n>1: which choice this span
 # int: the last N prompt ids are the tool-call opening the backend forced to honour tool_choice
 AGL_LLM_FORCED_TOKENS = "agl.llm.forced_tokens"
 AGL_LLM_PROMPT_TEXT = "agl.llm.prompt_text"  # /v1/completions: the raw prompt (no chat template applied)
+# reproducible runs (agl.gateway.seeds): the seed the call was sampled with, and where it came from: "run" (derived
+# by the gateway from the rollout's seed and the call's index in its attempt) or "agent" (the program set
+# ``seed`` itself, which wins); the call's 0-based index within its rollout attempt
+AGL_LLM_SEED = "agl.llm.seed"
+AGL_LLM_SEED_SOURCE = "agl.llm.seed_source"
+AGL_LLM_CALL_INDEX = "agl.llm.call_index"
+SEED_SOURCE_RUN = "run"
+SEED_SOURCE_AGENT = "agent"
+# rollout metadata the trainer writes (agl.gateway.seeds): the rollout's seed, derived from the run's seed and its
+# place in the run, and that place ("<mode>:s<step>[r<round>]/t<task position>/m<group member>")
+ROLLOUT_SEED_KEY = "agl.seed"
+ROLLOUT_PLACE_KEY = "agl.place"
 
 AGL_REWARD_VALUE = "agl.reward.value"
 AGL_REWARD_NAME = "agl.reward.name"

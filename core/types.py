@@ -448,6 +448,10 @@ class Transition(_Model):
     #: the engine stopped the response at ``max_tokens`` (finish reason ``length``): an unfinished answer,
     #: which ``UpdateSettings.mask_truncated`` leaves out of the loss (DAPO's overlong filtering)
     truncated: bool = False
+    #: the seed the engine sampled the call with (the span's ``agl.llm.seed``) and where it came from:
+    #: "run" (derived from the run's seed and the call's place, agl.gateway.seeds) or "agent" (the program's own)
+    seed: int | None = None
+    seed_source: str | None = None
 
     @field_validator("reward", "intermediate_reward", "final_reward")
     @classmethod

@@ -58,6 +58,7 @@ def test_fields_are_exactly_the_contract() -> None:
         "advantage_level": "rollout",
         "normalize_std": True,
         "group_size": 4,
+        "agent_baseline": "auto",
         "clip_eps": 0.2,
         "clip_eps_high": None,
         "kl_coef": 0.0,

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from agl.algorithms.sft import SFT, select_transitions, warm_start_model
+from agl.errors import UsageError
 from agl.types import Transition
 
 torch = pytest.importorskip("torch")
@@ -75,6 +76,24 @@ def test_selection_by_reward_and_best_of_group() -> None:
     assert [t.rollout_id for t in select_transitions(ts, min_reward=0.9)] == ["b", "c"]
     assert [t.rollout_id for t in select_transitions(ts, best_of_group=True)] == ["b", "d"]
     assert [t.rollout_id for t in select_transitions(ts, min_reward=0.6, best_of_group=True)] == ["b"]
+
+
+def test_selection_drops_the_calls_air_penalised() -> None:
+    """A rescued rollout: the writer's call wrote a failing query (AIR: -0.5), the rewriter's fixed
+    it; the demonstration keeps the fix only, unless asked to keep the mistake too."""
+    broken = demo("r", "q", "SELECT * FROM nowhere", reward=1.0).model_copy(
+        update={"intermediate_reward": -0.5, "reward": 0.5}
+    )
+    fix = demo("r", "q", "SELECT 1", reward=1.0).model_copy(update={"index": 1, "agent": "rewriter"})
+    ts = [broken, fix, demo("s", "q", "SELECT 2", reward=1.0)]
+    assert [(t.rollout_id, t.index) for t in select_transitions(ts, drop_penalised=True)] == [
+        ("r", 1),
+        ("s", 0),
+    ]
+    assert len(select_transitions(ts)) == 3
+    assert len(SFT().select(ts)) == 2 and len(SFT(drop_penalised=False).select(ts)) == 3
+    with pytest.raises(UsageError, match="drop_penalised"):
+        SFT(drop_penalised="yes")
 
 
 @pytest.mark.parametrize(

@@ -401,6 +401,7 @@ class Adapter:
             "weight_version": wv if isinstance(wv, int) and not isinstance(wv, bool) else None,
             "weight_versions": runs,
             "truncated": _cut_at_max_tokens(finish),
+            **_seed_fields(a),
         }
 
     @staticmethod
@@ -470,3 +471,12 @@ def _served_by_other(S: list[Span], c: _Call) -> bool:
     if served is None:
         return False
     return served != lora_name(c.agent or "")
+
+
+def _seed_fields(a: Any) -> dict[str, Any]:
+    """The call's seed and its source, as the gateway recorded them (none when the call had no seed)."""
+    seed = a.get(sc.AGL_LLM_SEED)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        return {}
+    source = a.get(sc.AGL_LLM_SEED_SOURCE)
+    return {"seed": seed, "seed_source": source if isinstance(source, str) else None}

@@ -15,6 +15,7 @@ what its callers use.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from trl import GRPOConfig
 
+from agl.algorithms.distributed import timeout_s
 from agl.algorithms.scoring import TransitionGRPOTrainer, is_peft
 from agl.config import RunConfig
 
@@ -96,6 +98,7 @@ def _grpo_args(
         save_total_limit=3,  # save_checkpoint() keeps the newest three
         logging_strategy="no",
         disable_tqdm=True,
+        ddp_timeout=math.ceil(timeout_s()),  # a dead rank fails the run (agl.algorithms.distributed)
     )
 
 

@@ -17,7 +17,17 @@ reward ``R_i`` and intermediate rewards ``r_ij``:
 - ``transition`` advantages : ``A_ij = (G_ij - mean_kl G_kl) / (std_kl G_kl + eps)``
 
 ``std`` is the sample standard deviation (n-1, as TRL's GRPO uses), ``eps = 1e-6``, and without
-``normalize_std`` the division is dropped. A group whose statistic has no spread (fewer than two
+``normalize_std`` the division is dropped.
+
+With an adapter per agent (``per_agent=True``) each agent is compared with itself. An agent that acts
+in every rollout of its groups is normalised per task group as above (``agent_baseline="group"``). An
+agent that acts only sometimes — a repair, fallback or critic agent that runs after a failure — has
+groups that hold one or two of its calls and no spread by construction, so under
+``agent_baseline="auto"`` (the default) it is normalised over all of its calls in the step instead
+(``"step"``): ``A_ij = (G_ij - mean G) / (std G + eps)`` over that agent's credited returns ``G``,
+intermediate rewards included (its own outcome: AIR's penalty on a failed query it wrote, or a reward
+the app emits for it). Mixing tasks in one baseline is the price; it is paid only by agents whose task
+groups cannot carry a signal. The rule each agent got is reported per step (``agent_baselines``). A group whose statistic has no spread (fewer than two
 values, or a std below ``ZERO_STD``) carries no learning signal: all its advantages are 0 and it is
 counted in ``zero_variance_groups``. docs/architecture.md §8 works through examples by hand.
 """
@@ -42,6 +52,7 @@ __all__ = [
     "ZERO_STD",
     "GroupStats",
     "LightningRL",
+    "agent_baseline",
     "assign_credit",
     "compute_advantages",
     "credit_returns",
@@ -56,6 +67,7 @@ ZERO_STD = 1e-9
 
 Credit = Literal["identical", "discounted"]
 AdvantageLevel = Literal["rollout", "transition"]
+AgentBaseline = Literal["auto", "group", "step"]
 
 
 @dataclass
@@ -77,6 +89,14 @@ class LightningRL(UpdateSettings):
     )
     normalize_std: bool = field(default=True, metadata={"help": "divide advantages by the group's std"})
     group_size: int = field(default=4, metadata={"help": "rollouts per task: the GRPO group"})
+    agent_baseline: AgentBaseline = field(
+        default="auto",
+        metadata={
+            "help": "with an adapter per agent, what an agent's calls are compared with: its task groups "
+            "('group'), all its calls in the step ('step'), or 'auto': 'group' for an agent that acts in "
+            "every rollout, 'step' for one that acts only sometimes"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.credit not in ("identical", "discounted"):
@@ -84,6 +104,10 @@ class LightningRL(UpdateSettings):
         if self.advantage_level not in ("rollout", "transition"):
             raise UsageError(
                 f"LightningRL.advantage_level must be 'rollout' or 'transition', got {self.advantage_level!r}"
+            )
+        if self.agent_baseline not in ("auto", "group", "step"):
+            raise UsageError(
+                f"LightningRL.agent_baseline must be 'auto', 'group' or 'step', got {self.agent_baseline!r}"
             )
         check_number("LightningRL", "gamma", self.gamma, lo=0.0, hi=1.0)
         value = self.group_size
@@ -158,6 +182,10 @@ class GroupStats:
     std: float
     zero_variance: bool
     final_reward_mean: float
+    #: "group" (one task's rollouts) or "step" (all of one agent's calls in the step)
+    baseline: str = "group"
+    #: the agent whose calls these are, with an adapter per agent
+    agent: str | None = None
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -216,20 +244,72 @@ def _agent_statistics(
     cfg: LightningRL,
 ) -> tuple[dict[str, GroupStats], dict[str, list[int]]]:
     """:func:`_statistics` per agent: groups keyed ``<group>@<agent>``, each over the agent's calls in
-    the group's rollouts (a rollout in which the agent made no call is not in its group)."""
+    the group's rollouts (a rollout in which the agent made no call is not in its group); or, for an
+    agent under the ``"step"`` baseline (:func:`agent_baseline`), one group ``step@<agent>`` over all
+    of its calls in the step."""
     parts: dict[str, dict[tuple[str, int], list[int]]] = {}
     for key, positions in by_rollout.items():
         for p in positions:
             parts.setdefault(transitions[p].agent or "", {}).setdefault(key, []).append(p)
+    sizes: dict[str, int] = {}
+    for positions in by_rollout.values():
+        gid = _group_key(transitions[positions[0]])
+        sizes[gid] = sizes.get(gid, 0) + 1
     stats: dict[str, GroupStats] = {}
     positions_of: dict[str, list[int]] = {}
     for agent, part in parts.items():
+        if agent_baseline(cfg.agent_baseline, transitions, part, sizes) == "step":
+            key = f"step@{agent}"
+            step, positions_of[key] = _step_statistics(key, transitions, returns, part)
+            stats[key] = replace(step, agent=agent)
+            continue
         s, pos = _statistics(transitions, returns, part, cfg)
         for gid, gs in s.items():
             key = f"{gid}@{agent}"
-            stats[key] = replace(gs, group_id=key)
+            stats[key] = replace(gs, group_id=key, agent=agent)
             positions_of[key] = pos[gid]
     return stats, positions_of
+
+
+def agent_baseline(
+    rule: str,
+    transitions: Sequence[Transition],
+    part: dict[tuple[str, int], list[int]],
+    group_sizes: dict[str, int],
+) -> str:
+    """The baseline one agent's calls get: ``rule`` unless it is ``"auto"``, which picks ``"group"``
+    when the agent acted in every rollout of each of its task groups (``part``: its calls per
+    rollout; ``group_sizes``: rollouts per task group in the step) and ``"step"`` otherwise."""
+    if rule != "auto":
+        return rule
+    acted: dict[str, int] = {}
+    for positions in part.values():
+        gid = _group_key(transitions[positions[0]])
+        acted[gid] = acted.get(gid, 0) + 1
+    return "group" if all(n == group_sizes[gid] for gid, n in acted.items()) else "step"
+
+
+def _step_statistics(
+    key: str,
+    transitions: Sequence[Transition],
+    returns: Sequence[float],
+    part: dict[tuple[str, int], list[int]],
+) -> tuple[GroupStats, list[int]]:
+    """One agent's calls in the step as one group: mean/std of their credited returns."""
+    positions = [p for ps in part.values() for p in ps]
+    mean, std = _mean_std([returns[p] for p in positions])
+    finals = [transitions[ps[0]].final_reward for ps in part.values()]
+    stats = GroupStats(
+        group_id=key,
+        rollouts=len(part),
+        transitions=len(positions),
+        mean=mean,
+        std=std,
+        zero_variance=len(positions) < 2 or std < ZERO_STD,
+        final_reward_mean=math.fsum(finals) / len(finals),
+        baseline="step",
+    )
+    return stats, positions
 
 
 def group_statistics(
@@ -262,7 +342,9 @@ def compute_advantages(
     ``group_id`` (a transition without one is grouped with its own rollout only). With ``per_agent``
     (an adapter per agent) a group is one task's rollouts seen per agent: each agent's transitions are
     normalised by the statistics of that agent's rollouts in the group, since each agent trains weights
-    of its own; returns are still credited over the whole rollout.
+    of its own; returns are still credited over the whole rollout. An agent that acts only in some
+    rollouts is compared over all of its calls in the step instead (``cfg.agent_baseline``, see the
+    module's docstring); ``agent_baselines`` in the statistics says which rule each agent got.
     """
     cfg = cfg or _DEFAULT
     returns, by_rollout = _returns(transitions, cfg, include_intermediate)
@@ -273,8 +355,11 @@ def compute_advantages(
     advantages = [0.0] * len(transitions)
     zero_groups = 0
     incomplete = 0
+    baselines: dict[str, str] = {}
     for gid, gs in stats.items():
-        if gs.rollouts != cfg.group_size:
+        if per_agent:
+            baselines[gs.agent or ""] = gs.baseline
+        if gs.baseline == "group" and gs.rollouts != cfg.group_size:
             incomplete += 1
         if gs.zero_variance:
             zero_groups += 1
@@ -299,6 +384,7 @@ def compute_advantages(
         "advantage_std": adv_std,
         "advantage_min": min(advantages) if n else 0.0,
         "advantage_max": max(advantages) if n else 0.0,
+        **({"agent_baselines": baselines} if per_agent else {}),
     }
 
 

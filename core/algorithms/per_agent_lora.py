@@ -161,7 +161,8 @@ def load_adapter_checkpoint(policy: PolicyUpdate, path: str) -> None:
         weights = os.path.join(path, name, "adapter_model.safetensors")
         if not os.path.isfile(weights):
             raise FileNotFoundError(f"{path} holds no adapter {name!r} ({weights} is missing)")
-        state = load_file(weights, device=str(policy.device))
+        device = policy.device
+        state = load_file(weights, device="cpu" if device.type == "cpu" else str(device))
         result = set_peft_model_state_dict(policy.model, state, adapter_name=name)
         # peft loads leniently: an adapter of other target modules would leave layers at their start
         extra = [k for k in result.unexpected_keys if "lora_" in k]

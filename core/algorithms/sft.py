@@ -83,6 +83,13 @@ class SFT:
         default=None, metadata=_help("keep rollouts whose final reward is >= this (None: all)")
     )
     best_of_group: bool = field(default=False, metadata=_help("keep only the best rollout of each group"))
+    drop_penalised: bool = field(
+        default=True,
+        metadata=_help(
+            "leave out calls with a negative intermediate reward (AIR: the call wrote a failing tool call): "
+            "a demonstration of a repair teaches the fix, not the mistake"
+        ),
+    )
     epochs: int = field(default=2, metadata=_help("passes over the demonstrations"))
     batch_size: int = field(default=4, metadata=_help("sequences per optimizer step"))
     learning_rate: float = field(default=2e-4, metadata=_help("the learning rate (constant after warm-up)"))
@@ -133,7 +140,7 @@ class SFT:
             isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 2
         ):
             raise UsageError(f"SFT.max_length must be an integer >= 2 or None, got {self.max_length!r}")
-        for name in ("best_of_group", "lora", "merge_turns", "adapter_per_agent"):
+        for name in ("best_of_group", "drop_penalised", "lora", "merge_turns", "adapter_per_agent"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"SFT.{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -143,7 +150,12 @@ class SFT:
     # ------------------------------------------------------------------------------ data
     def select(self, transitions: Sequence[Transition]) -> list[Transition]:
         """The transitions to train on (see :func:`select_transitions`)."""
-        return select_transitions(transitions, min_reward=self.min_reward, best_of_group=self.best_of_group)
+        return select_transitions(
+            transitions,
+            min_reward=self.min_reward,
+            best_of_group=self.best_of_group,
+            drop_penalised=self.drop_penalised,
+        )
 
     def read(
         self,
@@ -206,7 +218,8 @@ class SFT:
         if not rows:
             raise UsageError(
                 f"no demonstrations to train on: {len(transitions)} transitions read, none left after "
-                f"selection (min_reward={self.min_reward}, best_of_group={self.best_of_group}"
+                f"selection (min_reward={self.min_reward}, best_of_group={self.best_of_group}, "
+                f"drop_penalised={self.drop_penalised}"
                 + (f", agents={agents!r}" if agents is not None else "")
                 + ")"
             )
@@ -214,11 +227,17 @@ class SFT:
 
 
 def select_transitions(
-    transitions: Sequence[Transition], *, min_reward: float | None = None, best_of_group: bool = False
+    transitions: Sequence[Transition],
+    *,
+    min_reward: float | None = None,
+    best_of_group: bool = False,
+    drop_penalised: bool = False,
 ) -> list[Transition]:
     """Transitions of the rollouts whose final reward is at least ``min_reward``; with
     ``best_of_group``, only those of the best rollout in each group (the first of equals, in input
-    order; rollouts without a group are their own group). Order is kept."""
+    order; rollouts without a group are their own group); with ``drop_penalised``, without the calls
+    whose intermediate reward is negative (AIR's penalty on a call that wrote a failing tool call: in
+    a rollout rescued by a repair agent the broken call is not a demonstration). Order is kept."""
     by_rollout: dict[tuple[str, int], list[Transition]] = {}
     for t in transitions:
         by_rollout.setdefault((t.rollout_id, t.attempt), []).append(t)
@@ -233,7 +252,11 @@ def select_transitions(
                 best[gid] = k
         keep = list(best.values())
     kept = set(keep)
-    return [t for t in transitions if (t.rollout_id, t.attempt) in kept]
+    return [
+        t
+        for t in transitions
+        if (t.rollout_id, t.attempt) in kept and not (drop_penalised and t.intermediate_reward < 0)
+    ]
 
 
 def warm_start_model(path: str | os.PathLike[str]) -> Path:

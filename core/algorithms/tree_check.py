@@ -27,16 +27,13 @@ _PROBE_TOL = {True: 1e-4, False: 5e-2}
 def sharing_refusal(policy: PolicyUpdate) -> str | None:
     """Why ``policy``'s model cannot run tree-packed micro-batches exactly, or None when it can.
 
-    Refused: a distributed update (its forward must run through the DDP wrapper); logits that are not
-    a plain projection of the last hidden state; an attention implementation other than
-    :data:`TREE_ATTENTION`; sliding-window layers (the custom mask would replace their window); and
-    any model whose log-probs on a two-sequence tree differ from the unshared ones, or whose forward
+    Refused: logits that are not a plain projection of the last hidden state; an attention
+    implementation other than :data:`TREE_ATTENTION`; sliding-window layers (the custom mask would
+    replace their window); and any model whose log-probs on a two-sequence tree differ from the unshared ones, or whose forward
     raises on it (ALiBi models such as Bloom build their bias from a 2D mask; others ignore
     position ids)."""
     from agl.algorithms.scoring import backbone_and_head
 
-    if policy.trainer.accelerator.num_processes > 1:
-        return "a distributed update runs each forward through the DDP wrapper"
     parts = backbone_and_head(policy.model)
     if parts is None:
         return "the model's logits are not a plain projection of its last hidden state"

@@ -7,8 +7,9 @@ subclasses ``trl.GRPOTrainer`` and takes from it, unchanged:
 
 - model preparation: LoRA wrapping through peft (``peft_config``), gradient checkpointing, dropout off,
   the fused LM head that computes per-token log-probs in chunks without materialising the logits;
-- the accelerate ``Accelerator`` (device placement, bf16/fp16 mixed precision, DDP/FSDP/DeepSpeed when
-  launched with ``accelerate launch``), the optimizer and scheduler (``Trainer._prepare_for_training``);
+- the accelerate ``Accelerator`` (device placement, bf16/fp16 mixed precision, the process group under
+  ``torchrun``/``accelerate launch``: :mod:`agl.algorithms.distributed`), the optimizer and scheduler
+  (``Trainer._prepare_for_training``);
 - the loss: ``GRPOTrainer._compute_loss`` with ``loss_type="dapo"`` (token-level PPO-clip, token-mean
   over every response token of the step via ``num_items_in_batch``), ``epsilon``/``epsilon_high``
   clipping, the k3 KL estimator to a reference (``beta``), and its clip/KL/entropy metrics;
@@ -36,7 +37,6 @@ Where it departs from ``GRPOTrainer.train()`` and why:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -55,6 +55,13 @@ from agl.adapter.trajectories import (
     merge_transitions,
     per_call_trajectories,
     token_advantages,
+)
+from agl.algorithms.distributed import (
+    average_gradients,
+    gradient_sync,
+    local_metrics,
+    reduce_metrics,
+    shard,
 )
 from agl.algorithms.grpo_setup import (
     CHECKPOINT_ABOVE_BYTES,
@@ -367,6 +374,7 @@ class PolicyUpdate:
             update_s=elapsed,
             learning_rate=float(tr.lr_scheduler.get_last_lr()[0]),
         )
+        reduce_metrics(tr.accelerator, metrics)  # the whole step's figures, on every rank
         if plan.tis is not None:  # the ratio is taken against the proximal policy: its deviation is ~0
             ratio_dev = plan.tis.max_dev  # so report the engine's against the update's, as the plain path
         if ratio_dev is not None:
@@ -411,9 +419,9 @@ class PolicyUpdate:
         token_adv = [token_advantages(s, advantages) for s in seqs]
         keep = [k for k, m in enumerate(train_masks) if any(m)]
         n_calls = sum(1 for k in keep for seg in seqs[k].segments if seg.transition in trained)
-        acc = self.trainer.accelerator
-        if acc.num_processes > 1:
-            keep = keep[acc.process_index :: acc.num_processes]
+        acc = self.trainer.accelerator  # each rank trains its share (agl.algorithms.distributed)
+        together = [s.prompt_ids for s in seqs] if acc.num_processes > 1 else None
+        keep = shard(keep, [s.tokens for s in seqs], acc.process_index, acc.num_processes, together)
         mbs = pack_micro_batches(seqs, self.micro_batch_tokens, indices=keep, share_cost=self.share_cost())
         return _StepPlan(seqs, train_masks, token_adv, keep, mbs, n_calls, merge_stats.as_dict())
 
@@ -476,8 +484,8 @@ class PolicyUpdate:
             plan.tis.apply(k, inputs)
         if tr.beta != 0.0:
             inputs["ref_per_token_logps"] = self._ref_logps(inputs)
-        sync = contextlib.nullcontext() if last else acc.no_sync(model)
-        with sync, tr.compute_loss_context_manager():
+        sync = gradient_sync(acc, model, last)
+        with sync, tr.compute_loss_context_manager(), local_metrics(acc):
             loss = tr.compute_loss(model, inputs)
             if dummy:
                 loss = loss * 0.0
@@ -490,6 +498,7 @@ class PolicyUpdate:
     def _optimizer_step(self) -> float:
         """Clip the accumulated gradients, step the optimizer and scheduler; returns the gradient norm."""
         tr = self.trainer
+        average_gradients(self._wrapped)  # under DDP (agl.algorithms.distributed)
         norm = tr.accelerator.clip_grad_norm_(self._wrapped.parameters(), tr.args.max_grad_norm)
         tr.optimizer.step()
         if not self.adapters:  # per adapter, step() advances the shared schedule once per epoch
@@ -596,7 +605,9 @@ class PolicyUpdate:
             weights = os.path.join(path, "adapter_model.safetensors")
             if not os.path.isfile(weights):
                 raise FileNotFoundError(f"{path} holds no LoRA adapter (adapter_model.safetensors)")
-            set_peft_model_state_dict(model, load_file(weights, device=str(self.device)))
+            # safetensors takes "cpu", not a rank's "cpu:<n>"
+            device = "cpu" if self.device.type == "cpu" else str(self.device)
+            set_peft_model_state_dict(model, load_file(weights, device=device))
         else:
             tr._load_from_checkpoint(path, self._wrapped)
         tr._load_optimizer_and_scheduler(path)

@@ -45,6 +45,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "spans": ("agl.cli.inspect", "print the span tree of a rollout"),
     "transitions": ("agl.cli.export", "print the transitions a rollout would train on"),
     "export": ("agl.cli.export", "export transitions, SFT or DPO data as JSONL"),
+    "diff": ("agl.cli.diff", "compare two runs call by call: where they first part, and why"),
     "train": ("agl.cli.train", "train an agent with LightningRL: agent module, task files, a config file"),
     "sft": ("agl.cli.sft", "supervised warm start on demonstrations from a store (agl.SFT)"),
     "judge": ("agl.cli.judge", "score a store's rollouts with an LLM judge; calls recorded beside them"),

@@ -244,7 +244,7 @@ def print_transitions(
             + (f" (break: {cause})" if cause else "")
             + f"  prompt={len(t.prompt_ids)} tok  response={len(t.response_ids)} tok  "
             f"intermediate={t.intermediate_reward:+.3f}  final={t.final_reward:+.3f}  return={t.reward:+.3f}  "
-            f"span={t.span_id}",
+            f"span={t.span_id}" + (f"  seed={t.seed} ({t.seed_source})" if t.seed is not None else ""),
             file=file,
         )
         print(f"     prompt   {_short(_prompt_tail(t, tok), width, tail=True)}", file=file)

@@ -16,11 +16,12 @@ from agl.cli.config_file import add_config_file_arguments
 
 __all__ = ["register_cli"]
 
-#: SFT's fields that are flags of ``agl sft``, and their ``dest``s (``--full`` and ``--per-call``
-#: turn ``lora`` and ``merge_turns`` off)
+#: SFT's fields that are flags of ``agl sft``, and their ``dest``s (``--full``, ``--per-call`` and
+#: ``--keep-penalised`` turn ``lora``, ``merge_turns`` and ``drop_penalised`` off)
 _SFT_FLAGS = {
     "min_reward": "min_reward",
     "best_of_group": "best_of_group",
+    "drop_penalised": "keep_penalised",
     "epochs": "epochs",
     "batch_size": "batch_size",
     "learning_rate": "learning_rate",
@@ -40,8 +41,15 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(
         parser,
         SFT,
-        only=["min_reward", "best_of_group"],
-        overrides={"min_reward": {"help": "keep rollouts whose final reward is >= this"}},
+        only=["min_reward", "best_of_group", "drop_penalised"],
+        overrides={
+            "min_reward": {"help": "keep rollouts whose final reward is >= this"},
+            "drop_penalised": {
+                "flags": ["--keep-penalised"],
+                "help": "also train on calls AIR penalised (by default a call that wrote a failing tool "
+                "call is left out of the demonstrations)",
+            },
+        },
     )
     parser.add_argument("--mode", choices=("train", "val", "test"), help="only rollouts of this mode")
     parser.add_argument("--model", help="a local model directory (default: the embedded SmolLM2-135M)")

@@ -65,6 +65,7 @@ from agl.gateway.protocol import (
     responses_to_generation,
 )
 from agl.gateway.sampling import SamplingLimits
+from agl.gateway.seeds import CallSeeds
 from agl.gateway.spans import DriftTracker, SpanWriter, build_chat_spans, parse_trace_headers
 from agl.names import display_name
 
@@ -121,6 +122,8 @@ class Gateway:
         #: one drift tracker per backend: each renders and tokenises conversations its own way
         self._drifts = {id(b): (self.drift if b is backend else DriftTracker()) for b in self.names.backends}
         self.writer = SpanWriter(store, self.stats) if store is not None else None
+        #: each call of a seeded rollout gets a seed from the rollout's and its place (agl.gateway.seeds)
+        self.seeds = CallSeeds(store)
         self._swap_lock = asyncio.Lock()
         #: why the app's startup failed (a backend that would not start, a --serve target that names
         #: no adapter), for the one who started it: uvicorn itself reports only that it failed
@@ -379,6 +382,7 @@ class Gateway:
             req = parse_request(ChatCompletionRequest, body)
             rollout, trace_id, parent_id = self._context(request)
             gen = self._route(request, req.to_generation(rollout, body))
+            await self.seeds.assign(gen)
             response_id = new_id("chatcmpl")
             if req.stream and self._backend(gen).streams:
                 events, first, start_ns = await self._open_stream(gen, (trace_id, parent_id), response_id)
@@ -518,6 +522,7 @@ class Gateway:
             req = parse_request(CompletionRequest, body)
             rollout, trace_id, parent_id = self._context(request)
             gen = self._route(request, req.to_generation(rollout, body))
+            await self.seeds.assign(gen)
             response_id = new_id("cmpl")
             result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
         except ApiError as exc:
@@ -539,6 +544,7 @@ class Gateway:
             req = parse_request(ResponsesRequest, body)
             rollout, trace_id, parent_id = self._context(request)
             gen = self._route(request, responses_to_generation(req, rollout))
+            await self.seeds.assign(gen)
             response_id = new_id("resp")
             created = time.time()
             if req.stream and self._backend(gen).streams:
@@ -569,6 +575,7 @@ class Gateway:
             req = anthropic.parse(body)
             rollout, trace_id, parent_id = self._context(request)
             gen = self._route(request, anthropic.to_generation(req, body, rollout))
+            await self.seeds.assign(gen)
             message_id = new_id("msg")
             trace = (trace_id, parent_id)
             if req.stream and self._backend(gen).streams:

@@ -223,6 +223,11 @@ def _request_attrs(
     }
     if request.agent:
         base[sc.AGL_LLM_AGENT] = request.agent
+    if request.seed is not None:  # reproducible runs: the seed the call was sampled with (agl.gateway.seeds)
+        base[sc.AGL_LLM_SEED] = int(request.seed)
+        base[sc.AGL_LLM_SEED_SOURCE] = request.seed_source or sc.SEED_SOURCE_AGENT
+    if request.call_index is not None:
+        base[sc.AGL_LLM_CALL_INDEX] = int(request.call_index)
     if request.temperature is not None:
         base[sc.GEN_AI_REQUEST_TEMPERATURE] = float(request.temperature)
     if request.top_p is not None:

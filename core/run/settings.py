@@ -90,6 +90,14 @@ class Serving:
         ),
     )
 
+    deterministic: bool = field(
+        default=False,
+        metadata=_help(
+            "transformers backend: batch-invariant generation (one row at a time), so a seeded run "
+            "reproduces token for token whatever the runners' timing; slower (see the training guide)"
+        ),
+    )
+
     report_to: Any = field(
         default=None,
         metadata=_help(
@@ -125,6 +133,13 @@ class Serving:
             raise UsageError(f"batched_lora must be True or False, got {self.batched_lora!r}")
         if self.batched_lora and self.backend != "transformers":
             raise UsageError("batched_lora is an option of the transformers backend (backend='transformers')")
+        if not isinstance(self.deterministic, bool):
+            raise UsageError(f"deterministic must be True or False, got {self.deterministic!r}")
+        if self.deterministic and self.backend != "transformers":
+            raise UsageError(
+                "deterministic is an option of the transformers backend (backend='transformers'); vLLM "
+                "honours each call's seed, and its own batch invariance is a vLLM setting"
+            )
         if self.backend == "scripted" and self.script is None:
             raise UsageError("backend='scripted' needs script= (replies, see agl.gateway.ScriptedBackend)")
         self.run_dir = Path(self.run_dir)

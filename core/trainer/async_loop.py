@@ -67,7 +67,7 @@ class AsyncSchedule:
         self.train_tasks = train_tasks
         self.order = TaskOrder(len(train_tasks), self.cfg.seed)
         self.pipe = GroupPipeline(
-            trainer.store, steps.adapt, trainer.algorithm.group_size, trainer.rollout_config
+            trainer.store, steps.adapt, trainer.algorithm.group_size, trainer.rollout_config, self.cfg.seed
         )
         #: a scripted or hosted engine never serves the pushed versions: staleness is unknown there
         self.versions_known = trainer.env is not None and trainer.env.serves_pushed_weights

@@ -26,7 +26,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agl import semconv as sc
 from agl.errors import ConflictError, NotFoundError
+from agl.gateway.seeds import rollout_seed
 from agl.types import NewRollout, Rollout, Task, Transition
 
 log = logging.getLogger("agl.trainer")
@@ -85,8 +87,14 @@ Adapt = Callable[[Rollout], "tuple[list[Transition], float | None]"]
 class GroupPipeline:
     """The outstanding groups of an asynchronous run and the ones already consumed."""
 
-    def __init__(self, store: Any, adapt: Adapt, group_size: int, rollout_config: Any) -> None:
+    def __init__(
+        self, store: Any, adapt: Adapt, group_size: int, rollout_config: Any, seed: int | None = None
+    ) -> None:
         self.store = store
+        #: the run's seed: each group's rollouts get seeds from it and the group's serial number (the
+        #: n-th group enqueued takes the n-th task of the seeded order, whatever the timing; agl.gateway.seeds)
+        self.seed = seed
+        self.serial = 0
         self.adapt = adapt
         self.group_size = group_size
         self.rollout_config = rollout_config
@@ -109,10 +117,11 @@ class GroupPipeline:
                     task,
                     group_id=gid,
                     config=self.rollout_config,
-                    metadata={"step": step, PIPELINE_KEY: True},
+                    metadata={"step": step, PIPELINE_KEY: True, **self._seeded(member)},
                 )
-                for _ in range(self.group_size)
+                for member in range(self.group_size)
             ]
+            self.serial += 1
             rollouts.extend(batch)
             made.append(Group(gid, []))
         by_gid = {g.group_id: g for g in made}
@@ -120,6 +129,13 @@ class GroupPipeline:
             by_gid[r.group_id or ""].ids.append(r.id)
         self.outstanding.update(by_gid)
         return made
+
+    def _seeded(self, member: int) -> dict[str, Any]:
+        """The seed and place of member ``member`` of the group about to be enqueued (none unseeded)."""
+        if self.seed is None:
+            return {}
+        place = f"train:g{self.serial}/m{member}"
+        return {sc.ROLLOUT_SEED_KEY: rollout_seed(self.seed, place), sc.ROLLOUT_PLACE_KEY: place}
 
     def fill(self, budget: int, step: int, draw: Callable[[int], list[Task]]) -> int:
         """Enqueue fresh groups until ``budget`` are outstanding; returns how many were added."""
@@ -179,6 +195,7 @@ class GroupPipeline:
             if not r.metadata.get(PIPELINE_KEY) or r.group_id is None or r.group_id in done:
                 continue
             self.outstanding.setdefault(r.group_id, Group(r.group_id, [])).ids.append(r.id)
+        self.serial = len(self.consumed) + len(self.outstanding)
         return len(self.outstanding)
 
 

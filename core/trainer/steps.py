@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agl import semconv as sc
+from agl.gateway.seeds import rollout_place, rollout_seed
 from agl.run.metrics import rollouts_postfix
 from agl.trainer.order import TaskOrder
 from agl.trainer.pipeline import cancel_rollouts
@@ -64,12 +66,19 @@ class Steps:
                 group_id=f"{task.id}-s{step}{group_suffix}",
                 resources_version=version,
                 config=self.t.rollout_config,
-                metadata={"step": step},
+                metadata={"step": step, **self.seeded(step, i, member, group_suffix, task.mode)},
             )
-            for task in tasks
-            for _ in range(repeat)
+            for i, task in enumerate(tasks)
+            for member in range(repeat)
         ]
         return [r.id for r in self.store.enqueue(rollouts)] if rollouts else []
+
+    def seeded(self, step: int, task: int, member: int, round_: str, mode: str) -> dict[str, Any]:
+        """A rollout's seed and place (:mod:`agl.gateway.seeds`): from the run's seed and where the rollout sits
+        in the step (the task's position in the draw, the group member), never from the order runners
+        claim or finish rollouts in; the gateway derives each call's seed from it."""
+        place = rollout_place(step, task, member, round_, mode)
+        return {sc.ROLLOUT_SEED_KEY: rollout_seed(self.t.loop.seed, place), sc.ROLLOUT_PLACE_KEY: place}
 
     def reward(self, rollout: Rollout, transitions: list[Transition]) -> float:
         """A rollout's reward: its final reward as the adapter defines it (one definition)."""
@@ -143,9 +152,15 @@ class Steps:
                 update.get("behaviour_ratio_dev"), t.config, precision, decoupled, engine=engine
             )
         # the update's metrics under their final names (PolicyUpdate.step names them for the record)
+        # with an adapter per agent: which baseline each agent got (1.0: all its calls in the step)
+        baselines = {
+            f"step_baseline/{agent}": float(rule == "step")
+            for agent, rule in adv_stats.get("agent_baselines", {}).items()
+        }
         return {
             "zero_variance_groups": adv_stats["zero_variance_groups"],
             "groups": adv_stats["groups"],
+            **baselines,
             **update,
         }
 

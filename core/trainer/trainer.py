@@ -41,6 +41,7 @@ from agl.gateway.tokenizer import load_tokenizer
 from agl.lora import selected_loras
 from agl.run.metrics import MetricsLog
 from agl.run.settings import Serving
+from agl.trainer import distributed
 from agl.trainer.checks import StepChecks
 from agl.trainer.keywords import merged, route_keywords
 from agl.trainer.loop import Schedule, run_loop
@@ -203,6 +204,9 @@ class Trainer:
         s = self.serving
         use_model = training or (s.backend == "transformers" and base_url is None)
         source = env.model_source() if use_model else None
+        if training:  # several processes: every rank builds its policy from rank 0's source
+            distributed.init()
+            source = distributed.same_source(source)
         # Training needs the policy's tokenizer; dev uses one to print prompts and to re-tokenise calls
         # of an endpoint without token ids (the shipped SmolLM2 one when nothing better is known).
         self._tokenizer = s.tokenizer if s.tokenizer is not None else load_tokenizer(source or s.model)
@@ -211,6 +215,8 @@ class Trainer:
         engine = {"default_temperature": self.config.temperature, "default_top_p": self.config.top_p}
         if s.batched_lora:  # mixed-adapter rows through one batched LoRA product (adapter_per_agent)
             engine["batched_lora"] = True
+        if s.deterministic:  # batch-invariant generation: one row at a time (reproducible runs)
+            engine["deterministic"] = True
         env.start(
             agent,
             policy=self.policy if training else None,
@@ -246,6 +252,7 @@ class Trainer:
             from agl.algorithms.per_agent_lora import load_adapter_checkpoint
 
             load_adapter_checkpoint(self.policy, str(self.warm_adapters))
+        self.policy = distributed.lead(self.policy)  # rank 0 of several: its updates run on every rank
 
     def close(self) -> None:
         """Stop the in-process runners and gateway, flush the spans and close TensorBoard."""
@@ -270,6 +277,8 @@ class Trainer:
                 "the openai backend serves a hosted model that agl cannot update: use it with dev()"
             )
         self.config.check_trainable()
+        if distributed.is_follower():  # ranks > 0 of torchrun/accelerate launch take part in updates only
+            return distributed.follow_fit(self)
         train_tasks = as_tasks(train, "train")
         val_tasks = as_tasks(val, "val") if val is not None else []
         if not train_tasks:
@@ -293,11 +302,16 @@ class Trainer:
                 from agl.run.plot import plot_run
 
                 self.metrics.log_plot(plot_run(self.run_dir))
+        except BaseException:
+            distributed.end(self.policy, None)  # the other ranks fail too
+            raise
         finally:
             self.close()
         if self.serving.progress:
             print(inspect_commands(self.run_dir, self.serving.store_url()))
-        return self.metrics.summary(self.loop.steps)
+        summary = self.metrics.summary(self.loop.steps)
+        distributed.end(self.policy, summary)  # the other ranks' fit returns it
+        return summary
 
     def _loop(self, train_tasks: list[Task], val_tasks: list[Task]) -> None:
         """The run's steps: the synchronous schedule, or the asynchronous one with ``max_staleness > 0``,
@@ -334,6 +348,8 @@ class Trainer:
         tasks = as_tasks(data, "test")
         if not tasks:
             raise UsageError("dev() needs at least one task")
+        if distributed.is_follower():  # under torchrun, rank 0 alone runs the rollouts
+            return []
         self._start(agent, training=False, base_url=base_url)
         steps = Steps(self)
         try:

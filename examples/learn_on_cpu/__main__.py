@@ -204,7 +204,7 @@ def _common(sp: argparse.ArgumentParser) -> None:
     add_config_arguments(
         sp,
         Serving,
-        only=["backend", "vllm_url", "vllm_python", "vllm_args"],
+        only=["backend", "vllm_url", "vllm_python", "vllm_args", "deterministic"],
         overrides={
             "backend": {
                 "choices": ["transformers", "vllm"],

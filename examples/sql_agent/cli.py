@@ -20,7 +20,7 @@ __all__ = ["dev", "main", "parser", "train"]
 
 
 def parser() -> argparse.ArgumentParser:
-    p, _ = example_parser(
+    p, sub = example_parser(
         "sql_agent",
         __doc__,
         train_help="train writer and rewriter with LightningRL",
@@ -31,6 +31,14 @@ def parser() -> argparse.ArgumentParser:
         },
     )  # fmt: skip
     p.add_argument("--data-dir", default=None, help="where the databases go (default: the agl cache)")
+    sub.choices["dev"].add_argument(
+        "--repairs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --oracle: every Nth question the writer breaks the gold query (a wrong column, a "
+        "missing join, a wrong function) and the rewriter fixes it: repair demonstrations (0: none)",
+    )
     return p
 
 
@@ -56,7 +64,10 @@ def dev(
     if args.backend == "scripted" and script is None:
         from examples.sql_agent.scripted import ScriptedSQL
 
-        script = ScriptedSQL(args.data_dir, oracle=args.oracle)
+        repairs = getattr(args, "repairs", 0)
+        if repairs and not args.oracle:
+            raise SystemExit("--repairs N is a setting of the oracle teacher: give --oracle too")
+        script = ScriptedSQL(args.data_dir, oracle=args.oracle, repair_every=repairs)
     if args.store is not None:
         trainer_kw.setdefault("store", args.store)
     is_path = args.model is not None and os.path.isdir(args.model)

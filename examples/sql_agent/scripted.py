@@ -11,19 +11,25 @@ in one of four ways, fixed per task by its number so a run is reproducible:
 
 ``ScriptedSQL(oracle=True)`` is the *oracle teacher*: the writer writes the gold query for every
 question, so ``dev --oracle`` records demonstrations for a supervised warm start through the same
-agent, gateway and store as RL rollouts.
+agent, gateway and store as RL rollouts. With ``repair_every=N`` (``dev --oracle --repairs N``) every
+Nth question also demonstrates a repair: the writer breaks the gold query the ways a writer does — a
+wrong column, a missing join, a wrong aggregate function (:func:`break_query`) —, SQLite refuses it,
+the checker reports the error and the rewriter writes the gold query. ``agl sft`` leaves the broken
+call out (AIR penalised it: ``SFT.drop_penalised``) and keeps the rewriter's fix, so the warm start
+covers every agent.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sqlite3
 from typing import Any
 
 from examples.sql_agent import data
 from examples.sql_agent.agent import REWRITER, WRITER
 
-__all__ = ["BEHAVIOURS", "ScriptedSQL", "behaviour"]
+__all__ = ["BEHAVIOURS", "BREAKS", "ScriptedSQL", "behaviour", "break_query"]
 
 BEHAVIOURS = ("good", "fixed", "wrong", "broken")
 
@@ -38,6 +44,49 @@ def _broken(sql: str) -> str:
     return re.sub(r"\bFROM (\w+)", r"FROM \1_archive", sql, count=1)
 
 
+#: the ways the oracle breaks a query for a repair demonstration, tried in turn from the task's own
+BREAKS = ("column", "join", "function")
+_FUNCTIONS = {"AVG": "AVERAGE", "SUM": "SUMMATION", "MAX": "MAXIMUM", "MIN": "MINIMUM", "COUNT": "NUMBER"}
+
+
+def _break(kind: str, sql: str, columns: list[str]) -> str | None:
+    if kind == "column":  # a column misnamed the way a model misremembers it (plural)
+        for col in sorted(columns, key=len, reverse=True):
+            if re.search(rf"(?<![\w.]){col}\b", sql):
+                return re.sub(rf"(?<![\w.]){col}\b", f"{col}s", sql, count=1)
+            if re.search(rf"\.{col}\b", sql):
+                return re.sub(rf"\.{col}\b", f".{col}s", sql, count=1)
+        return None
+    if kind == "join":  # the join left out: the other table's columns are then unknown
+        found = re.search(r"\s+JOIN\s+\w+\s+ON\s+\S+\s*=\s*\S+", sql, re.I)
+        return sql[: found.start()] + sql[found.end() :] if found else None
+    for fn, wrong in _FUNCTIONS.items():  # a function SQLite does not have
+        if re.search(rf"\b{fn}\s*\(", sql):
+            return re.sub(rf"\b{fn}\s*\(", f"{wrong}(", sql, count=1)
+    return None
+
+
+def break_query(task: dict[str, Any], db: str | os.PathLike[str], start: int = 0) -> tuple[str, str]:
+    """``(kind, query)``: the task's gold query broken so that SQLite refuses it on ``db`` — the
+    first of :data:`BREAKS` (from ``start``, round) that applies and fails, else the table misspelt."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        columns = sorted({r[1] for (t,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
+                          for r in conn.execute(f"PRAGMA table_info({t})")})  # fmt: skip
+        for i in range(len(BREAKS)):
+            kind = BREAKS[(start + i) % len(BREAKS)]
+            sql = _break(kind, task["gold_sql"], columns)
+            if sql is None:
+                continue
+            try:
+                conn.execute(sql).fetchall()
+            except sqlite3.Error:
+                return kind, sql
+    finally:
+        conn.close()
+    return "table", _broken(task["gold_sql"])
+
+
 def _wrong(task: dict[str, Any]) -> str:
     """A query that runs and returns rows, but not the gold ones."""
     table = data.DOMAINS[task["db_id"]][0].name
@@ -49,8 +98,18 @@ def _wrong(task: dict[str, Any]) -> str:
 class ScriptedSQL:
     """``script=`` for the gateway's scripted backend: ``(GenerationRequest) -> reply text``."""
 
-    def __init__(self, data_dir: str | os.PathLike[str] | None = None, *, oracle: bool = False) -> None:
-        self.oracle = oracle
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] | None = None,
+        *,
+        oracle: bool = False,
+        repair_every: int = 0,
+    ) -> None:
+        if isinstance(repair_every, bool) or not isinstance(repair_every, int) or repair_every < 0:
+            raise ValueError(f"repair_every must be an integer >= 0, got {repair_every!r}")
+        if repair_every and not oracle:
+            raise ValueError("repair_every is a setting of the oracle teacher: it needs oracle=True")
+        self.oracle, self.repair_every, self.data_dir = oracle, repair_every, data_dir
         tasks = data.load_tasks("train", data_dir) + data.load_tasks("test", data_dir)
         self.tasks = {t["question"]: t for t in tasks}
 
@@ -63,6 +122,14 @@ class ScriptedSQL:
         if task is None or system not in (WRITER, REWRITER):
             return "I cannot help with that."
         kind, gold = ("good" if self.oracle else behaviour(task)), task["gold_sql"]
+        number = int(task["id"].rsplit("-", 1)[1])
+        if self.repair_every and number % self.repair_every == 0:
+            if system == WRITER:
+                _, sql = break_query(
+                    task, data.db_path(task["db_id"], self.data_dir), number // self.repair_every
+                )
+                return f"```sql\n{sql}\n```"
+            return f"```sql\n{gold}\n```"
         if kind == "good" or (kind == "fixed" and system == REWRITER):
             sql = gold
         elif kind == "wrong":

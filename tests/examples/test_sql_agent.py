@@ -319,3 +319,57 @@ def test_the_oracle_teacher_solves_every_question(data_dir: Path, tmp_path: Path
     store = agl.store.open(db)
     assert len(SFT(min_reward=1.0).read(store, agents=["writer"])) == 8
     store.close()
+
+
+def test_every_broken_query_fails_and_every_kind_occurs(data_dir: Path) -> None:
+    """The oracle's repair demonstrations: for every question, the broken gold query is refused by
+    SQLite (so the checker sends it to the rewriter and AIR penalises it), and over the questions
+    every way of breaking one occurs."""
+    import sqlite3
+
+    from examples.sql_agent.reward import execute
+    from examples.sql_agent.scripted import BREAKS, break_query
+
+    kinds = Counter()
+    for i, task in enumerate(data.load_tasks("train", data_dir) + data.load_tasks("test", data_dir)):
+        db = data.db_path(task["db_id"], data_dir)
+        kind, sql = break_query(task, db, i)
+        kinds[kind] += 1
+        assert sql != task["gold_sql"]
+        with pytest.raises(sqlite3.Error):
+            execute(db, sql)
+    assert all(kinds[k] for k in BREAKS), kinds
+
+
+def test_the_oracle_demonstrates_repairs(data_dir: Path, tmp_path: Path) -> None:
+    """``dev --oracle --repairs 2``: every other question the writer's query fails and the rewriter
+    fixes it (reward 1, AIR's penalty on the writer's call); ``agl sft``'s selection keeps the
+    rewriter's fix and leaves the broken call out, so the warm start has demonstrations for both
+    agents."""
+    pytest.importorskip("langgraph")
+    pytest.importorskip("langchain_openai")
+    pytest.importorskip("transformers")
+    import agl.store
+    from agl.algorithms.sft import SFT
+    from examples.sql_agent import cli
+
+    db = f"sqlite:///{tmp_path / 'repairs.db'}"
+    argv = ["--data-dir", str(data_dir), "dev", "--oracle", "--repairs", "2", "--split", "train", "-n", "8"]
+    transitions = cli.dev(cli.parser().parse_args([*argv, "--store", db]))
+    tasks = data.load_tasks("train", data_dir, limit=8)
+    repaired = sum(1 for t in tasks if int(t["id"].rsplit("-", 1)[1]) % 2 == 0)
+    assert 0 < repaired < 8
+    assert all(t.final_reward == 1.0 and t.exact for t in transitions)
+    assert Counter(t.agent for t in transitions) == Counter(writer=8, rewriter=repaired)
+    penalised = [t for t in transitions if t.intermediate_reward < 0]
+    assert len(penalised) == repaired and {t.agent for t in penalised} == {"writer"}
+    store = agl.store.open(db)
+    chosen = SFT(min_reward=1.0).select(SFT().read(store, agents=["writer", "rewriter"]))
+    assert Counter(t.agent for t in chosen) == Counter(writer=8 - repaired, rewriter=repaired)
+    store.close()
+    with pytest.raises(SystemExit, match="--oracle"):
+        cli.dev(
+            cli.parser().parse_args(
+                ["--data-dir", str(data_dir), "dev", "--backend", "scripted", "--repairs", "2"]
+            )
+        )

@@ -340,7 +340,13 @@ def test_a_killed_server_is_restarted_with_its_adapter_and_the_run_goes_on(
             gw.root + "/agl/v1/adapters", json={"path": str(adapters[0]), "version": 41}, timeout=600
         )
         assert r.status_code == 200
-        stream = iter(client.chat.completions.create(model=NAME, messages=chat, max_tokens=40, stream=True))
+        # long enough (1,000 tokens, EOS ignored) that the kill lands mid-stream however loaded the
+        # machine is: 40 tokens could all be generated while this process waited for a core
+        stream = iter(
+            client.chat.completions.create(
+                model=NAME, messages=chat, max_tokens=1000, stream=True, extra_body={"ignore_eos": True}
+            )
+        )
         next(stream)
         server.kill()  # SIGKILL: the API server and its engine process at once
         with pytest.raises(openai.APIError):

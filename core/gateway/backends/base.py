@@ -67,6 +67,11 @@ class GenerationRequest:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    #: where ``seed`` came from: "agent" (the request's own) or "run" (the gateway derived it from the
+    #: rollout's seed, agl.gateway.seeds); None when the call has no seed; and the call's index in its
+    #: rollout attempt (0-based, in the order the attempt made its calls)
+    seed_source: str | None = None
+    call_index: int | None = None
     rollout: tuple[str, int] | None = None
     #: the calling agent (W3C baggage ``agl.agent``), and the named adapter that serves the call (None:
     #: the base model), chosen by :meth:`Backend.route`

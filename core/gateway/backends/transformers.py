@@ -113,7 +113,8 @@ class TransformersBackend(AgentAdapters, Backend):
     :class:`~agl.gateway.tokenizer.ChatTokenizer`. ``model_name`` is what clients put in ``model``.
     ``threads`` sets torch's intra-op threads (fewer than the cores helps on a busy CPU).
     ``default_temperature``/``default_top_p`` apply to requests that leave them out (the trainer sets
-    them from its :class:`agl.RunConfig`).
+    them from its :class:`agl.RunConfig`). ``deterministic=True``: one row at a time (a padded batch's
+    logits differ in the last bits), so a seed reproduces a call's tokens (cost: bench/reproducible.py).
     """
 
     name = "transformers"
@@ -137,8 +138,12 @@ class TransformersBackend(AgentAdapters, Backend):
         batch_window_s: float = 0.005,
         adapters: dict[str, str] | None = None,
         batched_lora: bool = False,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(deterministic, bool):
+            raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
+        self.deterministic = deterministic  # batch-invariant logits: one row at a time
         self.batched_lora, self._lora_stack = batched_lora, None  # mixed batches: see _batched_lora
         #: named LoRA adapter folders to serve beside the base model (``agl gateway serve --adapter``)
         self._adapter_paths = check_lora_dirs(adapters) if adapters else {}
@@ -159,7 +164,7 @@ class TransformersBackend(AgentAdapters, Backend):
         self._chat_template = chat_template
         self._device = device
         self._dtype = dtype
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = 1 if deterministic else max_batch_size
         self.default_max_tokens = default_max_tokens
         self._max_context_arg = max_context
         self.model: Any = None

@@ -1,0 +1,145 @@
+"""Credit for an agent that acts only sometimes (issue 56): with an adapter per agent, a repair agent
+that runs in one rollout of a group has groups of one call and no spread by construction; under the
+``"auto"`` baseline it is compared over all of its calls in the step, while an agent that acts every
+time keeps its task groups, unchanged."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from agl.algorithms.lightning_rl import LightningRL, compute_advantages
+from agl.errors import UsageError
+from agl.types import Transition
+
+
+def tr(rid: str, agent: str, final: float, group: str, index: int, inter: float = 0.0) -> Transition:
+    return Transition(
+        rollout_id=rid,
+        attempt=1,
+        index=index,
+        agent=agent,
+        group_id=group,
+        prompt_ids=(1,),
+        response_ids=(2,),
+        final_reward=final,
+        intermediate_reward=inter,
+        reward=final + inter,
+    )
+
+
+def rescue_step() -> list[Transition]:
+    ts = []
+    for g, finals, rescued in (("A", [1.0, 0.0, 1.0, 0.0], 1.0), ("B", [0.0, 1.0, 0.0, 1.0], 0.0)):
+        for i, r in enumerate(finals):
+            final = rescued if i == 3 else r
+            ts.append(tr(f"{g}{i}", "writer", final, g, 0))
+            if i == 3:  # the rewriter acts after the writer's failed query, in one rollout of four
+                ts.append(tr(f"{g}{i}", "rewriter", final, g, 1))
+    return ts
+
+
+def test_auto_gives_a_sometimes_agent_the_step_baseline() -> None:
+    ts = rescue_step()
+    adv, stats = compute_advantages(ts, LightningRL(), per_agent=True)
+    rewriter = [a for t, a in zip(ts, adv, strict=True) if t.agent == "rewriter"]
+    assert stats["agent_baselines"] == {"writer": "group", "rewriter": "step"}
+    assert rewriter[0] > 0.0 > rewriter[1], "the rescue is credited, the failed repair blamed"
+    # the writer, acting every time, is normalised per task group exactly as before
+    fixed, _ = compute_advantages(ts, LightningRL(agent_baseline="group"), per_agent=True)
+    writer = [i for i, t in enumerate(ts) if t.agent == "writer"]
+    assert [adv[i] for i in writer] == [fixed[i] for i in writer]
+    # under per-task groups the rewriter has one call per group: nothing to learn from
+    assert [a for t, a in zip(ts, fixed, strict=True) if t.agent == "rewriter"] == [0.0, 0.0]
+    assert stats["incomplete_groups"] == 0, "a step-wide group is not an incomplete task group"
+
+
+def test_step_baseline_uses_the_agents_own_outcome() -> None:
+    """Equal final rewards, different intermediate rewards (AIR's penalty on the query the rewriter
+    wrote that failed): the step baseline still separates the rewriter's calls."""
+    ts = []
+    for t in rescue_step():
+        if t.rollout_id in ("A3", "B3"):  # neither repair rescued its rollout
+            inter = -1.0 if t.agent == "rewriter" and t.group_id == "B" else 0.0
+            t = t.model_copy(update={"final_reward": 0.0, "intermediate_reward": inter, "reward": inter})
+        ts.append(t)
+    adv, _ = compute_advantages(ts, LightningRL(), per_agent=True, include_intermediate=None)
+    rewriter = [a for t, a in zip(ts, adv, strict=True) if t.agent == "rewriter"]
+    assert rewriter[0] > 0.0 > rewriter[1]
+
+
+def test_explicit_rules_and_validation() -> None:
+    ts = rescue_step()
+    _, stats = compute_advantages(ts, LightningRL(agent_baseline="step"), per_agent=True)
+    assert stats["agent_baselines"] == {"writer": "step", "rewriter": "step"}
+    _, shared = compute_advantages(ts, LightningRL())
+    assert "agent_baselines" not in shared, "a shared policy keeps GRPO's task groups"
+    with pytest.raises(UsageError, match="agent_baseline"):
+        LightningRL(agent_baseline="sometimes")
+
+
+@pytest.mark.parametrize("rule", ["auto", "group"])
+def test_a_repair_agent_acting_once_in_four_trains(tmp_path, rule: str) -> None:
+    """Trainer.fit, an adapter per agent, a tiny model: the rewriter acts in one rollout of each
+    group of four. Under ``auto`` its adapter gets a non-zero update on both of its calls; under
+    per-task groups it trains nothing (the gap issue 56 names)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    import openai
+
+    import agl
+    from agl.trainer.trainer import load_tokenizer
+    from tests.test_adapter_per_agent import AGENTS, tiny_model
+
+    seen: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def app(task: dict, resources: agl.Resources) -> float:
+        llm = resources.llm
+        client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key or "x")
+        msgs = [{"role": "user", "content": task["q"]}]
+        with lock:
+            seen[task["q"]] = seen.get(task["q"], 0) + 1
+            member = seen[task["q"]]
+        with agl.agent("writer"):
+            client.chat.completions.create(model=llm.model, messages=msgs, max_tokens=4)
+        if member == 1:  # the writer's query "failed": the rewriter repairs it
+            with agl.agent("rewriter"):
+                client.chat.completions.create(model=llm.model, messages=msgs, max_tokens=4)
+            return 1.0 if task["q"] == "rescuable" else 0.0
+        return float(member % 2)
+
+    trainer = agl.Trainer(
+        LightningRL(group_size=4, lora_r=4, lora_alpha=8, learning_rate=1e-2, mixed_precision="no",
+                    agent_baseline=rule),
+        model=tiny_model(),
+        tokenizer=load_tokenizer(),
+        agents=AGENTS,
+        adapter_per_agent=True,
+        steps=1,
+        tasks_per_step=2,
+        val_before=False,
+        runners=2,
+        run_dir=tmp_path / "run",
+        progress=False,
+        store="memory://",
+    )  # fmt: skip
+    agl.instrument("openai")
+    try:
+        trainer.fit(app, [{"q": "rescuable"}, {"q": "lost"}])
+    finally:
+        agl.uninstrument()
+    (record,) = trainer.history
+    rec: dict[str, Any] = record
+    assert rec["step_baseline/writer"] == 0.0
+    assert rec["trained_transitions/writer"] == 8.0 and rec["grad_norm/writer"] > 0.0
+    if rule == "auto":
+        assert rec["step_baseline/rewriter"] == 1.0
+        assert rec["trained_transitions/rewriter"] == 2.0
+        assert rec["grad_norm/rewriter"] > 0.0
+    else:
+        assert rec["step_baseline/rewriter"] == 0.0
+        assert not rec.get("grad_norm/rewriter")
