@@ -118,7 +118,8 @@ def with_engine_logprobs(up: PolicyUpdate, ts: list, shift: float = 0.0) -> list
 
 
 def token_logps(up: PolicyUpdate, ts: list, adv: list, merge: bool) -> tuple[dict[int, list[float]], object]:
-    """Each trained sequence's per-token log-probs (every completion position) as the update scores them."""
+    """Each trained sequence's per-token log-probs as the update scores them, on its trained tokens
+    (the tree scores no other position: context and padding are outside every mask)."""
     plan = up._plan(ts, adv, merge)
     out: dict[int, list[float]] = {}
     with torch.no_grad():
@@ -130,7 +131,7 @@ def token_logps(up: PolicyUpdate, ts: list, adv: list, merge: bool) -> tuple[dic
                 up._wrapped, full, mask, inputs["completion_ids"].size(1)
             )
             for row, i in enumerate(mb.rows):
-                out[i] = lp[row, : len(plan.seqs[i].completion_ids)].tolist()
+                out[i] = [x for x, m in zip(lp[row].tolist(), plan.train_masks[i], strict=False) if m]
     up.trainer.packed = None
     return out, plan
 

@@ -11,7 +11,9 @@ default, so agents that need different behaviour pull one set of weights two way
 - a step groups the transitions by agent and runs the ordinary update (:class:`PolicyUpdate`'s
   plan, micro-batches, PPO-clip loss) once per adapter, with that adapter active (peft's
   ``set_adapter``), its gradient clipped on its own; learning rate, KL and clip settings are shared.
-  The KL reference is the base model (adapters disabled), the same for every agent;
+  The KL reference is the base model (adapters disabled), the same for every agent. Shared-prefix
+  packing (:mod:`agl.algorithms.prefix_tree`) runs within each adapter's update, so a prefix is
+  shared only among one adapter's sequences (another adapter's tokens run under other weights);
 - an agent whose transitions all have zero advantage (and no KL term) trains nothing: its adapter is
   left bit-for-bit unchanged;
 - checkpoints hold one folder per adapter (peft's layout for named adapters: ``<checkpoint>/<name>/``).

@@ -203,15 +203,18 @@ class PackedInputs:
     """The model inputs of a tree-packed micro-batch, and where each flat (unshared) input lands.
 
     The loss is TRL's, on the flat micro-batch (``flat_ids``: left-padded prompts + right-padded
-    completions, one row per sequence); only the forward runs on the tree. ``gather[b, j]`` is the
-    flat index (row x width + position) of the hidden state that predicts completion token j of flat
-    row b: the row position of the token before it in b's own sequence."""
+    completions, one row per sequence); only the forward runs on the tree. ``valid`` lists the flat
+    response positions the loss uses (``b x keep + j`` for completion token j of flat row b, where
+    its mask is 1: padding and context such as tool results are not scored), and ``gather[k]`` the
+    tree index (row x width + position) of the hidden state that predicts ``valid[k]``'s token: the
+    row position of the token before it in b's own sequence."""
 
     flat_ids: torch.Tensor
     keep: int
     ids: torch.Tensor
     positions: torch.Tensor
     allowed: torch.Tensor  # (rows, 1, width, width) bool
+    valid: torch.Tensor
     gather: torch.Tensor
 
     @classmethod
@@ -222,9 +225,11 @@ class PackedInputs:
         prompt_lens: Sequence[int],
         completion_lens: Sequence[int],
         pad_id: int,
+        scored: Sequence[Sequence[int]] | None = None,
     ) -> PackedInputs:
         """The inputs for ``tree`` whose members are ``flat_ids``'s rows in order, with the given
-        prompt and completion lengths (the flat layout's left/right padding is implied)."""
+        prompt and completion lengths (the flat layout's left/right padding is implied). ``scored``:
+        each row's completion mask of the tokens the loss uses (default: every completion token)."""
         import torch
 
         width, dev = tree.width, flat_ids.device
@@ -234,13 +239,23 @@ class PackedInputs:
         for r, row in enumerate(tree.rows):
             ids[r, : row.tokens] = torch.tensor(row.ids, dtype=torch.long)
             pos[r, : row.tokens] = torch.tensor(row.positions, dtype=torch.long)
-        gather = torch.zeros((len(prompt_lens), keep), dtype=torch.long)
+        valid: list[int] = []
+        gather: list[int] = []
         for b, (r, path) in enumerate(tree.locate()):
             p, n = prompt_lens[b], completion_lens[b]
-            if n:
-                gather[b, :n] = torch.tensor(path[p - 1 : p + n - 1], dtype=torch.long) + r * width
+            js = range(n) if scored is None else [j for j in range(n) if scored[b][j]]
+            valid.extend(b * keep + j for j in js)
+            gather.extend(path[p - 1 + j] + r * width for j in js)
         allowed = torch.stack([row.allowed(width) for row in tree.rows])[:, None]
-        return cls(flat_ids, keep, ids.to(dev), pos.to(dev), allowed.to(dev), gather.to(dev))
+        return cls(
+            flat_ids,
+            keep,
+            ids.to(dev),
+            pos.to(dev),
+            allowed.to(dev),
+            torch.tensor(valid, dtype=torch.long, device=dev),
+            torch.tensor(gather, dtype=torch.long, device=dev),
+        )
 
     def matches(self, input_ids: torch.Tensor, logits_to_keep: int) -> bool:
         """Whether a scoring call is for exactly this micro-batch's flat inputs."""

@@ -158,19 +158,21 @@ class TransitionGRPOTrainer(GRPOTrainer):
         else:
             decoder, head = parts
             if packed is not None:
-                hidden, targets = self._tree_hidden(decoder, packed), input_ids[:, -logits_to_keep:]
+                logps, ent = self._tree_logps(decoder, head, packed)
             else:
                 with self.accelerator.autocast():
                     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)[0]
                 hidden, targets = hidden[:, -logits_to_keep - 1 : -1, :], input_ids[:, -logits_to_keep:]
-            logps, ent = chunked_token_logps(hidden, targets, head, self.temperature)
+                logps, ent = chunked_token_logps(hidden, targets, head, self.temperature)
             entropies, aux = (ent if compute_entropy else None), None
         self.last_logps = logps.detach()
         return logps, entropies, aux
 
-    def _tree_hidden(self, decoder: Any, packed: PackedInputs) -> torch.Tensor:
-        """One forward over the tree rows, then each flat response position's predicting hidden state
-        gathered from its place in the tree: (sequences, response positions, hidden size)."""
+    def _tree_logps(self, decoder: Any, head: Any, packed: PackedInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over the tree rows; each trained response token scored from the hidden state
+        that predicts it in the tree. Padding and context (tool results, untrained calls) are not
+        scored: log-prob and entropy 0 there, outside every mask the loss and its metrics use.
+        Returns flat (sequences, response positions) log-probs and entropies."""
         attn = getattr(decoder.config, "_attn_implementation", None)
         dtype = decoder.get_input_embeddings().weight.dtype
         with self.accelerator.autocast():
@@ -180,8 +182,14 @@ class TransitionGRPOTrainer(GRPOTrainer):
                 position_ids=packed.positions,
                 use_cache=False,
             )[0]
-        flat = hidden.reshape(-1, hidden.size(-1)).index_select(0, packed.gather.reshape(-1))
-        return flat.view(*packed.gather.shape, hidden.size(-1))
+        states = hidden.reshape(-1, hidden.size(-1)).index_select(0, packed.gather)
+        flat = packed.flat_ids[:, -packed.keep :]
+        targets = flat.reshape(-1).index_select(0, packed.valid)
+        lp, ent = chunked_token_logps(states[None], targets[None], head, self.temperature)
+        out = torch.zeros(flat.numel(), dtype=lp.dtype, device=lp.device)
+        logps = out.index_copy(0, packed.valid, lp[0]).view_as(flat)
+        entropies = torch.zeros_like(out).index_copy(0, packed.valid, ent[0]).view_as(flat)
+        return logps, entropies
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:  # pragma: no cover - guard
         raise RuntimeError("agl's policy update gets transitions from the store; it never generates")

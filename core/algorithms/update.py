@@ -275,7 +275,8 @@ class PolicyUpdate:
         if mb.tree is not None:  # the forward runs on the tree for exactly these flat ids
             ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
             lens = ([len(t.prompt_ids) for t in rows], [len(t.completion_ids) for t in rows])
-            self.trainer.packed = PackedInputs.build(mb.tree, ids, *lens, pad_id=self.pad_id)
+            scored = masks if "tool_mask" in out else None  # context and untrained calls: not scored
+            self.trainer.packed = PackedInputs.build(mb.tree, ids, *lens, pad_id=self.pad_id, scored=scored)
         return out
 
     def _ref_logps(self, inputs: dict) -> torch.Tensor:
