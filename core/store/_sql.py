@@ -17,6 +17,7 @@ are the same in both, and a subclass supplies its connection handling through a 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -35,6 +36,7 @@ from agl.store._common import (
     coerce_many,
     make_resources,
 )
+from agl.store._group import GroupCommit, Ticket
 from agl.store._rows import (
     _ID,
     _N,
@@ -128,6 +130,7 @@ class SqlStore:
     """The Store methods both SQL stores run with the same statements (see the module docstring)."""
 
     d: Dialect
+    _group: GroupCommit  #: ``add_spans`` group commit; each subclass makes its own in ``__init__``
 
     # ---------------------------------------------------------------- hooks
     def _reading(self, reap: bool = True) -> AbstractContextManager[Any]:
@@ -402,23 +405,37 @@ class SqlStore:
         return chunk_ns, placed
 
     def add_spans(self, spans: Sequence[Span], *, idempotency_key: str | None = None) -> list[Span]:
+        """Concurrent calls are group-committed (``agl.store._group``): one transaction for all the
+        calls that queued while the previous one was writing; each returns once its rows committed."""
         items = coerce_many(Span, spans, "span")
         if not items:
             with self._reading(reap=False):  # a closed store still refuses
                 return []
-        batch = SpanBatch(items)
         key = None if idempotency_key is None else f"spans:{idempotency_key}"
-        now = time.time()
-        with self._writing(reap=False) as c:
-            if key is not None:
-                prev = self._key_result(c, key)
-                if prev is not None:
-                    return self._spans_of_chunks(c, prev)
-            self._reap_in(c, now)
-            chunk_ns, placed = self._add_spans(c, batch, now)
-            if key is not None:
-                self._save_key(c, key, chunk_ns)
-        return batch.stored(placed)
+        ticket = Ticket(SpanBatch(items), key)
+        return self._group.run(ticket, self._spans_txn, self._store_ticket, self._savepoint)
+
+    def _spans_txn(self) -> AbstractContextManager[Any]:
+        """The write transaction of one group of ``add_spans`` calls, expired attempts ended first."""
+        return _Reaped(self, self._writing(reap=False))
+
+    def _store_ticket(self, c: Any, t: Ticket) -> None:
+        """One ``add_spans`` call's batch, inside the group's transaction; its answer is built later,
+        outside the store's lock."""
+        if t.key is not None:
+            prev = self._key_result(c, t.key)
+            if prev is not None:
+                spans = self._spans_of_chunks(c, prev)
+                t.answer = lambda: spans
+                return
+        chunk_ns, placed = self._add_spans(c, t.batch, time.time())
+        if t.key is not None:
+            self._save_key(c, t.key, chunk_ns)
+        t.answer = functools.partial(t.batch.stored, placed)
+
+    def _savepoint(self, c: Any) -> AbstractContextManager[Any]:
+        """A savepoint for one call of a group (released, or rolled back on an exception)."""
+        raise NotImplementedError
 
     def _reap_in(self, c: Any, now: float) -> None:
         """End expired attempts inside the caller's write transaction."""
@@ -503,6 +520,27 @@ class SqlStore:
         if row is None:
             raise NotFoundError(f"resources version {version} not found")
         return Resources.model_validate_json(row[0])
+
+
+class _Reaped:
+    """A write transaction that first ends the attempts whose lease or timeout passed."""
+
+    __slots__ = ("inner", "store")
+
+    def __init__(self, store: SqlStore, inner: AbstractContextManager[Any]) -> None:
+        self.store, self.inner = store, inner
+
+    def __enter__(self) -> Any:
+        c = self.inner.__enter__()
+        try:
+            self.store._reap_in(c, time.time())
+        except BaseException as exc:
+            if not self.inner.__exit__(type(exc), exc, exc.__traceback__):
+                raise
+        return c
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.inner.__exit__(*exc)
 
 
 def chunks(ids: Sequence[str], size: int) -> Iterator[Sequence[str]]:

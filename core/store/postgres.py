@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from agl.store._common import ChangeFeed, check_wait_args
+from agl.store._group import GroupCommit
 from agl.store._local_postgres import LocalPostgres, find_postgres_bin  # re-exported: tests, bench
 from agl.store._rows import _ID, _INF, _N, _ROLLOUT_COLS, End, Start, _dumps, _loads, _rollout, expiry
 from agl.store._sql import POSTGRES, SqlStore
@@ -138,6 +139,7 @@ class PostgresStore(SqlStore):
         #: calls skip the expiry query until something may be due
         self._min_deadline = -_INF
         self._lease_gen = 0
+        self._group = GroupCommit()  # add_spans calls that overlap share one transaction (one commit)
         try:
             self._listen_conn = psycopg.connect(url, autocommit=True, connect_timeout=int(connect_timeout_s))
         except psycopg.OperationalError as exc:
@@ -335,6 +337,9 @@ class PostgresStore(SqlStore):
                 (*values, traces),
             ).fetchone()[0]
         )
+
+    def _savepoint(self, c: Any) -> Any:
+        return c.transaction()  # nested in the group's transaction: a SAVEPOINT
 
     def _many(self, c: Any, sql: str, rows: list[tuple[Any, ...]]) -> None:
         if rows:

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from agl.store._common import BACKOFF_MAX_S, Backoff, ChangeFeed, check_wait_args
+from agl.store._group import GroupCommit
 from agl.store._rows import (
     _ID,
     _INF,
@@ -143,6 +144,7 @@ class SQLiteStore(SqlStore):
         )
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
+        self._group = GroupCommit(self._lock)  # the leader of a span group is the store's one writer
         self.changes = ChangeFeed()
         self._closed = False
         c = self._conn
@@ -274,6 +276,9 @@ class SQLiteStore(SqlStore):
 
     def _many(self, c: Any, sql: str, rows: list[tuple[Any, ...]]) -> None:
         c.executemany(sql, rows)
+
+    def _savepoint(self, c: Any) -> _Savepoint:
+        return _Savepoint(c)
 
     def _published(self, version: int) -> None:
         self._latest_version = version
@@ -427,6 +432,24 @@ class _WriteTxn:
             self.conn.execute("COMMIT")
         elif self.conn.in_transaction:
             self.conn.execute("ROLLBACK")
+
+
+class _Savepoint:
+    """One ``add_spans`` call of a group: ``SAVEPOINT`` ... ``RELEASE`` (rolled back to on an exception)."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.conn.execute("SAVEPOINT agl_spans")
+        return self.conn
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.conn.execute("ROLLBACK TO agl_spans")
+        self.conn.execute("RELEASE agl_spans")
 
 
 class _ReadTxn:
