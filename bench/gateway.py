@@ -232,10 +232,10 @@ def serve_real(port: int, backend_name: str, upstream: str, store_url: str) -> N
     store = None if store_url == "none" else agl.store.open(store_url)
     # the gateway's default (before_reply) unless --span-writes after-reply asks for the other mode
     app = create_app(backend, store, span_writes=os.environ.get("AGL_BENCH_SPAN_WRITES", "before_reply"))
-    if os.environ.get("AGL_BENCH_PROFILE"):  # cProfile of the gateway process, dumped at shutdown
+    if os.environ.get("AGL_BENCH_PROFILE"):  # cProfile (CPU time) of the gateway, dumped at shutdown
         import cProfile
 
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.process_time)  # CPU, not wall: the machine's load stays out
         prof.enable()
         try:
             uvicorn.run(
@@ -437,8 +437,24 @@ def _start_al(python: str, port: int, upstream: str, tmp: Path) -> subprocess.Po
     return proc
 
 
+def _archive(rev: str, tmp: Path) -> Path:
+    """``rev``'s ``core/`` (git archive) importable as ``agl``: the before side of a before/after run."""
+    out = tmp / "before"
+    out.mkdir()
+    archive = subprocess.run(["git", "archive", rev, "core"], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    (out / "pkg").mkdir()
+    (out / "pkg" / "agl").symlink_to(out / "core")
+    return out / "pkg"
+
+
 def bench_real(
-    n: int, concurrency: int, rounds: int, baseline_python: str | None, configs: list[str]
+    n: int,
+    concurrency: int,
+    rounds: int,
+    baseline_python: str | None,
+    configs: list[str],
+    before: str | None = None,
 ) -> dict[str, list[dict[str, float]]]:
     """Every target in front of one fake upstream, measured in alternating rounds."""
     import tempfile
@@ -462,12 +478,13 @@ def bench_real(
         procs.append(bare)
         _wait_http(f"http://127.0.0.1:{bare_port}/v1/models", bare)
         targets.append(Target(BARE, ["/v1/chat/completions"], bare_port, bare))
-        for cfg in configs:
+        trees = [("", None)] + ([(f" ({before})", _archive(before, tmp))] if before else [])
+        for cfg, (tag, tree) in ((c, t) for c in configs for t in trees):
             backend, store_kind = cfg.split("+")
             store_url = "none"
             paths = ["/v1/chat/completions"]
             if store_kind in ("sqlite", "http"):
-                db = tmp / f"{cfg}.db"
+                db = tmp / f"{cfg}{bool(tree)}.db"
                 store_url = f"sqlite:///{db}"
                 ros = _rollouts_in(store_url)
                 paths = [f"/rollouts/{r}/attempts/{a}/v1/chat/completions" for r, a in ros]
@@ -497,10 +514,11 @@ def bench_real(
                     *("--upstream", upstream, "--store", store_url),
                 ],
                 cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(tree)} if tree else None,
             )
             procs.append(p)
             _wait_http(f"http://127.0.0.1:{port}/v1/models", p)
-            targets.append(Target(f"agl {backend}, spans: {store_kind}", paths, port, p))
+            targets.append(Target(f"agl {backend}, spans: {store_kind}{tag}", paths, port, p))
         if baseline_python:
             port = _free_port()
             p = _start_al(baseline_python, port, upstream, tmp)
@@ -722,6 +740,11 @@ def main() -> None:
         "--baseline-python",
         help="python of a venv with agentlightning==1.0.2 (its agl-server proxy joins the real-path runs)",
     )
+    parser.add_argument(
+        "--before",
+        metavar="REV",
+        help="also run each agl gateway from git revision REV's core/ (before/after in the same rounds)",
+    )
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-real", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--backend", default="vllm", help=argparse.SUPPRESS)
@@ -738,7 +761,9 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()[0]:.2f}; spans stored {args.span_writes}")
     if not args.skip_real:
         configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-        results = bench_real(args.requests, args.concurrency, args.rounds, args.baseline_python, configs)
+        results = bench_real(
+            args.requests, args.concurrency, args.rounds, args.baseline_python, configs, args.before
+        )
         report_real(results)
         report_ratios(results)
     if not args.skip_scripted:

@@ -122,6 +122,7 @@ class Gateway:
         #: one drift tracker per backend: each renders and tokenises conversations its own way
         self._drifts = {id(b): (self.drift if b is backend else DriftTracker()) for b in self.names.backends}
         self.writer = SpanWriter(store, self.stats) if store is not None else None
+        self._in_flight = 0  # calls between their request and their span (the writer batches overlaps)
         #: each call of a seeded rollout gets a seed from the rollout's and its place (agl.gateway.seeds)
         self.seeds = CallSeeds(store)
         self._swap_lock = asyncio.Lock()
@@ -295,6 +296,7 @@ class Gateway:
             self.stats["unattributed_calls"] += 1
         error: BaseException | None = None
         result: GenerationResult | None = None
+        self._in_flight += 1
         try:
             result = await self._run(request, gen)
         except _ClientGone as exc:  # cancelled: recorded as an ERROR span
@@ -306,10 +308,12 @@ class Gateway:
             api_error, error = self._api_error(exc, gen)
             raise api_error from None
         finally:
+            alone = self._in_flight == 1  # no other call overlaps this one: its span is written in line
+            self._in_flight -= 1
             if result is not None or error is not None:
                 spans = self._spans(gen, result, error, trace, start_ns, response_id, input_messages)
                 if spans and self.span_writes == "before_reply":
-                    await self.writer.write(spans)  # type: ignore[union-attr]
+                    await self.writer.write(spans, alone=alone)  # type: ignore[union-attr]
                 elif spans:
                     self.writer.submit(spans)  # type: ignore[union-attr]
         if gen.requested_model:  # the reply names the model as the client asked for it (the span has both)

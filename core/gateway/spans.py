@@ -1,4 +1,5 @@
-"""Server-side ``chat`` spans: built per call, stored in batches (``SpanWriter``).
+"""Server-side ``chat`` spans: built per call, stored in batches (``SpanWriter``, in
+:mod:`agl.gateway.span_writer`).
 
 The gateway builds :class:`agl.types.Span` objects directly (without validation, from values it made or
 checked itself) instead of going through an OTel ``TracerProvider``: no per-span validation, no span
@@ -6,8 +7,8 @@ processors. By default (``span_writes="before_reply"``) each span is stored befo
 so a runner that finishes its attempt right after the agent returns never loses the last call's span.
 With ``span_writes="after_reply"`` the reply leaves first and the span follows within milliseconds.
 Either way the spans of calls that finish together are written in one ``add_spans`` call: on the event
-loop for in-process stores (SQLite, memory), from a writer thread for stores behind a network round
-trip. ``POST /agl/v1/flush`` (or ``Gateway.flush()``) waits until every span of the calls answered so
+loop for in-process stores (memory; SQLite while a call is alone), from a writer thread batching by
+the load for SQLite while calls overlap and for stores behind a network round trip. ``POST /agl/v1/flush`` (or ``Gateway.flush()``) waits until every span of the calls answered so
 far is stored, and shutdown drains the queue; whoever reads the spans must flush first. The parent
 comes from the incoming W3C ``traceparent`` (parsed by OTel's own propagator); rollout and attempt
 from the URL path or the W3C ``baggage`` header.
@@ -18,21 +19,19 @@ rollout); they are counted in ``Gateway.stats["unattributed_calls"]``.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
 import logging
 import math
 import random
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from agl import semconv as sc
 from agl.gateway.backends.base import Choice, GenerationRequest, GenerationResult
 from agl.gateway.chat_format import flatten_content
+from agl.gateway.span_writer import SpanWriter
 from agl.types import Span, SpanEvent, SpanStatus, _construct
 
 __all__ = ["DriftTracker", "SpanWriter", "build_chat_spans", "parse_trace_headers"]
@@ -341,199 +340,3 @@ def _choice_attrs(attrs: dict[str, Any], choice: Choice) -> None:
             attrs[sc.AGL_LLM_RESPONSE_LOGPROBS] = logprobs
         else:  # not storable (and useless for a ratio); the ids are still exact
             log.warning("agl gateway: dropped non-finite response logprobs")
-
-
-#: stores that live in this process and answer in microseconds: written on the event loop itself
-_LOCAL_STORES = frozenset({"MemoryStore", "SQLiteStore"})
-
-
-class SpanWriter:
-    """Stores the gateway's spans in batches: one ``add_spans`` call for every span that finished in the
-    same moment, instead of one per request.
-
-    Two ways to write, chosen by the store:
-
-    - **in the event loop** for in-process stores (memory, SQLite): the spans of every request that
-      finished in one loop iteration are written by one callback at the end of that iteration. No
-      thread hop, no GIL hand-off, no cross-thread wake-up per request — for SQLite (WAL, no fsync per
-      commit) that costs less CPU than handing the batch to a thread, which was the gateway's largest
-      cost per stored span. When another thread is inside the store just then, the batch goes to the
-      writer thread instead: the loop never waits on the store's lock;
-    - **from a writer thread** for stores behind a network round trip (the HTTP store server,
-      PostgreSQL): the loop never waits on the network; everything queued while the thread was busy
-      goes in one ``add_spans`` call.
-
-    ``submit(spans)`` queues and returns at once (``after_reply``); ``await write(spans)`` returns
-    once the spans are stored (``before_reply``). ``flush()`` waits until everything queued so far is
-    stored; ``close()`` flushes and stops the thread — the gateway calls it at shutdown, after the last
-    request, so a clean shutdown loses no span. Failures are logged and counted, never turned into an
-    error for the client (the agent's run must not break because a span could not be stored, e.g. for
-    an unknown rollout).
-    """
-
-    def __init__(self, store: Any, stats: dict[str, int], *, in_loop: bool | None = None) -> None:
-        self.store = store
-        self.stats = stats
-        self.in_loop = type(store).__name__ in _LOCAL_STORES if in_loop is None else in_loop
-        self._cond = threading.Condition()
-        self._queue: list[tuple[list[Span], Callable[[], None] | None]] = []
-        self._pending: list[tuple[list[Span], asyncio.Future[None] | None]] = []  # in-loop batch
-        self._scheduled = False
-        self._queued = 0  # groups of spans accepted so far
-        self._done = 0  # groups handled (stored or failed) so far
-        self._closed = False
-        self._thread: threading.Thread | None = None
-
-    def submit(self, spans: list[Span]) -> None:
-        """Queue spans; returns immediately."""
-        if self.in_loop:
-            self._pend(spans, wait=False)
-            return
-        self._put(spans, None)
-
-    async def write(self, spans: list[Span]) -> None:
-        """Queue spans and wait until they are stored (or their write failed)."""
-        if self.in_loop:
-            fut = self._pend(spans, wait=True)
-            if fut is not None:
-                await asyncio.shield(fut)
-            return
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def done() -> None:
-            loop.call_soon_threadsafe(_resolve, fut)
-
-        self._put(spans, done)
-        await asyncio.shield(fut)
-
-    # ----------------------------------------------------------------------------- in the loop
-    def _pend(self, spans: list[Span], *, wait: bool) -> asyncio.Future[None] | None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # called outside the server's loop: write now
-            self._add(spans)
-            return None
-        with self._cond:
-            self._queued += 1
-        fut = loop.create_future() if wait else None
-        self._pending.append((spans, fut))
-        if not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._write_pending)  # runs after this iteration's other callbacks
-        return fut
-
-    def _write_pending(self) -> None:
-        self._scheduled = False
-        batch, self._pending = self._pending, []
-        lock = getattr(self.store, "_lock", None)  # the in-process stores' own lock
-        if lock is not None:
-            if not lock.acquire(blocking=False):
-                # another thread is inside the store (e.g. a trainer reading spans in this process):
-                # the loop must not wait for it, so the writer thread takes this batch
-                self._hand_over(batch)
-                return
-            lock.release()  # a probe only: add_spans takes the lock itself
-        try:
-            self._add([s for group, _ in batch for s in group], batch)
-        finally:
-            for _, fut in batch:
-                if fut is not None and not fut.done():
-                    fut.set_result(None)
-            with self._cond:
-                self._done += len(batch)
-                self._cond.notify_all()
-
-    def _hand_over(self, batch: list[tuple[list[Span], asyncio.Future[None] | None]]) -> None:
-        loop = asyncio.get_running_loop()
-        with self._cond:  # re-queued atomically: flush() never sees these groups as done or missing
-            for spans, fut in batch:
-                self._queued -= 1  # counted again by _put
-                done = None if fut is None else functools.partial(loop.call_soon_threadsafe, _resolve, fut)
-                self._put(spans, done)
-
-    # ------------------------------------------------------------------------ writer thread
-    def _put(self, spans: list[Span], done: Callable[[], None] | None) -> None:
-        with self._cond:
-            if self._closed:  # after close (should not happen): write in line rather than lose them
-                self._add(spans)
-                if done is not None:
-                    done()
-                return
-            self._queue.append((spans, done))
-            self._queued += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="agl-gateway-spans", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue and self._closed:
-                    return
-                batch, self._queue = self._queue, []
-            try:
-                self._add([s for group, _ in batch for s in group], batch)
-            finally:
-                for _, done in batch:
-                    if done is not None:
-                        done()
-                with self._cond:
-                    self._done += len(batch)
-                    self._cond.notify_all()
-
-    def flush(self, timeout_s: float | None = None) -> bool:
-        """Block until every span queued before the call is handled; False on timeout.
-
-        Called from a thread other than the event loop's (``asyncio.to_thread``): in-loop batches are
-        written by the loop meanwhile.
-        """
-        with self._cond:
-            target = self._queued
-            return self._cond.wait_for(lambda: self._done >= target, timeout=timeout_s)
-
-    def close(self, timeout_s: float | None = 60.0) -> None:
-        """Store what is queued, then stop the writer thread (called off the loop, at shutdown)."""
-        if self.in_loop:
-            if not self.flush(timeout_s):
-                log.warning("agl gateway: spans still queued after %s s at shutdown", timeout_s)
-            self._closed = True
-            return
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout_s)
-            if thread.is_alive():
-                log.warning("agl gateway: span writer still busy after %s s at shutdown", timeout_s)
-
-    def _add(self, spans: list[Span], batch: list[tuple[list[Span], Any]] | None = None) -> None:
-        try:
-            self.store.add_spans(spans)
-            self.stats["spans_stored"] += len(spans)
-            return
-        except Exception as exc:  # noqa: BLE001 - fall back to per-request writes, then give up loudly
-            if batch is None or len(batch) == 1:
-                self._failed(spans, exc)
-                return
-        for group, _ in batch:
-            try:
-                self.store.add_spans(group)
-                self.stats["spans_stored"] += len(group)
-            except Exception as exc:  # noqa: BLE001
-                self._failed(group, exc)
-
-    def _failed(self, spans: list[Span], exc: BaseException) -> None:
-        self.stats["span_write_errors"] += len(spans)
-        log.warning(
-            "agl gateway: could not store %d span(s) of rollout %s: %s", len(spans), spans[0].rollout_id, exc
-        )
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
