@@ -87,6 +87,9 @@ class Dialect:
     limit_all: str | None
     #: appended to a row read that the write after it depends on
     for_update: str
+    #: one writer at a time (SQLite's ``BEGIN IMMEDIATE``): a read in the write sees every commit, so
+    #: a span chunk's next seq is read along with its rollout (PostgreSQL reads it after the row lock)
+    serial_writes: bool = False
     #: statements already translated (a fixed set: the store's own SQL text)
     _translated: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -115,7 +118,7 @@ class Dialect:
         return out + (f" OFFSET {skip}" if skip else "")
 
 
-SQLITE = Dialect(placeholder="?", true="1", false="0", limit_all="-1", for_update="")
+SQLITE = Dialect(placeholder="?", true="1", false="0", limit_all="-1", for_update="", serial_writes=True)
 POSTGRES = Dialect(placeholder="%s", true="TRUE", false="FALSE", limit_all=None, for_update=" FOR UPDATE")
 
 _ROW_SQL = f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE id = ?"
@@ -123,6 +126,13 @@ _INSERT_ROLLOUTS = (
     "INSERT INTO rollouts (id, task_id, input, mode, group_id, pinned_version, resources_version, status, "
     "timeout_s, lease_s, max_attempts, metadata, created_at, updated_at) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?, ?)"
+)
+
+_TARGET = "SELECT n, n_attempts, lease_s, timeout_at, attempts FROM rollouts WHERE id = ?"
+_LAST_SEQ = "SELECT MAX(last_seq) FROM span_chunks WHERE rollout_id = ? AND attempt = ?"
+_TARGET_WITH_SEQ = (
+    "SELECT n, n_attempts, lease_s, timeout_at, attempts, "
+    "(SELECT MAX(last_seq) FROM span_chunks WHERE rollout_id = ? AND attempt = ?) FROM rollouts WHERE id = ?"
 )
 
 
@@ -373,12 +383,12 @@ class SqlStore:
     def _add_spans(self, c: Any, batch: SpanBatch, now: float) -> tuple[list[int], list[tuple[int, bool]]]:
         """Store ``batch`` inside the caller's write: (chunk row ids, (first seq, stale) per group)."""
         targets = {}
+        serial = self.d.serial_writes
         # check every (rollout, attempt) before writing anything; lock the rollouts in id order
         for rid, number in sorted(batch.groups):
             target = c.execute(
-                self.d.q("SELECT n, n_attempts, lease_s, timeout_at, attempts FROM rollouts WHERE id = ?")
-                + self.d.for_update,
-                (rid,),
+                self.d.q(_TARGET_WITH_SEQ if serial else _TARGET) + self.d.for_update,
+                (rid, number, rid) if serial else (rid,),
             ).fetchone()
             error = batch.missing(rid, number, target)
             if error is not None:
@@ -386,13 +396,14 @@ class SqlStore:
             targets[(rid, number)] = target
         chunk_ns: list[int] = []
         placed: list[tuple[int, bool]] = []
-        last_seq = self.d.q("SELECT MAX(last_seq) FROM span_chunks WHERE rollout_id = ? AND attempt = ?")
+        last_seq = self.d.q(_LAST_SEQ)
         for ((rid, number), idx), body, traces in zip(
             batch.groups.items(), batch.bodies, batch.traces, strict=True
         ):
             target = targets[(rid, number)]
-            first = (c.execute(last_seq, (rid, number)).fetchone()[0] or 0) + 1
-            stale, extend = batch.placement(target, number, now)
+            last = target[5] if serial else c.execute(last_seq, (rid, number)).fetchone()[0]
+            first = (last or 0) + 1
+            stale, extend = batch.placement(target[:5], number, now)
             chunk_ns.append(
                 self._insert_chunk(c, (rid, number, first, first + len(idx) - 1, stale, body), traces)
             )

@@ -271,7 +271,10 @@ class SQLiteStore(SqlStore):
 
     def _insert_chunk(self, c: Any, values: tuple[Any, ...], traces: list[str]) -> int:
         chunk: int = c.execute(_INSERT_CHUNK_SQL, values).lastrowid
-        c.executemany(_INSERT_TRACE_SQL, [(t, chunk) for t in traces])
+        if len(traces) == 1:  # the usual case: execute costs less than executemany of one row
+            c.execute(_INSERT_TRACE_SQL, (traces[0], chunk))
+        else:
+            c.executemany(_INSERT_TRACE_SQL, [(t, chunk) for t in traces])
         return chunk
 
     def _many(self, c: Any, sql: str, rows: list[tuple[Any, ...]]) -> None:
