@@ -13,12 +13,10 @@ chunk is forwarded as it arrives (content and tool-call deltas; token ids and lo
 asks), while the backend collects ids and logprobs for the span, which is recorded when the stream
 ends. Other backends' replies (and the completions / Responses routes) are streamed after generation
 finishes as real SSE chunks. A client that disconnects cancels the generation and leaves an ERROR
-span. Spans are stored in batches (on the event loop for SQLite/memory, by a writer thread for
-network stores) before the reply is sent (``span_writes="before_reply"``,
-the default: a runner finishes its attempt as soon as the agent returns, and training reads the
-finished attempt's spans, so the last call's span must already be there) or just after it
-(``span_writes="after_reply"``, batched; ``POST /agl/v1/flush`` waits for them, shutdown drains
-them), see :mod:`agl.gateway.spans`.
+span. Spans are stored in batches (:mod:`agl.gateway.span_writer`) before the reply is sent
+(``span_writes="before_reply"``, the default: a runner finishes its attempt as soon as the agent
+returns, and training reads the finished attempt's spans, so the last call's span must be there) or
+just after it (``span_writes="after_reply"``; ``POST /agl/v1/flush`` waits, shutdown drains them).
 """
 
 from __future__ import annotations
@@ -308,8 +306,7 @@ class Gateway:
             api_error, error = self._api_error(exc, gen)
             raise api_error from None
         finally:
-            alone = self._in_flight == 1  # no other call overlaps this one: its span is written in line
-            self._in_flight -= 1
+            alone, self._in_flight = self._in_flight == 1, self._in_flight - 1  # alone: no call overlaps
             if result is not None or error is not None:
                 spans = self._spans(gen, result, error, trace, start_ns, response_id, input_messages)
                 if spans and self.span_writes == "before_reply":

@@ -257,6 +257,44 @@ def test_busy_store_does_not_block_the_event_loop(tmp_path: Path) -> None:
     store.close()
 
 
+def test_overlapping_calls_share_commits_and_each_span_is_stored_before_its_reply(tmp_path: Path) -> None:
+    """SQLite spans of calls that overlap go to the writer thread, which writes everything that queued
+    meanwhile in one add_spans (one commit); each reply still leaves only once its span is stored, and
+    the thread is stopped at shutdown with nothing left queued."""
+    store = agl.store.open(f"sqlite:///{tmp_path / 'spans.db'}")
+    ros = [start_rollout(store, f"ro-{i}") for i in range(8)]
+    add_spans = store.add_spans
+
+    def slow(spans: Any, **kw: Any) -> Any:
+        time.sleep(0.02)  # a commit that takes a while: calls finishing meanwhile queue behind it
+        return add_spans(spans, **kw)
+
+    store.add_spans = slow  # type: ignore[method-assign]
+    missing: list[str] = []
+    with serve_gateway(ScriptedBackend(["ok"], on_exhausted="repeat"), store) as url:
+        gw = url.gateway
+
+        def agent(r: tuple[str, int]) -> None:
+            client = openai.OpenAI(base_url=url.for_rollout(*r), api_key="x", max_retries=0)
+            for k in range(1, 6):
+                client.chat.completions.create(model="scripted", messages=MSG)
+                if len(server_spans(store, r[0])) != k:  # read right after the reply
+                    missing.append(f"{r[0]} call {k}")
+
+        threads = [threading.Thread(target=agent, args=(r,)) for r in ros]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert gw.stats["spans_stored"] == 40
+        assert gw.stats["span_writes"] < 40  # batched: fewer transactions than spans
+        thread = gw.writer._thread
+        assert thread is not None
+    assert not missing
+    assert not thread.is_alive()  # close() stopped the writer thread
+    store.close()
+
+
 def test_flush_endpoint_waits_for_queued_spans(tmp_path: Path) -> None:
     store = agl.store.open(f"sqlite:///{tmp_path / 'spans.db'}")
     rollout = start_rollout(store, "ro-flush")
