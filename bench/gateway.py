@@ -230,6 +230,8 @@ def serve_real(port: int, backend_name: str, upstream: str, store_url: str) -> N
     else:
         backend = OpenAIBackend(upstream + "/v1", api_key="sk-bench", models=[UPSTREAM_MODEL])
     store = None if store_url == "none" else agl.store.open(store_url)
+    if store_url == "memory://":  # the rollouts live in this process: enqueue and claim them here
+        _claim_rollouts(store)
     # the gateway's default (before_reply) unless --span-writes after-reply asks for the other mode
     app = create_app(backend, store, span_writes=os.environ.get("AGL_BENCH_SPAN_WRITES", "before_reply"))
     if os.environ.get("AGL_BENCH_PROFILE"):  # cProfile (CPU time) of the gateway, dumped at shutdown
@@ -281,18 +283,25 @@ def _tree_cpu_s(pid: int) -> float:
     return total + sum(_tree_cpu_s(int(c)) for c in children)
 
 
-def _rollouts_in(store_url: str) -> list[tuple[str, int]]:
-    """Enqueue and claim the bench's rollouts in a fresh store; their (id, attempt)s."""
-    import agl.store
+def _claim_rollouts(store: Any) -> list[tuple[str, int]]:
+    """Enqueue and claim the bench's rollouts; their (id, attempt)s."""
     from agl.types import NewRollout
 
-    store = agl.store.open(store_url)
     store.enqueue([NewRollout(id=f"ro-bench-{i}") for i in range(N_ROLLOUTS)])
     out = []
     for _ in range(N_ROLLOUTS):
         claim = store.claim("bench")
         assert claim is not None
         out.append((claim.rollout.id, claim.attempt.number))
+    return out
+
+
+def _rollouts_in(store_url: str) -> list[tuple[str, int]]:
+    """Enqueue and claim the bench's rollouts in a fresh store; their (id, attempt)s."""
+    import agl.store
+
+    store = agl.store.open(store_url)
+    out = _claim_rollouts(store)
     store.close()
     return out
 
@@ -483,6 +492,9 @@ def bench_real(
             backend, store_kind = cfg.split("+")
             store_url = "none"
             paths = ["/v1/chat/completions"]
+            if store_kind == "memory":  # the gateway process holds the store (and its rollouts)
+                store_url = "memory://"
+                paths = [f"/rollouts/ro-bench-{i}/attempts/1/v1/chat/completions" for i in range(N_ROLLOUTS)]
             if store_kind in ("sqlite", "http"):
                 db = tmp / f"{cfg}{bool(tree)}.db"
                 store_url = f"sqlite:///{db}"
@@ -728,7 +740,7 @@ def main() -> None:
     parser.add_argument(
         "--configs",
         default="vllm+sqlite,vllm+http,openai+sqlite,vllm+none",
-        help="real-path gateways: BACKEND+STORE (STORE: sqlite, http or none), comma-separated",
+        help="real-path gateways: BACKEND+STORE (STORE: sqlite, memory, http or none), comma-separated",
     )
     parser.add_argument(
         "--span-writes",
