@@ -35,7 +35,7 @@ import anyio
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Mount, Route
+from starlette.routing import Route
 
 from agl import semconv as sc
 from agl.gateway import anthropic, sse
@@ -738,13 +738,18 @@ async def _cancel_on_disconnect(request: Request, task: Any, gone: list[bool]) -
 def create_app(backend: Backend, store: Any = None, **kwargs: Any) -> Starlette:
     """The ASGI app; ``app.state.gateway`` is the :class:`Gateway` (stats, drift tracker, backend)."""
     gw = Gateway(backend, store, **kwargs)
+    # flat routes, per-rollout chat first: a Mount is one more router and exception layer per request
     v1 = [
-        Route("/chat/completions", gw.chat_completions, methods=["POST"]),
-        Route("/completions", gw.completions, methods=["POST"]),
-        Route("/responses", gw.responses, methods=["POST"]),
-        Route("/messages", gw.messages, methods=["POST"]),
-        Route("/messages/count_tokens", gw.count_tokens, methods=["POST"]),
-        Route("/models", gw.list_models, methods=["GET"]),
+        Route(prefix + path, handler, methods=[method])
+        for prefix in ("/rollouts/{rollout_id}/attempts/{attempt:int}/v1", "/v1")
+        for path, handler, method in (
+            ("/chat/completions", gw.chat_completions, "POST"),
+            ("/completions", gw.completions, "POST"),
+            ("/responses", gw.responses, "POST"),
+            ("/messages", gw.messages, "POST"),
+            ("/messages/count_tokens", gw.count_tokens, "POST"),
+            ("/models", gw.list_models, "GET"),
+        )
     ]
 
     @asynccontextmanager
@@ -773,11 +778,8 @@ def create_app(backend: Backend, store: Any = None, **kwargs: Any) -> Starlette:
         return await gw.not_found(request)
 
     async def on_405(request: Request, exc: Exception) -> Response:
-        return _error(
-            ApiError(
-                405, f"method {request.method} not allowed on {request.url.path}", code="method_not_allowed"
-            )
-        )
+        what = f"method {request.method} not allowed on {request.url.path}"
+        return _error(ApiError(405, what, code="method_not_allowed"))
 
     async def on_500(request: Request, exc: Exception) -> Response:
         log.exception("agl gateway: internal error on %s", request.url.path, exc_info=exc)
@@ -785,8 +787,7 @@ def create_app(backend: Backend, store: Any = None, **kwargs: Any) -> Starlette:
 
     app = Starlette(
         routes=[
-            Mount("/v1", routes=v1),
-            Mount("/rollouts/{rollout_id}/attempts/{attempt:int}/v1", routes=v1),
+            *v1,
             Route("/agl/v1/status", gw.status, methods=["GET"]),
             Route("/agl/v1/flush", gw.flush_spans, methods=["POST"]),
             Route("/agl/v1/weights", gw.load_weights, methods=["POST"]),
