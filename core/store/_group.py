@@ -66,17 +66,20 @@ class GroupCommit:
         writing: Callable[[], AbstractContextManager[Any]],
         store_one: Callable[[Any, Ticket], None],
         savepoint: Callable[[Any], AbstractContextManager[Any]],
+        lock_all: Callable[[Any, list[Ticket]], None] | None = None,
     ) -> list[Span]:
         """Queue ``ticket``; write its group (or find it written by another caller); its answer.
 
         ``writing()`` opens the write transaction; ``store_one(c, ticket)`` stores one ticket's batch
-        inside it (setting ``ticket.answer``); ``savepoint(c)`` isolates one ticket of several.
+        inside it (setting ``ticket.answer``); ``savepoint(c)`` isolates one ticket of several;
+        ``lock_all(c, tickets)``, when given, runs first for a group of several (PostgreSQL locks all
+        their rollouts in one order there, so two groups never lock the same rows in opposite orders).
         """
         with self._queue_lock:
             self._queue.append(ticket)
         with self.leader:
             if not ticket.done:
-                self._write_group(writing, store_one, savepoint)
+                self._write_group(writing, store_one, savepoint, lock_all)
         return ticket.result()
 
     def _take(self) -> list[Ticket]:
@@ -89,6 +92,7 @@ class GroupCommit:
         writing: Callable[[], AbstractContextManager[Any]],
         store_one: Callable[[Any, Ticket], None],
         savepoint: Callable[[Any], AbstractContextManager[Any]],
+        lock_all: Callable[[Any, list[Ticket]], None] | None,
     ) -> None:
         group = self._take()
         try:
@@ -96,6 +100,8 @@ class GroupCommit:
                 if len(group) == 1:
                     store_one(c, group[0])
                 else:
+                    if lock_all is not None:
+                        lock_all(c, group)
                     for t in group:
                         try:
                             with savepoint(c):

@@ -424,7 +424,14 @@ class SqlStore:
                 return []
         key = None if idempotency_key is None else f"spans:{idempotency_key}"
         ticket = Ticket(SpanBatch(items), key)
-        return self._group.run(ticket, self._spans_txn, self._store_ticket, self._savepoint)
+        lock_all = None if self.d.serial_writes else self._lock_rollouts
+        return self._group.run(ticket, self._spans_txn, self._store_ticket, self._savepoint, lock_all)
+
+    def _lock_rollouts(self, c: Any, tickets: list[Ticket]) -> None:
+        """Row-lock every rollout a group of calls writes to, in id order, before any of them writes:
+        each call locks its own in id order, but calls after one another in a group would not."""
+        for rid in sorted({rid for t in tickets for rid, _ in t.batch.groups}):
+            c.execute(self.d.q("SELECT n FROM rollouts WHERE id = ?") + self.d.for_update, (rid,)).fetchone()
 
     def _spans_txn(self) -> AbstractContextManager[Any]:
         """The write transaction of one group of ``add_spans`` calls, expired attempts ended first."""

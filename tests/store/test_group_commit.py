@@ -174,3 +174,22 @@ def test_sqlite_refused_write_fails_the_group(tmp_path: Path) -> None:
             store._conn.execute("PRAGMA query_only = OFF")
         assert all(isinstance(r, sqlite3.Error) for r in results), results
         assert store.query_spans() == []
+
+
+def test_postgres_group_locks_its_rollouts_in_one_order(tmp_path: Path) -> None:
+    """Each call locks its rollouts in id order, but a group of calls must too (else two groups could
+    lock the same rows in opposite orders and deadlock): the group locks them all first, sorted."""
+    with _postgres(tmp_path) as (store, _):
+        rids = _rollouts(store, 4)
+        locked: list[str] = []
+        real = store._lock_rollouts
+
+        def recording(c: Any, tickets: list[Any]) -> None:
+            locked.extend(rid for t in tickets for rid, _ in t.batch.groups)
+            real(c, tickets)
+
+        store._lock_rollouts = recording
+        results = _queued_group(store, [(lambda r=r: store.add_spans([span(r)])) for r in reversed(rids)])
+        assert not any(isinstance(r, BaseException) for r in results)
+        assert sorted(locked) == sorted(rids)
+        assert all(len(store.query_spans(rollout_id=r)) == 1 for r in rids)
