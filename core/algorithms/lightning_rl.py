@@ -22,7 +22,8 @@ reward ``R_i`` and intermediate rewards ``r_ij``:
 With an adapter per agent (``per_agent=True``) each agent is compared with itself. An agent that acts
 in every rollout of its groups is normalised per task group as above (``agent_baseline="group"``). An
 agent that acts only sometimes — a repair, fallback or critic agent that runs after a failure — has
-groups that hold one or two of its calls and no spread by construction, so under
+groups that hold one or two of its calls and no spread by construction (a branch group, K continuations
+at one of its calls from :mod:`agl.trainer.branching`, is compared within itself), so under
 ``agent_baseline="auto"`` (the default) it is normalised over all of its calls in the step instead
 (``"step"``): ``A_ij = (G_ij - mean G) / (std G + eps)`` over that agent's credited returns ``G``,
 intermediate rewards included (its own outcome: AIR's penalty on a failed query it wrote, or a reward
@@ -43,6 +44,7 @@ from agl.adapter.air_rules import _returns as _credited
 from agl.adapter.air_rules import credit_returns
 from agl.config import UpdateSettings, check_number
 from agl.errors import UsageError
+from agl.semconv import BRANCH_GROUP_MARK
 
 if TYPE_CHECKING:
     from agl.types import Transition
@@ -257,7 +259,16 @@ def _agent_statistics(
         sizes[gid] = sizes.get(gid, 0) + 1
     stats: dict[str, GroupStats] = {}
     positions_of: dict[str, list[int]] = {}
-    for agent, part in parts.items():
+    for agent, whole in parts.items():
+        # a branch group's members share the agent's prompt (agl.trainer.branching): compared together
+        branch = {k: ps for k, ps in whole.items() if _is_branch(transitions[ps[0]])}
+        part = {k: ps for k, ps in whole.items() if k not in branch}
+        s, pos = _statistics(transitions, returns, branch, cfg)
+        for gid, gs in s.items():
+            stats[f"{gid}@{agent}"] = replace(gs, group_id=f"{gid}@{agent}", agent=agent)
+            positions_of[f"{gid}@{agent}"] = pos[gid]
+        if not part:
+            continue
         if agent_baseline(cfg.agent_baseline, transitions, part, sizes) == "step":
             key = f"step@{agent}"
             step, positions_of[key] = _step_statistics(key, transitions, returns, part)
@@ -269,6 +280,10 @@ def _agent_statistics(
             stats[key] = replace(gs, group_id=key, agent=agent)
             positions_of[key] = pos[gid]
     return stats, positions_of
+
+
+def _is_branch(t: Transition) -> bool:
+    return t.group_id is not None and BRANCH_GROUP_MARK in t.group_id
 
 
 def agent_baseline(
@@ -359,7 +374,7 @@ def compute_advantages(
     for gid, gs in stats.items():
         if per_agent:
             baselines[gs.agent or ""] = gs.baseline
-        if gs.baseline == "group" and gs.rollouts != cfg.group_size:
+        if gs.baseline == "group" and gs.rollouts != cfg.group_size and BRANCH_GROUP_MARK not in gid:
             incomplete += 1
         if gs.zero_variance:
             zero_groups += 1
