@@ -23,7 +23,8 @@ With an adapter per agent (``per_agent=True``) each agent is compared with itsel
 in every rollout of its groups is normalised per task group as above (``agent_baseline="group"``). An
 agent that acts only sometimes — a repair, fallback or critic agent that runs after a failure — has
 groups that hold one or two of its calls and no spread by construction (a branch group, K continuations
-at one of its calls from :mod:`agl.trainer.branching`, is compared within itself), so under
+at one of its calls from :mod:`agl.trainer.branching`, is compared within itself on the agent's
+credited returns, as below), so under
 ``agent_baseline="auto"`` (the default) it is normalised over all of its calls in the step instead
 (``"step"``): ``A_ij = (G_ij - mean G) / (std G + eps)`` over that agent's credited returns ``G``,
 intermediate rewards included (its own outcome: AIR's penalty on a failed query it wrote, or a reward
@@ -184,7 +185,8 @@ class GroupStats:
     std: float
     zero_variance: bool
     final_reward_mean: float
-    #: "group" (one task's rollouts) or "step" (all of one agent's calls in the step)
+    #: "group" (one task's rollouts), "step" (all of one agent's calls in the step) or "branch" (one
+    #: agent's calls in the K continuations of one of its calls: agl.trainer.branching)
     baseline: str = "group"
     #: the agent whose calls these are, with an adapter per agent
     agent: str | None = None
@@ -260,13 +262,17 @@ def _agent_statistics(
     stats: dict[str, GroupStats] = {}
     positions_of: dict[str, list[int]] = {}
     for agent, whole in parts.items():
-        # a branch group's members share the agent's prompt (agl.trainer.branching): compared together
-        branch = {k: ps for k, ps in whole.items() if _is_branch(transitions[ps[0]])}
-        part = {k: ps for k, ps in whole.items() if k not in branch}
-        s, pos = _statistics(transitions, returns, branch, cfg)
-        for gid, gs in s.items():
-            stats[f"{gid}@{agent}"] = replace(gs, group_id=f"{gid}@{agent}", agent=agent)
-            positions_of[f"{gid}@{agent}"] = pos[gid]
+        # a branch group's members share the agent's prompt (agl.trainer.branching): compared together,
+        # on the agent's credited returns (its own outcome, as under the step baseline)
+        branches: dict[str, dict[tuple[str, int], list[int]]] = {}
+        for k, ps in whole.items():
+            if _is_branch(transitions[ps[0]]):
+                branches.setdefault(_group_key(transitions[ps[0]]), {})[k] = ps
+        for gid, members in branches.items():
+            key = f"{gid}@{agent}"
+            gs, positions_of[key] = _step_statistics(key, transitions, returns, members)
+            stats[key] = replace(gs, agent=agent, baseline="branch")
+        part = {k: ps for k, ps in whole.items() if not _is_branch(transitions[ps[0]])}
         if not part:
             continue
         if agent_baseline(cfg.agent_baseline, transitions, part, sizes) == "step":
@@ -310,7 +316,8 @@ def _step_statistics(
     returns: Sequence[float],
     part: dict[tuple[str, int], list[int]],
 ) -> tuple[GroupStats, list[int]]:
-    """One agent's calls in the step as one group: mean/std of their credited returns."""
+    """One agent's calls in ``part`` (all of its calls in the step, or those of one branch group) as
+    one group: mean/std of their credited returns."""
     positions = [p for ps in part.values() for p in ps]
     mean, std = _mean_std([returns[p] for p in positions])
     finals = [transitions[ps[0]].final_reward for ps in part.values()]
@@ -374,7 +381,7 @@ def compute_advantages(
     for gid, gs in stats.items():
         if per_agent:
             baselines[gs.agent or ""] = gs.baseline
-        if gs.baseline == "group" and gs.rollouts != cfg.group_size and BRANCH_GROUP_MARK not in gid:
+        if gs.baseline == "group" and gs.rollouts != cfg.group_size:
             incomplete += 1
         if gs.zero_variance:
             zero_groups += 1
