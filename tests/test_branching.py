@@ -145,3 +145,29 @@ def test_bad_branch_settings_are_usage_errors() -> None:
     with pytest.raises(UsageError, match="synchronous loop only"):
         LoopConfig(branches=4, max_staleness=1)
     assert LoopConfig(branches=2).branches == 2
+
+
+def test_a_branch_group_is_compared_within_itself_on_the_agents_own_outcome() -> None:
+    """Per agent, K branches at the rewriter's call form one group normalised on its credited returns:
+    no branch rescued the task (equal final rewards), but the rewrite that ran beats the copies AIR
+    penalised again; the rewriter's other calls keep their rule, the writer its task groups."""
+    from agl.algorithms.lightning_rl import LightningRL, compute_advantages
+    from agl.types import Transition
+
+    def tr(rid: str, agent: str, group: str, index: int, final: float, inter: float = 0.0) -> Transition:
+        return Transition(rollout_id=rid, attempt=1, index=index, agent=agent, group_id=group,
+                          prompt_ids=(1,), response_ids=(2,), final_reward=final, intermediate_reward=inter,
+                          reward=final + inter)  # fmt: skip
+
+    ts = [tr(f"a{i}", "writer", "q-s0", 0, float(i % 2)) for i in range(4)]
+    ts.append(tr("a0", "rewriter", "q-s0", 1, 0.0, -0.1))
+    branch = "q-s0" + sc.BRANCH_GROUP_MARK + "a0:1"
+    ts += [tr(f"b{i}", "rewriter", branch, 1, 0.0, 0.0 if i == 0 else -0.1) for i in range(K)]
+    adv, stats = compute_advantages(ts, LightningRL(group_size=4), per_agent=True, include_intermediate=None)
+    branched = [a for t, a in zip(ts, adv, strict=True) if t.group_id == branch]
+    assert branched[0] > 0.0 and all(a < 0.0 for a in branched[1:])
+    assert stats["agent_baselines"] == {"writer": "group", "rewriter": "step"}
+    assert stats["incomplete_groups"] == 0, "a branch group of K is not an incomplete task group"
+    # a shared policy: a GRPO group like any other, on final rewards at rollout level (all 0 here)
+    shared, _ = compute_advantages(ts, LightningRL(group_size=4), include_intermediate=None)
+    assert [a for t, a in zip(ts, shared, strict=True) if t.group_id == branch] == [0.0] * K
