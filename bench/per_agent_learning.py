@@ -21,7 +21,9 @@ skipped (bench/_matrix.py). Seeds fixed here.
 
 With ``--repairs N`` the oracle's demonstrations also show repairs (``dev --oracle --repairs N``: the
 writer's query broken, the rewriter's fix), so the warm start covers the rewriter too; its runs are
-named ``*_rN_*`` and kept apart from the others.
+named ``*_rN_*`` and kept apart from the others. With ``--branches K`` the runs branch the rewriter
+at its call where a question's group leaves it no signal (``train --branches K``, issue 56); they are
+named ``*_bK_*`` and compared with the same warm start.
 
 Per run: held-out after, wall time and load; per setup: mean, seed range, and whether the mean gain
 over the warm start exceeds twice the seed range (the project's bar for an RL result). The warm start's
@@ -133,8 +135,20 @@ def summarise(run_dir: Path) -> dict[str, Any]:
             "trained": trained_per_agent(run_dir)}  # fmt: skip
 
 
-def report(root: Path, repairs: int = 0) -> list[dict[str, Any]]:
-    """The table of every finished run in ``root``; the bar and the plot for the runs of ``repairs``."""
+def _mine(setup: str, tag: str, btag: str) -> str | None:
+    """``setup`` without its tags when it is a run of these repairs (``tag``) and branches (``btag``;
+    the warm start carries ``tag`` only), else None."""
+    if setup.startswith("warm"):
+        ok = setup.endswith(tag) if tag else "_r" not in setup
+        return setup[: len(setup) - len(tag)] if ok else None
+    if not (setup.endswith(tag + btag) and (tag or "_r" not in setup) and (btag or "_b" not in setup)):
+        return None
+    return setup[: len(setup) - len(tag + btag)]
+
+
+def report(root: Path, repairs: int = 0, branches: int = 0) -> list[dict[str, Any]]:
+    """The table of every finished run in ``root``; the bar and the plot for the runs of ``repairs``
+    (and ``branches``)."""
     rows = [summarise(d) for d in sorted(root.iterdir()) if d.is_dir() and finished(d)]
     print(
         "| run | held-out (90) | rescued / repaired (held-out) | trained per agent | steps | wall min | load |"
@@ -146,12 +160,8 @@ def report(root: Path, repairs: int = 0) -> list[dict[str, Any]]:
             f"| {r['run']} | {fmt(r['val_after'])} | {r['rescued']} / {r['repaired']} | {trained} | "
             f"{r['steps']} | {r['wall_s'] / 60:.1f} | {r['load'][0]:.1f}–{r['load'][1]:.1f} |"
         )
-    tag = _tag(repairs)
-    mine = [
-        {**r, "setup": r["setup"][: -len(tag)] if tag else r["setup"]}
-        for r in rows
-        if (r["setup"].endswith(tag) if tag else "_r" not in r["setup"])
-    ]
+    tag, btag = _tag(repairs), (f"_b{branches}" if branches else "")
+    mine = [{**r, "setup": base} for r in rows if (base := _mine(r["setup"], tag, btag)) is not None]
     for setup in SETUPS:
         after = [r["val_after"] for r in mine if r["setup"] == setup and r["val_after"] is not None]
         warm = [r["val_after"] for r in mine if r["setup"] == "warm_shared" and r["val_after"] is not None]
@@ -168,7 +178,7 @@ def report(root: Path, repairs: int = 0) -> list[dict[str, Any]]:
         print(line)
     (root / "summary.json").write_text(json.dumps(rows, indent=1))
     if mine:
-        plot(mine, root / f"per_agent_learning{tag}.png")
+        plot(mine, root / f"per_agent_learning{tag}{btag}.png")
     return rows
 
 
@@ -199,6 +209,10 @@ def main() -> None:
         "--repairs", type=int, default=0, metavar="N", help="demonstrations with a repair every N questions"
     )
     parser.add_argument("--warm-only", action="store_true", help="build and check the warm start, no RL runs")
+    parser.add_argument(
+        "--branches", type=int, default=0, metavar="K",
+        help="train --branches K: K rewriter continuations where its group has no signal (runs *_bK_*)",
+    )  # fmt: skip
     args = parser.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
     if args.build_warm_start:
@@ -209,11 +223,12 @@ def main() -> None:
             raise SystemExit(f"no warm start in {args.root}: run with --build-warm-start first")
         for seed in args.seeds:
             for setup in args.setups:
-                run_dir = args.root / f"{setup}{_tag(args.repairs)}_s{seed}"
-                extra = ["--seed", str(seed), *RECIPE]
+                btag = f"_b{args.branches}" if args.branches else ""
+                run_dir = args.root / f"{setup}{_tag(args.repairs)}{btag}_s{seed}"
+                extra = ["--seed", str(seed), *RECIPE, *(["--branches", str(args.branches)] if btag else [])]
                 cmd = _train(args.threads, warm, run_dir, setup == "per_agent", extra)
                 run_once(run_dir, cmd, f"{setup} seed={seed}")
-    report(args.root, args.repairs)
+    report(args.root, args.repairs, args.branches)
 
 
 if __name__ == "__main__":

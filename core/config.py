@@ -263,6 +263,14 @@ class LoopConfig:
             "reward variance (0: off)"
         ),
     )
+    branches: int = field(
+        default=0,
+        metadata=_help(
+            "branching: K continuations sampled at the call of an agent that acted in only some rollouts "
+            "of a group and has no reward spread there, the calls before it replayed (needs "
+            "@agl.rollout(replayable=True); 0: off)"
+        ),
+    )
     checkpoint_every: int = field(
         default=0, metadata=_help("save a checkpoint every N steps (0: at the end)")
     )
@@ -336,6 +344,11 @@ class LoopConfig:
                 f"got {self.dynamic_sampling!r}"
             )
         _check_count("max_staleness", self.max_staleness)
+        b = self.branches
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0 or b == 1:
+            raise UsageError(f"branches must be 0 (off) or an integer >= 2 (continuations), got {b!r}")
+        if self.max_staleness and self.branches:
+            raise UsageError("branches works on the synchronous loop only: use it with max_staleness=0")
         if self.off_policy not in ("drop", "tis"):
             raise UsageError(f"off_policy must be 'drop' or 'tis', got {self.off_policy!r}")
         check_number("LoopConfig", "tis_cap", self.tis_cap, lo=1.0)

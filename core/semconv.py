@@ -94,6 +94,14 @@ SEED_SOURCE_AGENT = "agent"
 # place in the run, and that place ("<mode>:s<step>[r<round>]/t<task position>/m<group member>")
 ROLLOUT_SEED_KEY = "agl.seed"
 ROLLOUT_PLACE_KEY = "agl.place"
+# branching at a call (agl.trainer.branching, agl.gateway.replay): a branch rollout's metadata names its
+# parent rollout, the parent's attempt, the branch call's index in it, the agent and the branch member;
+# the gateway replays the parent's calls before that index (their spans carry ``agl.llm.replayed``) and
+# samples the branch call afresh (``agl.llm.branch_point``); a branch group's id carries BRANCH_GROUP_MARK
+ROLLOUT_BRANCH_KEY = "agl.branch"
+AGL_LLM_REPLAYED = "agl.llm.replayed"
+AGL_LLM_BRANCH_POINT = "agl.llm.branch_point"
+BRANCH_GROUP_MARK = ":branch:"
 
 AGL_REWARD_VALUE = "agl.reward.value"
 AGL_REWARD_NAME = "agl.reward.name"

@@ -22,7 +22,9 @@ reward ``R_i`` and intermediate rewards ``r_ij``:
 With an adapter per agent (``per_agent=True``) each agent is compared with itself. An agent that acts
 in every rollout of its groups is normalised per task group as above (``agent_baseline="group"``). An
 agent that acts only sometimes — a repair, fallback or critic agent that runs after a failure — has
-groups that hold one or two of its calls and no spread by construction, so under
+groups that hold one or two of its calls and no spread by construction (a branch group, K continuations
+at one of its calls from :mod:`agl.trainer.branching`, is compared within itself on the agent's
+credited returns, as below), so under
 ``agent_baseline="auto"`` (the default) it is normalised over all of its calls in the step instead
 (``"step"``): ``A_ij = (G_ij - mean G) / (std G + eps)`` over that agent's credited returns ``G``,
 intermediate rewards included (its own outcome: AIR's penalty on a failed query it wrote, or a reward
@@ -43,6 +45,7 @@ from agl.adapter.air_rules import _returns as _credited
 from agl.adapter.air_rules import credit_returns
 from agl.config import UpdateSettings, check_number
 from agl.errors import UsageError
+from agl.semconv import BRANCH_GROUP_MARK
 
 if TYPE_CHECKING:
     from agl.types import Transition
@@ -182,7 +185,8 @@ class GroupStats:
     std: float
     zero_variance: bool
     final_reward_mean: float
-    #: "group" (one task's rollouts) or "step" (all of one agent's calls in the step)
+    #: "group" (one task's rollouts), "step" (all of one agent's calls in the step) or "branch" (one
+    #: agent's calls in the K continuations of one of its calls: agl.trainer.branching)
     baseline: str = "group"
     #: the agent whose calls these are, with an adapter per agent
     agent: str | None = None
@@ -257,7 +261,20 @@ def _agent_statistics(
         sizes[gid] = sizes.get(gid, 0) + 1
     stats: dict[str, GroupStats] = {}
     positions_of: dict[str, list[int]] = {}
-    for agent, part in parts.items():
+    for agent, whole in parts.items():
+        # a branch group's members share the agent's prompt (agl.trainer.branching): compared together,
+        # on the agent's credited returns (its own outcome, as under the step baseline)
+        branches: dict[str, dict[tuple[str, int], list[int]]] = {}
+        for k, ps in whole.items():
+            if _is_branch(transitions[ps[0]]):
+                branches.setdefault(_group_key(transitions[ps[0]]), {})[k] = ps
+        for gid, members in branches.items():
+            key = f"{gid}@{agent}"
+            gs, positions_of[key] = _step_statistics(key, transitions, returns, members)
+            stats[key] = replace(gs, agent=agent, baseline="branch")
+        part = {k: ps for k, ps in whole.items() if not _is_branch(transitions[ps[0]])}
+        if not part:
+            continue
         if agent_baseline(cfg.agent_baseline, transitions, part, sizes) == "step":
             key = f"step@{agent}"
             step, positions_of[key] = _step_statistics(key, transitions, returns, part)
@@ -269,6 +286,10 @@ def _agent_statistics(
             stats[key] = replace(gs, group_id=key, agent=agent)
             positions_of[key] = pos[gid]
     return stats, positions_of
+
+
+def _is_branch(t: Transition) -> bool:
+    return t.group_id is not None and BRANCH_GROUP_MARK in t.group_id
 
 
 def agent_baseline(
@@ -295,7 +316,8 @@ def _step_statistics(
     returns: Sequence[float],
     part: dict[tuple[str, int], list[int]],
 ) -> tuple[GroupStats, list[int]]:
-    """One agent's calls in the step as one group: mean/std of their credited returns."""
+    """One agent's calls in ``part`` (all of its calls in the step, or those of one branch group) as
+    one group: mean/std of their credited returns."""
     positions = [p for ps in part.values() for p in ps]
     mean, std = _mean_std([returns[p] for p in positions])
     finals = [transitions[ps[0]].final_reward for ps in part.values()]

@@ -62,6 +62,7 @@ from agl.gateway.protocol import (
     responses_body,
     responses_to_generation,
 )
+from agl.gateway.replay import Replays
 from agl.gateway.sampling import SamplingLimits
 from agl.gateway.seeds import CallSeeds
 from agl.gateway.spans import DriftTracker, SpanWriter, build_chat_spans, parse_trace_headers
@@ -123,6 +124,8 @@ class Gateway:
         self._in_flight = 0  # calls between their request and their span (the writer batches overlaps)
         #: each call of a seeded rollout gets a seed from the rollout's and its place (agl.gateway.seeds)
         self.seeds = CallSeeds(store)
+        #: a branch rollout's calls before its branch call are answered from its parent's record
+        self.replays = Replays(store)
         self._swap_lock = asyncio.Lock()
         #: why the app's startup failed (a backend that would not start, a --serve target that names
         #: no adapter), for the one who started it: uvicorn itself reports only that it failed
@@ -151,6 +154,14 @@ class Gateway:
         if any(chars is None for chars in limits):
             return self.max_body_bytes
         return min(self.max_body_bytes, 12 * max(limits) + (1 << 20))  # type: ignore[type-var]
+
+    async def _number(self, gen: GenerationRequest) -> None:
+        """Index and seed (agl.gateway.seeds); replayed or branch call (agl.gateway.replay)."""
+        await self.seeds.assign(gen)
+        await self.replays.prepare(gen)
+
+    def _streams(self, gen: GenerationRequest) -> bool:  # a replayed call has nothing to stream
+        return self._backend(gen).streams and gen.replay is None
 
     def _backend(self, gen: GenerationRequest) -> Backend:
         """The backend that serves ``gen`` (chosen by :meth:`_route`)."""
@@ -257,8 +268,8 @@ class Gateway:
         """Generate; a client that disconnects first cancels the generation."""
         backend = self._check_model(gen)
         self._check_prompt_size(gen)
-        if not backend.cancellable:
-            return await backend.generate(gen)
+        if gen.replay is not None or not backend.cancellable:  # replayed: the parent's response
+            return gen.replay or await backend.generate(gen)
         # generate in this task; a watcher cancels it when the client disconnects (one extra task,
         # not two: this is on every request's path)
         me = asyncio.current_task()
@@ -383,9 +394,9 @@ class Gateway:
             req = parse_request(ChatCompletionRequest, body)
             rollout, trace_id, parent_id = self._context(request)
             gen = self._route(request, req.to_generation(rollout, body))
-            await self.seeds.assign(gen)
+            await self._number(gen)
             response_id = new_id("chatcmpl")
-            if req.stream and self._backend(gen).streams:
+            if req.stream and self._streams(gen):
                 events, first, start_ns = await self._open_stream(gen, (trace_id, parent_id), response_id)
                 tracked = self._tracked(gen, events, (trace_id, parent_id), start_ns, response_id)
                 return StreamingResponse(
@@ -523,7 +534,7 @@ class Gateway:
             req = parse_request(CompletionRequest, body)
             rollout, trace_id, parent_id = self._context(request)
             gen = self._route(request, req.to_generation(rollout, body))
-            await self.seeds.assign(gen)
+            await self._number(gen)
             response_id = new_id("cmpl")
             result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
         except ApiError as exc:
@@ -545,10 +556,10 @@ class Gateway:
             req = parse_request(ResponsesRequest, body)
             rollout, trace_id, parent_id = self._context(request)
             gen = self._route(request, responses_to_generation(req, rollout))
-            await self.seeds.assign(gen)
+            await self._number(gen)
             response_id = new_id("resp")
             created = time.time()
-            if req.stream and self._backend(gen).streams:
+            if req.stream and self._streams(gen):
                 events, _, start_ns = await self._open_stream(gen, (trace_id, parent_id), response_id)
                 tracked = self._tracked(gen, events, (trace_id, parent_id), start_ns, response_id)
                 return StreamingResponse(
@@ -576,10 +587,10 @@ class Gateway:
             req = anthropic.parse(body)
             rollout, trace_id, parent_id = self._context(request)
             gen = self._route(request, anthropic.to_generation(req, body, rollout))
-            await self.seeds.assign(gen)
+            await self._number(gen)
             message_id = new_id("msg")
             trace = (trace_id, parent_id)
-            if req.stream and self._backend(gen).streams:
+            if req.stream and self._streams(gen):
                 events, first, start_ns = await self._open_stream(gen, trace, message_id)
                 tracked = self._tracked(gen, events, trace, start_ns, message_id)
                 prompt_tokens = len(first.get("prompt_ids") or ()) or None
@@ -633,19 +644,10 @@ class Gateway:
             self._auth(request)
         except ApiError as exc:
             return _error(exc)
-        return Response(
-            sse.dumps(
-                {
-                    "backend": self.backend.name,
-                    "models": self.names.listed(),
-                    "model_names": self.names.describe(),
-                    "weight_version": self.backend.weight_version,
-                    "exact": self.backend.exact,
-                    "stats": dict(self.stats),
-                }
-            ),
-            media_type="application/json",
-        )
+        b, names = self.backend, self.names
+        body = {"backend": b.name, "models": names.listed(), "model_names": names.describe()}
+        body.update(weight_version=b.weight_version, exact=b.exact, stats=dict(self.stats))
+        return Response(sse.dumps(body), media_type="application/json")
 
     async def _swap(
         self,

@@ -227,6 +227,10 @@ def _request_attrs(
         base[sc.AGL_LLM_SEED_SOURCE] = request.seed_source or sc.SEED_SOURCE_AGENT
     if request.call_index is not None:
         base[sc.AGL_LLM_CALL_INDEX] = int(request.call_index)
+    if request.replay is not None:  # a branch rollout's call answered from its parent's (agl.gateway.replay)
+        base[sc.AGL_LLM_REPLAYED] = True
+    if request.branch_point:
+        base[sc.AGL_LLM_BRANCH_POINT] = True
     if request.temperature is not None:
         base[sc.GEN_AI_REQUEST_TEMPERATURE] = float(request.temperature)
     if request.top_p is not None:

@@ -81,13 +81,25 @@ class RolloutFunction:
     reward (a number) or None. Calling the decorated object directly calls the function unchanged.
     """
 
-    def __init__(self, fn: AgentFn, *, timeout_s: float | None = None, name: str | None = None) -> None:
+    def __init__(
+        self,
+        fn: AgentFn,
+        *,
+        timeout_s: float | None = None,
+        name: str | None = None,
+        replayable: bool = False,
+    ) -> None:
         if not callable(fn):
             raise TypeError(f"@agl.rollout needs a function, got {type(fn).__name__}")
         if timeout_s is not None and (not math.isfinite(timeout_s) or timeout_s <= 0):
             raise UsageError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        if not isinstance(replayable, bool):
+            raise UsageError(f"replayable must be True or False, got {replayable!r}")
         self.fn = fn
         self.timeout_s = timeout_s
+        #: the function is deterministic given the LLM's responses: the trainer may branch it at a call
+        #: (agl.trainer.branching), the gateway replaying the calls before it (agl.gateway.replay)
+        self.replayable = replayable
         self.name = name or getattr(fn, "__name__", "agent")
         self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(fn, "__call__", None)  # noqa: B004 - async callable objects
@@ -121,15 +133,24 @@ def _takes_two(fn: AgentFn) -> bool:
     return len(params) >= 2
 
 
-def rollout(fn: AgentFn | None = None, *, timeout_s: float | None = None, name: str | None = None) -> Any:
+def rollout(
+    fn: AgentFn | None = None,
+    *,
+    timeout_s: float | None = None,
+    name: str | None = None,
+    replayable: bool = False,
+) -> Any:
     """Mark a function as an agl agent: ``@agl.rollout`` or ``@agl.rollout(timeout_s=60)``.
 
     The function is called as ``fn(task_input, resources)`` (or ``fn(task_input)``), sync or async,
-    and returns a reward or None (rewards emitted with ``agl.emit_reward``).
+    and returns a reward or None (rewards emitted with ``agl.emit_reward``). ``replayable=True``
+    declares it deterministic given the LLM's responses (same task and same replies: the same calls,
+    in the same order, with the same messages), which lets the trainer branch it at a call
+    (``LoopConfig.branches``, :mod:`agl.trainer.branching`).
     """
     if fn is None:
-        return lambda f: RolloutFunction(f, timeout_s=timeout_s, name=name)
-    return RolloutFunction(fn, timeout_s=timeout_s, name=name)
+        return lambda f: RolloutFunction(f, timeout_s=timeout_s, name=name, replayable=replayable)
+    return RolloutFunction(fn, timeout_s=timeout_s, name=name, replayable=replayable)
 
 
 def _as_rollout_function(agent: AgentFn | RolloutFunction) -> RolloutFunction:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from agl.adapter.air_rules import agent_rewards, reward_split
 from agl.run.metrics import engine_share
 from agl.run.served import prove_calls
+from agl.trainer.branching import Branching
 from agl.trainer.order import TaskOrder
 from agl.trainer.sampling import resample
 from agl.trainer.steps import Steps
@@ -41,6 +42,8 @@ class SyncSchedule:
         self.steps = steps
         self.train_tasks = train_tasks
         self.order = TaskOrder(len(train_tasks), trainer.loop.seed)
+        #: K continuations at the call of an agent left without a signal (agl.trainer.branching)
+        self.branching = Branching(trainer.loop.branches, trainer.agent_fn) if trainer.loop.branches else None
 
     def draw(self, k: int) -> list[Task]:
         return [self.train_tasks[i] for i in self.order.take(k)]
@@ -90,9 +93,13 @@ class SyncSchedule:
                 bar,
                 self.draw,
             )
+        branched: dict[str, Any] = {}
+        if batch and self.branching is not None:
+            collected = (transitions, rewards, finished)
+            ids, branched = self.branching.after_collect(s, step, version, ids, collected, bar, sampled)
         rollout_s = time.perf_counter() - t0
         t.checks.adapted(step, t.adapter.stats.since(stats_before), t.adapter.agents)
-        record: dict[str, Any] = {"step": step, "resources_version": version}
+        record: dict[str, Any] = {"step": step, "resources_version": version, **branched}
         if batch:  # judge scores -> the trained reward, judge-gated AIR (agl.trainer.rewarding)
             transitions, rewards, judged = t.rewarding.assemble(t.store, ids, transitions, rewards)
             record.update(judged)

@@ -153,6 +153,8 @@ class Trainer:
         self.checks = StepChecks()
         self.policy: Any = None
         self.env: Environment | None = None
+        #: the rollout function of the run in progress (fit/dev set it)
+        self.agent_fn: Any = None
         self._tokenizer: Any = None
         from agl.trainer.rewarding import RewardAssembly
 
@@ -199,6 +201,7 @@ class Trainer:
         from agl.adapter import Adapter
         from agl.run.environment import Environment
 
+        self.agent_fn = agent  # the rollout function (branching reads its replay contract)
         env = self.env = Environment(self.serving)
         env.open_store()
         s = self.serving

@@ -12,7 +12,10 @@ tried. The checker's verdict comes from SQLite itself, not from a model, so a sm
 never send a correct query back for rewriting.
 
 The only agl code is in :func:`make_rollout`: ``agl.instrument()`` and the rollout function that
-builds the graph on the endpoint the trainer hands it and returns the execution-match reward.
+builds the graph on the endpoint the trainer hands it and returns the execution-match reward. It is
+declared ``replayable``: given the same LLM replies it makes the same calls with the same messages (the
+checker's verdict comes from SQLite), so ``train --branches K`` can sample the rewriter K times from
+one failed query's prompt.
 When ``execute_sql`` fails its ``execute_tool`` span is ERROR, and AIR penalises the LLM call that
 wrote the failing query (the latest call before the tool ran: the writer's or the rewriter's).
 """
@@ -112,7 +115,9 @@ def make_rollout(data_dir: str | os.PathLike[str] | None = None) -> Any:
 
     agl.instrument("openai", "langchain")
 
-    @agl.rollout
+    # deterministic given the LLM's replies (SQLite decides the checker's verdict): the trainer may
+    # branch it at the rewriter's call (train --branches K, agl.trainer.branching)
+    @agl.rollout(replayable=True)
     def sql_agent(task: dict[str, Any], resources: agl.Resources) -> float:
         llm = resources.llm
         sampling = llm.sampling

@@ -9,7 +9,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from agl.config import LoopConfig
 from examples._cli import (
+    add_config_options,
     checkpointing_arg,
     example_parser,
     oracle_backend,
@@ -38,6 +40,17 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="with --oracle: every Nth question the writer breaks the gold query (a wrong column, a "
         "missing join, a wrong function) and the rewriter fixes it: repair demonstrations (0: none)",
+    )
+    add_config_options(
+        sub.choices["train"],
+        LoopConfig,
+        ["branches"],
+        branches={
+            "metavar": "K",
+            "help": "K rewriter continuations at its call where a question's group leaves it no signal "
+            "(it acted once, or its calls scored alike): the writer's call replayed through the gateway, "
+            "the rewriter's sampled K times (0: off; agl.trainer.branching)",
+        },
     )
     return p
 

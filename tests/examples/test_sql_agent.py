@@ -375,3 +375,49 @@ def test_the_oracle_demonstrates_repairs(data_dir: Path, tmp_path: Path) -> None
                 ["--data-dir", str(data_dir), "dev", "--backend", "scripted", "--repairs", "2"]
             )
         )
+
+
+def test_the_agent_branches_at_the_rewriters_call(data_dir: Path) -> None:
+    """sql_agent keeps the replay contract (issue 56): branched at the rewriter's call, the LangGraph app
+    asks the gateway the writer's call again (answered from the parent's record, not the model) and the
+    rewriter the very same prompt; the branches finish live and score."""
+    pytest.importorskip("langgraph")
+    pytest.importorskip("langchain_openai")
+    pytest.importorskip("transformers")  # the scripted backend tokenises with it
+    import agl
+    import agl.store
+    from agl import semconv as sc
+    from agl.adapter import Adapter
+    from agl.gateway.testing import ScriptedBackend, serve_gateway
+    from agl.runner import Runner
+    from agl.trainer.branching import enqueue_branches, without_replayed
+    from agl.types import LLM, NewRollout
+    from examples.sql_agent.agent import make_rollout
+    from examples.sql_agent.scripted import ScriptedSQL, behaviour
+
+    task = next(t for t in data.load_tasks("train", data_dir) if behaviour(t) == "fixed")
+    store = agl.store.open("memory://")
+    agent = make_rollout(data_dir)
+    assert agent.replayable
+    try:
+        with serve_gateway(ScriptedBackend(ScriptedSQL(data_dir)), store) as url:
+            store.add_resources({"llm": LLM(base_url=str(url), model="m")})
+            store.enqueue(
+                [NewRollout(id="parent", input=task, group_id="q-s0", metadata={sc.ROLLOUT_SEED_KEY: 1})]
+            )
+            Runner(agent, store).run(until_idle=True)
+            ids = enqueue_branches(store, "parent", 1, 3)
+            Runner(agent, store, concurrency=3).run(until_idle=True)
+            replayed = url.gateway.replays.replayed
+    finally:
+        agl.uninstrument()
+    assert replayed == 3, "each branch's writer call came from the parent's record"
+    adapter = Adapter(agents=["writer", "rewriter"])
+    parent = adapter.from_store(store, [store.get_rollout("parent")])
+    assert [t.agent for t in parent] == ["writer", "rewriter"]
+    for rid in ids:
+        r = store.get_rollout(rid)
+        assert r.status == "succeeded"
+        ts = without_replayed(store, r, adapter.from_store(store, [r]))
+        assert [t.agent for t in ts] == ["rewriter"] and ts[0].final_reward == 1.0
+        assert ts[0].prompt_ids == parent[1].prompt_ids, "the rewriter's prompt, token for token"

@@ -84,6 +84,10 @@ class GenerationRequest:
     requested_model: str | None = None
     #: the backend that serves the request (set by the gateway; None: its policy backend)
     served_by: Any = field(default=None, repr=False, compare=False)
+    #: a branch rollout's call before its branch call: the parent's recorded response, served instead
+    #: of generating; ``branch_point``: the branch call itself, sampled afresh (agl.gateway.replay)
+    replay: Any = field(default=None, repr=False, compare=False)
+    branch_point: bool = False
 
 
 @dataclass
