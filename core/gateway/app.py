@@ -49,6 +49,7 @@ from agl.gateway.backends.base import (
     UpstreamError,
 )
 from agl.gateway.chat_format import content_chars
+from agl.gateway.disconnect import ClientGone, cancel_on_disconnect
 from agl.gateway.model_names import ModelNames, Served
 from agl.gateway.protocol import (
     ApiError,
@@ -193,7 +194,7 @@ class Gateway:
         try:
             raw = await request.body()
         except ClientDisconnect:
-            raise _ClientGone("the client went away while sending the body") from None
+            raise ClientGone("the client went away while sending the body") from None
         if len(raw) > limit:
             raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
         try:
@@ -274,7 +275,7 @@ class Gateway:
         # not two: this is on every request's path)
         me = asyncio.current_task()
         gone: list[bool] = []
-        watch = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request, me, gone))
+        watch = asyncio.get_running_loop().create_task(cancel_on_disconnect(request, me, gone))
         try:
             return await backend.generate(gen)
         except asyncio.CancelledError:
@@ -283,7 +284,7 @@ class Gateway:
             if hasattr(me, "uncancel"):  # Python >= 3.11: this cancellation is handled here
                 me.uncancel()  # type: ignore[union-attr]
             self.stats["cancelled_calls"] += 1
-            raise _ClientGone("the client disconnected before the reply; generation cancelled") from None
+            raise ClientGone("the client disconnected before the reply; generation cancelled") from None
         finally:
             watch.cancel()
 
@@ -308,7 +309,7 @@ class Gateway:
         self._in_flight += 1
         try:
             result = await self._run(request, gen)
-        except _ClientGone as exc:  # cancelled: recorded as an ERROR span
+        except ClientGone as exc:  # cancelled: recorded as an ERROR span
             error = exc
             raise
         except ApiError:
@@ -405,7 +406,7 @@ class Gateway:
             result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
         except ApiError as exc:
             return _error(exc)
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         tokens = None
         if req.logprobs:
@@ -482,7 +483,7 @@ class Gateway:
                 raise BackendError("the backend's stream ended without a result")
         except (asyncio.CancelledError, GeneratorExit):
             self.stats["cancelled_calls"] += 1
-            error = _ClientGone("the client disconnected mid-stream; generation cancelled")
+            error = ClientGone("the client disconnected mid-stream; generation cancelled")
             raise
         except Exception as exc:  # noqa: BLE001 - the 200 is sent: the error goes into the stream
             api_error, error = self._api_error(exc, gen)
@@ -539,7 +540,7 @@ class Gateway:
             result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
         except ApiError as exc:
             return _error(exc)
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         payload = completion_body(result, response_id, return_token_ids=req.return_token_ids)
         if not req.stream:
@@ -568,7 +569,7 @@ class Gateway:
             result = await self._call(request, gen, trace=(trace_id, parent_id), response_id=response_id)
         except ApiError as exc:
             return _error(exc)
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         if not req.stream:
             return Response(
@@ -600,7 +601,7 @@ class Gateway:
             result = await self._call(request, gen, trace=trace, response_id=message_id)
         except ApiError as exc:
             return anthropic.error_response(exc)
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         if not req.stream:
             return Response(
@@ -624,7 +625,7 @@ class Gateway:
             _, ids = await tok.aencode_chat(messages, anthropic.chat_tools(body.get("tools")))
         except ApiError as exc:
             return anthropic.error_response(exc)
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         return Response(sse.dumps({"input_tokens": len(ids)}), media_type="application/json")
 
@@ -672,7 +673,7 @@ class Gateway:
                 new_version = await fn(body)
         except ApiError as exc:
             return _error(exc)
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=499)
         except (BackendError, FileNotFoundError, ValueError) as exc:
             return _error(ApiError(400, f"{what} failed: {exc}", code="swap_failed"))
@@ -722,19 +723,6 @@ class Gateway:
 
     async def not_found(self, request: Request) -> Response:
         return _error(ApiError(404, f"no route {request.method} {request.url.path}", code="unknown_url"))
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its reply was ready."""
-
-
-async def _cancel_on_disconnect(request: Request, task: Any, gone: list[bool]) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            gone.append(True)
-            task.cancel()
-            return
 
 
 def create_app(backend: Backend, store: Any = None, **kwargs: Any) -> Starlette:
