@@ -288,10 +288,11 @@ def test_overlapping_calls_share_commits_and_each_span_is_stored_before_its_repl
             t.join()
         assert gw.stats["spans_stored"] == 40
         assert gw.stats["span_writes"] < 40  # batched: fewer transactions than spans
+        # whether a call saw another in flight depends on how the requests interleaved: the writer
+        # thread may or may not have been needed (tests/gateway/test_span_writer.py makes it certain)
         thread = gw.writer._thread
-        assert thread is not None
     assert not missing
-    assert not thread.is_alive()  # close() stopped the writer thread
+    assert thread is None or not thread.is_alive()  # close() stopped the writer thread
     store.close()
 
 
