@@ -1,5 +1,6 @@
 """Training on several processes, for real: ``python -m torch.distributed.run`` (torchrun) or
-``accelerate launch`` starts 2 ranks of an ordinary script (tests/fixtures/distributed_worker.py) on the gloo backend, on CPU.
+``accelerate launch`` starts 2 ranks of an ordinary script (tests/fixtures/distributed_worker.py) on the gloo backend, on CPU,
+data-parallel (DDP) or sharded (FSDP2, asked for as accelerate asks: ``ACCELERATE_USE_FSDP``/``FSDP_VERSION``).
 
 Asserts: two ranks' update equals one process's on the same transitions and seed (LoRA, or all, weights within
 1e-5, the logged loss and gradient norm, the step's counts); a rank with no micro-batch does not hang
@@ -144,6 +145,76 @@ def test_two_ranks_update_equals_one_process(tmp_path: Path, one_sequence: bool,
     assert metrics["sequences"] == (1 if one_sequence else 7)
     if not (one_sequence or full):  # the groups' shared prompts ran once per rank's tree, not once per call
         assert metrics["tokens_packed"] < metrics["tokens_flat"]
+
+
+FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}  # what `accelerate launch --use_fsdp
+# --fsdp_version 2` puts in each process's environment; under torchrun the user sets them
+
+
+@pytest.mark.parametrize(
+    ("one_sequence", "full"),
+    [(False, False), (True, False), (False, True)],
+    ids=["lora", "rank-without-micro-batch", "full-parameter"],
+)
+def test_fsdp2_update_equals_one_process(tmp_path: Path, one_sequence: bool, full: bool) -> None:
+    """FSDP2 on two ranks (sharded parameters, gradients, optimizer state; agl applies fully_shard on
+    CPU where accelerate would fall back to DDP): the same whole weights, gathered on rank 0, the same
+    loss and gradient norm as one process, within 1e-4."""
+    _need_training()
+    extra = (["--one"] if one_sequence else []) + (["--full"] if full else [])
+    two = _start(["update", str(tmp_path / "two"), *extra], 2, **FSDP2)
+    one = _start(["update", str(tmp_path / "one"), *extra], 1)
+    _finish(one)
+    _, log = _finish(two)
+    assert "agl applies fully_shard itself" in log  # the fallback to DDP is not silent
+    _compare(tmp_path / "one", tmp_path / "two", 1e-4, lora=not full)
+
+
+def test_fsdp2_checkpoint_resumes_at_another_process_count(tmp_path: Path) -> None:
+    """A checkpoint saved under FSDP2 on 2 ranks resumes on 1 process, and one saved by 1 process
+    resumes under FSDP2 on 2 ranks: the step after the resume gives the weights of the run that went
+    on without stopping (Adam's moments included), within 1e-4."""
+    _need_training()
+    saves = [_start(["update", str(tmp_path / "two"), "--save"], 2, **FSDP2)]
+    saves.append(_start(["update", str(tmp_path / "one"), "--save"], 1))
+    for proc in saves:
+        _finish(proc)
+    ckpt = "ckpt/checkpoint-1"
+    loads = [_start(["update", str(tmp_path / "1of2"), "--load", str(tmp_path / "two" / ckpt)], 1)]
+    loads.append(
+        _start(["update", str(tmp_path / "2of1"), "--load", str(tmp_path / "one" / ckpt)], 2, **FSDP2)
+    )
+    for proc in loads:
+        _finish(proc)
+    _compare(tmp_path / "two", tmp_path / "1of2", 1e-4)
+    _compare(tmp_path / "one", tmp_path / "2of1", 1e-4)
+    assert (tmp_path / "two" / ckpt / "adapter_model.safetensors").is_file()  # the one-process files
+
+
+def test_fsdp2_fit_killed_rank_resumes_on_one_process_with_sqlite_store(tmp_path: Path) -> None:
+    """Trainer.fit under FSDP2 on 2 ranks with a SQLite store: rank 1 SIGKILLed at its third update
+    fails the run within a bounded time after two steps; resume=True on one process finishes it from
+    checkpoint-2, and no rollout is trained twice across the two runs."""
+    _need_training()
+    out, run = tmp_path / "out", tmp_path / "run"
+    t0 = time.monotonic()
+    args = ["fit", str(out), str(run), "3", "--sqlite"]
+    rc, log = _finish(_start(args, 2, AGL_TEST_KILL_AT="3", **FSDP2), expect_ok=False)
+    assert rc != 0 and "SIGKILL" in log, log[-3000:]
+    assert time.monotonic() - t0 < LIMIT_S
+    assert sorted(p.name for p in (run / "checkpoints").glob("checkpoint-*")) == [
+        "checkpoint-1",
+        "checkpoint-2",
+    ]
+    _finish(_start([*args, "--resume"], 1))
+    seen = json.loads((out / "rank-0.json").read_text())
+    assert seen["global_step"] == seen["summary_steps"] == 3
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+    trained = [json.loads(line) for line in (out / "trained.jsonl").read_text().splitlines()]
+    assert len(trained) == 3  # two updates before the kill, one after the resume
+    ids = [rid for batch in trained for rid in batch]
+    assert ids and len(ids) == len(set(ids))  # no rollout trained twice
 
 
 def test_fit_on_two_ranks_then_a_killed_rank_and_resume(tmp_path: Path) -> None:

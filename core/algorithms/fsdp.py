@@ -135,7 +135,9 @@ class Sharded:
             if not _is_dtensor(p):
                 continue
             local = p.to_local()
-            src = mine[name].detach().to(local.device) if name in mine else torch.empty(p.shape, dtype=p.dtype)
+            src = (
+                mine[name].detach().to(local.device) if name in mine else torch.empty(p.shape, dtype=p.dtype)
+            )
             part = distribute_tensor(src.to(local.device), p.device_mesh, p.placements, src_data_rank=0)
             local.copy_(part.to_local())
 
