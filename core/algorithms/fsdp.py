@@ -32,7 +32,6 @@ What holds:
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -304,10 +303,3 @@ def match_forwards(policy: PolicyUpdate, done: int) -> None:
     with torch.no_grad():
         for _ in range(most - done):
             idle_forward(sharded.root, policy.pad_id, acc.device)
-
-
-def describe(path: str) -> dict[str, Any]:
-    """What a checkpoint directory holds (for the log): its step and whether it has optimizer state."""
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        step = int(json.load(f)["global_step"])
-    return {"step": step, "optimizer": os.path.isfile(os.path.join(path, "optimizer.pt"))}
