@@ -81,15 +81,17 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _start(args: list[str], nproc: int, *, accelerate: bool = False, **env: str) -> subprocess.Popen:
-    """The worker on ``nproc`` ranks (torchrun, or ``accelerate launch``, on a free port), or alone
-    for ``nproc=1``."""
+def _start(
+    args: list[str], nproc: int, *, accelerate: bool = False, fsdp: bool = False, **env: str
+) -> subprocess.Popen:
+    """The worker on ``nproc`` ranks (torchrun, or ``accelerate launch``, on a free port, with
+    ``fsdp`` its FSDP2 flags), or alone for ``nproc=1``."""
     launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     launch += [f"--master-port={_free_port()}", "--monitor-interval=0.5"]
     if accelerate:  # on a machine without GPUs, --multi_gpu is what starts several gloo processes
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines=1"]
         launch += [f"--num_processes={nproc}", f"--main_process_port={_free_port()}", "--mixed_precision=no"]
-        launch += ["--dynamo_backend=no"]
+        launch += ["--dynamo_backend=no"] + (["--use_fsdp", "--fsdp_version=2"] if fsdp else [])
     cmd = [*(launch if nproc > 1 else [sys.executable]), str(WORKER), *args]
     return subprocess.Popen(cmd, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -112,7 +114,7 @@ def _compare(one: Path, two: Path, tol: float, *, lora: bool = True) -> None:
     a, b = torch.load(one / "weights.pt"), torch.load(two / "weights.pt")
     assert a.keys() == b.keys() and any("lora_" in k for k in a) == lora
     moved = max((a[k] - torch.load(one / "start.pt")[k]).abs().max().item() for k in a)
-    assert moved > 100 * tol  # the update changed the weights by far more than the tolerance
+    assert moved > 20 * tol  # the update changed the weights by far more than the tolerance
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     assert diff <= tol, f"LoRA weights differ by {diff:.3g}"
     m1, m2 = (json.loads((d / "metrics.json").read_text()) for d in (one, two))
@@ -168,6 +170,21 @@ def test_fsdp2_update_equals_one_process(tmp_path: Path, one_sequence: bool, ful
     _, log = _finish(two)
     assert "agl applies fully_shard itself" in log  # the fallback to DDP is not silent
     _compare(tmp_path / "one", tmp_path / "two", 1e-4, lora=not full)
+
+
+def test_fsdp2_fit_pushes_gathered_weights_to_the_embedded_engine(tmp_path: Path) -> None:
+    """Trainer.fit under FSDP2 on 2 ranks, launched as accelerate launches it (``--use_fsdp
+    --fsdp_version 2``), with the embedded transformers engine on rank 0: every push serves exactly
+    the whole LoRA tensors gathered from the shards, and they were trained (LoRA B grew from 0)."""
+    _need_training()
+    out, run = tmp_path / "out", tmp_path / "run"
+    _finish(_start(["fit", str(out), str(run), "2", "--engine"], 2, accelerate=True, fsdp=True))
+    pushes = [json.loads(line) for line in (out / "pushes.jsonl").read_text().splitlines()]
+    assert len(pushes) >= 2 and all(p["n"] > 0 for p in pushes)
+    assert all(p["diff"] == 0.0 for p in pushes), pushes  # the engine serves the gathered tensors
+    assert pushes[-1]["lora_b"] > 0.0, pushes  # the update trained them: the push is no initial copy
+    seen = json.loads((out / "rank-1.json").read_text())
+    assert seen["global_step"] == 2 and not seen["env"]
 
 
 def test_fsdp2_checkpoint_resumes_at_another_process_count(tmp_path: Path) -> None:

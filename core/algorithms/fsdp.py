@@ -240,13 +240,18 @@ def _load_weights(model: Any, path: str, trainer: Any) -> None:
 
 def shard_policy(policy: PolicyUpdate) -> Sharded:
     """Apply FSDP2 to the policy built by TRL/accelerate (undoing accelerate's DDP fallback on CPU):
-    ``fully_shard`` on each decoder layer, then on a :class:`ScoringRoot` around the model; the
-    optimizer is pointed at the sharded parameters (it has no state yet)."""
+    ``fully_shard`` on each decoder layer, then on a :class:`ScoringRoot` around the model, which
+    becomes the policy's ``_wrapped``; the optimizer is pointed at the sharded parameters (it has no
+    state yet)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from agl.algorithms.scoring import is_peft
 
+    if policy.adapters:
+        from agl.errors import UsageError
+
+        raise UsageError("adapter_per_agent does not run under FSDP2 yet: launch it with DDP")
     tr, acc = policy.trainer, policy.trainer.accelerator
     model = _unwrap_ddp(policy._wrapped)
     kind = str(getattr(acc.distributed_type, "value", acc.distributed_type))
@@ -273,7 +278,7 @@ def shard_policy(policy: PolicyUpdate) -> Sharded:
     by_id = {id(p): name for name, p in old.items()}
     for group in tr.optimizer.param_groups:
         group["params"] = [new[by_id[id(p)]] for p in group["params"]]
-    tr.model_wrapped = root
+    tr.model_wrapped = policy._wrapped = root
     acc._models = [root if _unwrap_ddp(m) is model else m for m in acc._models]
     log.info(
         "agl update: FSDP2 over %d processes, %d %s units + the root",

@@ -178,15 +178,8 @@ class PolicyUpdate:
         self.tokenizer = tokenizer
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self._wrapped, _ = self.trainer._prepare_for_training(10**9, None, None)
-        #: FSDP2's state when the launch asks for it (:mod:`agl.algorithms.fsdp`), else None
-        self.fsdp: Sharded | None = None
-        if fsdp_requested():
-            if self.adapters:
-                from agl.errors import UsageError
-
-                raise UsageError("adapter_per_agent does not run under FSDP2 yet: launch it with DDP")
-            self.fsdp = shard_policy(self)
-            self._wrapped = self.fsdp.root
+        #: FSDP2's state when the launch asks for it (:mod:`agl.algorithms.fsdp`; its root is ``_wrapped``)
+        self.fsdp: Sharded | None = shard_policy(self) if fsdp_requested() else None
         #: whether the decoder layers recompute their activations in the backward pass
         self.gradient_checkpointing = bool(checkpointing)
         if self.gradient_checkpointing:
