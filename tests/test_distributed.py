@@ -91,7 +91,9 @@ def _start(
     if accelerate:  # on a machine without GPUs, --multi_gpu is what starts several gloo processes
         launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines=1"]
         launch += [f"--num_processes={nproc}", f"--main_process_port={_free_port()}", "--mixed_precision=no"]
-        launch += ["--dynamo_backend=no"] + (["--use_fsdp", "--fsdp_version=2"] if fsdp else [])
+        launch += ["--dynamo_backend=no"]
+        if fsdp:  # accelerate takes one of --multi_gpu/--use_fsdp; the latter starts the processes too
+            launch = [a for a in launch if a != "--multi_gpu"] + ["--use_fsdp", "--fsdp_version=2"]
     cmd = [*(launch if nproc > 1 else [sys.executable]), str(WORKER), *args]
     return subprocess.Popen(cmd, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -178,7 +180,8 @@ def test_fsdp2_fit_pushes_gathered_weights_to_the_embedded_engine(tmp_path: Path
     the whole LoRA tensors gathered from the shards, and they were trained (LoRA B grew from 0)."""
     _need_training()
     out, run = tmp_path / "out", tmp_path / "run"
-    _finish(_start(["fit", str(out), str(run), "2", "--engine"], 2, accelerate=True, fsdp=True))
+    _, log = _finish(_start(["fit", str(out), str(run), "2", "--engine"], 2, accelerate=True, fsdp=True))
+    assert "agl applies fully_shard itself" in log  # accelerate's DDP fallback on CPU was overridden
     pushes = [json.loads(line) for line in (out / "pushes.jsonl").read_text().splitlines()]
     assert len(pushes) >= 2 and all(p["n"] > 0 for p in pushes)
     assert all(p["diff"] == 0.0 for p in pushes), pushes  # the engine serves the gathered tensors
