@@ -5,9 +5,11 @@ How it is asked for: ``accelerate launch --use_fsdp --fsdp_version 2 ...`` (or t
 file that ``accelerate config`` writes) puts ``ACCELERATE_USE_FSDP=true`` and ``FSDP_VERSION=2`` in
 every process's environment; under plain ``torchrun`` the same two variables do it
 (``ACCELERATE_USE_FSDP=true FSDP_VERSION=2 torchrun --nproc-per-node N train.py``). FSDP1 is refused
-(agl shards with FSDP2 only). accelerate 1.15 turns FSDP on only on an accelerator and otherwise falls
-back to DDP without a word; agl then applies ``fully_shard`` itself, so the request is honoured on CPU
-(gloo) too, and says so in the log.
+(agl shards with FSDP2 only). agl applies ``fully_shard`` itself, on every device
+(:func:`accelerate_without_fsdp` keeps accelerate to plain data parallelism while TRL builds its
+``Accelerator``): accelerate's own FSDP would make the whole model the root unit, which agl's scoring
+bypasses, and accelerate 1.15 turns FSDP on only on an accelerator, falling back to DDP on a CPU
+without a word; there agl says in the log that it honours the request itself (gloo).
 
 What holds:
 
@@ -31,9 +33,11 @@ What holds:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,7 +45,16 @@ import torch
 if TYPE_CHECKING:
     from agl.algorithms.update import PolicyUpdate
 
-__all__ = ["ScoringRoot", "Sharded", "idle_forward", "match_forwards", "requested", "shard_policy"]
+__all__ = [
+    "ScoringRoot",
+    "Sharded",
+    "accelerate_without_fsdp",
+    "idle_forward",
+    "idle_loss",
+    "match_forwards",
+    "requested",
+    "shard_policy",
+]
 
 log = logging.getLogger("agl.algorithms.fsdp")
 
@@ -66,6 +79,21 @@ def requested() -> bool:
             "--fsdp_version 2 (accelerate config: fsdp_version: 2)"
         )
     return True
+
+
+@contextlib.contextmanager
+def accelerate_without_fsdp() -> Iterator[None]:
+    """Within it, accelerate does not see the FSDP request (while TRL builds its ``Accelerator``): it
+    prepares plain data parallelism on every device, which :func:`shard_policy` then replaces with
+    FSDP2 units of its own. Left to accelerate, FSDP would wrap the model itself as the root unit,
+    whose parameters agl's scoring (the decoder and the head called apart) would use ungathered; and
+    on a CPU accelerate would not shard at all."""
+    saved = os.environ.pop(USE_ENV, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[USE_ENV] = saved
 
 
 class ScoringRoot(torch.nn.Module):
@@ -254,14 +282,11 @@ def shard_policy(policy: PolicyUpdate) -> Sharded:
         raise UsageError("adapter_per_agent does not run under FSDP2 yet: launch it with DDP")
     tr, acc = policy.trainer, policy.trainer.accelerator
     model = _unwrap_ddp(policy._wrapped)
-    kind = str(getattr(acc.distributed_type, "value", acc.distributed_type))
-    if kind.upper() != "FSDP":
+    if acc.device.type == "cpu":  # said plainly: accelerate alone would have run DDP here
         log.warning(
-            "FSDP2 asked for (%s=true) but accelerate prepared %s on %s: agl applies fully_shard itself "
-            "(decoder layers, then the root)",
+            "FSDP2 asked for (%s=true) on CPU, where accelerate falls back to DDP: agl applies "
+            "fully_shard itself (decoder layers, then the root)",
             USE_ENV,
-            kind,
-            acc.device.type,
         )
     old = {name: p for name, p in model.named_parameters()}
     trains_all = all(p.requires_grad for p in old.values())
@@ -295,6 +320,16 @@ def idle_forward(root: Any, pad_id: int, device: Any) -> torch.Tensor:
     ids = torch.full((1, 1), int(pad_id), dtype=torch.long, device=device)
     out = root(input_ids=ids, use_cache=False)
     return out.logits.float().sum()
+
+
+def idle_loss(policy: PolicyUpdate) -> torch.Tensor:
+    """The zero loss of a pass on a rank without micro-batches, through the same forwards as a real
+    pass: the KL reference's (the policy with its adapters off) when there is one, then the policy's."""
+    tr, root = policy.trainer, policy._wrapped
+    if tr.beta != 0.0 and tr.ref_model is None:
+        with torch.no_grad():
+            idle_forward(root, policy.pad_id, policy.device)
+    return idle_forward(root, policy.pad_id, policy.device) * 0.0
 
 
 def match_forwards(policy: PolicyUpdate, done: int) -> None:

@@ -63,7 +63,7 @@ from agl.algorithms.distributed import (
     reduce_metrics,
     shard,
 )
-from agl.algorithms.fsdp import Sharded, idle_forward, shard_policy
+from agl.algorithms.fsdp import Sharded, accelerate_without_fsdp, idle_loss, shard_policy
 from agl.algorithms.fsdp import requested as fsdp_requested
 from agl.algorithms.grpo_setup import (
     CHECKPOINT_ABOVE_BYTES,
@@ -172,7 +172,8 @@ class PolicyUpdate:
         if self.kl_coef != 0.0 and peft_config is None and not is_peft(model):
             ref_model = _frozen_copy(model)
             args.beta = 0.0  # TRL would load its own reference otherwise; set back once ours is attached
-        self.trainer = _build_trainer(model, tokenizer, args, peft_config)
+        with accelerate_without_fsdp():  # FSDP2 is applied by agl.algorithms.fsdp, after TRL's prepare
+            self.trainer = _build_trainer(model, tokenizer, args, peft_config)
         if ref_model is not None:
             self._attach_reference(ref_model)
         self.tokenizer = tokenizer
@@ -489,8 +490,8 @@ class PolicyUpdate:
         ``check_ratio`` and engine log-probs, its behaviour-ratio deviation."""
         tr, acc, model = self.trainer, self.trainer.accelerator, self._wrapped
         if k < 0:  # a rank with no transitions at all still joins the collective backward
-            if self.fsdp is not None:  # FSDP2 gathers in the forward: run one, on a single token
-                acc.backward(idle_forward(model, self.pad_id, self.device) * 0.0)
+            if self.fsdp is not None:  # FSDP2 gathers in each forward: run the same ones, on one token
+                acc.backward(idle_loss(self))
             else:
                 acc.backward(sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0)
             return 0.0, None
