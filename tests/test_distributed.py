@@ -56,6 +56,26 @@ def test_collective_timeout_is_read_and_checked(monkeypatch: pytest.MonkeyPatch)
             timeout_s()
 
 
+def test_fsdp_is_asked_for_as_accelerate_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    from agl.algorithms.fsdp import accelerate_without_fsdp, requested
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert not requested()  # DDP unless FSDP is asked for
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert requested()
+    with accelerate_without_fsdp():  # hidden from accelerate while TRL builds its Accelerator
+        assert "ACCELERATE_USE_FSDP" not in os.environ
+    assert os.environ["ACCELERATE_USE_FSDP"] == "true"
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(UsageError, match="FSDP2"):
+        requested()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not requested()  # one process: nothing to shard across
+
+
 # ------------------------------------------------------------------------------ real launches
 def _need_training() -> None:
     pytest.importorskip("torch")
