@@ -12,6 +12,7 @@ it under torchrun (``ACCELERATE_USE_FSDP=true FSDP_VERSION=2``; agl applies ``fu
 
     python bench/distributed.py               # 1 process, 2 DDP, 2 FSDP2, twice; a table
     python bench/distributed.py --steps 5 --rounds 3
+    python bench/distributed.py --full        # full-parameter training (where FSDP2's sharding pays)
 
 Per run: wall seconds per update (rank 0), CPU seconds per update summed over ranks (what the split
 costs in work, whatever the load), communication and waiting per update, micro-batches per rank, peak
@@ -88,18 +89,21 @@ def _timed_collectives() -> dict[str, float]:
     return spent
 
 
-def worker(out: Path, steps: int) -> None:
+def worker(out: Path, steps: int, full: bool) -> None:
     import torch
 
     torch.set_num_threads(1)
     spent = _timed_collectives()
+    from agl.trainer import malloc
+
+    malloc.tune()  # as Trainer.fit does: freed buffers leave the process
     import agl
     from agl.algorithms.update import PolicyUpdate
     from agl.config import RunConfig
     from agl.gateway.models import prepare_default_model
 
     algo = agl.LightningRL(
-        group_size=4, learning_rate=1e-3, lora_r=16, lora_alpha=32, clip_eps=0.2, kl_coef=0.0
+        group_size=4, learning_rate=1e-3, lora=not full, lora_r=16, lora_alpha=32, clip_eps=0.2, kl_coef=0.0
     )
     config = RunConfig.resolve(algo, sampling={"temperature": 0.7, "max_tokens": 16})
     model = str(prepare_default_model(progress=False))
@@ -144,9 +148,10 @@ CONFIGS: list[tuple[str, int, dict[str, str]]] = [
 ]
 
 
-def _run(nproc: int, out: Path, steps: int, extra: dict[str, str]) -> list[dict[str, Any]]:
+def _run(nproc: int, out: Path, steps: int, extra: dict[str, str], full: bool) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     me = [str(Path(__file__).resolve()), "--worker", str(out), "--steps", str(steps)]
+    me += ["--full"] if full else []
     launch = [
         sys.executable,
         "-m",
@@ -168,17 +173,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--full", action="store_true", help="full-parameter training instead of LoRA")
     parser.add_argument("--rounds", type=int, default=2, help="the three configurations, this many times")
     parser.add_argument("--out", type=Path, default=Path("bench/results/distributed"))
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.steps)
+        worker(args.worker, args.steps, args.full)
         return
     rows = []
     for k in range(args.rounds):  # interleaved, so that a change of load hits both alike
         for j, (label, n, extra) in enumerate(CONFIGS):
             load = os.getloadavg()[0]
-            ranks = _run(n, args.out / f"r{k}-c{j}", args.steps, extra)
+            ranks = _run(n, args.out / f"r{k}-c{j}", args.steps, extra, args.full)
             rows.append({"round": k, "n": label, "load_1min": load, "ranks": ranks})
     print(
         "round | run | load (1 min) | update s/step | CPU s/step, all ranks | comm+wait s/step (rank 0 / 1) | micro-batches/rank | peak RSS MiB/process | loss"
