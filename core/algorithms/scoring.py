@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
+from agl.algorithms.fsdp import ScoringRoot
 from agl.algorithms.prefix_tree import PackedInputs
 
 __all__ = [
@@ -142,7 +143,7 @@ class TransitionGRPOTrainer(GRPOTrainer):
         if packed is not None and not packed.matches(input_ids, logits_to_keep):
             packed = None
         parts, inner = None, self.accelerator.unwrap_model(model)
-        root = inner if hasattr(inner, "module") and type(inner).__name__ == "ScoringRoot" else None
+        root = inner if isinstance(inner, ScoringRoot) else None  # FSDP2 (agl.algorithms.fsdp)
         if plain and (packed is not None or not _use_triton(input_ids.device)):
             parts = backbone_and_head(root.module if root is not None else inner)
         if parts is None:
