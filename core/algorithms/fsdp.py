@@ -105,7 +105,13 @@ class ScoringRoot(torch.nn.Module):
         self.module = module
 
     def forward(self, *args: Any, fn: Any = None, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs) if fn is not None else self.module(*args, **kwargs)
+        if fn is None:
+            return self.module(*args, **kwargs)
+        # FSDP2 hooks the outputs for the backward's gathers; a view's hook an in-place op would drop,
+        # so the (small: sequences x response positions) outputs leave as tensors of their own
+        return tuple(
+            t.clone() if torch.is_tensor(t) and t._base is not None else t for t in fn(*args, **kwargs)
+        )
 
 
 def _is_dtensor(t: Any) -> bool:
