@@ -21,8 +21,8 @@ RSS per process, and the logged loss (the same on 1 and 2 processes).
 Communication is timed around every ``torch.distributed`` collective the update makes (the step's
 token totals, the one gradient all-reduce, the logged figures; under FSDP2 each unit's all-gather and
 reduce-scatter, and the gather of the adapters into rank 0's copy): it includes the wait for the slower
-rank, so it is an upper bound on the wire time (FSDP2's asynchronous collectives are timed to their
-launch, their wait falls in compute). On this 2-core machine, shared with other work, 2
+rank, so it is an upper bound on the wire time (FSDP2's asynchronous collectives: their launch and
+their ``Work.wait``). On this 2-core machine, shared with other work, 2
 processes at one thread each use both cores: the speedup is bounded by the 2 cores and by the load.
 """
 
@@ -86,6 +86,16 @@ def _timed_collectives() -> dict[str, float]:
                 spent["calls"] += 1
 
         setattr(dist, name, timed)
+    real_wait = dist.Work.wait  # an asynchronous collective's (FSDP2's) time is spent in its wait
+
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return real_wait(self, *args, **kwargs)
+        finally:
+            spent["s"] += time.perf_counter() - t0
+
+    dist.Work.wait = wait
     return spent
 
 
