@@ -91,10 +91,12 @@ def decoupled_weights(policy: PolicyUpdate, plan: Any, cap: float) -> DecoupledW
     tr, model = policy.trainer, policy._wrapped
     was_training = model.training
     model.eval()
+    forwards = 0
     try:
         for k, mb in enumerate(plan.mbs):
             if not mb.has_logprobs:
                 continue
+            forwards += 1
             inputs = policy._tensors(plan.seqs, mb, plan.token_adv, plan.train_masks)
             ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
             mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -112,6 +114,9 @@ def decoupled_weights(policy: PolicyUpdate, plan: Any, cap: float) -> DecoupledW
             if trained.any():
                 dev = ratio_deviation(prox, inputs)
                 out.max_dev = dev if out.max_dev is None else max(out.max_dev, dev)
+        from agl.algorithms.fsdp import match_forwards
+
+        match_forwards(policy, forwards)  # FSDP2: as many (all-gathering) forwards on every rank
     finally:
         model.train(was_training)
     return out

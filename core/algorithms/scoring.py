@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
+from agl.algorithms.fsdp import ScoringRoot
 from agl.algorithms.prefix_tree import PackedInputs
 
 __all__ = [
@@ -141,9 +142,10 @@ class TransitionGRPOTrainer(GRPOTrainer):
         packed = self.packed if plain and self.packed is not None else None
         if packed is not None and not packed.matches(input_ids, logits_to_keep):
             packed = None
-        parts = None
+        parts, inner = None, self.accelerator.unwrap_model(model)
+        root = inner if isinstance(inner, ScoringRoot) else None  # FSDP2 (agl.algorithms.fsdp)
         if plain and (packed is not None or not _use_triton(input_ids.device)):
-            parts = backbone_and_head(self.accelerator.unwrap_model(model))
+            parts = backbone_and_head(root.module if root is not None else inner)
         if parts is None:
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
                 model,
@@ -156,14 +158,18 @@ class TransitionGRPOTrainer(GRPOTrainer):
                 **kwargs,
             )
         else:
-            decoder, head = parts
-            if packed is not None:
-                logps, ent = self._tree_logps(decoder, head, packed)
-            else:
+
+            def score() -> tuple[torch.Tensor, torch.Tensor]:
+                decoder, head = parts
+                if packed is not None:
+                    return self._tree_logps(decoder, head, packed)
                 with self.accelerator.autocast():
                     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)[0]
                 hidden, targets = hidden[:, -logits_to_keep - 1 : -1, :], input_ids[:, -logits_to_keep:]
-                logps, ent = chunked_token_logps(hidden, targets, head, self.temperature)
+                return chunked_token_logps(hidden, targets, head, self.temperature)
+
+            # under FSDP2 the scoring runs as the root unit's forward (agl.algorithms.fsdp.ScoringRoot)
+            logps, ent = root(fn=score) if root is not None else score()
             entropies, aux = (ent if compute_entropy else None), None
         self.last_logps = logps.detach()
         return logps, entropies, aux

@@ -63,6 +63,8 @@ from agl.algorithms.distributed import (
     reduce_metrics,
     shard,
 )
+from agl.algorithms.fsdp import Sharded, accelerate_without_fsdp, idle_loss, shard_policy
+from agl.algorithms.fsdp import requested as fsdp_requested
 from agl.algorithms.grpo_setup import (
     CHECKPOINT_ABOVE_BYTES,
     _activations_bytes,
@@ -170,12 +172,15 @@ class PolicyUpdate:
         if self.kl_coef != 0.0 and peft_config is None and not is_peft(model):
             ref_model = _frozen_copy(model)
             args.beta = 0.0  # TRL would load its own reference otherwise; set back once ours is attached
-        self.trainer = _build_trainer(model, tokenizer, args, peft_config)
+        with accelerate_without_fsdp():  # FSDP2 is applied by agl.algorithms.fsdp, after TRL's prepare
+            self.trainer = _build_trainer(model, tokenizer, args, peft_config)
         if ref_model is not None:
             self._attach_reference(ref_model)
         self.tokenizer = tokenizer
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self._wrapped, _ = self.trainer._prepare_for_training(10**9, None, None)
+        #: FSDP2's state when the launch asks for it (:mod:`agl.algorithms.fsdp`; its root is ``_wrapped``)
+        self.fsdp: Sharded | None = shard_policy(self) if fsdp_requested() else None
         #: whether the decoder layers recompute their activations in the backward pass
         self.gradient_checkpointing = bool(checkpointing)
         if self.gradient_checkpointing:
@@ -219,7 +224,15 @@ class PolicyUpdate:
     @property
     def model(self) -> PreTrainedModel:
         """The policy as a plain model object (a ``PeftModel`` under LoRA), unwrapped from accelerate."""
+        if getattr(self, "fsdp", None) is not None:
+            return self.fsdp.model
         return self.trainer.accelerator.unwrap_model(self._wrapped)
+
+    @property
+    def full_model(self) -> PreTrainedModel:
+        """The policy with every tensor whole, what pushes and saves read: :attr:`model`, or under
+        FSDP2 rank 0's replica (gathered after each step; None on the other ranks)."""
+        return self.fsdp.replica if self.fsdp is not None else self.model
 
     @property
     def device(self) -> torch.device:
@@ -335,6 +348,8 @@ class PolicyUpdate:
         else:
             metrics = self._step_once(transitions, advantages, merge)
         self._advance()
+        if self.fsdp is not None:  # rank 0's whole copy, for pushes (every rank gathers)
+            self.fsdp.refresh()
         return metrics
 
     def _step_once(
@@ -475,7 +490,10 @@ class PolicyUpdate:
         ``check_ratio`` and engine log-probs, its behaviour-ratio deviation."""
         tr, acc, model = self.trainer, self.trainer.accelerator, self._wrapped
         if k < 0:  # a rank with no transitions at all still joins the collective backward
-            acc.backward(sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0)
+            if self.fsdp is not None:  # FSDP2 gathers in each forward: run the same ones, on one token
+                acc.backward(idle_loss(self))
+            else:
+                acc.backward(sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0)
             return 0.0, None
         mb = plan.mbs[k]
         inputs = self._tensors(plan.seqs, mb, plan.token_adv, plan.train_masks)
@@ -504,6 +522,8 @@ class PolicyUpdate:
         if not self.adapters:  # per adapter, step() advances the shared schedule once per epoch
             tr.lr_scheduler.step()
         tr.optimizer.zero_grad(set_to_none=True)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+            norm = norm.full_tensor()
         return float(norm.item()) if torch.is_tensor(norm) else float(norm or 0.0)
 
     # ----------------------------------------------------------------------------------- inspection
@@ -535,7 +555,7 @@ class PolicyUpdate:
     def merged_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights as a plain model's state dict (LoRA deltas merged), for an inference
         engine that holds its own copy of the base model. The training model is left untouched."""
-        model = self.model
+        model = self.full_model
         if not is_peft(model):
             return {k: v.detach().clone() for k, v in model.state_dict().items()}
         from peft.tuners.lora import LoraLayer
@@ -557,7 +577,7 @@ class PolicyUpdate:
         path = str(path)
         os.makedirs(path, exist_ok=True)
         if self.trainer.accelerator.is_main_process:
-            self.model.save_pretrained(path)
+            self.full_model.save_pretrained(path)
             self.tokenizer.save_pretrained(path)
         self.trainer.accelerator.wait_for_everyone()
         return path
@@ -580,6 +600,8 @@ class PolicyUpdate:
         """Save adapter/weights, optimizer, scheduler, RNG and trainer state (TRL/transformers format)
         under ``output_dir/checkpoint-<step>``; returns that directory."""
         tr = self.trainer
+        if self.fsdp is not None:  # the gathered state, in the one-process format
+            return self.fsdp.save_checkpoint(self)
         tr.state.global_step = self.global_step
         tr._save_checkpoint(self._wrapped, trial=None)
         return os.path.join(tr.args.output_dir, f"checkpoint-{self.global_step}")
@@ -594,7 +616,9 @@ class PolicyUpdate:
             raise FileNotFoundError(f"{path} is not an agl checkpoint (no trainer_state.json)")
         tr = self.trainer
         model = self.model
-        if self.adapters:
+        if self.fsdp is not None:  # any process count's checkpoint, into this launch's shards
+            self.fsdp.load_checkpoint(self, path)
+        elif self.adapters:
             from agl.algorithms.per_agent_lora import load_adapter_checkpoint
 
             load_adapter_checkpoint(self, path)
@@ -610,7 +634,8 @@ class PolicyUpdate:
             set_peft_model_state_dict(model, load_file(weights, device=device))
         else:
             tr._load_from_checkpoint(path, self._wrapped)
-        tr._load_optimizer_and_scheduler(path)
+        if self.fsdp is None:
+            tr._load_optimizer_and_scheduler(path)
         with open(state_file) as f:
             self.global_step = int(json.load(f)["global_step"])
         tr.state.global_step = self.global_step

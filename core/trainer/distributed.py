@@ -119,6 +119,8 @@ class LeaderPolicy:
         object.__setattr__(self, "_lock", threading.RLock())
 
     def __getattr__(self, name: str) -> Any:
+        if name == "model":  # the engine and saves read whole tensors: under FSDP2, rank 0's replica
+            return self._policy.full_model
         value = getattr(self._policy, name)
         if name in COLLECTIVE and callable(value):
             return functools.partial(self._call, name)
@@ -149,16 +151,15 @@ class LeaderPolicy:
 
 
 def check_data_parallel(policy: Any) -> None:
-    """Refuse a sharded launch (FSDP, DeepSpeed, Megatron through ``accelerate config``): the Trainer
-    runs data-parallel (DDP) across processes; its engine shares and pushes the policy's unsharded
-    tensors, which sharded parameters are not."""
+    """Refuse the launches agl does not run: DeepSpeed and Megatron through ``accelerate config``.
+    DDP and FSDP2 run (:mod:`agl.algorithms.fsdp`; FSDP1 is refused when the policy is built)."""
     kind = str(getattr(policy.trainer.accelerator.distributed_type, "value", "NO")).upper()
-    if kind in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+    if kind in ("DEEPSPEED", "MEGATRON_LM"):
         from agl.errors import UsageError
 
         raise UsageError(
-            f"agl's Trainer runs several processes data-parallel (DDP); {kind} is not supported yet: "
-            "launch without --use_fsdp/--use_deepspeed (accelerate config: no sharding)"
+            f"agl's Trainer runs several processes with DDP or FSDP2; {kind} is not supported: "
+            "launch without --use_deepspeed/--use_megatron_lm (or with --use_fsdp --fsdp_version 2)"
         )
 
 
