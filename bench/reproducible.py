@@ -196,9 +196,12 @@ def run_at_once(jobs: dict[Path, list[str]]) -> dict[str, Any]:
     return {"wall_s": walls, **sampler.stop()}
 
 
-def _cmd(base: list[str], seed: int, run_dir: Path, extra: Sequence[str] = ()) -> list[str]:
+def _cmd(
+    base: list[str], seed: int, run_dir: Path, extra: Sequence[str] = (), deterministic: bool = True
+) -> list[str]:
     cmd = [sys.executable if c in ("python", "python3") else c for c in base]
-    return [*cmd, *extra, "--deterministic", "--seed", str(seed), "--run-dir", str(run_dir)]
+    det = ["--deterministic"] if deterministic else []
+    return [*cmd, *extra, *det, "--seed", str(seed), "--run-dir", str(run_dir)]
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
@@ -250,7 +253,9 @@ def twice_main(args: argparse.Namespace) -> None:
     if not args.report_only:
         if not args.command:
             raise SystemExit("twice: give the training command after --")
-        load = run_at_once({d: _cmd(args.command, args.seed, d) for d in (a, b)})
+        load = run_at_once(
+            {d: _cmd(args.command, args.seed, d, deterministic=not args.batched) for d in (a, b)}
+        )
     out = compare_twice(a, b)
     if load is not None:
         out["load"] = load
@@ -328,6 +333,9 @@ def main() -> None:
         "--seeds", type=int, nargs="+", default=[0], help="paired: the seeds (declare them first)"
     )
     parser.add_argument("--setting", default="", help="paired: the flags the changed run adds")
+    parser.add_argument(
+        "--batched", action="store_true", help="twice: the default engine (no --deterministic), for contrast"
+    )
     parser.add_argument("--report-only", action="store_true", help="report the runs already in ROOT")
     args = parser.parse_args(argv)
     args.command = command
