@@ -160,7 +160,17 @@ def test_the_cli_refuses_a_compare_run_that_is_not_one(
 
     _store(BASE, "a", tmp_path / "a.db").close()
     assert (
-        main(["dashboard", "--store", f"sqlite:///{tmp_path / 'a.db'}", "--compare", str(tmp_path / "no")])
+        main(
+            [
+                "dashboard",
+                "--store",
+                f"sqlite:///{tmp_path / 'a.db'}",
+                "--compare",
+                str(tmp_path / "no"),
+                "--tokenizer",
+                "none",
+            ]
+        )
         != 0
     )
     err = capsys.readouterr().err
