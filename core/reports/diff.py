@@ -15,7 +15,9 @@ checked: a different task at that place (the runs' seeds or task lists differ), 
 it quoted), a different seed, a different weights version; with the same prompt, seed and version the
 weights themselves or the engine's numerics differ (an earlier update that parted, or batching:
 ``deterministic=True``). For run directories the first step whose deterministic metrics differ is
-reported too (timings are left out: they always differ).
+reported too (timings are left out: they always differ). :func:`diff_rollout` compares one rollout with
+the rollout at its place in the other run, with the same matching and reasons: the dashboard's view
+(``agl dashboard --compare RUN``, :mod:`agl.dashboard.compare`).
 """
 
 from __future__ import annotations
