@@ -165,9 +165,24 @@ def test_diff_finds_an_injected_divergence_at_its_call(
             key=lambda p: p.endswith("/m1"),
         )
         result = diff_runs(a, b)
+        # the dashboard of run A started with --compare B shows the same divergence on that rollout's page
+        from starlette.testclient import TestClient
+
+        from agl.dashboard import create_dashboard_app
+
+        by_place = {r.metadata[sc.ROLLOUT_PLACE_KEY]: r.id for r in a.store.query_rollouts()}
+        with TestClient(create_dashboard_app(a.store, tokenizer=load_tokenizer(), compare=b)) as client:
+            page = client.get(f"/api/rollouts/{by_place[dogs[0]]}/diff").json()
+            cats = next(p for p, r in by_place.items() if p.startswith("train:") and p not in dogs)
+            same = client.get(f"/api/rollouts/{by_place[cats]}/diff").json()
     finally:
         a.store.close()
         b.store.close()
+    shown = page["divergence"]
+    assert (shown["place"], shown["call"], shown["part"]) == (dogs[0], 1, "response")
+    assert shown["reason"].startswith("different seed") and shown["b"]["seed"] == 4242
+    assert shown["a"]["pieces"] is not None and shown["a"]["ids"] != shown["b"]["ids"]
+    assert same["identical"] and same["calls"] == 2
     d = result.first
     assert dogs and d is not None and not result.identical
     assert (d.step, d.place, d.call) == (0, dogs[0], 1)  # the first dogs rollout, its second call

@@ -1,5 +1,5 @@
-"""``agl dashboard --store URL [--run-dir DIR]``: serve the dashboard (:mod:`agl.dashboard`) for a store
-(and a trainer run).
+"""``agl dashboard --store URL [--run-dir DIR] [--compare RUN]``: serve the dashboard (:mod:`agl.dashboard`)
+for a store (and a trainer run; and a second run each rollout is compared with, as ``agl diff`` does).
 
 Imports stay inside the command function so ``agl --help`` stays fast.
 """
@@ -37,6 +37,13 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="trainer run directory with metrics.jsonl for the Runs page (repeat for several)",
     )
+    parser.add_argument(
+        "--compare",
+        default=None,
+        metavar="RUN",
+        help="a second run (run directory, store file or store URL): each rollout page shows where the "
+        "rollout at the same place in RUN first differs, as agl diff does",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=4748, help="port (default: 4748; 0 picks a free one)")
     parser.add_argument(
@@ -59,8 +66,11 @@ def serve_dashboard(
     tokenizer: Any = None,
     store_label: str = "",
     open_browser: bool = False,
+    compare: Any = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM; prints ``agl dashboard: serving http://host:port/`` once listening."""
+    """Serve until SIGINT/SIGTERM; prints ``agl dashboard: serving http://host:port/`` once listening.
+    ``compare``: a run (:func:`agl.reports.diff.open_run`) to compare rollouts with; its store is closed
+    when the server stops."""
     import uvicorn
 
     from agl.dashboard.app import create_dashboard_app
@@ -72,7 +82,12 @@ def serve_dashboard(
             f"rollouts. Pass --token or set {STORE_TOKEN_ENV}, or bind 127.0.0.1"
         )
     app = create_dashboard_app(
-        store, token=token, run_dirs=list(run_dirs or []), tokenizer=tokenizer, store_label=store_label
+        store,
+        token=token,
+        run_dirs=list(run_dirs or []),
+        tokenizer=tokenizer,
+        store_label=store_label,
+        compare=compare,
     )
     sock = _bind(host, port)
     shown = f"[{host}]" if ":" in host else host
@@ -102,7 +117,17 @@ def _cmd(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"--run-dir {d!r} is not a directory")
     token = store_token(args)
     tokenizer = None if args.tokenizer in ("none", "") else tokenizer_from_arg(args.tokenizer)
-    store = open_store_from_args(args)
+    compare = None
+    if args.compare is not None:
+        from agl.reports.diff import open_run
+
+        compare = open_run(args.compare)
+    try:
+        store = open_store_from_args(args)
+    except BaseException:
+        if compare is not None:
+            compare.store.close()
+        raise
     try:
         serve_dashboard(
             store,
@@ -113,7 +138,10 @@ def _cmd(args: argparse.Namespace) -> int:
             tokenizer=tokenizer,
             store_label=store_url(args),
             open_browser=args.open,
+            compare=compare,
         )
     finally:
         store.close()
+        if compare is not None:
+            compare.store.close()  # closing twice is harmless; the app closes it too
     return 0

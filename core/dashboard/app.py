@@ -100,8 +100,13 @@ class Dashboard:
         tokenizer: Any = None,
         index: RolloutIndex | None = None,
         store_label: str = "",
+        compare: Any = None,
     ) -> None:
+        from agl.dashboard.compare import Comparison
+
         self.store = store
+        #: run B of ``agl dashboard --compare`` (an :class:`agl.reports.diff.Run`), or None
+        self.compare = Comparison(compare, tokenizer=tokenizer) if compare is not None else None
         self._expected = f"Bearer {token}".encode() if token else None
         self.run_dirs = [Path(d) for d in (run_dirs or [])]
         self.tokenizer = tokenizer
@@ -158,6 +163,7 @@ class Dashboard:
                 "tokenizer": self.tokenizer is not None,
                 "statuses": list(ROLLOUT_STATUSES),
                 "modes": list(_MODES),
+                "compare": self.compare.label if self.compare is not None else None,
             }
         )
 
@@ -352,6 +358,29 @@ class Dashboard:
         data["group_size"] = len({t.rollout_id for t in group})
         return JSONResponse(data)
 
+    def _comparison(self, request: Request) -> tuple[Any, int]:
+        if self.compare is None:
+            from agl.store.base import NotFoundError
+
+            raise NotFoundError(
+                "this dashboard compares with no other run: start it with agl dashboard --compare RUN "
+                "(a run directory, store file or store URL)"
+            )
+        return self.compare, _int(request.query_params, "tokens", 32, lo=1, hi=4096) or 32
+
+    def rollout_diff(self, request: Request) -> Response:
+        """This rollout against the rollout at the same place in the compared run (``agl diff``'s logic)."""
+        cmp, tokens = self._comparison(request)
+        return JSONResponse(cmp.rollout(self.store, request.path_params["rollout_id"], tokens=tokens))
+
+    def run_diff(self, request: Request) -> Response:
+        """The whole run against the compared one: ``agl diff`` (with metrics when one --run-dir is given)."""
+        from agl.reports.diff import read_metrics
+
+        cmp, tokens = self._comparison(request)
+        metrics = read_metrics(self.run_dirs[0] / "metrics.jsonl") if len(self.run_dirs) == 1 else None
+        return JSONResponse(cmp.whole(self.store, metrics=metrics, tokens=tokens))
+
     def cancel(self, request: Request) -> Response:
         r = self.store.cancel(request.path_params["rollout_id"])
         self.index.want()
@@ -365,6 +394,8 @@ class Dashboard:
             ("/api/metrics", self.version_metrics, "GET"),
             ("/api/rollouts", self.rollouts, "GET"),
             ("/api/changes", self.changes, "GET"),
+            ("/api/diff", self.run_diff, "GET"),
+            ("/api/rollouts/{rollout_id}/diff", self.rollout_diff, "GET"),
             ("/api/rollouts/{rollout_id}", self.rollout, "GET"),
             ("/api/rollouts/{rollout_id}/cancel", self.cancel, "POST"),
             ("/api/rollouts/{rollout_id}/attempts/{attempt:int}/spans", self.spans, "GET"),
@@ -392,6 +423,8 @@ class Dashboard:
 
     def close(self) -> None:
         self.index.close()
+        if self.compare is not None:
+            self.compare.close()
 
 
 def create_dashboard_app(
@@ -402,11 +435,15 @@ def create_dashboard_app(
     tokenizer: Any = None,
     store_label: str = "",
     close_store: bool = False,
+    compare: Any = None,
 ) -> Starlette:
-    """The dashboard as an ASGI app (mount it anywhere; its links are relative)."""
+    """The dashboard as an ASGI app (mount it anywhere; its links are relative). ``compare``: a run
+    (:func:`agl.reports.diff.open_run`) each rollout is compared with; the app closes its store."""
     import contextlib
 
-    dash = Dashboard(store, token=token, run_dirs=run_dirs, tokenizer=tokenizer, store_label=store_label)
+    dash = Dashboard(
+        store, token=token, run_dirs=run_dirs, tokenizer=tokenizer, store_label=store_label, compare=compare
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> Any:

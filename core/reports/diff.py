@@ -15,7 +15,9 @@ checked: a different task at that place (the runs' seeds or task lists differ), 
 it quoted), a different seed, a different weights version; with the same prompt, seed and version the
 weights themselves or the engine's numerics differ (an earlier update that parted, or batching:
 ``deterministic=True``). For run directories the first step whose deterministic metrics differ is
-reported too (timings are left out: they always differ).
+reported too (timings are left out: they always differ). :func:`diff_rollout` compares one rollout with
+the rollout at its place in the other run, with the same matching and reasons: the dashboard's view
+(``agl dashboard --compare RUN``, :mod:`agl.dashboard.compare`).
 """
 
 from __future__ import annotations
@@ -29,8 +31,19 @@ from typing import Any
 
 from agl import semconv as sc
 from agl.errors import UsageError
+from agl.types import TERMINAL_ROLLOUT_STATUSES
 
-__all__ = ["CallView", "Divergence", "RunDiff", "diff_runs", "first_difference", "open_run"]
+__all__ = [
+    "CallView",
+    "Divergence",
+    "RunDiff",
+    "diff_rollout",
+    "diff_runs",
+    "first_difference",
+    "keyed_rollouts",
+    "open_run",
+    "read_metrics",
+]
 
 #: metrics left out of the comparison: timings, throughput and memory differ on every run
 _UNSTABLE = re.compile(r"(_s$|_per_s|share|busy|rss|mem|time|wall|speed|throughput|_at$)")
@@ -105,7 +118,7 @@ def open_run(spec: str) -> Run:
         db = path / "store.db"
         if not db.exists():
             raise UsageError(f"{spec}: a run directory without store.db (pass its store URL instead)")
-        return Run(spec, agl.store.open(f"sqlite:///{db.resolve()}"), _read_metrics(path / "metrics.jsonl"))
+        return Run(spec, agl.store.open(f"sqlite:///{db.resolve()}"), read_metrics(path / "metrics.jsonl"))
     if "://" in spec:
         return Run(spec, agl.store.open(spec))
     if path.is_file():
@@ -113,7 +126,8 @@ def open_run(spec: str) -> Run:
     raise UsageError(f"{spec}: no such run directory, store file or store URL")
 
 
-def _read_metrics(path: Path) -> list[dict[str, Any]] | None:
+def read_metrics(path: Path) -> list[dict[str, Any]] | None:
+    """A ``metrics.jsonl``'s records (None: no such file); a torn last line is skipped."""
     if not path.exists():
         return None
     out = []
@@ -130,19 +144,36 @@ def _natural(text: str) -> tuple[Any, ...]:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text))
 
 
+def _placed_key(rollout: Any) -> tuple[Any, ...] | None:
+    """A rollout's run-order key from its own metadata: (step, natural sort of place, place); None
+    for a rollout without a place (its key depends on the other rollouts of its step and mode)."""
+    place = rollout.metadata.get(sc.ROLLOUT_PLACE_KEY)
+    if not isinstance(place, str):
+        return None
+    step = rollout.metadata.get("step")
+    step = step if isinstance(step, int) and not isinstance(step, bool) else -1
+    return (step, _natural(place), place)
+
+
+def keyed_rollouts(store: Any) -> dict[tuple[Any, ...], Any]:
+    """The store's rollouts by their run-order key (step, natural sort of place, place), sorted."""
+    return _keyed(store)
+
+
 def _keyed(store: Any) -> dict[tuple[Any, ...], Any]:
     """The store's rollouts by their sort key in run order: (step, mode, place)."""
     out: dict[tuple[Any, ...], Any] = {}
     unplaced: dict[tuple[Any, str], int] = {}
     for r in store.query_rollouts():
-        step = r.metadata.get("step")
-        step = step if isinstance(step, int) and not isinstance(step, bool) else -1
-        place = r.metadata.get(sc.ROLLOUT_PLACE_KEY)
-        if not isinstance(place, str):
+        key = _placed_key(r)
+        if key is None:
+            step = r.metadata.get("step")
+            step = step if isinstance(step, int) and not isinstance(step, bool) else -1
             n = unplaced.get((step, r.mode), 0)
             unplaced[(step, r.mode)] = n + 1
             place = f"{r.mode}:#{n}"
-        out[(step, _natural(place), place)] = r
+            key = (step, _natural(place), place)
+        out[key] = r
     return dict(sorted(out.items(), key=lambda kv: kv[0][:2]))
 
 
@@ -274,6 +305,36 @@ def _compare_metrics(ma: list[dict[str, Any]], mb: list[dict[str, Any]]) -> tupl
             elif va != vb and not isinstance(va, (dict, list)):
                 return step, k, va, vb
     return None
+
+
+def diff_rollout(
+    a: Run, b: Run, rollout_id: str, *, b_keyed: dict[tuple[Any, ...], Any] | None = None
+) -> tuple[RunDiff, Any, Any]:
+    """Compare one rollout of ``a`` with the rollout at the same place in ``b`` (the dashboard's view).
+
+    The same matching and reasons as :func:`diff_runs`, for one pair: returns the comparison (``first``
+    is None when the pair is identical), A's rollout and B's (None: B has nothing at that place).
+    ``b_keyed`` is :func:`keyed_rollouts` of ``b`` when the caller keeps it; a stale one is fine (a
+    key it lacks is looked up afresh). Raises the store's NotFoundError for an unknown ``rollout_id``.
+    """
+    out = RunDiff()
+    ra = a.store.get_rollout(rollout_id)
+    key = _placed_key(ra)
+    if key is None:  # matched by position among its step's and mode's unplaced rollouts
+        key = next((k for k, r in _keyed(a.store).items() if r.id == ra.id), None)
+        if key is None:  # pragma: no cover - the store just returned it
+            raise UsageError(f"rollout {rollout_id!r} is not in run A")
+    keyed = b_keyed if b_keyed is not None and key in b_keyed else _keyed(b.store)
+    rb = keyed.get(key)
+    step = key[0] if key[0] >= 0 else None
+    if ra.status not in TERMINAL_ROLLOUT_STATUSES:
+        out.notes.append(f"rollout {ra.id} is still {ra.status}: its calls so far are compared")
+    if rb is None:
+        out.first = Divergence(step, key[2], None, "rollout only in A: the runs enqueued different work")
+        return out, ra, None
+    rb = b.store.get_rollout(rb.id)  # a cached one may have finished since
+    out.first = _compare_rollout(key, ra, rb, a, b, out)
+    return out, ra, rb
 
 
 def diff_runs(a: Run, b: Run) -> RunDiff:

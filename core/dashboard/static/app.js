@@ -163,13 +163,14 @@ function VersionMetrics({ versions }) {
   </div>`;
 }
 
-function RunsPage() {
+function RunsPage({ compare }) {
   const { data, error } = useApi("runs");
   if (error) return html`<${ErrorBox} error=${error} />`;
   if (!data) return html`<p class="loading">Loading…</p>`;
   return html`<div id="runs-page">
     <h2>Runs</h2>
     ${data.runs.length === 0 && html`<p class="muted">No run directory given (<span class="mono">agl dashboard --run-dir DIR</span>); the curve below is computed from the store's rollouts.</p>`}
+    ${compare ? html`<${RunCompare} label=${compare} />` : null}
     ${data.runs.map((run) => html`<div class="card run">
       <h3 class="mono">${run.run_dir}</h3>
       ${run.error ? html`<div class="banner warn">${run.error}</div>` : html`
@@ -369,7 +370,7 @@ function SpanTree({ tree, selected, onSelect }) {
   </div>`;
 }
 
-function RolloutPage({ id, query }) {
+function RolloutPage({ id, query, compare }) {
   const { data: rollout, error, reload } = useApi(`rollouts/${enc(id)}`);
   const [selected, setSelected] = useState(null);
   const [cancelError, setCancelError] = useState(null);
@@ -391,6 +392,7 @@ function RolloutPage({ id, query }) {
       <dt>created</dt><dd>${fmtTime(rollout.created_at)}</dd>
       <dt>input</dt><dd><${Value} v=${typeof rollout.input === "string" ? rollout.input : JSON.stringify(rollout.input)} /></dd>
     </dl></div>
+    ${compare ? html`<${CompareCard} id=${rollout.id} label=${compare} />` : null}
     <h3>Attempts</h3>
     <div class="card"><${Attempts} rollout=${rollout} selected=${attempt} /></div>
     ${attempt ? html`<h3>Spans of attempt #${attempt} ${tree ? html`<span class="muted">(${tree.count} spans, ${tree.errors} error, ${tree.stale} stale)</span>` : null}
@@ -398,6 +400,48 @@ function RolloutPage({ id, query }) {
       <${ErrorBox} error=${treeError} />
       ${tree && (tree.rows.length ? html`<div class="split"><${SpanTree} tree=${tree} selected=${selected} onSelect=${setSelected} />
         <${SpanPanel} rollout=${rollout.id} attempt=${attempt} spanId=${selected} onClose=${() => setSelected(null)} /></div>` : html`<p class="muted">This attempt has no spans.</p>`)}` : html`<p class="muted">No attempt yet.</p>`}
+  </div>`;
+}
+
+// ------------------------------------------------------------------------------------- comparison
+// `agl dashboard --compare RUN`: the rollout at the same place in RUN, compared as `agl diff` does.
+function DiffSide({ name, s, part, first }) {
+  if (!s) return html`<div class="side" data-side=${name}><b>${name}</b> <span class="muted">no such call</span></div>`;
+  const title = (id, k) => `${part} token ${s.offset + k}: id ${id}${s.logprobs ? `, log-prob ${s.logprobs[k]}` : ""}`;
+  return html`<div class="side" data-side=${name}>
+    <div><b>${name}</b> <span class="mono">${s.rollout_id}</span> · seed ${fmtNum(s.seed)} (${s.seed_source || "–"}) · weights v${fmtNum(s.weight_version)} · ${s.prompt_len} prompt + ${s.response_len} response tokens</div>
+    <div class="tokens">${s.offset ? html`<span class="muted">[${s.offset} earlier] </span>` : null}${s.ids.map((id, k) => html`<span class=${`tok ${s.offset + k >= first ? "differs" : "same"}`} title=${title(id, k)}>${s.pieces ? s.pieces[k] : `${id} `}</span>`)}${s.more ? html`<span class="muted"> [${s.more} more]</span>` : null}</div>
+  </div>`;
+}
+
+function DivergenceView({ d }) {
+  const where = `${d.step !== null ? `step ${d.step}, ` : ""}rollout ${d.place}${d.call !== null ? `, call ${d.call}` : ""}`;
+  return html`<div class="divergence">
+    <p>first divergence: <b class="where mono">${where}</b></p>
+    <p class="reason"><b>reason:</b> ${d.reason}</p>
+    ${d.part ? html`<p class="muted">${d.part === "prompt" ? `the prompts differ from token ${d.first_token}` : `the responses, from token ${d.first_token} (highlighted) on`}</p>
+      <div class="sides"><${DiffSide} name="A" s=${d.a} part=${d.part} first=${d.first_token} /><${DiffSide} name="B" s=${d.b} part=${d.part} first=${d.first_token} /></div>` : null}
+  </div>`;
+}
+
+function CompareCard({ id, label }) {
+  const { data, error } = useApi(`rollouts/${enc(id)}/diff`);
+  return html`<div class="card" id="compare"><h3>Compared with <span class="mono">${label}</span> (the rollout at the same place)</h3>
+    <${ErrorBox} error=${error} />
+    ${data ? html`${data.notes.map((n) => html`<p class="muted">${n}</p>`)}
+      ${data.identical ? html`<p class="identical">identical: <span class="mono">${data.other_rollout_id}</span> made the same ${data.calls} LLM call(s), token for token</p>`
+        : html`<${DivergenceView} d=${data.divergence} />`}` : error ? null : html`<p class="loading">Comparing…</p>`}
+  </div>`;
+}
+
+function RunCompare({ label }) {
+  const { data, error } = useApi("diff");
+  return html`<div class="card" id="run-compare"><h3>Compared with <span class="mono">${label}</span> (agl diff)</h3>
+    <${ErrorBox} error=${error} />
+    ${data ? html`${data.identical ? html`<p class="identical">identical: ${data.rollouts} rollout(s), ${data.calls} LLM call(s), same token ids</p>`
+      : html`${data.divergence ? html`<${DivergenceView} d=${data.divergence} />${data.divergence.a ? html`<a class="diff-link" href=${rolloutHref(data.divergence.a.rollout_id)}>open rollout ${data.divergence.a.rollout_id} →</a>` : null}`
+        : html`<p>same ${data.rollouts} rollout(s) and ${data.calls} call(s), token for token</p>`}
+        ${data.metrics ? html`<p class="metrics-diff">metrics first differ at step ${data.metrics[0]}: <span class="mono">${data.metrics[1]}</span> A=${String(data.metrics[2])} B=${String(data.metrics[3])}</p>` : null}`}` : error ? null : html`<p class="loading">Comparing…</p>`}
   </div>`;
 }
 
@@ -479,9 +523,9 @@ function App() {
   useEffect(() => { authListener = setAuthError; return () => { authListener = null; }; }, []);
   const [page, ...rest] = route.parts;
   let body;
-  if (page === "runs") body = html`<${RunsPage} />`;
+  if (page === "runs") body = html`<${RunsPage} compare=${info?.compare} />`;
   else if (page === "rollout" && rest[1] === "attempt" && rest[3] === "transitions") body = html`<${TransitionsPage} key=${route.parts.join("/")} id=${rest[0]} attempt=${Number(rest[2])} query=${route.query} />`;
-  else if (page === "rollout" && rest[0]) body = html`<${RolloutPage} key=${rest[0] + route.query} id=${rest[0]} query=${route.query} />`;
+  else if (page === "rollout" && rest[0]) body = html`<${RolloutPage} key=${rest[0] + route.query} id=${rest[0]} query=${route.query} compare=${info?.compare} />`;
   else body = html`<${RolloutsPage} query=${route.query} />`;
   const hasToken = !!localStorage.getItem(TOKEN_KEY);
   return html`<header>
