@@ -106,7 +106,7 @@ def _is_ddp(model: Any) -> bool:
 def gradient_sync(accelerator: Any, model: Any, last: bool) -> Any:
     """The context of one backward pass: accelerate's ``no_sync`` except on the epoch's ``last`` pass,
     and always under DDP (its gradients are averaged by :func:`average_gradients` instead)."""
-    from agl.algorithms.fsdp import ScoringRoot
+    from agl.algorithms.scoring import ScoringRoot
 
     if (last and not _is_ddp(model)) or isinstance(model, ScoringRoot):  # FSDP2: every pass reduces
         return contextlib.nullcontext()

@@ -42,11 +42,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from agl.algorithms.scoring import ScoringRoot, is_peft
+
 if TYPE_CHECKING:
     from agl.algorithms.update import PolicyUpdate
 
 __all__ = [
-    "ScoringRoot",
     "Sharded",
     "accelerate_without_fsdp",
     "idle_forward",
@@ -94,24 +95,6 @@ def accelerate_without_fsdp() -> Iterator[None]:
     finally:
         if saved is not None:
             os.environ[USE_ENV] = saved
-
-
-class ScoringRoot(torch.nn.Module):
-    """The root FSDP unit: the model, and a ``forward`` that runs ``fn`` (agl's scoring, which calls
-    the decoder and the LM head apart) or, without ``fn``, the model's own forward."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: Any, fn: Any = None, **kwargs: Any) -> Any:
-        if fn is None:
-            return self.module(*args, **kwargs)
-        # FSDP2 hooks the outputs for the backward's gathers; a view's hook an in-place op would drop,
-        # so the (small: sequences x response positions) outputs leave as tensors of their own
-        return tuple(
-            t.clone() if torch.is_tensor(t) and t._base is not None else t for t in fn(*args, **kwargs)
-        )
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -248,7 +231,6 @@ class _Frozen:
 
 def _load_weights(model: Any, path: str, trainer: Any) -> None:
     """A checkpoint's adapter or full weights into the plain ``model`` (rank 0's replica)."""
-    from agl.algorithms.scoring import is_peft
 
     if is_peft(model):
         from peft import set_peft_model_state_dict
@@ -279,8 +261,6 @@ def shard_policy(policy: PolicyUpdate) -> Sharded:
     state yet)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from agl.algorithms.scoring import is_peft
 
     if policy.adapters:
         from agl.errors import UsageError

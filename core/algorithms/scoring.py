@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from agl.algorithms.fsdp import ScoringRoot
 from agl.algorithms.prefix_tree import PackedInputs
 
 __all__ = [
     "SCORE_CHUNK_TOKENS",
+    "ScoringRoot",
     "TransitionGRPOTrainer",
     "backbone_and_head",
     "chunked_token_logps",
@@ -168,7 +168,7 @@ class TransitionGRPOTrainer(GRPOTrainer):
                 hidden, targets = hidden[:, -logits_to_keep - 1 : -1, :], input_ids[:, -logits_to_keep:]
                 return chunked_token_logps(hidden, targets, head, self.temperature)
 
-            # under FSDP2 the scoring runs as the root unit's forward (agl.algorithms.fsdp.ScoringRoot)
+            # under FSDP2 the scoring runs as the root unit's forward (ScoringRoot, applied by agl.algorithms.fsdp)
             logps, ent = root(fn=score) if root is not None else score()
             entropies, aux = (ent if compute_entropy else None), None
         self.last_logps = logps.detach()
@@ -208,3 +208,21 @@ def is_peft(model: Any) -> bool:
     except ImportError:  # pragma: no cover - peft is part of agl[train]
         return False
     return isinstance(model, PeftModel)
+
+
+class ScoringRoot(torch.nn.Module):
+    """The root FSDP unit: the model, and a ``forward`` that runs ``fn`` (agl's scoring, which calls
+    the decoder and the LM head apart) or, without ``fn``, the model's own forward."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, fn: Any = None, **kwargs: Any) -> Any:
+        if fn is None:
+            return self.module(*args, **kwargs)
+        # FSDP2 hooks the outputs for the backward's gathers; a view's hook an in-place op would drop,
+        # so the (small: sequences x response positions) outputs leave as tensors of their own
+        return tuple(
+            t.clone() if torch.is_tensor(t) and t._base is not None else t for t in fn(*args, **kwargs)
+        )
