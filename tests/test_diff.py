@@ -7,47 +7,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from recorded_runs import recorded_store
 
-import agl.store
-from agl import semconv as sc
 from agl.errors import UsageError
 from agl.reports.diff import Run, diff_runs, open_run
-from agl.types import NewRollout, Span
 
 
 def _store(calls: dict[str, list[dict[str, Any]]], *, path: Path | None = None) -> Any:
     """A store with one finished rollout per place, each with the given gateway calls (in order)."""
-    store = agl.store.open(f"sqlite:///{path}" if path else "memory://")
-    for n, (place, cs) in enumerate(calls.items()):
-        rid = f"ro-{place.replace(':', '-').replace('/', '-')}-{n}"
-        store.enqueue([NewRollout(id=rid, input={"q": n}, metadata={"step": 0, sc.ROLLOUT_PLACE_KEY: place})])
-        claim = store.claim("w")
-        assert claim is not None
-        spans = [
-            Span(
-                trace_id="a" * 32,
-                span_id=f"{n + 1:04x}{i + 1:012x}",
-                name="chat",
-                start_ns=i + 1,
-                end_ns=i + 2,
-                rollout_id=rid,
-                attempt=claim.attempt.number,
-                attributes={
-                    sc.AGL_SIDE: sc.SIDE_SERVER,
-                    sc.AGL_LLM_CALL_INDEX: i,
-                    sc.AGL_LLM_PROMPT_TOKEN_IDS: c.get("prompt", [1, 2]),
-                    sc.AGL_LLM_RESPONSE_TOKEN_IDS: c["ids"],
-                    sc.AGL_LLM_RESPONSE_LOGPROBS: c.get("lp", [-0.5] * len(c["ids"])),
-                    sc.AGL_LLM_SEED: c.get("seed", 11),
-                    sc.AGL_LLM_SEED_SOURCE: "run",
-                    sc.AGL_LLM_WEIGHT_VERSION: c.get("v", 1),
-                },
-            )
-            for i, c in enumerate(cs)
-        ]
-        store.add_spans(spans)
-        store.finish_attempt(rid, claim.attempt.number, "succeeded")
-    return store
+    return recorded_store(calls, path=path)
 
 
 BASE = {"train:s0/t0/m0": [{"ids": [5, 6]}, {"ids": [7, 8, 9]}], "train:s0/t0/m1": [{"ids": [3]}]}

@@ -11,13 +11,11 @@ from typing import Any
 
 import pytest
 from dash_helpers import DashboardProcess, artifacts_dir
+from recorded_runs import recorded_store
 from starlette.testclient import TestClient
 
-import agl.store
-from agl import semconv as sc
 from agl.dashboard import create_dashboard_app
 from agl.reports.diff import Run, diff_runs
-from agl.types import NewRollout, Span
 
 BASE: dict[str, list[dict[str, Any]]] = {
     "train:s0/t0/m0": [{"ids": [5, 6]}, {"ids": [7, 8, 9, 10]}],
@@ -37,41 +35,7 @@ class Letters:
 
 def _store(calls: dict[str, list[dict[str, Any]]], prefix: str, path: Path | None = None) -> Any:
     """One finished rollout per place (ids differ per run: matching is by place), with its gateway calls."""
-    store = agl.store.open(f"sqlite:///{path}" if path else "memory://")
-    for n, (place, cs) in enumerate(calls.items()):
-        rid = f"{prefix}-{n}"
-        step = int(place.split(":s")[1].split("/")[0])
-        store.enqueue(
-            [NewRollout(id=rid, input={"q": n}, metadata={"step": step, sc.ROLLOUT_PLACE_KEY: place})]
-        )
-        claim = store.claim("w")
-        assert claim is not None
-        store.add_spans(
-            [
-                Span(
-                    trace_id="a" * 32,
-                    span_id=f"{n + 1:04x}{i + 1:012x}",
-                    name="chat m",
-                    start_ns=i + 1,
-                    end_ns=i + 2,
-                    rollout_id=rid,
-                    attempt=claim.attempt.number,
-                    attributes={
-                        sc.AGL_SIDE: sc.SIDE_SERVER,
-                        sc.AGL_LLM_CALL_INDEX: i,
-                        sc.AGL_LLM_PROMPT_TOKEN_IDS: c.get("prompt", [1, 2]),
-                        sc.AGL_LLM_RESPONSE_TOKEN_IDS: c["ids"],
-                        sc.AGL_LLM_RESPONSE_LOGPROBS: [-0.5] * len(c["ids"]),
-                        sc.AGL_LLM_SEED: c.get("seed", 11 + n),
-                        sc.AGL_LLM_SEED_SOURCE: "run",
-                        sc.AGL_LLM_WEIGHT_VERSION: 1,
-                    },
-                )
-                for i, c in enumerate(cs)
-            ]
-        )
-        store.finish_attempt(rid, claim.attempt.number, "succeeded")
-    return store
+    return recorded_store(calls, prefix=prefix, path=path, name="chat m", distinct_seeds=True)
 
 
 @pytest.fixture
