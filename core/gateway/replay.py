@@ -42,8 +42,6 @@ __all__ = ["BranchPlan", "Replays", "branch_of", "recorded_calls", "replayed_res
 
 log = logging.getLogger("agl.gateway")
 
-_LOCAL_STORES = frozenset({"MemoryStore", "SQLiteStore"})  # read on the event loop (no network wait)
-
 
 @dataclass(frozen=True)
 class BranchPlan:
@@ -136,7 +134,7 @@ class Replays:
     def __init__(self, store: Any, *, max_rollouts: int = 1024) -> None:
         self.store = store
         self.max_rollouts = max_rollouts
-        self.in_loop = type(store).__name__ in _LOCAL_STORES
+        self.in_loop = bool(getattr(store, "in_process", False))  # read on the event loop (no network wait)
         self._plans: OrderedDict[str, BranchPlan | None] = OrderedDict()
         #: branch attempts that diverged: every later call of theirs is refused too (a client that
         #: retries must not slip past the branch call, its retry numbered as the next call)

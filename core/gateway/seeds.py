@@ -83,7 +83,6 @@ def call_seed(rollout_seed_: int, attempt: int, index: int) -> int:
 
 #: the routes whose raw body a pass-through backend forwards as it is (as in agl.gateway.sampling)
 _FORWARDED = ("chat", "completions")
-_LOCAL_STORES = frozenset({"MemoryStore", "SQLiteStore"})  # read on the event loop (no network wait)
 
 
 class CallSeeds:
@@ -92,7 +91,7 @@ class CallSeeds:
     def __init__(self, store: Any, *, max_rollouts: int = 4096) -> None:
         self.store = store
         self.max_rollouts = max_rollouts
-        self.in_loop = type(store).__name__ in _LOCAL_STORES
+        self.in_loop = bool(getattr(store, "in_process", False))  # read on the event loop (no network wait)
         self._seeds: OrderedDict[str, int | None] = OrderedDict()
         self._calls: OrderedDict[tuple[str, int], int] = OrderedDict()
 

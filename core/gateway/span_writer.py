@@ -38,11 +38,6 @@ __all__ = ["SpanWriter"]
 
 log = logging.getLogger("agl.gateway")
 
-#: stores that live in this process and answer in microseconds: may be written on the event loop itself
-_LOCAL_STORES = frozenset({"MemoryStore", "SQLiteStore"})
-#: ... of which each write is a transaction with a commit: batched by the writer thread when calls overlap
-_COMMIT_STORES = frozenset({"SQLiteStore"})
-
 #: one queued call: its spans, and the loop and future to resolve once they are stored (None: nobody waits)
 _Entry = tuple[list[Span], "asyncio.AbstractEventLoop | None", "asyncio.Future[None] | None"]
 
@@ -53,10 +48,11 @@ class SpanWriter:
     def __init__(self, store: Any, stats: dict[str, int], *, in_loop: bool | None = None) -> None:
         self.store = store
         self.stats = stats
-        name = type(store).__name__
-        self.in_loop = name in _LOCAL_STORES if in_loop is None else in_loop
+        # stores in this process (``in_process``) may be written on the event loop itself; of those,
+        # one whose every write commits (``commit_per_write``) is batched by the writer thread
+        self.in_loop = bool(getattr(store, "in_process", False)) if in_loop is None else in_loop
         #: calls that overlap go to the writer thread, whose batches share one commit
-        self.batch_overlapping = self.in_loop and name in _COMMIT_STORES
+        self.batch_overlapping = self.in_loop and bool(getattr(store, "commit_per_write", False))
         self._cond = threading.Condition()
         self._queue: list[_Entry] = []  # for the writer thread
         self._pending: list[_Entry] = []  # for the in-loop callback

@@ -67,6 +67,9 @@ class _Rec:
 class MemoryStore:
     """The whole Store protocol in memory, thread-safe."""
 
+    #: lives in this process and answers in microseconds: the gateway may call it on its event loop
+    in_process = True
+
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)

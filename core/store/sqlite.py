@@ -131,6 +131,10 @@ class SQLiteStore(SqlStore):
     """The Store protocol on one SQLite file (WAL). Safe for many threads and several processes."""
 
     d = SQLITE
+    #: lives in this process and answers in microseconds: the gateway may call it on its event loop
+    in_process = True
+    #: each write is a transaction with a commit: the gateway batches the spans of overlapping calls
+    commit_per_write = True
 
     def __init__(
         self, path: str | os.PathLike[str], *, synchronous: str = "NORMAL", busy_timeout_s: float = 30.0
