@@ -97,6 +97,35 @@ _is_peft = is_peft
 log = logging.getLogger("agl.algorithms.update")
 
 
+def _resolve_config(cfg: Any, overrides: dict[str, Any]) -> RunConfig:
+    """The update's RunConfig: ``cfg`` (a RunConfig, a LightningRL or None) with the overrides that are
+    set; refused here when it cannot train (``RunConfig.check_trainable``)."""
+    base = cfg if isinstance(cfg, RunConfig) else None
+    config = RunConfig.resolve(
+        None if base is not None else cfg,
+        base=base,
+        update={k: v for k, v in overrides.items() if v is not None},
+    )
+    config.check_trainable()
+    return config
+
+
+def _micro_batch_and_checkpointing(config: RunConfig, model: Any, use_cuda: bool) -> tuple[int, bool]:
+    """``(micro_batch_tokens, gradient_checkpointing)``: the config's, or sized to the model when unset
+    (checkpointing on a GPU, or where a micro-batch's activations pass ``CHECKPOINT_ABOVE_BYTES``)."""
+    tokens = (
+        int(config.micro_batch_tokens)
+        if config.micro_batch_tokens is not None
+        else auto_micro_batch_tokens(
+            model, use_cuda=use_cuda, checkpointing=config.gradient_checkpointing is not False
+        )
+    )
+    checkpointing = config.gradient_checkpointing
+    if checkpointing is None:
+        checkpointing = use_cuda or _activations_bytes(model, tokens) > CHECKPOINT_ABOVE_BYTES
+    return tokens, bool(checkpointing)
+
+
 class PolicyUpdate:
     """Token-level PPO-clip updates of a causal LM from LightningRL transitions.
 
@@ -129,29 +158,11 @@ class PolicyUpdate:
             "gradient_checkpointing": gradient_checkpointing,
             "mixed_precision": mixed_precision,
         }
-        base = cfg if isinstance(cfg, RunConfig) else None
-        self.config = RunConfig.resolve(
-            None if base is not None else cfg,
-            base=base,
-            update={k: v for k, v in overrides.items() if v is not None},
-        )
-        self.cfg = self.config
-        config = self.config
-        config.check_trainable()
+        self.config = config = _resolve_config(cfg, overrides)
+        self.cfg = config
         use_cuda = torch.cuda.is_available()
         model, tokenizer = _load_model(model, tokenizer)
-        self.micro_batch_tokens = (
-            int(config.micro_batch_tokens)
-            if config.micro_batch_tokens is not None
-            else auto_micro_batch_tokens(
-                model, use_cuda=use_cuda, checkpointing=config.gradient_checkpointing is not False
-            )
-        )
-        checkpointing = config.gradient_checkpointing
-        if checkpointing is None:
-            checkpointing = use_cuda or _activations_bytes(model, self.micro_batch_tokens) > (
-                CHECKPOINT_ABOVE_BYTES
-            )
+        self.micro_batch_tokens, checkpointing = _micro_batch_and_checkpointing(config, model, use_cuda)
         self.kl_coef = float(config.kl_coef)
         args = _grpo_args(
             config,
