@@ -18,6 +18,7 @@ skipped (bench/_matrix.py). Seeds fixed here.
     python bench/per_agent_learning.py --report-only        # the table and plot of the runs there
     python bench/per_agent_learning.py --repairs 4 --build-warm-start   # issue 56: the same, from demos
                                                             # where every 4th question shows a repair
+    python bench/per_agent_learning.py --repairs 4 --setups per_agent_running   # the running baseline
 
 With ``--repairs N`` the oracle's demonstrations also show repairs (``dev --oracle --repairs N``: the
 writer's query broken, the rewriter's fix), so the warm start covers the rewriter too; its runs are
@@ -44,7 +45,11 @@ from typing import Any
 from _matrix import dot_plot, finished, fmt, records, run_once, summary  # bench/, the script's own folder
 
 SEEDS = (0, 1, 2)  # declared before the runs
-SETUPS = ("shared", "per_agent")
+#: ``per_agent`` compares a sometimes-acting agent over its calls in the step only (``--running-window
+#: 0``: the rule the 2026-11-29 matrix was declared with); ``per_agent_running`` also falls back to its
+#: own last 4 steps where the step leaves its calls no spread (LightningRL's default since then)
+SETUPS = ("shared", "per_agent", "per_agent_running")
+RUNNING_WINDOW = {"per_agent": "0", "per_agent_running": "4"}
 RECIPE = (
     "--steps", "16", "--tasks-per-step", "6", "--group-size", "4", "--val-tasks", "90", "--val-every", "0",
     "--no-val-before", "--max-tokens", "64", "--temperature", "1.0", "--learning-rate", "2e-4",
@@ -68,11 +73,12 @@ def _sft(root: Path, out: Path, threads: int, repairs: int = 0) -> list[str]:
     ]  # fmt: skip
 
 
-def _train(threads: int, warm: Path, run_dir: Path, per_agent: bool, extra: list[str]) -> list[str]:
+def _train(threads: int, warm: Path, run_dir: Path, setup: str, extra: list[str]) -> list[str]:
+    window = RUNNING_WINDOW.get(setup)
     return [
         sys.executable, "-m", "examples.sql_agent", "--threads", str(threads), "train",
         "--warm-start", str(warm), "--run-dir", str(run_dir),
-        *(["--adapter-per-agent"] if per_agent else []), *extra,
+        *(["--adapter-per-agent", "--running-window", window] if window else []), *extra,
     ]  # fmt: skip
 
 
@@ -96,7 +102,7 @@ def build_warm_starts(root: Path, threads: int, repairs: int = 0) -> None:
         subprocess.run(_sft(root, out, threads, repairs), check=True, env=env)
     check = root / f"warm_shared{_tag(repairs)}_s0"
     extra = ["--steps", "0", "--val-tasks", "90", "--runners", "16"]
-    run_once(check, _train(threads, out, check, False, extra), "warm start")
+    run_once(check, _train(threads, out, check, "shared", extra), "warm start")
 
 
 def rescues(run_dir: Path) -> tuple[int, int]:
@@ -185,7 +191,7 @@ def report(root: Path, repairs: int = 0, branches: int = 0) -> list[dict[str, An
 def plot(rows: list[dict[str, Any]], out: Path) -> None:
     """Held-out per setup, warm start and after RL: one dot per seed, a bar at the mean."""
     labels = {"warm_shared": "warm start\n(both setups)", "shared": "RL, shared\npolicy",
-              "per_agent": "RL, adapter\nper agent"}  # fmt: skip
+              "per_agent": "RL, adapter\nper agent", "per_agent_running": "adapter per agent,\n+ running baseline"}  # fmt: skip
     groups = [
         (label, [r["val_after"] for r in rows if r["setup"] == name and r["val_after"] is not None],
          "#c6dbef" if name.startswith("warm") else "#9ecae1")
@@ -201,7 +207,7 @@ def main() -> None:
     )
     parser.add_argument("--root", type=Path, default=Path("runs/per_agent_learning"))
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
-    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS[:2]))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--build-warm-start", action="store_true", help="demos, the SFT and its check first")
     parser.add_argument("--report-only", action="store_true")
@@ -226,7 +232,7 @@ def main() -> None:
                 btag = f"_b{args.branches}" if args.branches else ""
                 run_dir = args.root / f"{setup}{_tag(args.repairs)}{btag}_s{seed}"
                 extra = ["--seed", str(seed), *RECIPE, *(["--branches", str(args.branches)] if btag else [])]
-                cmd = _train(args.threads, warm, run_dir, setup == "per_agent", extra)
+                cmd = _train(args.threads, warm, run_dir, setup, extra)
                 run_once(run_dir, cmd, f"{setup} seed={seed}")
     report(args.root, args.repairs, args.branches)
 

@@ -59,6 +59,7 @@ def test_fields_are_exactly_the_contract() -> None:
         "normalize_std": True,
         "group_size": 4,
         "agent_baseline": "auto",
+        "running_window": 4,
         "clip_eps": 0.2,
         "clip_eps_high": None,
         "kl_coef": 0.0,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from agl.algorithms.lightning_rl import LightningRL, compute_advantages
+from agl.algorithms.lightning_rl import LightningRL, compute_advantages, prior_from_history
 from agl.errors import UsageError
 from agl.types import Transition
 
@@ -70,6 +70,51 @@ def test_step_baseline_uses_the_agents_own_outcome() -> None:
     assert rewriter[0] > 0.0 > rewriter[1]
 
 
+def failed_repairs_step() -> list[Transition]:
+    """Both of the step's repairs failed alike: the rewriter's calls have no spread in the step."""
+    return [t.model_copy(update={"final_reward": 0.0, "reward": 0.0}) if t.rollout_id in ("A3", "B3") else t
+            for t in rescue_step()]  # fmt: skip
+
+
+def test_auto_falls_back_to_the_agents_last_steps_when_the_step_has_no_spread() -> None:
+    ts = failed_repairs_step()
+    alone, stats = compute_advantages(ts, LightningRL(), per_agent=True)
+    rewriter = [i for i, t in enumerate(ts) if t.agent == "rewriter"]
+    assert [alone[i] for i in rewriter] == [0.0, 0.0] and stats["agent_baselines"]["rewriter"] == "step"
+    assert stats["agent_returns"]["rewriter"] == (2, 0.0, 0.0)
+    # its last steps rescued half of its repairs: two failures this step are below its own baseline
+    adv, stats = compute_advantages(ts, LightningRL(), per_agent=True, prior={"rewriter": (0.5, 0.5)})
+    assert stats["agent_baselines"]["rewriter"] == "running"
+    assert [adv[i] for i in rewriter] == pytest.approx([-1.0, -1.0], rel=1e-5)
+    # the writer, acting every time, keeps its task groups whatever the prior says
+    writer = [i for i, t in enumerate(ts) if t.agent == "writer"]
+    assert [adv[i] for i in writer] == [alone[i] for i in writer]
+    # no fallback where the step has a spread, under an explicit rule, or with a prior of no spread
+    spread, _ = compute_advantages(
+        rescue_step(), LightningRL(), per_agent=True, prior={"rewriter": (0.9, 0.1)}
+    )
+    assert spread == compute_advantages(rescue_step(), LightningRL(), per_agent=True)[0]
+    off = (LightningRL(agent_baseline="step"), (0.5, 0.5)), (LightningRL(running_window=0), (0.5, 0.5))
+    for cfg, prior in (*off, (LightningRL(), (1.0, 0.0))):
+        adv, stats = compute_advantages(ts, cfg, per_agent=True, prior={"rewriter": prior})
+        assert [adv[i] for i in rewriter] == [0.0, 0.0] and stats["agent_baselines"]["rewriter"] == "step"
+
+
+def test_prior_pools_the_agents_last_steps_from_the_records() -> None:
+    history = [
+        {"step": 0, "return_n/rewriter": 2, "return_mean/rewriter": 1.0, "return_std/rewriter": 0.0},
+        {"step": 1, "return_n/rewriter": 2, "return_mean/rewriter": 0.0, "return_std/rewriter": 0.0},
+        {"step": 2, "return_n/writer": 8, "return_mean/writer": 0.5, "return_std/writer": 0.5},
+        {"step": 3, "return_n/rewriter": 4, "return_mean/rewriter": 0.5, "return_std/rewriter": 0.5},
+    ]
+    prior = prior_from_history(history)
+    # rewriter: 8 calls, values {1, 1, 0, 0, and 4 of mean .5 std .5} -> mean .5, E[g^2] = (2 + 0 + 4 * .5) / 8
+    assert prior["rewriter"] == pytest.approx((0.5, 0.5)) and prior["writer"] == pytest.approx((0.5, 0.5))
+    assert prior_from_history(history, window=1)["rewriter"] == pytest.approx((0.5, 0.5))
+    assert prior_from_history(history[:2], window=1)["rewriter"] == (0.0, 0.0)
+    assert prior_from_history([]) == {}
+
+
 def test_explicit_rules_and_validation() -> None:
     ts = rescue_step()
     _, stats = compute_advantages(ts, LightningRL(agent_baseline="step"), per_agent=True)
@@ -78,6 +123,9 @@ def test_explicit_rules_and_validation() -> None:
     assert "agent_baselines" not in shared, "a shared policy keeps GRPO's task groups"
     with pytest.raises(UsageError, match="agent_baseline"):
         LightningRL(agent_baseline="sometimes")
+    for bad in (-1, 1.5, True):
+        with pytest.raises(UsageError, match="running_window"):
+            LightningRL(running_window=bad)
 
 
 @pytest.mark.parametrize("rule", ["auto", "group"])
@@ -143,3 +191,62 @@ def test_a_repair_agent_acting_once_in_four_trains(tmp_path, rule: str) -> None:
     else:
         assert rec["step_baseline/rewriter"] == 0.0
         assert not rec.get("grad_norm/rewriter")
+
+
+def test_a_step_of_failed_repairs_still_trains_the_repair_agent(tmp_path) -> None:
+    """Trainer.fit, two steps: the first rescues one of the rewriter's two repairs, the second fails
+    both alike, so the step leaves it no spread; ``auto`` compares them with its first step (from the
+    run's records) and its adapter still gets a non-zero update."""
+    pytest.importorskip("torch")
+    pytest.importorskip("trl")
+    pytest.importorskip("peft")
+    import openai
+
+    import agl
+    from agl.trainer.trainer import load_tokenizer
+    from tests.test_adapter_per_agent import AGENTS, tiny_model
+
+    seen: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def app(task: dict, resources: agl.Resources) -> float:
+        llm = resources.llm
+        client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key or "x")
+        msgs = [{"role": "user", "content": task["q"]}]
+        with lock:
+            seen[task["q"]] = seen.get(task["q"], 0) + 1
+            member = seen[task["q"]]
+        with agl.agent("writer"):
+            client.chat.completions.create(model=llm.model, messages=msgs, max_tokens=4)
+        if member % 4 == 1:  # one repair per group of four; only the first step's "rescuable" one works
+            with agl.agent("rewriter"):
+                client.chat.completions.create(model=llm.model, messages=msgs, max_tokens=4)
+            return 1.0 if task["q"] == "rescuable" and member == 1 else 0.0
+        return float(member % 2)
+
+    trainer = agl.Trainer(
+        LightningRL(group_size=4, lora_r=4, lora_alpha=8, learning_rate=1e-2, mixed_precision="no"),
+        model=tiny_model(),
+        tokenizer=load_tokenizer(),
+        agents=AGENTS,
+        adapter_per_agent=True,
+        steps=2,
+        tasks_per_step=2,
+        val_before=False,
+        runners=2,
+        run_dir=tmp_path / "run",
+        progress=False,
+        store="memory://",
+    )  # fmt: skip
+    agl.instrument("openai")
+    try:
+        trainer.fit(app, [{"q": "rescuable"}, {"q": "lost"}])
+    finally:
+        agl.uninstrument()
+    first, second = trainer.history
+    assert first["running_baseline/rewriter"] == 0.0 and first["return_n/rewriter"] == 2
+    assert first["return_mean/rewriter"] == pytest.approx(0.5)
+    assert second["return_std/rewriter"] == 0.0, "both repairs of the second step failed alike"
+    assert second["running_baseline/rewriter"] == 1.0 and second["step_baseline/rewriter"] == 1.0
+    assert second["trained_transitions/rewriter"] == 2.0 and second["grad_norm/rewriter"] > 0.0
+    assert second["running_baseline/writer"] == 0.0 and second["step_baseline/writer"] == 0.0

@@ -29,7 +29,13 @@ credited returns, as below), so under
 (``"step"``): ``A_ij = (G_ij - mean G) / (std G + eps)`` over that agent's credited returns ``G``,
 intermediate rewards included (its own outcome: AIR's penalty on a failed query it wrote, or a reward
 the app emits for it). Mixing tasks in one baseline is the price; it is paid only by agents whose task
-groups cannot carry a signal. The rule each agent got is reported per step (``agent_baselines``). A group whose statistic has no spread (fewer than two
+groups cannot carry a signal. When even the step leaves such an agent no spread (one call, or all of
+its calls scored alike: every repair failed the same way), ``"auto"`` compares its calls with its own
+earlier steps instead (``"running"``): ``A_ij = (G_ij - m) / (s + eps)`` with ``m``, ``s`` the mean
+and std of its credited returns pooled over its last ``running_window`` steps (``prior``, which the
+trainer reads from the run's metrics, so a resumed run has the same; ``running_window=0``: no fallback). A step of failed repairs then
+pushes the agent away from them, where the step alone would have left it untouched. The rule each agent
+got is reported per step (``agent_baselines``). A group whose statistic has no spread (fewer than two
 values, or a std below ``ZERO_STD``) carries no learning signal: all its advantages are 0 and it is
 counted in ``zero_variance_groups``. docs/architecture.md §8 works through examples by hand.
 """
@@ -37,7 +43,7 @@ counted in ``zero_variance_groups``. docs/architecture.md §8 works through exam
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -61,12 +67,15 @@ __all__ = [
     "credit_returns",
     "group_statistics",
     "iter_groups",
+    "prior_from_history",
 ]
 
 #: Added to the std before dividing, so tiny-but-nonzero spreads do not explode.
 EPS = 1e-6
 #: A std below this is treated as zero: the group has no signal.
 ZERO_STD = 1e-9
+#: Steps an agent's running baseline pools by default (``LightningRL.running_window``).
+RUNNING_WINDOW = 4
 
 Credit = Literal["identical", "discounted"]
 AdvantageLevel = Literal["rollout", "transition"]
@@ -97,7 +106,15 @@ class LightningRL(UpdateSettings):
         metadata={
             "help": "with an adapter per agent, what an agent's calls are compared with: its task groups "
             "('group'), all its calls in the step ('step'), or 'auto': 'group' for an agent that acts in "
-            "every rollout, 'step' for one that acts only sometimes"
+            "every rollout, 'step' for one that acts only sometimes, and its own last steps ('running') "
+            "when the step leaves it no spread"
+        },
+    )
+    running_window: int = field(
+        default=RUNNING_WINDOW,
+        metadata={
+            "help": "under agent_baseline='auto': the last N steps of its own an agent's calls are compared "
+            "with when the step leaves them no spread (0: none, they train nothing that step)"
         },
     )
 
@@ -116,6 +133,9 @@ class LightningRL(UpdateSettings):
         value = self.group_size
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"LightningRL.group_size must be an integer >= 1, got {value!r}")
+        window = self.running_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise UsageError(f"LightningRL.running_window must be an integer >= 0, got {window!r}")
         if not isinstance(self.normalize_std, bool):
             raise UsageError(f"LightningRL.normalize_std must be True or False, got {self.normalize_std!r}")
         self._validate_update("LightningRL")
@@ -132,13 +152,14 @@ class LightningRL(UpdateSettings):
         *,
         include_intermediate: bool | None = None,
         per_agent: bool = False,
+        prior: Mapping[str, tuple[float, float]] | None = None,
     ) -> tuple[list[float], dict[str, Any]]:
         """Advantages from the returns the adapter already credited (``Transition.reward``: an
         ``Adapter(algorithm=self)`` credits them under this configuration), not credited again. Pass
         ``include_intermediate=True``/``False`` to recompute them from ``final_reward`` and
         ``intermediate_reward`` instead (see :func:`compute_advantages`)."""
         return compute_advantages(
-            transitions, self, include_intermediate=include_intermediate, per_agent=per_agent
+            transitions, self, include_intermediate=include_intermediate, per_agent=per_agent, prior=prior
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -185,8 +206,9 @@ class GroupStats:
     std: float
     zero_variance: bool
     final_reward_mean: float
-    #: "group" (one task's rollouts), "step" (all of one agent's calls in the step) or "branch" (one
-    #: agent's calls in the K continuations of one of its calls: agl.trainer.branching)
+    #: "group" (one task's rollouts), "step" (all of one agent's calls in the step), "running" (those
+    #: calls against the agent's last steps) or "branch" (one agent's calls in the K continuations of
+    #: one of its calls: agl.trainer.branching)
     baseline: str = "group"
     #: the agent whose calls these are, with an adapter per agent
     agent: str | None = None
@@ -246,11 +268,13 @@ def _agent_statistics(
     returns: Sequence[float],
     by_rollout: dict[tuple[str, int], list[int]],
     cfg: LightningRL,
+    prior: Mapping[str, tuple[float, float]] | None = None,
 ) -> tuple[dict[str, GroupStats], dict[str, list[int]]]:
     """:func:`_statistics` per agent: groups keyed ``<group>@<agent>``, each over the agent's calls in
     the group's rollouts (a rollout in which the agent made no call is not in its group); or, for an
     agent under the ``"step"`` baseline (:func:`agent_baseline`), one group ``step@<agent>`` over all
-    of its calls in the step."""
+    of its calls in the step — against ``prior[agent]`` (mean, std of its earlier steps) under
+    ``"auto"`` when the step gives them no spread."""
     parts: dict[str, dict[tuple[str, int], list[int]]] = {}
     for key, positions in by_rollout.items():
         for p in positions:
@@ -278,7 +302,7 @@ def _agent_statistics(
         if agent_baseline(cfg.agent_baseline, transitions, part, sizes) == "step":
             key = f"step@{agent}"
             step, positions_of[key] = _step_statistics(key, transitions, returns, part)
-            stats[key] = replace(step, agent=agent)
+            stats[key] = _running(replace(step, agent=agent), cfg, (prior or {}).get(agent))
             continue
         s, pos = _statistics(transitions, returns, part, cfg)
         for gid, gs in s.items():
@@ -286,6 +310,56 @@ def _agent_statistics(
             stats[key] = replace(gs, group_id=key, agent=agent)
             positions_of[key] = pos[gid]
     return stats, positions_of
+
+
+def _running(step: GroupStats, cfg: LightningRL, prior: tuple[float, float] | None) -> GroupStats:
+    """``step`` (an agent's calls in the step, no spread) against the agent's own earlier steps when
+    ``"auto"`` falls back to them and they have a spread; else ``step`` unchanged."""
+    off = cfg.agent_baseline != "auto" or cfg.running_window == 0
+    if not step.zero_variance or off or prior is None or prior[1] < ZERO_STD:
+        return step
+    return replace(step, mean=prior[0], std=prior[1], zero_variance=False, baseline="running")
+
+
+def prior_from_history(
+    history: Sequence[Mapping[str, Any]], window: int = RUNNING_WINDOW
+) -> dict[str, tuple[float, float]]:
+    """``{agent: (mean, std)}`` of each agent's credited returns pooled over the last ``window`` steps
+    in which it acted, from the step records' ``return_n/<agent>``, ``return_mean/<agent>`` and
+    ``return_std/<agent>`` (what :func:`compute_advantages` reports as ``agent_returns``); the std is
+    the pooled population one."""
+    seen: dict[str, list[tuple[float, float, float]]] = {}
+    for record in reversed(history):
+        for key, n in record.items():
+            if not key.startswith("return_n/") or not n:
+                continue
+            agent = key.split("/", 1)[1]
+            rows = seen.setdefault(agent, [])
+            if len(rows) < window:
+                rows.append(
+                    (float(n), float(record[f"return_mean/{agent}"]), float(record[f"return_std/{agent}"]))
+                )
+    out: dict[str, tuple[float, float]] = {}
+    for agent, rows in seen.items():
+        total = math.fsum(n for n, _, _ in rows)
+        mean = math.fsum(n * m for n, m, _ in rows) / total
+        square = math.fsum(n * (s * s + m * m) for n, m, s in rows) / total
+        out[agent] = (mean, math.sqrt(max(square - mean * mean, 0.0)))
+    return out
+
+
+def _agent_returns(
+    transitions: Sequence[Transition], returns: Sequence[float]
+) -> dict[str, tuple[int, float, float]]:
+    """``{agent: (calls, mean, population std)}`` of each agent's credited returns in the step."""
+    by_agent: dict[str, list[float]] = {}
+    for t, g in zip(transitions, returns, strict=True):
+        by_agent.setdefault(t.agent or "", []).append(g)
+    out: dict[str, tuple[int, float, float]] = {}
+    for agent, values in by_agent.items():
+        mean = math.fsum(values) / len(values)
+        out[agent] = (len(values), mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values)))
+    return out
 
 
 def _is_branch(t: Transition) -> bool:
@@ -354,6 +428,7 @@ def compute_advantages(
     *,
     include_intermediate: bool | None = True,
     per_agent: bool = False,
+    prior: Mapping[str, tuple[float, float]] | None = None,
 ) -> tuple[list[float], dict[str, Any]]:
     """One advantage per transition (same order as given) and batch statistics.
 
@@ -366,12 +441,14 @@ def compute_advantages(
     normalised by the statistics of that agent's rollouts in the group, since each agent trains weights
     of its own; returns are still credited over the whole rollout. An agent that acts only in some
     rollouts is compared over all of its calls in the step instead (``cfg.agent_baseline``, see the
-    module's docstring); ``agent_baselines`` in the statistics says which rule each agent got.
+    module's docstring); ``agent_baselines`` in the statistics says which rule each agent got, and
+    ``agent_returns`` (``{agent: (calls, mean, std)}`` of its credited returns) is what a later step's
+    ``prior`` pools (:func:`prior_from_history`).
     """
     cfg = cfg or _DEFAULT
     returns, by_rollout = _returns(transitions, cfg, include_intermediate)
     if per_agent:
-        stats, positions_of = _agent_statistics(transitions, returns, by_rollout, cfg)
+        stats, positions_of = _agent_statistics(transitions, returns, by_rollout, cfg, prior)
     else:
         stats, positions_of = _statistics(transitions, returns, by_rollout, cfg)
     advantages = [0.0] * len(transitions)
@@ -406,7 +483,11 @@ def compute_advantages(
         "advantage_std": adv_std,
         "advantage_min": min(advantages) if n else 0.0,
         "advantage_max": max(advantages) if n else 0.0,
-        **({"agent_baselines": baselines} if per_agent else {}),
+        **(
+            {"agent_baselines": baselines, "agent_returns": _agent_returns(transitions, returns)}
+            if per_agent
+            else {}
+        ),
     }
 
 

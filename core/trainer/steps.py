@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agl import semconv as sc
+from agl.algorithms.lightning_rl import prior_from_history
 from agl.gateway.seeds import rollout_place, rollout_seed
 from agl.run.metrics import rollouts_postfix
 from agl.trainer.order import TaskOrder
@@ -135,8 +136,11 @@ class Steps:
             return {}
         if not t.behaviour_logprobs:
             train_ts = [x.model_copy(update={"response_logprobs": None}) for x in train_ts]
-        # GRPO groups per agent with a LoRA per agent (each agent's weights are compared alone)
-        per_agent = {"per_agent": True} if t.agent_adapters else {}
+        # GRPO groups per agent with a LoRA per agent (each agent's weights are compared alone); an
+        # agent the step leaves without spread is compared with its own last steps (the records' returns)
+        window = getattr(t.algorithm, "running_window", 0)
+        prior = prior_from_history(t.history, window) if window else None
+        per_agent = {"per_agent": True, "prior": prior} if t.agent_adapters else {}
         advantages, adv_stats = t.algorithm.compute_advantages(train_ts, **per_agent)
         # decoupled PPO when asked for, and always under mixed precision: the engine's log-probs are
         # not the autocast update's (bf16 rounding differs with every shape), so the ratio is taken
@@ -156,11 +160,16 @@ class Steps:
                 update.get("behaviour_ratio_dev"), t.config, precision, decoupled, engine=engine
             )
         # the update's metrics under their final names (PolicyUpdate.step names them for the record)
-        # with an adapter per agent: which baseline each agent got (1.0: all its calls in the step)
-        baselines = {
-            f"step_baseline/{agent}": float(rule == "step")
-            for agent, rule in adv_stats.get("agent_baselines", {}).items()
-        }
+        # with an adapter per agent: which baseline each agent got (1.0: all its calls in the step,
+        # alone or against its last steps) and its returns, which later steps' running baseline pools
+        baselines: dict[str, float] = {}
+        for agent, rule in adv_stats.get("agent_baselines", {}).items():
+            baselines[f"step_baseline/{agent}"] = float(rule in ("step", "running"))
+            baselines[f"running_baseline/{agent}"] = float(rule == "running")
+        for agent, (n, mean, std) in adv_stats.get("agent_returns", {}).items():
+            baselines.update(
+                {f"return_n/{agent}": n, f"return_mean/{agent}": mean, f"return_std/{agent}": std}
+            )
         return {
             "zero_variance_groups": adv_stats["zero_variance_groups"],
             "groups": adv_stats["groups"],

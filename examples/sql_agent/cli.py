@@ -9,6 +9,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from agl.algorithms.lightning_rl import LightningRL
 from agl.config import LoopConfig
 from examples._cli import (
     add_config_options,
@@ -50,6 +51,16 @@ def parser() -> argparse.ArgumentParser:
             "help": "K rewriter continuations at its call where a question's group leaves it no signal "
             "(it acted once, or its calls scored alike): the writer's call replayed through the gateway, "
             "the rewriter's sampled K times (0: off; agl.trainer.branching)",
+        },
+    )
+    add_config_options(
+        sub.choices["train"],
+        LightningRL,
+        ["running_window"],
+        running_window={
+            "metavar": "N",
+            "help": "with --adapter-per-agent: where a step leaves the rewriter's calls no spread (every "
+            "repair failed alike), compare them with its own last N steps (0: they train nothing then)",
         },
     )
     return p
@@ -105,7 +116,7 @@ def dev(
 
 
 def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, **trainer_kw: Any) -> Any:
-    from agl import LightningRL, Trainer
+    from agl import Trainer
     from examples.sql_agent import data
     from examples.sql_agent.agent import TRAINED_AGENTS, make_rollout
 
@@ -120,6 +131,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         gradient_checkpointing=checkpointing_arg(args),
         micro_batch_tokens=args.micro_batch_tokens,
         mask_truncated=args.mask_truncated,
+        running_window=args.running_window,
     )
     loop, serving, rest = train_settings(args, trainer_kw, model=model, tokenizer=tokenizer)
     trainer = Trainer(
