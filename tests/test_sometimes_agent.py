@@ -100,6 +100,30 @@ def test_auto_falls_back_to_the_agents_last_steps_when_the_step_has_no_spread() 
         assert [adv[i] for i in rewriter] == [0.0, 0.0] and stats["agent_baselines"]["rewriter"] == "step"
 
 
+def test_a_repair_agent_acting_in_all_of_one_tasks_rollouts_is_still_a_sometimes_agent() -> None:
+    """The rewriter repaired (and failed) in every rollout of task B and never acted in task A: its
+    only group is whole and flat. Under ``auto`` it is compared over the step and its last steps, as
+    when it acts in some of a group's rollouts; the writer, acting in every rollout, keeps its groups."""
+    ts = []
+    for g, finals in (("A", [1.0, 0.0, 1.0, 0.0]), ("B", [0.0, 0.0, 0.0, 0.0])):
+        for i, r in enumerate(finals):
+            ts.append(tr(f"{g}{i}", "writer", r, g, 0))
+            if g == "B":
+                ts.append(tr(f"{g}{i}", "rewriter", r, g, 1))
+    adv, stats = compute_advantages(ts, LightningRL(), per_agent=True, prior={"rewriter": (0.5, 0.5)})
+    assert stats["agent_baselines"] == {"writer": "group", "rewriter": "running"}
+    assert [a for t, a in zip(ts, adv, strict=True) if t.agent == "rewriter"] == pytest.approx(
+        [-1.0] * 4, rel=1e-5
+    )
+    fixed, stats = compute_advantages(
+        ts, LightningRL(agent_baseline="group"), per_agent=True, prior={"rewriter": (0.5, 0.5)}
+    )
+    assert stats["agent_baselines"]["rewriter"] == "group"
+    assert [a for t, a in zip(ts, fixed, strict=True) if t.agent == "rewriter"] == [0.0] * 4
+    writer = [i for i, t in enumerate(ts) if t.agent == "writer"]
+    assert [adv[i] for i in writer] == [fixed[i] for i in writer]
+
+
 def test_prior_pools_the_agents_last_steps_from_the_records() -> None:
     history = [
         {"step": 0, "return_n/rewriter": 2, "return_mean/rewriter": 1.0, "return_std/rewriter": 0.0},

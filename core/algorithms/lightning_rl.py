@@ -22,11 +22,13 @@ reward ``R_i`` and intermediate rewards ``r_ij``:
 With an adapter per agent (``per_agent=True``) each agent is compared with itself. An agent that acts
 in every rollout of its groups is normalised per task group as above (``agent_baseline="group"``). An
 agent that acts only sometimes — a repair, fallback or critic agent that runs after a failure — has
-groups that hold one or two of its calls and no spread by construction (a branch group, K continuations
+groups that hold one or two of its calls and no spread by construction — or, where it ran in every
+rollout of one hard task and in none of the others, one whole group that failed alike (a branch group, K continuations
 at one of its calls from :mod:`agl.trainer.branching`, is compared within itself on the agent's
 credited returns, as below), so under
 ``agent_baseline="auto"`` (the default) it is normalised over all of its calls in the step instead
-(``"step"``): ``A_ij = (G_ij - mean G) / (std G + eps)`` over that agent's credited returns ``G``,
+(``"step"``; for the whole-but-flat case too, while an agent acting in every rollout of the step
+keeps its task groups): ``A_ij = (G_ij - mean G) / (std G + eps)`` over that agent's credited returns ``G``,
 intermediate rewards included (its own outcome: AIR's penalty on a failed query it wrote, or a reward
 the app emits for it). Mixing tasks in one baseline is the price; it is paid only by agents whose task
 groups cannot carry a signal. When even the step leaves such an agent no spread (one call, or all of
@@ -299,17 +301,37 @@ def _agent_statistics(
         part = {k: ps for k, ps in whole.items() if not _is_branch(transitions[ps[0]])}
         if not part:
             continue
-        if agent_baseline(cfg.agent_baseline, transitions, part, sizes) == "step":
+        rule = agent_baseline(cfg.agent_baseline, transitions, part, sizes)
+        s, pos = _statistics(transitions, returns, part, cfg)
+        if rule == "group" and _flat_sometimes(cfg, s, part, by_rollout, transitions):
+            rule = "step"
+        if rule == "step":
             key = f"step@{agent}"
             step, positions_of[key] = _step_statistics(key, transitions, returns, part)
             stats[key] = _running(replace(step, agent=agent), cfg, (prior or {}).get(agent))
             continue
-        s, pos = _statistics(transitions, returns, part, cfg)
         for gid, gs in s.items():
             key = f"{gid}@{agent}"
             stats[key] = replace(gs, group_id=key, agent=agent)
             positions_of[key] = pos[gid]
     return stats, positions_of
+
+
+def _flat_sometimes(
+    cfg: LightningRL,
+    groups: dict[str, GroupStats],
+    part: dict[tuple[str, int], list[int]],
+    by_rollout: dict[tuple[str, int], list[int]],
+    transitions: Sequence[Transition],
+) -> bool:
+    """Under ``"auto"``: an agent that acted in every rollout of its task groups but not in every
+    rollout of the step (a repair agent that ran in all of one hard task's rollouts) and whose groups
+    all have no spread — compared over its calls in the step (and its last steps) instead, as when it
+    acts in some of a group's rollouts. An agent acting in every rollout of the step keeps its groups."""
+    if cfg.agent_baseline != "auto" or not all(gs.zero_variance for gs in groups.values()):
+        return False
+    step_rollouts = sum(1 for ps in by_rollout.values() if not _is_branch(transitions[ps[0]]))
+    return len(part) < step_rollouts
 
 
 def _running(step: GroupStats, cfg: LightningRL, prior: tuple[float, float] | None) -> GroupStats:
