@@ -6,6 +6,7 @@ time keeps its task groups, unchanged."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -152,11 +153,13 @@ def test_explicit_rules_and_validation() -> None:
             LightningRL(running_window=bad)
 
 
-@pytest.mark.parametrize("rule", ["auto", "group"])
-def test_a_repair_agent_acting_once_in_four_trains(tmp_path, rule: str) -> None:
-    """Trainer.fit, an adapter per agent, a tiny model: the rewriter acts in one rollout of each
-    group of four. Under ``auto`` its adapter gets a non-zero update on both of its calls; under
-    per-task groups it trains nothing (the gap issue 56 names)."""
+def fit_writer_rewriter(
+    tmp_path: Any, repair: Callable[[str, int], float | None], *, steps: int, rule: str = "auto"
+) -> list[dict[str, Any]]:
+    """``Trainer.fit`` on a tiny model, an adapter per agent, tasks "rescuable" and "lost", groups of
+    four: the writer acts in every rollout; ``repair(task, member)`` (the rollout's number for its task,
+    from 1) is the rollout's reward after the rewriter acted, or None where the writer's query "worked"
+    (reward ``member % 2``, no repair). The step records."""
     pytest.importorskip("torch")
     pytest.importorskip("trl")
     pytest.importorskip("peft")
@@ -178,11 +181,12 @@ def test_a_repair_agent_acting_once_in_four_trains(tmp_path, rule: str) -> None:
             member = seen[task["q"]]
         with agl.agent("writer"):
             client.chat.completions.create(model=llm.model, messages=msgs, max_tokens=4)
-        if member == 1:  # the writer's query "failed": the rewriter repairs it
-            with agl.agent("rewriter"):
-                client.chat.completions.create(model=llm.model, messages=msgs, max_tokens=4)
-            return 1.0 if task["q"] == "rescuable" else 0.0
-        return float(member % 2)
+        outcome = repair(task["q"], member)
+        if outcome is None:
+            return float(member % 2)
+        with agl.agent("rewriter"):  # the writer's query "failed": the rewriter repairs it
+            client.chat.completions.create(model=llm.model, messages=msgs, max_tokens=4)
+        return outcome
 
     trainer = agl.Trainer(
         LightningRL(group_size=4, lora_r=4, lora_alpha=8, learning_rate=1e-2, mixed_precision="no",
@@ -191,7 +195,7 @@ def test_a_repair_agent_acting_once_in_four_trains(tmp_path, rule: str) -> None:
         tokenizer=load_tokenizer(),
         agents=AGENTS,
         adapter_per_agent=True,
-        steps=1,
+        steps=steps,
         tasks_per_step=2,
         val_before=False,
         runners=2,
@@ -204,8 +208,19 @@ def test_a_repair_agent_acting_once_in_four_trains(tmp_path, rule: str) -> None:
         trainer.fit(app, [{"q": "rescuable"}, {"q": "lost"}])
     finally:
         agl.uninstrument()
-    (record,) = trainer.history
-    rec: dict[str, Any] = record
+    return list(trainer.history)
+
+
+@pytest.mark.parametrize("rule", ["auto", "group"])
+def test_a_repair_agent_acting_once_in_four_trains(tmp_path, rule: str) -> None:
+    """The rewriter acts in one rollout of each group of four. Under ``auto`` its adapter gets a
+    non-zero update on both of its calls; under per-task groups it trains nothing (the gap issue 56
+    names)."""
+
+    def repair(task: str, member: int) -> float | None:
+        return (1.0 if task == "rescuable" else 0.0) if member == 1 else None
+
+    (rec,) = fit_writer_rewriter(tmp_path, repair, steps=1, rule=rule)
     assert rec["step_baseline/writer"] == 0.0
     assert rec["trained_transitions/writer"] == 8.0 and rec["grad_norm/writer"] > 0.0
     if rule == "auto":
@@ -218,56 +233,16 @@ def test_a_repair_agent_acting_once_in_four_trains(tmp_path, rule: str) -> None:
 
 
 def test_a_step_of_failed_repairs_still_trains_the_repair_agent(tmp_path) -> None:
-    """Trainer.fit, two steps: the first rescues one of the rewriter's two repairs, the second fails
-    both alike, so the step leaves it no spread; ``auto`` compares them with its first step (from the
-    run's records) and its adapter still gets a non-zero update."""
-    pytest.importorskip("torch")
-    pytest.importorskip("trl")
-    pytest.importorskip("peft")
-    import openai
+    """Two steps: the first rescues one of the rewriter's two repairs, the second fails both alike, so
+    the step leaves it no spread; ``auto`` compares them with its first step (from the run's records)
+    and its adapter still gets a non-zero update."""
 
-    import agl
-    from agl.trainer.trainer import load_tokenizer
-    from tests.test_adapter_per_agent import AGENTS, tiny_model
+    def repair(task: str, member: int) -> float | None:
+        if member % 4 != 1:  # one repair per group of four; only the first step's "rescuable" one works
+            return None
+        return 1.0 if task == "rescuable" and member == 1 else 0.0
 
-    seen: dict[str, int] = {}
-    lock = threading.Lock()
-
-    def app(task: dict, resources: agl.Resources) -> float:
-        llm = resources.llm
-        client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key or "x")
-        msgs = [{"role": "user", "content": task["q"]}]
-        with lock:
-            seen[task["q"]] = seen.get(task["q"], 0) + 1
-            member = seen[task["q"]]
-        with agl.agent("writer"):
-            client.chat.completions.create(model=llm.model, messages=msgs, max_tokens=4)
-        if member % 4 == 1:  # one repair per group of four; only the first step's "rescuable" one works
-            with agl.agent("rewriter"):
-                client.chat.completions.create(model=llm.model, messages=msgs, max_tokens=4)
-            return 1.0 if task["q"] == "rescuable" and member == 1 else 0.0
-        return float(member % 2)
-
-    trainer = agl.Trainer(
-        LightningRL(group_size=4, lora_r=4, lora_alpha=8, learning_rate=1e-2, mixed_precision="no"),
-        model=tiny_model(),
-        tokenizer=load_tokenizer(),
-        agents=AGENTS,
-        adapter_per_agent=True,
-        steps=2,
-        tasks_per_step=2,
-        val_before=False,
-        runners=2,
-        run_dir=tmp_path / "run",
-        progress=False,
-        store="memory://",
-    )  # fmt: skip
-    agl.instrument("openai")
-    try:
-        trainer.fit(app, [{"q": "rescuable"}, {"q": "lost"}])
-    finally:
-        agl.uninstrument()
-    first, second = trainer.history
+    first, second = fit_writer_rewriter(tmp_path, repair, steps=2)
     assert first["running_baseline/rewriter"] == 0.0 and first["return_n/rewriter"] == 2
     assert first["return_mean/rewriter"] == pytest.approx(0.5)
     assert second["return_std/rewriter"] == 0.0, "both repairs of the second step failed alike"
