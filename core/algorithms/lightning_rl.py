@@ -302,7 +302,7 @@ def _agent_statistics(
         if not part:
             continue
         rule = agent_baseline(cfg.agent_baseline, transitions, part, sizes)
-        s, pos = _statistics(transitions, returns, part, cfg)
+        s, pos = _statistics(transitions, returns, part, cfg) if rule == "group" else ({}, {})
         if rule == "group" and _flat_sometimes(cfg, s, part, by_rollout, transitions):
             rule = "step"
         if rule == "step":

@@ -138,9 +138,13 @@ class Steps:
             train_ts = [x.model_copy(update={"response_logprobs": None}) for x in train_ts]
         # GRPO groups per agent with a LoRA per agent (each agent's weights are compared alone); an
         # agent the step leaves without spread is compared with its own last steps (the records' returns)
-        window = getattr(t.algorithm, "running_window", 0)
-        prior = prior_from_history(t.history, window) if window else None
-        per_agent = {"per_agent": True, "prior": prior} if t.agent_adapters else {}
+        per_agent: dict[str, Any] = {}
+        if t.agent_adapters:
+            window = getattr(t.algorithm, "running_window", 0)
+            per_agent = {
+                "per_agent": True,
+                "prior": prior_from_history(t.history, window) if window else None,
+            }
         advantages, adv_stats = t.algorithm.compute_advantages(train_ts, **per_agent)
         # decoupled PPO when asked for, and always under mixed precision: the engine's log-probs are
         # not the autocast update's (bf16 rounding differs with every shape), so the ratio is taken
