@@ -162,11 +162,16 @@ def test_grpo_groups_per_agent() -> None:
         t("c", "rewriter", 0.0),
     ]
     shared, _ = compute_advantages(ts, LightningRL(group_size=3))
-    per, stats = compute_advantages(ts, LightningRL(group_size=3), per_agent=True)
+    per, stats = compute_advantages(ts, LightningRL(group_size=3, agent_baseline="group"), per_agent=True)
     assert shared[3] < 0.0, "shared: the rewriter's calls take the writer's group statistics"
     assert per[3:] == [0.0, 0.0], "per agent: the rewriter's own group has no variance"
     assert per[0] > 0.0 > per[1]
     assert stats["groups"] == 2 and stats["zero_variance_groups"] == 1
+    # under "auto" (the default) the rewriter, flat in the step with no history, falls back to the
+    # task group whole: the shared advantages; the writer keeps its own group
+    auto, stats = compute_advantages(ts, LightningRL(group_size=3), per_agent=True)
+    assert auto[3:] == shared[3:] and auto[:3] == per[:3]
+    assert stats["agent_baselines"] == {"writer": "group", "rewriter": "task"}
 
 
 def test_trainer_validates_adapter_per_agent() -> None:

@@ -166,7 +166,9 @@ def test_a_branch_group_is_compared_within_itself_on_the_agents_own_outcome() ->
     adv, stats = compute_advantages(ts, LightningRL(group_size=4), per_agent=True, include_intermediate=None)
     branched = [a for t, a in zip(ts, adv, strict=True) if t.group_id == branch]
     assert branched[0] > 0.0 and all(a < 0.0 for a in branched[1:])
-    assert stats["agent_baselines"] == {"writer": "group", "rewriter": "step"}
+    # the rewriter's one call outside the branches has no spread and no history: its task group whole
+    assert stats["agent_baselines"] == {"writer": "group", "rewriter": "task"}
+    assert adv[4] < 0.0
     assert stats["incomplete_groups"] == 0, "a branch group of K is not an incomplete task group"
     # a shared policy: a GRPO group like any other, on final rewards at rollout level (all 0 here)
     shared, _ = compute_advantages(ts, LightningRL(group_size=4), include_intermediate=None)

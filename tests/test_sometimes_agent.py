@@ -79,7 +79,7 @@ def failed_repairs_step() -> list[Transition]:
 
 def test_auto_falls_back_to_the_agents_last_steps_when_the_step_has_no_spread() -> None:
     ts = failed_repairs_step()
-    alone, stats = compute_advantages(ts, LightningRL(), per_agent=True)
+    alone, stats = compute_advantages(ts, LightningRL(agent_baseline="step"), per_agent=True)
     rewriter = [i for i, t in enumerate(ts) if t.agent == "rewriter"]
     assert [alone[i] for i in rewriter] == [0.0, 0.0] and stats["agent_baselines"]["rewriter"] == "step"
     assert stats["agent_returns"]["rewriter"] == (2, 0.0, 0.0)
@@ -89,16 +89,45 @@ def test_auto_falls_back_to_the_agents_last_steps_when_the_step_has_no_spread() 
     assert [adv[i] for i in rewriter] == pytest.approx([-1.0, -1.0], rel=1e-5)
     # the writer, acting every time, keeps its task groups whatever the prior says
     writer = [i for i, t in enumerate(ts) if t.agent == "writer"]
-    assert [adv[i] for i in writer] == [alone[i] for i in writer]
+    base, _ = compute_advantages(ts, LightningRL(), per_agent=True)
+    assert [adv[i] for i in writer] == [base[i] for i in writer]
     # no fallback where the step has a spread, under an explicit rule, or with a prior of no spread
     spread, _ = compute_advantages(
         rescue_step(), LightningRL(), per_agent=True, prior={"rewriter": (0.9, 0.1)}
     )
     assert spread == compute_advantages(rescue_step(), LightningRL(), per_agent=True)[0]
-    off = (LightningRL(agent_baseline="step"), (0.5, 0.5)), (LightningRL(running_window=0), (0.5, 0.5))
-    for cfg, prior in (*off, (LightningRL(), (1.0, 0.0))):
-        adv, stats = compute_advantages(ts, cfg, per_agent=True, prior={"rewriter": prior})
-        assert [adv[i] for i in rewriter] == [0.0, 0.0] and stats["agent_baselines"]["rewriter"] == "step"
+    adv, stats = compute_advantages(
+        ts, LightningRL(agent_baseline="step"), per_agent=True, prior={"rewriter": (0.5, 0.5)}
+    )
+    assert [adv[i] for i in rewriter] == [0.0, 0.0] and stats["agent_baselines"]["rewriter"] == "step"
+
+
+def test_with_no_history_a_flat_sometimes_agent_gets_its_task_groups_shared_baseline() -> None:
+    """A run's first step of failed repairs (no prior), or a prior of no spread, or no running
+    baseline: the rewriter's calls are compared with every rollout of their task groups, all agents'
+    returns — the advantages a shared policy gives them — so the failed repair in a group where
+    others succeeded still trains; where those groups are flat too, nothing does."""
+    ts = failed_repairs_step()
+    rewriter = [i for i, t in enumerate(ts) if t.agent == "rewriter"]
+    shared, _ = compute_advantages(ts, LightningRL())
+    for cfg, prior in (
+        (LightningRL(), None),
+        (LightningRL(), (1.0, 0.0)),
+        (LightningRL(running_window=0), (0.5, 0.5)),
+    ):
+        adv, stats = compute_advantages(ts, cfg, per_agent=True, prior=prior and {"rewriter": prior})
+        assert stats["agent_baselines"] == {"writer": "group", "rewriter": "task"}
+        assert [adv[i] for i in rewriter] == [shared[i] for i in rewriter]
+        assert all(adv[i] < 0.0 for i in rewriter), "both failed where half of their groups succeeded"
+    # the writer's advantages are its own groups' whatever the rewriter gets
+    writer = [i for i, t in enumerate(ts) if t.agent == "writer"]
+    step, _ = compute_advantages(ts, LightningRL(agent_baseline="step"), per_agent=True)
+    group, _ = compute_advantages(ts, LightningRL(agent_baseline="group"), per_agent=True)
+    assert [adv[i] for i in writer] == [group[i] for i in writer] != [step[i] for i in writer]
+    # every rollout of the rewriter's groups failed alike: nothing to learn from, not even shared
+    flat = [t.model_copy(update={"final_reward": 0.0, "reward": 0.0}) for t in ts]
+    adv, stats = compute_advantages(flat, LightningRL(), per_agent=True)
+    assert adv == [0.0] * len(flat) and stats["agent_baselines"]["rewriter"] == "step"
 
 
 def test_a_repair_agent_acting_in_all_of_one_tasks_rollouts_is_still_a_sometimes_agent() -> None:
@@ -249,3 +278,18 @@ def test_a_step_of_failed_repairs_still_trains_the_repair_agent(tmp_path) -> Non
     assert second["running_baseline/rewriter"] == 1.0 and second["step_baseline/rewriter"] == 1.0
     assert second["trained_transitions/rewriter"] == 2.0 and second["grad_norm/rewriter"] > 0.0
     assert second["running_baseline/writer"] == 0.0 and second["step_baseline/writer"] == 0.0
+
+
+def test_a_first_step_of_failed_repairs_trains_the_repair_agent_against_its_task_groups(tmp_path) -> None:
+    """A run's first step: both repairs fail alike and there is no earlier step, so the rewriter is
+    compared with every rollout of its task groups (one of which succeeded in each): its adapter
+    still gets a non-zero update, on both calls."""
+
+    def repair(task: str, member: int) -> float | None:
+        return 0.0 if member == 1 else None
+
+    (rec,) = fit_writer_rewriter(tmp_path, repair, steps=1)
+    assert rec["return_std/rewriter"] == 0.0 and rec["return_n/rewriter"] == 2
+    assert rec["task_baseline/rewriter"] == 1.0 and rec["step_baseline/rewriter"] == 0.0
+    assert rec["trained_transitions/rewriter"] == 2.0 and rec["grad_norm/rewriter"] > 0.0
+    assert rec["task_baseline/writer"] == 0.0 and rec["trained_transitions/writer"] == 8.0

@@ -36,7 +36,10 @@ its calls scored alike: every repair failed the same way), ``"auto"`` compares i
 earlier steps instead (``"running"``): ``A_ij = (G_ij - m) / (s + eps)`` with ``m``, ``s`` the mean
 and std of its credited returns pooled over its last ``running_window`` steps (``prior``, which the
 trainer reads from the run's metrics, so a resumed run has the same; ``running_window=0``: no fallback). A step of failed repairs then
-pushes the agent away from them, where the step alone would have left it untouched. The rule each agent
+pushes the agent away from them, where the step alone would have left it untouched. Where it has no
+such history either (a run's first step), its calls are compared with every rollout of their task
+groups, all agents' returns (``"task"``: what a shared policy gives them), so a failed repair in a
+group where other rollouts succeeded still gets a negative update. The rule each agent
 got is reported per step (``agent_baselines``). A group whose statistic has no spread (fewer than two
 values, or a std below ``ZERO_STD``) carries no learning signal: all its advantages are 0 and it is
 counted in ``zero_variance_groups``. docs/architecture.md §8 works through examples by hand.
@@ -209,8 +212,9 @@ class GroupStats:
     zero_variance: bool
     final_reward_mean: float
     #: "group" (one task's rollouts), "step" (all of one agent's calls in the step), "running" (those
-    #: calls against the agent's last steps) or "branch" (one agent's calls in the K continuations of
-    #: one of its calls: agl.trainer.branching)
+    #: calls against the agent's last steps), "task" (its calls against every rollout of their task
+    #: groups, all agents' returns) or "branch" (one agent's calls in the K continuations of one of its
+    #: calls: agl.trainer.branching)
     baseline: str = "group"
     #: the agent whose calls these are, with an adapter per agent
     agent: str | None = None
@@ -307,8 +311,11 @@ def _agent_statistics(
             rule = "step"
         if rule == "step":
             key = f"step@{agent}"
-            step, positions_of[key] = _step_statistics(key, transitions, returns, part)
-            stats[key] = _running(replace(step, agent=agent), cfg, (prior or {}).get(agent))
+            step, positions = _step_statistics(key, transitions, returns, part)
+            step = _running(replace(step, agent=agent), cfg, (prior or {}).get(agent))
+            task = _task(agent, cfg, step, transitions, returns, part, by_rollout)
+            stats.update(task[0] if task else {key: step})
+            positions_of.update(task[1] if task else {key: positions})
             continue
         for gid, gs in s.items():
             key = f"{gid}@{agent}"
@@ -341,6 +348,40 @@ def _running(step: GroupStats, cfg: LightningRL, prior: tuple[float, float] | No
     if not step.zero_variance or off or prior is None or prior[1] < ZERO_STD:
         return step
     return replace(step, mean=prior[0], std=prior[1], zero_variance=False, baseline="running")
+
+
+def _task(
+    agent: str,
+    cfg: LightningRL,
+    step: GroupStats,
+    transitions: Sequence[Transition],
+    returns: Sequence[float],
+    part: dict[tuple[str, int], list[int]],
+    by_rollout: dict[tuple[str, int], list[int]],
+) -> tuple[dict[str, GroupStats], dict[str, list[int]]] | None:
+    """The last fallback under ``"auto"``, for an agent that neither the step nor its own last steps
+    give a spread (a run's first step of failed repairs): its calls against every rollout of their
+    task groups, all agents' returns (``"task"``: what a shared policy gives them; a repair in a
+    failed rollout of a group where others succeeded is pushed away from). None where ``step`` has a
+    spread, the rule is explicit, or the task groups are flat too (nothing to learn from)."""
+    if not step.zero_variance or cfg.agent_baseline != "auto":
+        return None
+    mine: dict[str, list[int]] = {}
+    for ps in part.values():
+        mine.setdefault(_group_key(transitions[ps[0]]), []).extend(ps)
+    rollouts = {
+        k: ps
+        for k, ps in by_rollout.items()
+        if not _is_branch(transitions[ps[0]]) and _group_key(transitions[ps[0]]) in mine
+    }
+    whole, _ = _statistics(transitions, returns, rollouts, cfg)
+    if all(gs.zero_variance for gs in whole.values()):
+        return None
+    stats = {
+        f"{gid}@{agent}": replace(gs, group_id=f"{gid}@{agent}", agent=agent, baseline="task")
+        for gid, gs in whole.items()
+    }
+    return stats, {f"{gid}@{agent}": mine[gid] for gid in whole}
 
 
 def prior_from_history(

@@ -164,12 +164,14 @@ class Steps:
                 update.get("behaviour_ratio_dev"), t.config, precision, decoupled, engine=engine
             )
         # the update's metrics under their final names (PolicyUpdate.step names them for the record)
-        # with an adapter per agent: which baseline each agent got (1.0: all its calls in the step,
-        # alone or against its last steps) and its returns, which later steps' running baseline pools
+        # with an adapter per agent: which baseline each agent got (step: all its calls in the step,
+        # alone or against its last steps; task: against its task groups' rollouts) and its returns,
+        # which later steps' running baseline pools
         baselines: dict[str, float] = {}
         for agent, rule in adv_stats.get("agent_baselines", {}).items():
             baselines[f"step_baseline/{agent}"] = float(rule in ("step", "running"))
             baselines[f"running_baseline/{agent}"] = float(rule == "running")
+            baselines[f"task_baseline/{agent}"] = float(rule == "task")
         for agent, (n, mean, std) in adv_stats.get("agent_returns", {}).items():
             baselines.update(
                 {f"return_n/{agent}": n, f"return_mean/{agent}": mean, f"return_std/{agent}": std}
