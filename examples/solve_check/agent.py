@@ -118,4 +118,7 @@ def solve_check(task: dict[str, Any], resources: agl.Resources) -> float:
             checked = checker_reward(reply, task["proposal"], task["answer"])
     finally:
         client.close()
-    agl.emit_reward({"reward": (solved + checked) / 2, "solver": solved, "checker": checked}, name="reward")
+    # the rollout's one reward (the runner records the return value); each agent's own score is
+    # recomputed from the stored replies (agent_scores): emitted as rewards beside it, the adapter
+    # would add them to the checker's call as intermediate rewards and train on them twice
+    return (solved + checked) / 2

@@ -107,6 +107,11 @@ def test_a_step_with_a_tiny_model(tmp_path: Path, per_agent: bool) -> None:
     finally:
         store.close()
     assert sorted(t.agent for t in every) == ["checker"] * 2 + ["solver"] * 2
+    # the rollout's reward is its one reward: no agent's call carries another as an intermediate one
+    # (a per-agent breakdown emitted beside it would be trained on twice, by the checker's call)
+    rewards = [s for s in spans if s.name == sc.SPAN_REWARD]
+    assert len(rewards) == len(ids) and all(s.attributes[sc.AGL_REWARD_PRIMARY] for s in rewards)
+    assert all(t.intermediate_reward == 0.0 and t.reward == t.final_reward for t in every)
     # the gateway's span of each call names the adapter that served it
     served = {
         s.attributes[sc.AGL_LLM_AGENT]: s.attributes.get(sc.AGL_LLM_ADAPTER)
