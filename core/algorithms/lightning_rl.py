@@ -313,9 +313,13 @@ def _agent_statistics(
             key = f"step@{agent}"
             step, positions = _step_statistics(key, transitions, returns, part)
             step = _running(replace(step, agent=agent), cfg, (prior or {}).get(agent))
-            task = _task(agent, cfg, step, transitions, returns, part, by_rollout)
-            stats.update(task[0] if task else {key: step})
-            positions_of.update(task[1] if task else {key: positions})
+            # the step group, or, where it and the agent's history are flat, its task groups whole
+            groups, members = _task(agent, cfg, step, transitions, returns, part, by_rollout) or (
+                {key: step},
+                {key: positions},
+            )
+            stats.update(groups)
+            positions_of.update(members)
             continue
         for gid, gs in s.items():
             key = f"{gid}@{agent}"
