@@ -147,6 +147,26 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
         help="transformers: the dtype the engine computes in (auto: bf16 where the hardware has native "
         "bf16 (CUDA, a CPU with AMX/AVX512-BF16), fp32 elsewhere; default: bf16 on CUDA, fp32 on CPU)",
     )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=_megabytes,
+        default=128.0,
+        metavar="MB",
+        help="transformers: MB of recent prompts' KV kept, so a prompt starting like an earlier one (a "
+        "group's members, a shared system prompt, a conversation's next turn) is prefilled from there "
+        "(default: 128; 0: off)",
+    )
+
+
+def _megabytes(text: str) -> float:
+    """``--prefix-cache-mb``: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MB >= 0, got {text!r}") from None
+    if not (0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of MB >= 0, got {text!r}")
+    return value
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -223,6 +243,7 @@ def _target_backend(args: Any, name: str, target: str, adapters: list[str]) -> A
             max_batch_size=args.max_batch_size,
             threads=getattr(args, "threads", None),
             dtype=getattr(args, "dtype", None),
+            prefix_cache_mb=getattr(args, "prefix_cache_mb", 128.0),
         )
     what = {"scripted": "a script file", "transformers": "a checkpoint directory"}.get(args.backend)
     choices = [
@@ -249,6 +270,7 @@ def build_backend(args: Any) -> Any:
             dtype=getattr(args, "dtype", None),
             adapters=_adapter_args(getattr(args, "adapter", None) or []) or None,
             batched_lora=bool(getattr(args, "batched_lora", False)),
+            prefix_cache_mb=getattr(args, "prefix_cache_mb", 128.0),
         )
     if args.backend == "scripted":
         return from_spec(

@@ -99,6 +99,15 @@ class Serving:
         ),
     )
 
+    prefix_cache_mb: float = field(
+        default=128.0,
+        metadata=_help(
+            "transformers backend: MB of recent prompts' (and finished turns') KV the embedded engine "
+            "keeps, so a prompt starting like an earlier one (a group's members, a shared system prompt, "
+            "a conversation's next turn) is prefilled from there; 0: off"
+        ),
+    )
+
     deterministic: bool = field(
         default=False,
         metadata=_help(
@@ -155,6 +164,10 @@ class Serving:
             raise UsageError("batched_lora is an option of the transformers backend (backend='transformers')")
         if not isinstance(self.deterministic, bool):
             raise UsageError(f"deterministic must be True or False, got {self.deterministic!r}")
+        if isinstance(self.prefix_cache_mb, bool) or not (
+            isinstance(self.prefix_cache_mb, (int, float)) and 0 <= self.prefix_cache_mb < float("inf")
+        ):
+            raise UsageError(f"prefix_cache_mb must be a number >= 0 (0: off), got {self.prefix_cache_mb!r}")
         if self.deterministic and self.backend != "transformers":
             raise UsageError(
                 "deterministic is an option of the transformers backend (backend='transformers'); vLLM "

@@ -222,6 +222,8 @@ class Trainer:
             engine["deterministic"] = True
         if s.engine_dtype is not None:  # bf16 serving where native (see agl.gateway.backends._dtype)
             engine["dtype"] = s.engine_dtype
+        if s.prefix_cache_mb != 128.0:  # the engine's default (agl.gateway.backends._prefix_cache)
+            engine["prefix_cache_mb"] = float(s.prefix_cache_mb)
         env.start(
             agent,
             policy=self.policy if training else None,

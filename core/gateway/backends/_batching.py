@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agl.gateway.backends._prefix_cache import MIN_HIT
 from agl.lora import PEFT_ROW_ADAPTERS
 
 __all__ = ["Batch", "BusyClock", "Row", "draw", "sample", "truncate"]
@@ -67,6 +68,9 @@ class Row:
     #: the weight version that drew each token, run-length: ``[[version, n_tokens], ...]`` in order (a
     #: weight swap between decode steps starts a new run: the rest of the reply comes from the new weights)
     versions: list[list[int]] = field(default_factory=list)
+    #: the prefix cache's epoch when the row was admitted (its KV is stored when it ends only if no
+    #: weight swap came between)
+    kv_epoch: int = -1
 
 
 def truncate(logp: Any, top_p: float, top_k: int | None) -> Any:
@@ -175,7 +179,9 @@ class Batch:
     """The running batch: rows, their left-padded KV cache and attention mask, and their next input
     token (drawn, not yet fed to the model)."""
 
-    def __init__(self, model: Any, pad_id: int, *, per_row_adapters: bool = False, lora: Any = None) -> None:
+    def __init__(
+        self, model: Any, pad_id: int, *, per_row_adapters: bool = False, lora: Any = None, prefix: Any = None
+    ) -> None:
         self.model = model
         self.pad_id = pad_id
         #: a peft model with named adapters: every forward names each row's adapter (peft's per-row
@@ -184,6 +190,8 @@ class Batch:
         #: a :class:`~agl.gateway.backends._batched_lora.BatchedLora`: rows' adapters in two batched
         #: matmuls per LoRA layer instead of peft's per-adapter loop (None: peft's per-row selection)
         self.lora = lora
+        #: a :class:`~agl.gateway.backends._prefix_cache.PrefixCache` (None: every prompt prefilled whole)
+        self.prefix = prefix
         self.rows: list[Row] = []
         self.cache: Any = None
         self.mask: Any = None  # (rows, cached length) long
@@ -249,20 +257,30 @@ class Batch:
 
     def admit(self, rows: Sequence[Row]) -> list[Row]:
         """Prefill ``rows`` together, draw their first token, and join the ones still running to the
-        batch. Returns the rows that ended on their first token (they never join)."""
+        batch. Returns the rows that ended on their first token (they never join).
+
+        Rows with the same prompt and adapter are prefilled once (their cache rows and logits are
+        copied), and with a :attr:`prefix` cache each distinct prompt is run from the end of its longest
+        cached prefix (:mod:`._prefix_cache`)."""
         import torch
 
         device = next(self.model.parameters()).device
-        width = max(len(r.prompt_ids) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            n = len(r.prompt_ids)
-            ids[i, width - n :] = torch.tensor(r.prompt_ids, dtype=torch.long)
-            mask[i, width - n :] = 1
-        ids, mask = ids.to(device), mask.to(device)
         cache = self._new_cache()
-        logits = self._forward(rows, ids, mask, _position_ids(mask), cache)
+        prefix = self.prefix if self.prefix is not None and _plain(cache) else None
+        where, unique = _unique(rows)
+        hits = [prefix.lookup(r.adapter, r.prompt_ids) if prefix else (0, None) for r in unique]
+        ids, mask, positions = self._prefill_inputs(unique, hits, cache, device)
+        logits = self._forward(unique, ids, mask, positions, cache)
+        if prefix is not None:
+            computed = sum(len(r.prompt_ids) - n for r, (n, _) in zip(unique, hits, strict=True))
+            prefix.count(sum(len(r.prompt_ids) for r in rows), computed)
+            self._remember(unique, cache, mask, prefix)
+            for r in rows:
+                r.kv_epoch = prefix.epoch
+        if len(unique) < len(rows):
+            index = torch.tensor(where, device=device)
+            cache.batch_select_indices(index)
+            mask, logits = mask[index], logits[index]
         tokens, lps = sample(rows, logits)
         keep = [i for i, r in enumerate(rows) if not _append(r, tokens[i], lps[i], self.version)]
         ended = [r for i, r in enumerate(rows) if i not in keep]
@@ -282,6 +300,38 @@ class Batch:
         self.lengths.extend(len(r.prompt_ids) for r in new_rows)
         self._trim()
         return ended
+
+    def _prefill_inputs(
+        self, rows: Sequence[Row], hits: Sequence[tuple[int, Any]], cache: Any, device: Any
+    ) -> tuple[Any, Any, Any]:
+        """The prefill's input ids, attention mask and positions for ``rows``, and ``cache`` loaded with
+        each row's cached prefix (``hits``: its length and entry, ``(0, None)`` for none).
+
+        Layout, per row: ``P`` cache columns holding its prefix right-aligned (``P`` the longest hit),
+        then ``S`` input columns holding the rest of its prompt right-aligned (``S`` the longest rest);
+        the columns between are padding, masked out, and positions count real tokens only, so each row
+        computes what its own full prefill would. Without hits, ``P`` is 0: the plain left-padded batch."""
+        import torch
+
+        longest = max(n for n, _ in hits)
+        width = max(len(r.prompt_ids) - n for r, (n, _) in zip(rows, hits, strict=True))
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest + width), dtype=torch.long)
+        for i, (r, (n, _)) in enumerate(zip(rows, hits, strict=True)):
+            rest = r.prompt_ids[n:]
+            ids[i, width - len(rest) :] = torch.tensor(rest, dtype=torch.long)
+            mask[i, longest + width - len(rest) :] = 1
+            mask[i, longest - n : longest] = 1
+        if longest:
+            _load_prefixes(cache, hits, longest)
+        ids, mask = ids.to(device), mask.to(device)
+        return ids, mask, _position_ids(mask)[:, longest:]
+
+    def _remember(self, rows: Sequence[Row], cache: Any, mask: Any, prefix: Any) -> None:
+        """Store each prefilled row's prompt KV in the prefix cache."""
+        for i, r in enumerate(rows):
+            if len(r.prompt_ids) > MIN_HIT and not prefix.has(r.adapter, r.prompt_ids):
+                prefix.store(r.adapter, r.prompt_ids, _row_kv(cache, mask, i))
 
     def _concat(self, cache: Any, mask: Any) -> None:
         """Append another batch's cache rows to this one, left-padding the shorter one."""
@@ -333,6 +383,8 @@ class Batch:
         if not indices:
             return []
         gone = [self.rows[i] for i in indices]
+        if self.prefix is not None:
+            self._remember_ended(indices)
         keep = [i for i in range(len(self.rows)) if i not in set(indices)]
         if not keep:
             self.fail()
@@ -346,6 +398,24 @@ class Batch:
         self._trim()
         return gone
 
+    def _remember_ended(self, indices: Sequence[int]) -> None:
+        """Store the KV of rows that ended normally (prompt + reply but the last token, which was never
+        fed), when every token came from the weights the cache holds (the next turn of a conversation
+        starts with them)."""
+        prefix = self.prefix
+        for i in indices:
+            r = self.rows[i]
+            if r.ended not in ("eos", "length", "stop", "closed") or r.kv_epoch != prefix.epoch:
+                continue
+            if len(r.versions) != 1 or r.versions[0][0] != self.version:
+                continue
+            seq = r.prompt_ids + r.ids[:-1]
+            if prefix.has(r.adapter, seq):
+                continue
+            kv = _row_kv(self.cache, self.mask, i)
+            if kv and kv[0][0].shape[-2] == len(seq):
+                prefix.store(r.adapter, seq, kv)
+
     def _trim(self) -> None:
         """Cut the leading cache columns that are padding in every row (plain layers only: a
         sliding-window layer keeps fewer columns than the mask has)."""
@@ -358,6 +428,62 @@ class Batch:
                 layer.keys = layer.keys[..., first:, :]
                 layer.values = layer.values[..., first:, :]
             self.mask = self.mask[:, first:]
+
+
+def _unique(rows: Sequence[Row]) -> tuple[list[int], list[Row]]:
+    """Rows with distinct (adapter, prompt), and for each row the index of its distinct one."""
+    first: dict[tuple[Any, tuple[int, ...]], int] = {}
+    unique: list[Row] = []
+    where: list[int] = []
+    for r in rows:
+        key = (r.adapter, tuple(r.prompt_ids))
+        if key not in first:
+            first[key] = len(unique)
+            unique.append(r)
+        where.append(first[key])
+    return where, unique
+
+
+def _plain(cache: Any) -> bool:
+    """Whether every layer of a fresh cache is a plain full-attention layer (a cached prefix can be
+    loaded into it; a sliding-window or linear-attention layer keeps other state)."""
+    from transformers.cache_utils import DynamicLayer
+
+    from agl.gateway.backends._kv import SlackLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) in (DynamicLayer, SlackLayer) for layer in layers)
+
+
+def _load_prefixes(cache: Any, hits: Sequence[tuple[int, Any]], width: int) -> None:
+    """Fill each layer of a fresh ``cache`` with ``width`` columns: row ``i``'s cached prefix of
+    ``hits[i][0]`` tokens right-aligned, zeros elsewhere (masked out)."""
+    import torch
+
+    sample_entry = next(e for n, e in hits if n)
+    for j, layer in enumerate(cache.layers):
+        k0, v0 = sample_entry.layers[j]
+        keys = torch.zeros((len(hits), k0.shape[1], width, k0.shape[3]), dtype=k0.dtype, device=k0.device)
+        values = torch.zeros((len(hits), v0.shape[1], width, v0.shape[3]), dtype=v0.dtype, device=v0.device)
+        for i, (n, entry) in enumerate(hits):
+            if n:
+                k, v = entry.layers[j]
+                keys[i, :, width - n :] = k[0, :, :n]
+                values[i, :, width - n :] = v[0, :, :n]
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+
+
+def _row_kv(cache: Any, mask: Any, i: int) -> list[tuple[Any, Any]]:
+    """Row ``i``'s keys and values at its real (unmasked) columns, per layer, as new tensors."""
+    cols = mask[i].nonzero()[:, 0]
+    out = []
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values
+        if keys is None or keys.dim() != 4 or keys.shape[-2] != mask.shape[1]:
+            return []
+        out.append((keys[i : i + 1].index_select(2, cols), values[i : i + 1].index_select(2, cols)))
+    return out
 
 
 def _append(row: Row, token: int, logprob: float, version: int = 0) -> bool:

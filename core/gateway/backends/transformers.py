@@ -51,6 +51,7 @@ from agl.gateway.backends._adapters import AgentAdapters, with_adapters
 from agl.gateway.backends._batching import Batch, BusyClock, Row
 from agl.gateway.backends._dtype import engine_copy as _engine_copy
 from agl.gateway.backends._dtype import resolve_dtype
+from agl.gateway.backends._prefix_cache import PrefixCache
 from agl.gateway.backends._stream_text import StreamText, hand_over, tail_delta, token_logprobs
 from agl.gateway.backends._swaps import LiveSwaps
 from agl.gateway.backends.base import (
@@ -141,11 +142,21 @@ class TransformersBackend(AgentAdapters, Backend):
         adapters: dict[str, str] | None = None,
         batched_lora: bool = False,
         deterministic: bool = False,
+        prefix_cache_mb: float = 128.0,
         _pushed_from: Any = None,
     ) -> None:
         super().__init__()
         if not isinstance(deterministic, bool):
             raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
+        if isinstance(prefix_cache_mb, bool) or not (
+            isinstance(prefix_cache_mb, (int, float)) and 0 <= prefix_cache_mb < float("inf")
+        ):
+            raise ValueError(f"prefix_cache_mb must be a number >= 0 (0: off), got {prefix_cache_mb!r}")
+        #: recent prompts' KV, reused by prompts that start alike (off under ``deterministic``: a cached
+        #: prefix was computed in another batch, so its last bits may differ from the row's own prefill)
+        self._prefix = (
+            PrefixCache(int(prefix_cache_mb * 2**20)) if prefix_cache_mb > 0 and not deterministic else None
+        )
         self.deterministic = deterministic  # batch-invariant logits: one row at a time
         self.batched_lora, self._lora_stack = batched_lora, None  # mixed batches: see _batched_lora
         #: named LoRA adapter folders to serve beside the base model (``agl gateway serve --adapter``)
@@ -495,7 +506,9 @@ class TransformersBackend(AgentAdapters, Backend):
 
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
-        batch = Batch(self.model, self._pad_id, per_row_adapters=bool(self.agent_adapters))
+        batch = Batch(
+            self.model, self._pad_id, per_row_adapters=bool(self.agent_adapters), prefix=self._prefix
+        )
         batch.version, batch.lora = self.weight_version, self._stacked_adapters()
         with torch.inference_mode():
             while True:
@@ -680,6 +693,17 @@ class TransformersBackend(AgentAdapters, Backend):
         return self._generator
 
     # ----------------------------------------------------------------------- weight swap
+    def _bump_version(self, version: int | None) -> int:
+        """Every swap ends here (worker thread): cached prefixes were computed by the old weights."""
+        if self._prefix is not None:
+            self._prefix.clear()
+        return int(super()._bump_version(version))
+
+    def prefix_stats(self) -> dict[str, float]:
+        """Prompt tokens admitted and those not run through the model (the prefix cache's hits and
+        same-prompt rows of one admission); empty with the cache off."""
+        return {} if self._prefix is None else self._prefix.stats()
+
     async def _swap(self, fn: Any, *, in_place: bool = False) -> int:
         """Run the swap ``fn`` in the worker thread: ``in_place`` (the model object stays) between two
         decode steps of the running batch, else once the batch has drained."""
