@@ -101,7 +101,7 @@ def add_train_options(t: argparse.ArgumentParser, name: str, item: str) -> None:
     t.add_argument("--advantage-level", choices=["rollout", "transition"], default="rollout")
     add_update_options(t)
     t.add_argument("--runners", type=int, default=16, help="rollouts run at once")
-    add_config_options(t, Serving, ["batched_lora", "engine_dtype", "deterministic"])
+    add_config_options(t, Serving, ["batched_lora", "engine_dtype", "deterministic", "prefix_cache_mb"])
     add_config_options(t, LoopConfig, ["seed", "resume", "checkpoint_every"])
 
 

@@ -177,3 +177,22 @@ def test_a_bad_prefix_cache_size_is_refused(bad: Any) -> None:
 def test_deterministic_serving_keeps_the_cache_off() -> None:
     backend = TransformersBackend(tiny("llama"), model_name="tiny", deterministic=True)
     assert backend.prefix_stats() == {}
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), "64", True])
+def test_a_bad_prefix_cache_size_is_refused_by_the_run_settings(bad: Any) -> None:
+    from agl.errors import UsageError
+    from agl.run.settings import Serving
+
+    with pytest.raises(UsageError, match="prefix_cache_mb"):
+        Serving(prefix_cache_mb=bad)
+    assert Serving(prefix_cache_mb=0).prefix_cache_mb == 0
+
+
+def test_the_gateway_command_takes_the_cache_size_and_refuses_a_bad_one(capsys: Any) -> None:
+    from agl.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["gateway", "serve", "--backend", "transformers", "--prefix-cache-mb", "-5"])
+    assert exc.value.code == 2
+    assert "expected a number of MB >= 0, got '-5'" in capsys.readouterr().err
