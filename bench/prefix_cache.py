@@ -33,7 +33,9 @@ def run_once(root: Path, name: str, flags: list[str], extra: list[str]) -> dict[
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+    proc = subprocess.run(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False
+    )
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}")
@@ -79,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         results.append(row)
-    print("\n| round | cache | wall s | rollouts s | engine busy s | updates s | held-out | on/off wall | on/off rollouts |")
+    print(
+        "\n| round | cache | wall s | rollouts s | engine busy s | updates s | held-out | on/off wall | on/off rollouts |"
+    )
     print("|---:|---|---:|---:|---:|---:|---|---:|---:|")
     for r, row in enumerate(results, 1):
         for name in ("off", "on"):

@@ -204,7 +204,15 @@ def _common(sp: argparse.ArgumentParser) -> None:
     add_config_arguments(
         sp,
         Serving,
-        only=["backend", "vllm_url", "vllm_python", "vllm_args", "deterministic", "engine_dtype", "prefix_cache_mb"],
+        only=[
+            "backend",
+            "vllm_url",
+            "vllm_python",
+            "vllm_args",
+            "deterministic",
+            "engine_dtype",
+            "prefix_cache_mb",
+        ],
         overrides={
             "backend": {
                 "choices": ["transformers", "vllm"],

@@ -116,3 +116,47 @@ def test_a_push_into_a_bf16_engine_copies_the_trainable_tensors_cast() -> None:
     for name, p in Policy.model.named_parameters():
         assert served[name].dtype is torch.bfloat16
         assert torch.equal(served[name], p.detach().to(torch.bfloat16))
+
+
+def test_a_bf16_engine_serves_a_lora_policy_merged_and_each_push_remerges_it() -> None:
+    import asyncio
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    from agl.gateway.backends.transformers import TransformersBackend
+
+    class Policy:
+        model = get_peft_model(tiny(2), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+    lora_layers = {n: m for n, m in Policy.model.named_modules() if isinstance(m, LoraLayer)}
+    engine = TransformersBackend.for_policy(Policy, dtype="bfloat16")
+    # no peft module left in the engine: the adapter is in the weights
+    assert not any(isinstance(m, LoraLayer) for m in engine.model.modules())
+    assert engine.serving_dtype is torch.bfloat16 and serves_other_dtype(engine, Policy)
+    ids = torch.tensor([[5, 9, 11, 3, 7, 21, 30, 2]])
+
+    def logps(model: Any) -> Any:
+        with torch.no_grad():
+            return torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)
+
+    for step in range(2):  # train the adapter a little (B starts at zero: the first push changes it)
+        with torch.no_grad():
+            for p in Policy.model.parameters():
+                if p.requires_grad:
+                    p.add_(0.05 * torch.randn_like(p))
+        asyncio.run(engine.push(Policy, version=step + 1))
+        served = dict(engine.model.named_modules())
+        for name, lora in lora_layers.items():
+            inner = name.removeprefix("base_model.model.")
+            want = lora.get_base_layer().weight + lora.get_delta_weight("default")
+            assert torch.equal(served[inner].weight, want.detach().to(torch.bfloat16))
+        # the engine's log-probs are the policy's up to bf16 rounding, and far from the unadapted base's
+        policy, served_lp = logps(Policy.model), logps(engine.model)
+        with Policy.model.disable_adapter():
+            base = logps(Policy.model)
+        assert (served_lp - policy).abs().max() < 0.05 < (base - policy).abs().max()
+    assert engine.weight_version == 2
+    # an fp32 engine (the policy's dtype) still shares the frozen weights and runs the adapter unmerged
+    same = TransformersBackend.for_policy(Policy)
+    assert any(isinstance(m, LoraLayer) for m in same.model.modules())

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["cpu_has_native_bf16", "engine_copy", "resolve_dtype", "serves_other_dtype"]
+__all__ = ["cpu_has_native_bf16", "engine_copy", "inference_only", "resolve_dtype", "serves_other_dtype"]
 
 _NAMES = {
     "float32": "float32",
@@ -83,16 +83,16 @@ def engine_copy(source: Any, dtype: Any = None) -> Any:
     if dtype is not None and dtype != next(source.parameters()).dtype:
         with torch.no_grad():
             engine = copy.deepcopy(source).to(dtype)
-        return _inference_only(engine)
+        return inference_only(engine)
     memo: dict[int, Any] = {id(p): p for p in source.parameters() if not p.requires_grad}
     # buffers of frozen modules (e.g. rotary tables) are shared too; they never change
     memo.update({id(b): b for b in source.buffers()})
     with torch.no_grad():
         engine = copy.deepcopy(source, memo)
-    return _inference_only(engine)
+    return inference_only(engine)
 
 
-def _inference_only(engine: Any) -> Any:
+def inference_only(engine: Any) -> Any:
     """``engine`` without the training model's patched forwards or trainable flags, in eval mode."""
     for module in engine.modules():
         # TRL patches ``forward`` on the training model's instance (its fused LM head); the copy must run

@@ -50,7 +50,9 @@ from typing import Any
 from agl.gateway.backends._adapters import AgentAdapters, with_adapters
 from agl.gateway.backends._batching import Batch, BusyClock, Row
 from agl.gateway.backends._dtype import engine_copy as _engine_copy
+from agl.gateway.backends._dtype import inference_only as _inference_only
 from agl.gateway.backends._dtype import resolve_dtype
+from agl.gateway.backends._merged_lora import merged_copy
 from agl.gateway.backends._prefix_cache import PrefixCache
 from agl.gateway.backends._stream_text import StreamText, hand_over, tail_delta, token_logprobs
 from agl.gateway.backends._swaps import LiveSwaps
@@ -172,6 +174,9 @@ class TransformersBackend(AgentAdapters, Backend):
         self.default_top_p = float(default_top_p)
         self._generator: Any = None
         self._pushed_from: Any = _pushed_from
+        #: the pushed policy's LoRA merged into this engine's own weights (another dtype than the
+        #: policy's: :mod:`._merged_lora`); None when the engine runs the adapter through peft
+        self._merged: Any = None
         self.threads = threads
         self._model_arg = model
         self._tokenizer_arg = tokenizer
@@ -209,7 +214,9 @@ class TransformersBackend(AgentAdapters, Backend):
         its frozen weights (see :meth:`push`); ``kwargs`` as for the constructor."""
         source = policy.model
         dtype = resolve_dtype(kwargs.get("dtype"), str(next(source.parameters()).device))
-        backend = cls(_engine_copy(source, dtype), _pushed_from=source, **kwargs)
+        model, merged = _policy_copy(policy, dtype)
+        backend = cls(model, _pushed_from=source, **kwargs)
+        backend._merged = merged
         backend.agent_adapters = list(getattr(policy, "adapters", {}).values())
         return backend
 
@@ -802,9 +809,11 @@ class TransformersBackend(AgentAdapters, Backend):
             import torch
 
             if self._pushed_from is not source:
-                self.model = _engine_copy(source, resolve_dtype(self._dtype, str(self.device)))
+                self.model, self._merged = _policy_copy(policy, resolve_dtype(self._dtype, str(self.device)))
                 self._pushed_from = source
                 self.agent_adapters = list(getattr(policy, "adapters", {}).values())
+            elif self._merged is not None:  # the adapter merged into the engine's own weights
+                self._merged.refresh()
             else:
                 with torch.no_grad():
                     for (name, dst), (_, src) in zip(
@@ -816,6 +825,23 @@ class TransformersBackend(AgentAdapters, Backend):
             return self._bump_version(version)
 
         return await self._swap(swap, in_place=self.model is not None and self._pushed_from is source)
+
+
+def _policy_copy(policy: Any, dtype: Any) -> tuple[Any, Any]:
+    """The engine's model for ``policy``: in another dtype than the policy's and with one plain LoRA
+    adapter, a copy with the adapter merged (and its :class:`~._merged_lora.Merged` to refresh on each
+    push); else :func:`~._dtype.engine_copy` (frozen weights shared when the dtype is the policy's)."""
+    source = policy.model
+    if (
+        dtype is not None
+        and dtype != next(source.parameters()).dtype
+        and not getattr(policy, "adapters", None)
+    ):
+        merged = merged_copy(source, dtype)
+        if merged is not None:
+            merged.model = _inference_only(merged.model)
+            return merged.model, merged
+    return _engine_copy(source, dtype), None
 
 
 def _trainable(model: Any, reference: Any) -> list[tuple[str, Any]]:
