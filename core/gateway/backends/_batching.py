@@ -174,14 +174,26 @@ def contiguous_head(model: Any) -> None:
     With ``logits_to_keep=1`` the head gets ``hidden[:, -1:, :]``, a strided view. For such an input and
     a weight that does not require grad (an engine's, always), ``torch.matmul`` does not fold the batch
     into one ``mm`` but expands the weight to every row and runs ``bmm`` — for SmolLM2's 49k x 576 head in
-    bf16 at 8 rows a 450 MB copy that was 60% of the prefill's time, making an 8-row bf16 prefill 4x
-    slower than with the copy avoided (bench/README.md, "The engine's LoRA cost"). Copying the
-    ``rows x hidden`` input instead costs nothing measurable."""
+    bf16 at 8 rows a 450 MB copy that was 60% of the prefill's time (an 8-row bf16 prefill 4x slower,
+    a one-row one 2x; bench/README.md, "The engine's LoRA cost"). Copying the ``rows x hidden`` input
+    instead costs nothing measurable."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or getattr(head, "_agl_contiguous", False):
         return
-    head.register_forward_pre_hook(lambda _module, args: (args[0].contiguous(), *args[1:]))
+    head.register_forward_pre_hook(_dense_input)
     head._agl_contiguous = True
+
+
+def _dense_input(_module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The head's input with dense strides (``matmul`` folds the rows into one ``mm`` only when each
+    stride is the next one's times its size; ``is_contiguous`` ignores size-1 dimensions, so a one-row
+    ``hidden[:, -1:, :]`` passes it and still fails the fold)."""
+    import torch
+
+    x = args[0]
+    if all(x.stride(i) == x.stride(i + 1) * x.size(i + 1) for i in range(x.dim() - 1)):
+        return args
+    return (x.clone(memory_format=torch.contiguous_format), *args[1:])
 
 
 def _position_ids(mask: Any) -> Any:
