@@ -1,6 +1,10 @@
 """The main job with the embedded engine's prefix cache on (the default) and off, in the same run.
 
     python bench/prefix_cache.py [--rounds 3] [--root runs/bench_prefix] [-- extra train flags]
+    python bench/prefix_cache.py --settings "fp32=" "bf16=--engine-dtype auto"   # any two settings
+
+``--settings A=FLAGS B=FLAGS`` compares two other settings the same way (B / A), e.g. the engine in
+fp32 (the default) against ``--engine-dtype auto``.
 
 Each round runs ``python -m examples.learn_on_cpu train --seed 0`` twice, one subprocess at a time, once
 with ``--prefix-cache-mb 0`` and once with the default, alternating which goes first, and reads what each
@@ -22,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SETTINGS = {"off": ["--prefix-cache-mb", "0"], "on": []}
+SETTINGS = ["off=--prefix-cache-mb 0", "on="]
 
 
 def run_once(root: Path, name: str, flags: list[str], extra: list[str]) -> dict[str, Any]:
@@ -63,19 +67,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--root", default="runs/bench_prefix")
+    p.add_argument("--settings", nargs=2, default=SETTINGS, metavar="NAME=FLAGS", help="the two settings")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    if any("=" not in x for x in args.settings):
+        p.error("--settings takes NAME=FLAGS twice")
+    settings = {x.split("=", 1)[0]: x.split("=", 1)[1].split() for x in args.settings}
+    a, b = list(settings)
     root = Path(args.root)
     results: list[dict[str, dict[str, Any]]] = []
     for r in range(args.rounds):
-        order = ["off", "on"] if r % 2 == 0 else ["on", "off"]
+        order = [a, b] if r % 2 == 0 else [b, a]
         row: dict[str, dict[str, Any]] = {}
         for name in order:
-            row[name] = run_once(root, f"r{r + 1}_{name}", SETTINGS[name], extra)
+            row[name] = run_once(root, f"r{r + 1}_{name}", settings[name], extra)
             f = row[name]
             print(
-                f"round {r + 1} cache {name}: wall {f['wall_s']:.1f} s, rollouts {f['rollout_s']:.1f} s, "
+                f"round {r + 1} {name}: wall {f['wall_s']:.1f} s, rollouts {f['rollout_s']:.1f} s, "
                 f"engine busy {f['engine_busy_s']:.1f} s, updates {f['update_s']:.1f} s, held-out "
                 f"{f['before']:.3f} -> {f['after']:.3f}, load {f['load'][0]:.1f}-{f['load'][1]:.1f}",
                 flush=True,
@@ -86,22 +95,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---:|---|---:|---:|---:|---:|---|---:|---:|")
     for r, row in enumerate(results, 1):
-        for name in ("off", "on"):
+        for name in (a, b):
             f = row[name]
             ratio = ("", "")
-            if name == "on":
+            if name == b:
                 ratio = (
-                    f"{f['wall_s'] / row['off']['wall_s']:.2f}",
-                    f"{f['rollout_s'] / row['off']['rollout_s']:.2f}",
+                    f"{f['wall_s'] / row[a]['wall_s']:.2f}",
+                    f"{f['rollout_s'] / row[a]['rollout_s']:.2f}",
                 )
             print(
                 f"| {r} | {name} | {f['wall_s']:.1f} | {f['rollout_s']:.1f} | {f['engine_busy_s']:.1f} | "
                 f"{f['update_s']:.1f} | {f['before']:.3f} -> {f['after']:.3f} | {ratio[0]} | {ratio[1]} |"
             )
-    walls = [row["on"]["wall_s"] / row["off"]["wall_s"] for row in results]
-    rolls = [row["on"]["rollout_s"] / row["off"]["rollout_s"] for row in results]
+    walls = [row[b]["wall_s"] / row[a]["wall_s"] for row in results]
+    rolls = [row[b]["rollout_s"] / row[a]["rollout_s"] for row in results]
     print(
-        f"\nmedian on/off: wall {statistics.median(walls):.2f} [{min(walls):.2f}-{max(walls):.2f}], "
+        f"\nmedian {b}/{a}: wall {statistics.median(walls):.2f} [{min(walls):.2f}-{max(walls):.2f}], "
         f"rollouts {statistics.median(rolls):.2f} [{min(rolls):.2f}-{max(rolls):.2f}]"
     )
     return 0
