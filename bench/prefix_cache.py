@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         results.append(row)
     print(
-        "\n| round | cache | wall s | rollouts s | engine busy s | updates s | held-out | on/off wall | on/off rollouts |"
+        f"\n| round | setting | wall s | rollouts s | engine busy s | updates s | held-out | {b}/{a} wall | {b}/{a} rollouts |"
     )
     print("|---:|---|---:|---:|---:|---:|---|---:|---:|")
     for r, row in enumerate(results, 1):
