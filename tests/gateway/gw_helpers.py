@@ -33,3 +33,32 @@ def server_spans(store: Any, rollout_id: str) -> list[Any]:
     return [
         s for s in store.query_spans(rollout_id=rollout_id) if s.attributes.get(sc.AGL_SIDE) == sc.SIDE_SERVER
     ]
+
+
+def tiny_lm(kind: str = "llama", seed: int = 0, max_positions: int = 512) -> Any:
+    """A tiny random Llama or Qwen2 (2 layers, hidden 32) over the shipped SmolLM2 tokenizer's vocabulary,
+    in eval mode: a real transformers model that runs in milliseconds."""
+    import torch
+    import transformers
+
+    from agl.gateway.tokenizer import load_default_tokenizer
+
+    tok = load_default_tokenizer()
+    torch.manual_seed(seed)
+    common: dict[str, Any] = {
+        "vocab_size": tok._tok.get_vocab_size(),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": max_positions,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.eos_token_id,
+        "tie_word_embeddings": True,
+    }
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(**common, use_sliding_window=False)
+        ).eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()

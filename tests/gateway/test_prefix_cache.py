@@ -9,6 +9,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from gw_helpers import tiny_lm
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -23,24 +24,7 @@ SYSTEM = "You are a careful calculator. Reply with one line: Answer: <number>. "
 
 
 def tiny(kind: str, seed: int = 0) -> Any:
-    torch.manual_seed(seed)
-    common: dict[str, Any] = {
-        "vocab_size": TOK._tok.get_vocab_size(),
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 1024,
-        "eos_token_id": TOK.eos_token_id,
-        "pad_token_id": TOK.eos_token_id,
-        "tie_word_embeddings": True,
-    }
-    if kind == "qwen2":
-        return transformers.Qwen2ForCausalLM(
-            transformers.Qwen2Config(**common, use_sliding_window=False)
-        ).eval()
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
+    return tiny_lm(kind, seed, max_positions=1024)
 
 
 class Prefills:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from gw_helpers import server_spans, start_rollout
+from gw_helpers import server_spans, start_rollout, tiny_lm
 
 from agl import semconv as sc
 from agl.gateway.backends.base import GenerationRequest, GenerationResult
@@ -27,24 +27,7 @@ TOK = load_default_tokenizer()
 
 
 def tiny(kind: str, seed: int = 0) -> Any:
-    torch.manual_seed(seed)
-    common: dict[str, Any] = {
-        "vocab_size": TOK._tok.get_vocab_size(),
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 512,
-        "eos_token_id": TOK.eos_token_id,
-        "pad_token_id": TOK.eos_token_id,
-        "tie_word_embeddings": True,
-    }
-    if kind == "qwen2":
-        return transformers.Qwen2ForCausalLM(
-            transformers.Qwen2Config(**common, use_sliding_window=False)
-        ).eval()
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
+    return tiny_lm(kind, seed)
 
 
 class Steps:
