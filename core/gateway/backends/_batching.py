@@ -275,14 +275,7 @@ class Batch:
     def joinable(self) -> bool:
         """Whether rows can join a running batch: every cache layer a plain full-attention layer
         (a sliding-window or linear-attention cache cannot be left-padded and concatenated)."""
-        from transformers.cache_utils import DynamicLayer
-
-        from agl.gateway.backends._kv import SlackLayer
-
-        if self.cache is None:
-            return True
-        layers = getattr(self.cache, "layers", None)
-        return bool(layers) and all(type(layer) in (DynamicLayer, SlackLayer) for layer in layers)
+        return self.cache is None or _plain(self.cache)
 
     def admit(self, rows: Sequence[Row]) -> list[Row]:
         """Prefill ``rows`` together, draw their first token, and join the ones still running to the
@@ -474,8 +467,9 @@ def _unique(rows: Sequence[Row]) -> tuple[list[int], list[Row]]:
 
 
 def _plain(cache: Any) -> bool:
-    """Whether every layer of a fresh cache is a plain full-attention layer (a cached prefix can be
-    loaded into it; a sliding-window or linear-attention layer keeps other state)."""
+    """Whether every layer of ``cache`` is a plain full-attention layer: rows can be padded,
+    concatenated and given a cached prefix (a sliding-window or linear-attention layer keeps other
+    state)."""
     from transformers.cache_utils import DynamicLayer
 
     from agl.gateway.backends._kv import SlackLayer

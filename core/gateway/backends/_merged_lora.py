@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["Merged", "merged_copy"]
+__all__ = ["Merged", "merged_copy", "policy_copy"]
 
 _PREFIX = "base_model.model."
 
@@ -93,3 +93,23 @@ def merged_copy(source: Any, dtype: Any) -> Merged | None:
     merged = Merged(engine, pairs)
     merged.refresh()
     return merged
+
+
+def policy_copy(policy: Any, dtype: Any) -> tuple[Any, Merged | None]:
+    """The engine's model for ``policy``: in another dtype than the policy's and with one plain LoRA
+    adapter, a copy with the adapter merged (and its :class:`Merged` to refresh on each push); else
+    :func:`~agl.gateway.backends._dtype.engine_copy` (frozen weights shared when the dtype is the
+    policy's)."""
+    from agl.gateway.backends._dtype import engine_copy, inference_only
+
+    source = policy.model
+    if (
+        dtype is not None
+        and dtype != next(source.parameters()).dtype
+        and not getattr(policy, "adapters", None)
+    ):
+        merged = merged_copy(source, dtype)
+        if merged is not None:
+            merged.model = inference_only(merged.model)
+            return merged.model, merged
+    return engine_copy(source, dtype), None

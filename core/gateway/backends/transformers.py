@@ -49,10 +49,8 @@ from typing import Any
 
 from agl.gateway.backends._adapters import AgentAdapters, with_adapters
 from agl.gateway.backends._batching import Batch, BusyClock, Row
-from agl.gateway.backends._dtype import engine_copy as _engine_copy
-from agl.gateway.backends._dtype import inference_only as _inference_only
 from agl.gateway.backends._dtype import resolve_dtype
-from agl.gateway.backends._merged_lora import merged_copy
+from agl.gateway.backends._merged_lora import policy_copy as _policy_copy
 from agl.gateway.backends._prefix_cache import PrefixCache
 from agl.gateway.backends._stream_text import StreamText, hand_over, tail_delta, token_logprobs
 from agl.gateway.backends._swaps import LiveSwaps
@@ -825,23 +823,6 @@ class TransformersBackend(AgentAdapters, Backend):
             return self._bump_version(version)
 
         return await self._swap(swap, in_place=self.model is not None and self._pushed_from is source)
-
-
-def _policy_copy(policy: Any, dtype: Any) -> tuple[Any, Any]:
-    """The engine's model for ``policy``: in another dtype than the policy's and with one plain LoRA
-    adapter, a copy with the adapter merged (and its :class:`~._merged_lora.Merged` to refresh on each
-    push); else :func:`~._dtype.engine_copy` (frozen weights shared when the dtype is the policy's)."""
-    source = policy.model
-    if (
-        dtype is not None
-        and dtype != next(source.parameters()).dtype
-        and not getattr(policy, "adapters", None)
-    ):
-        merged = merged_copy(source, dtype)
-        if merged is not None:
-            merged.model = _inference_only(merged.model)
-            return merged.model, merged
-    return _engine_copy(source, dtype), None
 
 
 def _trainable(model: Any, reference: Any) -> list[tuple[str, Any]]:
