@@ -46,7 +46,7 @@ def peft_model() -> Any:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from agl.gateway.models import prepare_default_model
+    from agl.chat.models import prepare_default_model
 
     base = AutoModelForCausalLM.from_pretrained(str(prepare_default_model()), dtype=torch.float32)
     cfg = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")

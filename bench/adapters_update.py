@@ -36,9 +36,9 @@ def _case(name: str, threads: int, reps: int) -> dict[str, Any]:
 
     from agl.algorithms.lightning_rl import LightningRL
     from agl.algorithms.update import PolicyUpdate
+    from agl.chat.models import prepare_default_model
+    from agl.chat.tokenizer import load_tokenizer
     from agl.config import RunConfig
-    from agl.gateway.models import prepare_default_model
-    from agl.gateway.tokenizer import load_tokenizer
     from agl.types import Transition
 
     torch.set_num_threads(threads)

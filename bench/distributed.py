@@ -109,8 +109,8 @@ def worker(out: Path, steps: int, full: bool) -> None:
     malloc.tune()  # as Trainer.fit does: freed buffers leave the process
     import agl
     from agl.algorithms.update import PolicyUpdate
+    from agl.chat.models import prepare_default_model
     from agl.config import RunConfig
-    from agl.gateway.models import prepare_default_model
 
     algo = agl.LightningRL(
         group_size=4, learning_rate=1e-3, lora=not full, lora_r=16, lora_alpha=32, clip_eps=0.2, kl_coef=0.0

@@ -6,7 +6,7 @@ SmolLM2-135M-Instruct (``agl models prepare``) with a LoRA adapter like the main
 every linear layer, random non-zero B so the adapter changes the output), in fp32 and bf16, served
 three ways: the base model alone (no adapter: the floor), the adapter through peft (what an engine
 that shares the policy's frozen weights runs), and the adapter merged into a copy of the weights
-(``agl.gateway.backends._merged_lora.merged_copy``, what a bf16 engine of a LoRA policy runs). For each,
+(``agl.engine.merged_lora.merged_copy``, what a bf16 engine of a LoRA policy runs). For each,
 one prefill of ``--prompt`` tokens per row and ``--steps`` decode steps through a ``DynamicCache``, at
 each ``--batch`` size, in interleaved rounds (every variant once per round); the median round is
 reported, with merged / peft within each round. The merged and peft models' log-probs of the same
@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def build(variant: str, dtype: Any) -> Any:
     """The variant's model with the engine's LM-head fix (``contiguous_head``), as the engine runs it."""
-    from agl.gateway.backends._batching import contiguous_head
+    from agl.engine.batching import contiguous_head
 
     model = _build(variant, dtype)
     contiguous_head(model)
@@ -38,8 +38,8 @@ def _build(variant: str, dtype: Any) -> Any:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from agl.gateway.backends._merged_lora import merged_copy
-    from agl.gateway.models import prepare_default_model
+    from agl.chat.models import prepare_default_model
+    from agl.engine.merged_lora import merged_copy
 
     base = AutoModelForCausalLM.from_pretrained(str(prepare_default_model()), dtype=torch.float32)
     if variant == "base":

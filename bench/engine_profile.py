@@ -4,7 +4,7 @@
 
 SmolLM2-135M-Instruct, 8-16 rows of a 40-token prompt, temperature 1: per configuration (fp32 or bf16
 weights; the engine's decode loop ``_batching.Batch``, and with ``--old`` the same loop from an older
-``_batching.py``, e.g. ``git show <rev>:core/gateway/backends/_batching.py``) the mean time of 16
+``_batching.py``, e.g. ``git show <rev>:core/engine/batching.py``) the mean time of 16
 decode steps after 4 warm-up steps, configurations interleaved within each round (the median round
 is printed, with the load average). ``--profile`` prints torch's operator table of the current loop.
 """
@@ -61,8 +61,8 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agl.gateway.backends import _batching as new
-    from agl.gateway.models import prepare_default_model
+    from agl.chat.models import prepare_default_model
+    from agl.engine import batching as new
 
     torch.set_num_threads(args.threads)
     loops = {"current": new}

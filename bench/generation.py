@@ -169,7 +169,7 @@ def probe(threads: int, new_tokens: int) -> None:
     """Static KV cache and ``torch.compile`` on the model alone, against the eager decode loop."""
     import torch
 
-    from agl.gateway.backends._batching import Batch, Row
+    from agl.engine.batching import Batch, Row
     from agl.gateway.backends.transformers import TransformersBackend
 
     torch.set_num_threads(threads)

@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     from agl.adapter.trajectories import merge_transitions
     from agl.algorithms.lightning_rl import LightningRL
     from agl.algorithms.update import PolicyUpdate
+    from agl.chat.tokenizer import load_default_tokenizer
     from agl.config import RunConfig
-    from agl.gateway.tokenizer import load_default_tokenizer
     from agl.trainer.trainer import load_tokenizer
     from bench.trainer import _model
 

@@ -163,7 +163,7 @@ def load_step(name: str, every_call: bool = False, groups: int = 0) -> tuple[lis
 def _policy(share: bool):
     from agl import LightningRL
     from agl.algorithms.update import PolicyUpdate
-    from agl.gateway.models import prepare_default_model
+    from agl.chat.models import prepare_default_model
     from agl.trainer.trainer import load_tokenizer
 
     algo = LightningRL(
@@ -215,7 +215,7 @@ def side_trl(name: str, iters: int, every_call: bool, groups: int = 0) -> dict:
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    from agl.gateway.models import prepare_default_model
+    from agl.chat.models import prepare_default_model
     from agl.trainer.trainer import load_tokenizer
 
     ts, adv, _ = load_step(name, every_call, groups)

@@ -104,7 +104,7 @@ def _model(name: str, seed: int):
             m = Qwen2ForCausalLM(Qwen2Config(**spec))
         return m.to(torch.bfloat16) if torch.cuda.is_available() else m
     if name == "smollm2":
-        from agl.gateway.models import prepare_default_model
+        from agl.chat.models import prepare_default_model
 
         name = str(prepare_default_model())
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32

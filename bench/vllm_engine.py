@@ -157,7 +157,7 @@ def make_adapter(folder: Path, rank: int = 16) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from agl.gateway.models import prepare_default_model
+    from agl.chat.models import prepare_default_model
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(prepare_default_model()), dtype="float32")
@@ -194,10 +194,10 @@ def run_all(
     no CPU), measured in interleaved rounds."""
     from contextlib import ExitStack
 
+    from agl.chat.models import prepare_default_model
+    from agl.engine.vllm_server import VLLMServer
     from agl.gateway.backends.transformers import TransformersBackend
     from agl.gateway.backends.vllm import VLLMBackend
-    from agl.gateway.backends.vllm_server import VLLMServer
-    from agl.gateway.models import prepare_default_model
     from agl.gateway.testing import serve_gateway
 
     tag = " + LoRA r16" if adapter else ""

@@ -293,7 +293,7 @@ def test_agent_name_from_span_name_when_attribute_missing() -> None:
 @pytest.fixture(scope="module")
 def chat_tokenizer():
     pytest.importorskip("tokenizers")
-    from agl.gateway.tokenizer import load_default_tokenizer
+    from agl.chat.tokenizer import load_default_tokenizer
 
     return load_default_tokenizer()
 
@@ -303,7 +303,7 @@ def hf_tokenizer(chat_tokenizer):
     transformers = pytest.importorskip("transformers")
     from importlib import resources
 
-    assets = resources.files("agl.gateway").joinpath("assets")
+    assets = resources.files("agl.chat").joinpath("assets")
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(assets.joinpath("tokenizer.json")),
         eos_token="<|im_end|>",

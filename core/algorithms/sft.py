@@ -309,11 +309,11 @@ def _dataset(
 def _load(model: Any, tokenizer: Any, progress: bool) -> tuple[Any, Any, str | None]:
     from transformers import AutoModelForCausalLM
 
-    from agl.gateway.tokenizer import load_tokenizer
+    from agl.chat.tokenizer import load_tokenizer
 
     source: str | None = None
     if model is None:
-        from agl.gateway.models import prepare_default_model
+        from agl.chat.models import prepare_default_model
 
         model = str(prepare_default_model(progress=progress))
     if isinstance(model, (str, os.PathLike)):

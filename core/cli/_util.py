@@ -164,9 +164,9 @@ def open_store_from_args(args: argparse.Namespace, *, must_exist: bool = True) -
 
 
 def tokenizer_from_arg(spec: str) -> Any:
-    """The tokenizer ``--tokenizer`` names (:func:`agl.gateway.tokenizer.load_tokenizer`, strict); its refusal — a missing
+    """The tokenizer ``--tokenizer`` names (:func:`agl.chat.tokenizer.load_tokenizer`, strict); its refusal — a missing
     ``transformers``, a directory that holds no tokenizer — is the user's to fix, so one line."""
-    from agl.gateway.tokenizer import load_tokenizer
+    from agl.chat.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(spec, strict=True)

@@ -1,6 +1,6 @@
 """``agl doctor``: installed frameworks, instrumented integrations, their hooks, the tracer
 (:func:`agl.reports.doctor.report`). Exit status 1 when a hook was lost or a framework is unsupported.
-``agl doctor --upstream URL``: what a vLLM server offers agl (:func:`agl.gateway.backends.vllm_probe.probe`)."""
+``agl doctor --upstream URL``: what a vLLM server offers agl (:func:`agl.engine.vllm_probe.probe`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def _run(args: argparse.Namespace) -> int:
     import agl
 
     if args.upstream:  # a vLLM server: what it offers agl, nothing of this process
-        from agl.gateway.backends.vllm_probe import probe
+        from agl.engine.vllm_probe import probe
 
         support = probe(args.upstream, generate=args.generate, api_key=args.upstream_api_key)
         print(support.report())

@@ -1,4 +1,4 @@
-"""``agl models prepare|path``: the embedded default model (:mod:`agl.gateway.models`)."""
+"""``agl models prepare|path``: the embedded default model (:mod:`agl.chat.models`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from agl.gateway.models import DEFAULT_MODEL, default_model_dir, is_ready, prepare_default_model
+from agl.chat.models import DEFAULT_MODEL, default_model_dir, is_ready, prepare_default_model
 
 __all__ = ["register_cli"]
 

@@ -1,5 +1,5 @@
 """``agl vllm serve``: start a vLLM OpenAI server with everything agl needs to train through it
-(:class:`agl.gateway.backends.vllm_server.VLLMServer`), check it, print what it offers, and keep it
+(:class:`agl.engine.vllm_server.VLLMServer`), check it, print what it offers, and keep it
 running until interrupted; ``agl gateway serve --backend vllm --upstream URL`` then fronts it."""
 
 from __future__ import annotations
@@ -49,14 +49,14 @@ def _interrupted(signum: int, frame: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from agl.gateway.backends.vllm_probe import probe
-    from agl.gateway.backends.vllm_server import VLLMServer
+    from agl.engine.vllm_probe import probe
+    from agl.engine.vllm_server import VLLMServer
 
     check_port(args.port)
     check_port_free(args.host, args.port)
     model = args.model
     if model is None:
-        from agl.gateway.models import prepare_default_model
+        from agl.chat.models import prepare_default_model
 
         model = str(prepare_default_model())
     extra = [a for a in args.vllm_args if a != "--"]

@@ -35,7 +35,7 @@ def _tokenizer() -> Any:
     if spec in ("", "none"):
         return None
     try:
-        from agl.gateway.tokenizer import load_tokenizer
+        from agl.chat.tokenizer import load_tokenizer
 
         return load_tokenizer(spec, strict=True)
     except Exception as exc:  # noqa: BLE001 - the page still works, with ids instead of text

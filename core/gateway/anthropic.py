@@ -18,8 +18,8 @@ from typing import Any, Literal, Union
 from pydantic import Field
 from starlette.responses import Response
 
+from agl.chat.format import flatten_content
 from agl.gateway.backends.base import Choice, GenerationRequest, GenerationResult
-from agl.gateway.chat_format import flatten_content
 from agl.gateway.protocol import ApiError, _Open, parse_request
 from agl.gateway.sse import dumps, sse_event
 

@@ -38,6 +38,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from agl import semconv as sc
+from agl.chat.format import content_chars
 from agl.gateway import anthropic, sse
 from agl.gateway.backends.base import (
     Backend,
@@ -48,7 +49,6 @@ from agl.gateway.backends.base import (
     UnknownModelError,
     UpstreamError,
 )
-from agl.gateway.chat_format import content_chars
 from agl.gateway.disconnect import ClientGone, cancel_on_disconnect
 from agl.gateway.model_names import ModelNames, Served
 from agl.gateway.protocol import (

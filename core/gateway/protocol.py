@@ -13,9 +13,9 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from agl.chat.format import flatten_content
 from agl.errors import ApiError
 from agl.gateway.backends.base import Choice, GenerationRequest, GenerationResult
-from agl.gateway.chat_format import flatten_content
 
 __all__ = [
     "ApiError",

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from agl import semconv as sc
+from agl.chat.format import flatten_content
 from agl.gateway.backends.base import Choice, GenerationRequest, GenerationResult
-from agl.gateway.chat_format import flatten_content
 from agl.gateway.span_writer import SpanWriter
 from agl.types import Span, SpanEvent, SpanStatus, _construct
 

@@ -40,8 +40,8 @@ from typing import Any
 from agl.adapter import Adapter, finishing_attempt
 from agl.adapter.trajectories import MergeStats, merge_transitions
 from agl.algorithms.lightning_rl import LightningRL, compute_advantages
+from agl.chat.tokenizer import load_tokenizer  # re-exported: agl.reports.export.load_tokenizer
 from agl.errors import UsageError
-from agl.gateway.tokenizer import load_tokenizer  # re-exported: agl.reports.export.load_tokenizer
 from agl.types import Transition
 
 __all__ = [

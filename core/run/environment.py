@@ -100,7 +100,7 @@ class Environment:
         """The model to train or serve: ``serving.model``, or the default model (prepared on first use)."""
         if self.serving.model is not None:
             return self.serving.model
-        from agl.gateway.models import prepare_default_model
+        from agl.chat.models import prepare_default_model
 
         return str(prepare_default_model(progress=self.serving.progress))
 
@@ -187,17 +187,17 @@ class Environment:
 
     def _vllm_backend(self, policy: Any, source: Any, tokenizer: Any) -> Any:
         """The vllm backend: at ``vllm_url``, or at a server started here (``vllm_python``) on the run's
-        model with the policy's LoRA rank and adapters (:mod:`agl.gateway.backends.vllm_server`).
+        model with the policy's LoRA rank and adapters (:mod:`agl.engine.vllm_server`).
         agl renders the chats with the run's tokenizer (the trainer's, else the model folder's): one
         rendering on every engine."""
+        from agl.chat.tokenizer import as_chat_tokenizer
         from agl.gateway.backends import from_spec
-        from agl.gateway.tokenizer import as_chat_tokenizer
 
         s = self.serving
         adapters = list(getattr(policy, "adapters", {}).values()) or None  # an adapter per agent
         folder = str(source) if isinstance(source, (str, os.PathLike)) else None
         if s.vllm_python and self.vllm_server is None:
-            from agl.gateway.backends.vllm_server import VLLMServer
+            from agl.engine.vllm_server import VLLMServer
 
             model = folder or str(self.model_source())
             self.vllm_server = VLLMServer(

@@ -208,7 +208,7 @@ def follow(policy: Any, channel: Channel) -> dict[str, Any]:
 def follow_fit(trainer: Trainer) -> dict[str, Any]:
     """``Trainer.fit`` on a rank other than 0: build the same policy as rank 0 (the same collectives in
     the same order: :func:`init`, :func:`same_source`, the policy, the channel), then follow its calls."""
-    from agl.gateway.tokenizer import load_tokenizer
+    from agl.chat.tokenizer import load_tokenizer
 
     init()
     source = same_source(trainer.serving.model)

@@ -185,7 +185,7 @@ class Steps:
 
     def _engine_dtype_differs(self) -> bool:
         """Whether the in-process engine computes in another dtype than the policy."""
-        from agl.gateway.backends._dtype import serves_other_dtype
+        from agl.engine.dtype import serves_other_dtype
 
         gateway = getattr(self.t.env, "gateway", None)
         return serves_other_dtype(getattr(gateway, "backend", None), self.t.policy)

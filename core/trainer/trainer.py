@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agl.algorithms.per_agent_lora import warm_adapters_folder
+from agl.chat.tokenizer import load_tokenizer
 from agl.config import LoopConfig, RolloutSettings, RunConfig
 from agl.errors import UsageError
 from agl.gateway.sampling import SamplingLimits
-from agl.gateway.tokenizer import load_tokenizer
 from agl.lora import selected_loras
 from agl.run.metrics import MetricsLog
 from agl.run.settings import Serving
@@ -220,9 +220,9 @@ class Trainer:
             engine["batched_lora"] = True
         if s.deterministic:  # batch-invariant generation: one row at a time (reproducible runs)
             engine["deterministic"] = True
-        if s.engine_dtype is not None:  # bf16 serving where native (see agl.gateway.backends._dtype)
+        if s.engine_dtype is not None:  # bf16 serving where native (see agl.engine.dtype)
             engine["dtype"] = s.engine_dtype
-        if s.prefix_cache_mb != 128.0:  # the engine's default (agl.gateway.backends._prefix_cache)
+        if s.prefix_cache_mb != 128.0:  # the engine's default (agl.engine.prefix_cache)
             engine["prefix_cache_mb"] = float(s.prefix_cache_mb)
         env.start(
             agent,

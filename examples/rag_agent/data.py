@@ -307,7 +307,7 @@ def default_data_dir() -> Path:
     env = os.environ.get("AGL_EXAMPLES_DATA")
     if env:
         return Path(env).expanduser() / "rag_agent"
-    from agl.gateway.models import cache_dir
+    from agl.chat.models import cache_dir
 
     return cache_dir() / "examples" / "rag_agent"
 

@@ -51,8 +51,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from agl.gateway.chat_format import parse_tool_calls
-from agl.gateway.tokenizer import load_default_tokenizer
+from agl.chat.format import parse_tool_calls
+from agl.chat.tokenizer import load_default_tokenizer
 
 
 class FakeVLLM:

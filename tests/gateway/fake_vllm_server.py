@@ -1,5 +1,5 @@
 """The fake vLLM server as a program taking vLLM's command line, for the managed-server tests
-(:class:`agl.gateway.backends.vllm_server.VLLMServer` with ``command=[python, this file]``).
+(:class:`agl.engine.vllm_server.VLLMServer` with ``command=[python, this file]``).
 
 Like ``vllm.entrypoints.openai.api_server`` it reads ``--model``, ``--served-model-name``, ``--host``,
 ``--port`` and ``--max-model-len`` (other flags are accepted and ignored), serves the LoRA routes only

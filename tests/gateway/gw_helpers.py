@@ -41,7 +41,7 @@ def tiny_lm(kind: str = "llama", seed: int = 0, max_positions: int = 512) -> Any
     import torch
     import transformers
 
-    from agl.gateway.tokenizer import load_default_tokenizer
+    from agl.chat.tokenizer import load_default_tokenizer
 
     tok = load_default_tokenizer()
     torch.manual_seed(seed)

@@ -16,9 +16,9 @@ from fake_vllm import FakeVLLM
 from gw_helpers import ADD_TOOL, server_spans, start_rollout
 
 from agl import semconv as sc
+from agl.chat.tokenizer import load_default_tokenizer
 from agl.gateway.backends.vllm import VLLMBackend
 from agl.gateway.testing import ScriptedBackend, reply, serve_asgi, serve_gateway, tool_call
-from agl.gateway.tokenizer import load_default_tokenizer
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -255,8 +255,8 @@ def test_smollm2_answers_the_anthropic_sdk_with_the_chat_prompt_ids(store: Any) 
     renders to the same prompt ids, and a streamed Messages reply carries the engine's ids and logprobs."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
+    from agl.chat.models import find_gguf
     from agl.gateway.backends.transformers import TransformersBackend
-    from agl.gateway.models import find_gguf
 
     try:
         find_gguf()

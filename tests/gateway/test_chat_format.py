@@ -8,8 +8,8 @@ from importlib import resources
 import pytest
 from gw_helpers import ADD_TOOL
 
-from agl.gateway.chat_format import lower_messages, parse_tool_calls, render_chat, render_tool_call
-from agl.gateway.tokenizer import load_default_tokenizer
+from agl.chat.format import lower_messages, parse_tool_calls, render_chat, render_tool_call
+from agl.chat.tokenizer import load_default_tokenizer
 
 TOK = load_default_tokenizer()
 
@@ -28,7 +28,7 @@ TOK = load_default_tokenizer()
 )
 def test_rendering_matches_transformers_apply_chat_template(messages: list[dict[str, str]]) -> None:
     transformers = pytest.importorskip("transformers")
-    assets = resources.files("agl.gateway").joinpath("assets")
+    assets = resources.files("agl.chat").joinpath("assets")
     hf = transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(assets.joinpath("tokenizer.json")),
         eos_token="<|im_end|>",

@@ -12,9 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from agl.gateway.backends._batching import Batch, Row, draw, sample  # noqa: E402
-from agl.gateway.backends._dtype import cpu_has_native_bf16, resolve_dtype, serves_other_dtype  # noqa: E402
-from agl.gateway.backends._kv import SLACK, SlackLayer  # noqa: E402
+from agl.engine.batching import Batch, Row, draw, sample  # noqa: E402
+from agl.engine.dtype import cpu_has_native_bf16, resolve_dtype, serves_other_dtype  # noqa: E402
+from agl.engine.kv import SLACK, SlackLayer  # noqa: E402
 
 
 def tiny(seed: int = 0) -> Any:

@@ -25,8 +25,8 @@ httpx = pytest.importorskip("httpx")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from agl.chat.tokenizer import load_default_tokenizer  # noqa: E402
 from agl.gateway.backends.transformers import TransformersBackend  # noqa: E402
-from agl.gateway.tokenizer import load_default_tokenizer  # noqa: E402
 
 TOK = load_default_tokenizer()
 N_TOKENS = 30

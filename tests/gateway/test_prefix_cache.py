@@ -1,4 +1,4 @@
-"""The embedded engine's prefix cache (``agl.gateway.backends._prefix_cache``): prompts that start like
+"""The embedded engine's prefix cache (``agl.engine.prefix_cache``): prompts that start like
 an earlier prompt or an earlier conversation are prefilled from the cached prefix, rows with the same
 prompt in one admission are prefilled once, and what is generated is what the engine without the cache
 generates (tiny random Llama and Qwen2, the shipped SmolLM2 tokenizer)."""
@@ -14,10 +14,10 @@ from gw_helpers import tiny_lm
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from agl.gateway.backends._prefix_cache import MIN_HIT, PrefixCache  # noqa: E402
+from agl.chat.tokenizer import load_default_tokenizer  # noqa: E402
+from agl.engine.prefix_cache import MIN_HIT, PrefixCache  # noqa: E402
 from agl.gateway.backends.base import GenerationRequest, GenerationResult  # noqa: E402
 from agl.gateway.backends.transformers import TransformersBackend  # noqa: E402
-from agl.gateway.tokenizer import load_default_tokenizer  # noqa: E402
 
 TOK = load_default_tokenizer()
 SYSTEM = "You are a careful calculator. Reply with one line: Answer: <number>. " * 2

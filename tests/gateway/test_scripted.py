@@ -11,8 +11,8 @@ import pytest
 from gw_helpers import ADD_TOOL, server_spans, start_rollout
 
 from agl import semconv as sc
+from agl.chat.tokenizer import load_default_tokenizer
 from agl.gateway.testing import ScriptedBackend, reply, serve_gateway, tool_call
-from agl.gateway.tokenizer import load_default_tokenizer
 
 openai = pytest.importorskip("openai")
 

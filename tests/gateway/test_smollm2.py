@@ -15,9 +15,9 @@ import pytest
 from gw_helpers import server_spans
 
 from agl import semconv as sc
+from agl.chat.tokenizer import load_default_tokenizer
 from agl.cli import main as agl_main
 from agl.gateway.testing import serve_gateway
-from agl.gateway.tokenizer import load_default_tokenizer
 
 openai = pytest.importorskip("openai")
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from agl.gateway.models import find_gguf
+    from agl.chat.models import find_gguf
 
     try:
         find_gguf()

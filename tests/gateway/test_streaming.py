@@ -21,11 +21,11 @@ from gw_helpers import ADD_TOOL, server_spans, start_rollout
 
 import agl.store
 from agl import semconv as sc
+from agl.chat.format import render_tool_call
+from agl.chat.tokenizer import load_default_tokenizer
 from agl.gateway.backends.openai import OpenAIBackend
 from agl.gateway.backends.vllm import VLLMBackend
-from agl.gateway.chat_format import render_tool_call
 from agl.gateway.testing import ScriptedBackend, serve_asgi, serve_gateway
-from agl.gateway.tokenizer import load_default_tokenizer
 
 openai = pytest.importorskip("openai")
 

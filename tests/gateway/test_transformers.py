@@ -14,8 +14,8 @@ import pytest
 from gw_helpers import ADD_TOOL, server_spans, start_rollout
 
 from agl import semconv as sc
+from agl.chat.tokenizer import load_default_tokenizer
 from agl.gateway.testing import serve_gateway
-from agl.gateway.tokenizer import load_default_tokenizer
 
 openai = pytest.importorskip("openai")
 
@@ -354,7 +354,7 @@ def test_tool_choice_forces_the_tool_call_opening_outside_the_loss(
     """A named function (and "required") make the reply start with the tool-call opening: those ids are
     appended to the prompt (context, outside the loss), counted on the span, and the model continues
     from them; a value the backend cannot honour is a 400 naming it."""
-    from agl.gateway.chat_format import forced_tool_prefix
+    from agl.chat.format import forced_tool_prefix
 
     rollout = start_rollout(store, f"ro-forced-{stream}")
     messages = [{"role": "user", "content": "add 1 and 2"}]

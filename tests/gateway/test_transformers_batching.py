@@ -13,9 +13,9 @@ import pytest
 from gw_helpers import server_spans, start_rollout, tiny_lm
 
 from agl import semconv as sc
+from agl.chat.tokenizer import load_default_tokenizer
 from agl.gateway.backends.base import GenerationRequest, GenerationResult
 from agl.gateway.testing import serve_gateway
-from agl.gateway.tokenizer import load_default_tokenizer
 
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")

@@ -20,10 +20,10 @@ from gw_helpers import ADD_TOOL, server_spans, start_rollout
 from vllm_real import SERVER_ARGS, hf_logprobs, make_adapter, max_diff, model_dir, vllm_config
 
 from agl import semconv as sc
+from agl.chat.format import TOOL_CALL_OPEN
+from agl.chat.tokenizer import load_default_tokenizer
 from agl.gateway.backends.vllm import VLLMBackend
-from agl.gateway.chat_format import TOOL_CALL_OPEN
 from agl.gateway.testing import serve_gateway
-from agl.gateway.tokenizer import load_default_tokenizer
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("peft")
@@ -41,7 +41,7 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
     if url is not None:
         yield url, None
         return
-    from agl.gateway.backends.vllm_server import VLLMServer
+    from agl.engine.vllm_server import VLLMServer
 
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     server = VLLMServer(

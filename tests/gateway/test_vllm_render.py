@@ -14,18 +14,18 @@ from fake_vllm import FakeVLLM
 from gw_helpers import ADD_TOOL, server_spans
 
 from agl import semconv as sc
+from agl.chat.format import TOOL_CALL_OPEN, render_tool_call
+from agl.chat.tokenizer import ChatTokenizer, load_default_tokenizer
 from agl.errors import UsageError
 from agl.gateway.backends.vllm import VLLMBackend
-from agl.gateway.chat_format import TOOL_CALL_OPEN, render_tool_call
 from agl.gateway.testing import serve_asgi, serve_gateway
-from agl.gateway.tokenizer import ChatTokenizer, load_default_tokenizer
 
 openai = pytest.importorskip("openai")
 
 TOK = load_default_tokenizer()
 MODEL = "SmolLM2-135M-Instruct"
 #: the shipped SmolLM2 tokenizer folder (tokenizer.json, tokenizer_config.json, chat_template.jinja)
-ASSETS = str(resources.files("agl.gateway").joinpath("assets"))
+ASSETS = str(resources.files("agl.chat").joinpath("assets"))
 CALL = render_tool_call("add", {"a": 2, "b": 3})
 
 

@@ -19,16 +19,16 @@ import pytest
 from gw_helpers import server_spans
 
 from agl import semconv as sc
+from agl.engine.vllm_probe import VLLMSupport, probe
+from agl.engine.vllm_server import VLLMServer, VLLMServerError, server_environment
 from agl.errors import UsageError
 from agl.gateway.backends.vllm import VLLMBackend
-from agl.gateway.backends.vllm_probe import VLLMSupport, probe
-from agl.gateway.backends.vllm_server import VLLMServer, VLLMServerError, server_environment
 from agl.gateway.testing import serve_gateway
 
 openai = pytest.importorskip("openai")
 
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_vllm_server.py"))]
-ASSETS = str(resources.files("agl.gateway").joinpath("assets"))  # a folder agl can render with
+ASSETS = str(resources.files("agl.chat").joinpath("assets"))  # a folder agl can render with
 
 
 def fake_server(tmp_path: Path, *extra: str) -> VLLMServer:
@@ -97,7 +97,7 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path: Path) -> Non
     script = textwrap.dedent(
         f"""
         import sys, time
-        from agl.gateway.backends.vllm_server import VLLMServer
+        from agl.engine.vllm_server import VLLMServer
         s = VLLMServer({ASSETS!r}, command={FAKE!r}, log_path={str(tmp_path / "v.log")!r}).start()
         print(s.proc.pid, s.port, flush=True)
         time.sleep(600)

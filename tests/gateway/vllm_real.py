@@ -29,7 +29,7 @@ def vllm_config() -> tuple[str | None, str | None]:
 def model_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct as a Hugging Face folder (prepared once)."""
     pytest.importorskip("transformers")
-    from agl.gateway.models import prepare_default_model
+    from agl.chat.models import prepare_default_model
 
     try:
         return prepare_default_model(progress=False)

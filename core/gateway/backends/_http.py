@@ -23,6 +23,7 @@ from typing import Any
 
 import aiohttp
 
+from agl.chat.format import new_tool_call_id
 from agl.gateway.backends.base import (
     Backend,
     BackendError,
@@ -32,7 +33,6 @@ from agl.gateway.backends.base import (
     ToolCall,
     UpstreamError,
 )
-from agl.gateway.chat_format import new_tool_call_id
 
 try:  # orjson is several times faster where installed; the stdlib reads and writes the same JSON
     import orjson

@@ -1,13 +1,13 @@
 """Chat requests rendered by agl and sent to an upstream engine as prompt token ids.
 
 One rendering on every engine: the embedded engine renders a conversation with agl's chat renderer
-(:mod:`agl.gateway.chat_format`, which lowers tools into the system prompt where the template ignores
+(:mod:`agl.chat.format`, which lowers tools into the system prompt where the template ignores
 them) and tokenises the text; a vLLM server must see the same ids, so the vLLM backend renders here
 too and sends the ids as a completion's prompt (``POST /v1/completions {"prompt": [ids...]}``),
 never the messages. The reply's text is decoded from the engine's token ids by the same tokenizer,
 cut at stop strings and parsed for tool calls exactly as the embedded engine does
 (:meth:`agl.gateway.backends.transformers.TransformersBackend._result`); ``tool_choice`` is honoured by
-appending the tool-call opening to the prompt (:func:`~agl.gateway.chat_format.forced_tool_prefix`),
+appending the tool-call opening to the prompt (:func:`~agl.chat.format.forced_tool_prefix`),
 whose tokens are context, outside the loss. vLLM's own tool-call parser and chat template are not
 used on this path.
 """
@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from agl.gateway.backends._stream_text import StreamText, tail_delta, token_logprobs
+from agl.chat.format import forced_tool_prefix, parse_tool_calls
+from agl.chat.stream_text import StreamText, tail_delta, token_logprobs
 from agl.gateway.backends.base import (
     BackendError,
     Choice,
@@ -26,7 +27,6 @@ from agl.gateway.backends.base import (
     GenerationResult,
     UpstreamError,
 )
-from agl.gateway.chat_format import forced_tool_prefix, parse_tool_calls
 
 __all__ = ["Rendered", "completion_body", "rendered_choice", "rendered_result", "render", "RenderedStream"]
 
@@ -208,7 +208,7 @@ def check_prompt(engine_ids: Any, rendered: Rendered) -> None:
 class RenderedStream:
     """A streamed rendered call: vLLM's completion chunks in, the gateway's chat stream events out.
 
-    Each token's text delta comes from :class:`~agl.gateway.backends._stream_text.StreamText` (what
+    Each token's text delta comes from :class:`~agl.chat.stream_text.StreamText` (what
     the embedded engine streams: text that can no longer change, tool calls held back), the last delta
     holds what was held back and the parsed tool calls, and the ``end`` result is the one
     :func:`rendered_result` would give for the same ids."""

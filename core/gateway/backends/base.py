@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from agl.chat.format import ToolCall
 from agl.errors import BackendError, ContextWindowError, UnknownModelError, UpstreamError
 from agl.lora import lora_name
 
@@ -26,22 +27,6 @@ __all__ = [
     "UnknownModelError",
     "UpstreamError",
 ]
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One function call the model made; ``arguments`` is the JSON text, as OpenAI sends it."""
-
-    name: str
-    arguments: str
-    id: str
-
-    def to_openai(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
 
 
 @dataclass

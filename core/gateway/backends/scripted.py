@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
+from agl.chat.format import new_tool_call_id, render_tool_call
+from agl.chat.tokenizer import ChatTokenizer, load_default_tokenizer
 from agl.gateway.backends.base import (
     Backend,
     BackendError,
@@ -33,8 +35,6 @@ from agl.gateway.backends.base import (
     ToolCall,
     UnknownModelError,
 )
-from agl.gateway.chat_format import new_tool_call_id, render_tool_call
-from agl.gateway.tokenizer import ChatTokenizer, load_default_tokenizer
 
 __all__ = ["Reply", "ScriptedBackend", "ScriptedToolCall", "reply", "tool_call"]
 

@@ -8,18 +8,18 @@ The logprobs are those of the distribution each token was actually drawn from (t
 ``log_softmax(logits / temperature)`` after any processors the model's generation config adds, and,
 when the request sets ``top_p < 1`` (or a ``top_k``), of the truncated, renormalised distribution. A
 greedy request (``temperature=0``) records ``log_softmax(logits)``. agl samples itself
-(:func:`agl.gateway.backends._batching.sample`), so this holds by construction, and each request
+(:func:`agl.engine.batching.sample`), so this holds by construction, and each request
 draws from a ``torch.Generator`` of its own when it sets a ``seed`` (else from the backend's): the
 process-wide RNG that a trainer in the same process uses is never touched.
 
 Weights: :meth:`TransformersBackend.push` serves a training policy without a second copy of its frozen
-base weights (see its docstring); ``load_weights``/``load_adapter`` take files. Concurrency: continuous batching (:mod:`agl.gateway.backends._batching`). One worker thread owns the
+base weights (see its docstring); ``load_weights``/``load_adapter`` take files. Concurrency: continuous batching (:mod:`agl.engine.batching`). One worker thread owns the
 model and runs one batch: a request arriving while it runs is prefilled and joins the batch before
 the next decode step, a finished one leaves it at once, and every row keeps its own temperature,
 top_p, top_k, max_tokens, stop strings and seed (``max_batch_size`` rows at most; the others wait).
 Weight swaps that keep the model object (every :meth:`push` after the first, ``load_weights``, a new
 adapter on a peft model) do not drain the engine: the worker runs them between two decode steps
-(:mod:`agl.gateway.backends._swaps`), and a running call draws its remaining tokens from the new
+(:mod:`agl.engine.swaps`), and a running call draws its remaining tokens from the new
 weights, each token tagged with the version that drew it (``GenerationResult.weight_versions``; the
 result's ``weight_version`` is the oldest, the version that admitted it). A swap that replaces the model
 (``set_model``, the first push) takes the generation lock instead: new rows stop joining, the running
@@ -47,13 +47,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agl.gateway.backends._adapters import AgentAdapters, with_adapters
-from agl.gateway.backends._batching import Batch, BusyClock, Row
-from agl.gateway.backends._dtype import resolve_dtype
-from agl.gateway.backends._merged_lora import policy_copy as _policy_copy
-from agl.gateway.backends._prefix_cache import PrefixCache
-from agl.gateway.backends._stream_text import StreamText, hand_over, tail_delta, token_logprobs
-from agl.gateway.backends._swaps import LiveSwaps
+from agl.chat.format import forced_tool_prefix, parse_tool_calls
+from agl.chat.stream_text import StreamText, hand_over, tail_delta, token_logprobs
+from agl.chat.tokenizer import ChatTokenizer, load_default_tokenizer
+from agl.engine.batching import Batch, BusyClock, Row
+from agl.engine.dtype import resolve_dtype
+from agl.engine.loras import AgentAdapters, with_adapters
+from agl.engine.merged_lora import policy_copy as _policy_copy
+from agl.engine.prefix_cache import PrefixCache
+from agl.engine.swaps import LiveSwaps
 from agl.gateway.backends.base import (
     Backend,
     BackendError,
@@ -64,8 +66,6 @@ from agl.gateway.backends.base import (
     UnknownModelError,
     UpstreamError,
 )
-from agl.gateway.chat_format import forced_tool_prefix, parse_tool_calls
-from agl.gateway.tokenizer import ChatTokenizer, load_default_tokenizer
 from agl.lora import check_lora_dirs
 from agl.semconv import BASE_ADAPTER
 
@@ -113,7 +113,7 @@ class TransformersBackend(AgentAdapters, Backend):
     ``model``: None (the default SmolLM2-135M-Instruct, prepared on first use), a local path or a hub
     id (offline cache), or a loaded ``PreTrainedModel``. ``tokenizer``: None (the model's own, or the
     shipped SmolLM2 one for a model object), a Hugging Face fast tokenizer, or a
-    :class:`~agl.gateway.tokenizer.ChatTokenizer`. ``model_name`` is what clients put in ``model``.
+    :class:`~agl.chat.tokenizer.ChatTokenizer`. ``model_name`` is what clients put in ``model``.
     ``threads`` sets torch's intra-op threads (fewer than the cores helps on a busy CPU).
     ``default_temperature``/``default_top_p`` apply to requests that leave them out (the trainer sets
     them from its :class:`agl.RunConfig`). ``deterministic=True``: one row at a time (a padded batch's
@@ -232,7 +232,7 @@ class TransformersBackend(AgentAdapters, Backend):
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
             if model is None:
-                from agl.gateway.models import DEFAULT_MODEL, prepare_default_model
+                from agl.chat.models import DEFAULT_MODEL, prepare_default_model
 
                 path = str(prepare_default_model())
                 self.model_name = self.model_name or DEFAULT_MODEL

@@ -9,7 +9,7 @@ completion's prompt is tokenised by agl too. vLLM's chat template and tool parse
 ``render="upstream"`` (or no readable tokenizer under ``"auto"``, with one warning) forwards chats to
 vLLM's chat route as below; ``render="agl"`` refuses to start without a tokenizer.
 
-A managed server (``server=``, :class:`~agl.gateway.backends.vllm_server.VLLMServer`) that dies is
+A managed server (``server=``, :class:`~agl.engine.vllm_server.VLLMServer`) that dies is
 restarted by the next call (or by the call that saw it die, which fails as retriable), and the
 adapters that served the current weight version are loaded again under their names.
 
@@ -169,7 +169,7 @@ class VLLMBackend(HttpUpstreamBackend):
         self.tokenizer: Any = None  # the ChatTokenizer agl renders with (None: vLLM renders)
         self._eos: set[int] = set()
         self.max_model_len: int | None = None
-        #: a managed server (:class:`~agl.gateway.backends.vllm_server.VLLMServer`): restarted when it dies
+        #: a managed server (:class:`~agl.engine.vllm_server.VLLMServer`): restarted when it dies
         self.server = server
         self.restarts = 0
         self._recovering: asyncio.Task[None] | None = None
@@ -226,7 +226,7 @@ class VLLMBackend(HttpUpstreamBackend):
             self.max_model_len = base["max_model_len"]
         if self.render == "upstream" or self.tokenizer is not None:
             return
-        from agl.gateway.tokenizer import ChatTokenizer
+        from agl.chat.tokenizer import ChatTokenizer
 
         source = self._tokenizer_source
         if (

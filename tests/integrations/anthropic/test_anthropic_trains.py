@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 import agl  # noqa: E402
-from agl.gateway.tokenizer import load_tokenizer  # noqa: E402
+from agl.chat.tokenizer import load_tokenizer  # noqa: E402
 from agl.tracing import provider as tracing  # noqa: E402
 
 GOOD, BAD = "Paris.", "I am not sure."

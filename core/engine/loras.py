@@ -70,7 +70,7 @@ class AgentAdapters:
         if not (self.batched_lora and self.agent_adapters):
             return None
         if self._lora_stack is None:
-            from agl.gateway.backends._batched_lora import batched_lora
+            from agl.engine.batched_lora import batched_lora
 
             self._lora_stack = batched_lora(self.model, self.agent_adapters)
         return self._lora_stack

@@ -4,7 +4,7 @@ Through peft, every LoRA'd linear layer of a forward pass runs its base matmul p
 ops (dropout, A, B, the scaled add). On this project's CPU that made SmolLM2's decode step at 8 rows
 1.5x slower in fp32 and its 8-row prefill 2.5x slower in bf16 than the same model without the
 adapter (bench/README.md, "The engine's LoRA cost"). An engine serving in another dtype than the
-policy's holds a copy of every weight anyway (:func:`agl.gateway.backends._dtype.engine_copy`), so it
+policy's holds a copy of every weight anyway (:func:`agl.engine.dtype.engine_copy`), so it
 can hold them merged at no memory cost: ``W = W0 + scaling * B @ A``, computed in the policy's
 (fp32) precision and cast once, which is no further from the policy than running the adapter in bf16.
 Each push recomputes the merged weights of the LoRA'd layers in place (the base weights never
@@ -98,9 +98,9 @@ def merged_copy(source: Any, dtype: Any) -> Merged | None:
 def policy_copy(policy: Any, dtype: Any) -> tuple[Any, Merged | None]:
     """The engine's model for ``policy``: in another dtype than the policy's and with one plain LoRA
     adapter, a copy with the adapter merged (and its :class:`Merged` to refresh on each push); else
-    :func:`~agl.gateway.backends._dtype.engine_copy` (frozen weights shared when the dtype is the
+    :func:`~agl.engine.dtype.engine_copy` (frozen weights shared when the dtype is the
     policy's)."""
-    from agl.gateway.backends._dtype import engine_copy, inference_only
+    from agl.engine.dtype import engine_copy, inference_only
 
     source = policy.model
     if (

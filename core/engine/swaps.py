@@ -5,7 +5,7 @@ modules, another adapter on the same peft model) is queued here by the event loo
 engine's worker thread at the top of its next scheduler iteration: after one decode step and before the
 next. Rows in the running batch keep their KV cache (computed by the old weights) and draw their
 remaining tokens from the new ones, each token tagged with the version that drew it
-(:attr:`agl.gateway.backends._batching.Row.versions`): a partial rollout, as AReaL and slime serve
+(:attr:`agl.engine.batching.Row.versions`): a partial rollout, as AReaL and slime serve
 them. The recorded log-probs stay those of the distribution each token was drawn from, so they are the
 exact behaviour policy either way.
 

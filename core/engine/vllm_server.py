@@ -15,7 +15,7 @@ token ids). ``VLLMServer`` spells them once:
   ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, read by the CPU build only) unless already set;
 - readiness: ``GET /health`` answers 200 and ``/v1/models`` lists the model; a server that exits
   first fails at once with the end of its log;
-- what agl needs, checked on the running server (:func:`agl.gateway.backends.vllm_probe.probe`): token
+- what agl needs, checked on the running server (:func:`agl.engine.vllm_probe.probe`): token
   ids, runtime LoRA updates, the pause API; a missing one is refused naming the flag that enables it;
 - its output goes to ``log_path`` (the run directory's ``vllm.log``);
 - it stops with :meth:`stop`, at interpreter exit, and when the process that started it dies
@@ -218,7 +218,7 @@ class VLLMServer:
             self._spawn()
         try:
             self.wait_ready()
-            from agl.gateway.backends.vllm_probe import probe
+            from agl.engine.vllm_probe import probe
 
             support = probe(self.url, generate=True)
             missing = support.missing(lora=True)

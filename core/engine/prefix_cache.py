@@ -6,7 +6,7 @@ before. On CPU a prompt's prefill is the largest part of a short call (the main 
 prefill took 2-4 decode steps' time, and prefills were ~60% of the engine's busy time,
 bench/README.md). :class:`PrefixCache` keeps the keys and values of recent prompts (and of finished
 rows: prompt + reply), per adapter; a new row takes the longest cached prefix of its prompt and the model
-runs on the rest only (:meth:`agl.gateway.backends._batching.Batch.admit`).
+runs on the rest only (:meth:`agl.engine.batching.Batch.admit`).
 
 What holds:
 

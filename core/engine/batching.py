@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agl.gateway.backends._prefix_cache import MIN_HIT
+from agl.engine.prefix_cache import MIN_HIT
 from agl.lora import PEFT_ROW_ADAPTERS
 
 __all__ = ["Batch", "BusyClock", "Row", "contiguous_head", "draw", "sample", "truncate"]
@@ -215,10 +215,10 @@ class Batch:
         #: a peft model with named adapters: every forward names each row's adapter (peft's per-row
         #: selection, ``PEFT_ROW_ADAPTERS``), so rows of one batch decode with different adapters
         self.per_row_adapters = per_row_adapters
-        #: a :class:`~agl.gateway.backends._batched_lora.BatchedLora`: rows' adapters in two batched
+        #: a :class:`~agl.engine.batched_lora.BatchedLora`: rows' adapters in two batched
         #: matmuls per LoRA layer instead of peft's per-adapter loop (None: peft's per-row selection)
         self.lora = lora
-        #: a :class:`~agl.gateway.backends._prefix_cache.PrefixCache` (None: every prompt prefilled whole)
+        #: a :class:`~agl.engine.prefix_cache.PrefixCache` (None: every prompt prefilled whole)
         self.prefix = prefix
         self.rows: list[Row] = []
         self.cache: Any = None
@@ -265,7 +265,7 @@ class Batch:
         """A ``DynamicCache`` whose full-attention layers write in place (:mod:`._kv`)."""
         from transformers import DynamicCache
 
-        from agl.gateway.backends._kv import preallocate
+        from agl.engine.kv import preallocate
 
         try:
             return preallocate(DynamicCache(config=self.model.config))
@@ -472,7 +472,7 @@ def _plain(cache: Any) -> bool:
     state)."""
     from transformers.cache_utils import DynamicLayer
 
-    from agl.gateway.backends._kv import SlackLayer
+    from agl.engine.kv import SlackLayer
 
     layers = getattr(cache, "layers", None)
     return bool(layers) and all(type(layer) in (DynamicLayer, SlackLayer) for layer in layers)

@@ -19,8 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from agl.chat.format import content_chars, render_chat
 from agl.errors import UsageError
-from agl.gateway.chat_format import content_chars, render_chat
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -228,7 +228,7 @@ def load_default_tokenizer() -> ChatTokenizer:
     """The shipped SmolLM2-135M-Instruct tokenizer and chat template (package data, no download)."""
     from tokenizers import Tokenizer
 
-    assets = resources.files("agl.gateway").joinpath("assets")
+    assets = resources.files("agl.chat").joinpath("assets")
     tok = Tokenizer.from_str(assets.joinpath("tokenizer.json").read_text(encoding="utf-8"))
     config = json.loads(assets.joinpath("tokenizer_config.json").read_text(encoding="utf-8"))
     template = assets.joinpath("chat_template.jinja").read_text(encoding="utf-8")

@@ -24,10 +24,26 @@ import json
 import re
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from agl.gateway.backends.base import ToolCall
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call the model made; ``arguments`` is the JSON text, as OpenAI sends it."""
+
+    name: str
+    arguments: str
+    id: str
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
 
 __all__ = [
     "TOOL_SYSTEM_PROMPT",

@@ -7,8 +7,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from agl.gateway.backends.base import GenerationRequest
-
 __all__ = ["StreamText", "safe_prefix", "tail_delta", "token_logprobs"]
 
 log = logging.getLogger("agl.gateway")
@@ -46,7 +44,7 @@ class StreamText:
     longer change (see :func:`safe_prefix`); nothing after an end-of-sequence token, and no text at all
     for a reply forced to open with a tool call."""
 
-    def __init__(self, tok: Any, request: GenerationRequest, eos: set[int], *, forced: bool) -> None:
+    def __init__(self, tok: Any, request: Any, eos: set[int], *, forced: bool) -> None:
         self.tok, self.request, self.eos = tok, request, eos
         self.tools = bool(request.messages is not None and request.tools and request.tool_choice != "none")
         self.forced = forced

@@ -14,7 +14,7 @@ environment variable that vLLM itself never mentions when it is missing:
 
 The routes come from FastAPI's ``GET /openapi.json`` (served unless ``--disable-fastapi-docs``).
 ``agl doctor --upstream URL`` prints :meth:`VLLMSupport.report`; a managed server
-(:class:`agl.gateway.backends.vllm_server.VLLMServer`) refuses to start without what is missing.
+(:class:`agl.engine.vllm_server.VLLMServer`) refuses to start without what is missing.
 """
 
 from __future__ import annotations
