@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Optional
 
 from agl import semconv as sc
 from agl.chat.format import flatten_content
@@ -162,7 +162,7 @@ class DriftTracker:
 
 
 #: (trace id, parent span id) of a call, from its W3C ``traceparent`` (both None without one)
-Trace = tuple["str | None", "str | None"]
+Trace = tuple[Optional[str], Optional[str]]
 
 
 class CallRecorder:
@@ -194,6 +194,7 @@ class CallRecorder:
         self._in_flight = 0  # calls answered whole between their request and their span
 
     def drift_for(self, backend: Backend) -> DriftTracker:
+        """The drift tracker of the backend that served a call."""
         return self._drifts.get(id(backend), self.drift)
 
     def open(self, gen: GenerationRequest, backend: Backend, trace: Trace, response_id: str) -> CallRecord:
