@@ -23,7 +23,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-__all__ = ["model_card", "serve_commands", "vllm_rank"]
+__all__ = ["held_out_at", "model_card", "serve_commands", "vllm_rank"]
 
 UNRECORDED = "not recorded by this run"
 #: the algorithm settings the card lists (where the run recorded them)
@@ -60,6 +60,13 @@ def _summary(run_dir: Path | None) -> dict[str, Any]:
     except ValueError:
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def held_out_at(history: list[dict[str, Any]], step: int | None) -> dict[str, Any] | None:
+    """The held-out check measured at loop step ``step`` (its record), or None."""
+    if step is None:
+        return None
+    return next((h for h in history if h.get("step") == step and h.get("val_reward") is not None), None)
 
 
 def _header(manifest: dict[str, Any], record: dict[str, Any] | None, base: dict[str, Any]) -> str:
@@ -156,8 +163,6 @@ def _per_adapter_calls(records: list[dict[str, Any]]) -> dict[str, int]:
 def _held_out_lines(
     ckpt: Any, history: list[dict[str, Any]], summary: dict[str, Any], loop: dict[str, Any]
 ) -> list[str]:
-    from agl.reports.model_export import held_out_at
-
     checks = [h for h in history if h.get("val_reward") is not None]
     if not checks and "val_reward_before" not in summary:
         return ["No held-out reward was measured in this run (it had no held-out tasks)."]

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from agl.errors import UsageError
+from agl.reports.model_card import held_out_at, model_card
 from agl.run.record import CHECKPOINT_FILE, read_run_record
 
 __all__ = [
@@ -154,13 +155,6 @@ def _loop_step(
     if not any(h.get("no_update") for h in history):
         return update_step
     return None
-
-
-def held_out_at(history: list[dict[str, Any]], step: int | None) -> dict[str, Any] | None:
-    """The held-out check measured at loop step ``step`` (its record), or None."""
-    if step is None:
-        return None
-    return next((h for h in history if h.get("step") == step and h.get("val_reward") is not None), None)
 
 
 def _run_and_candidates(source: Path, step: int | None) -> tuple[Path | None, list[tuple[int, Path]]]:
@@ -404,8 +398,6 @@ def export_model(
 ) -> ExportResult:
     """Export one checkpoint of ``source`` into the new folder ``out`` (module docstring); ``base``: the
     base model's folder when the run's is not at its recorded path."""
-    from agl.reports.model_card import model_card
-
     out_path = Path(out).expanduser().resolve()
     _check_out(out_path)
     ckpt = find_checkpoint(source, step=step, best=best)
