@@ -15,6 +15,7 @@ attributes only (its store, environment, adapter, policy, algorithm, checks, rew
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -26,6 +27,7 @@ from agl.adapter.air_rules import reward_split
 from agl.algorithms.lightning_rl import prior_from_history
 from agl.gateway.seeds import rollout_place, rollout_seed
 from agl.run.metrics import engine_share, mean, rollouts_postfix
+from agl.run.record import CHECKPOINT_FILE
 from agl.trainer.order import TaskOrder
 from agl.trainer.pipeline import cancel_rollouts
 from agl.trainer.state import read_state, write_state
@@ -314,6 +316,13 @@ class Steps:
     def checkpoint(self, order: TaskOrder, extra: dict[str, Any] | None = None) -> None:
         """Save the policy, then the run's state (the task order and ``extra``) atomically."""
         path = self.t.policy.save_checkpoint()
+        # which loop step the folder holds (its name counts updates; a step without one adds none),
+        # so `agl export model --step/--best` finds the held-out check of these weights
+        done = (extra or {}).get("next_step")
+        marker = {"step": done, "update_step": self.t.policy.global_step}
+        (Path(path) / CHECKPOINT_FILE).write_text(json.dumps(marker))
+        for card in Path(path).glob("**/README.md"):  # peft's blank template ("More Information Needed")
+            card.unlink()
         state = {
             "checkpoint": str(Path(path).resolve()),
             "step": self.t.policy.global_step,

@@ -152,6 +152,8 @@ class Trainer:
         #: the rollout function of the run in progress (fit/dev set it)
         self.agent_fn: Any = None
         self._tokenizer: Any = None
+        #: the model the policy was built from (a path or a loaded model), once a run started
+        self.model_source: Any = None
         from agl.trainer.rewarding import RewardAssembly
 
         self.rewarding = RewardAssembly(judge=judge, reward=reward, monitors=monitors)
@@ -206,6 +208,7 @@ class Trainer:
         if training:  # several processes: every rank builds its policy from rank 0's source
             distributed.init()
             source = distributed.same_source(source)
+        self.model_source = source
         # Training needs the policy's tokenizer; dev uses one to print prompts and to re-tokenise calls
         # of an endpoint without token ids (the shipped SmolLM2 one when nothing better is known).
         self._tokenizer = s.tokenizer if s.tokenizer is not None else load_tokenizer(source or s.model)
@@ -309,6 +312,7 @@ class Trainer:
         self.metrics.start(run_config(self.algorithm, **parts), resume=self.loop.resume)
         try:
             self._start(agent, training=True)
+            self._record(agent, parts)
             # the judge's gateway, store and cache; AIR's gate and the credit rule are the adapter's
             self.rewarding.open(self.run_dir, self.adapter)
             self._loop(train_tasks, val_tasks)
@@ -326,6 +330,22 @@ class Trainer:
         summary = self.metrics.summary(self.loop.steps)
         distributed.end(self.policy, summary)  # the other ranks' fit returns it
         return summary
+
+    def _record(self, agent: Any, parts: dict[str, Any]) -> None:
+        """``run_dir/run.json`` (:mod:`agl.run.record`): the base model, the agents and the settings,
+        which ``agl export model`` writes into the model card."""
+        from agl.run.record import write_run_record
+        from agl.run.trackers import run_config
+
+        write_run_record(
+            self.run_dir,
+            source=self.model_source,
+            agent=agent,
+            agents=self.agents,
+            adapters=self.agent_adapters,
+            lora=self.config.lora,
+            config=run_config(self.algorithm, **parts),
+        )
 
     def _loop(self, train_tasks: list[Task], val_tasks: list[Task]) -> None:
         """The run's steps: the synchronous schedule, or the asynchronous one with ``max_staleness > 0``,
