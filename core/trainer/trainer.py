@@ -342,7 +342,7 @@ class Trainer:
             source=self.model_source,
             agent=agent,
             agents=self.agents,
-            adapters=self.agent_adapters,
+            adapters=self.agent_loras,
             lora=self.config.lora,
             config=run_config(self.algorithm, **parts),
         )
