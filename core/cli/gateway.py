@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from agl.cli.config_args import add_engine_arguments
 from agl.cli._util import (
     STORE_ENV,
     add_store_args,
@@ -18,6 +17,7 @@ from agl.cli._util import (
     open_store_from_args,
     read_secret,
 )
+from agl.cli.config_args import add_engine_arguments
 from agl.errors import UsageError
 from agl.gateway.serve import API_KEY_ENV, check_public_bind
 from agl.http_limits import HttpLimits
@@ -323,6 +323,7 @@ def _serve(args: Any) -> int:
 
     from agl.gateway.app import create_app
 
+    engine_settings(args)  # a bad engine flag fails first, naming the setting, before anything binds
     api_key = read_secret(args.api_key, args.api_key_file, API_KEY_ENV, "API key")
     check_public_bind(args.host, api_key)
     limits = HttpLimits.from_args(args)

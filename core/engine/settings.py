@@ -88,7 +88,8 @@ class EngineSettings:
         ),
     )
     max_batch_size: int = field(
-        default=DEFAULT_MAX_BATCH_SIZE, metadata=_help("the most requests the embedded engine generates together")
+        default=DEFAULT_MAX_BATCH_SIZE,
+        metadata=_help("the most requests the embedded engine generates together"),
     )
     threads: int = field(
         default=DEFAULT_THREADS,
@@ -99,7 +100,9 @@ class EngineSettings:
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))
         mb = self.prefix_cache_mb
         if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not (math.isfinite(mb) and mb >= 0):
-            raise UsageError(f"EngineSettings.prefix_cache_mb must be a finite number >= 0 (0: off), got {mb!r}")
+            raise UsageError(
+                f"EngineSettings.prefix_cache_mb must be a finite number >= 0 (0: off), got {mb!r}"
+            )
         object.__setattr__(self, "prefix_cache_mb", float(mb))
         for name in ("batched_lora", "deterministic"):
             if not isinstance(getattr(self, name), bool):
@@ -124,7 +127,11 @@ class EngineSettings:
     def changed(self) -> dict[str, Any]:
         """The settings that differ from their defaults, ``{name: value}``."""
         default = EngineSettings()
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        }
 
     def check_backend(self, backend: Any) -> None:
         """Refuse, by name, a setting that ``backend`` (a backend's name, or a backend instance, which is
@@ -135,7 +142,11 @@ class EngineSettings:
         changed = self.changed()
         if not changed:
             return
-        what = f"backend={backend!r}" if isinstance(backend, str) else f"a {type(backend).__name__} built already"
+        what = (
+            f"backend={backend!r}"
+            if isinstance(backend, str)
+            else f"a {type(backend).__name__} built already"
+        )
         asked = ", ".join(f"{k}={v!r}" for k, v in changed.items())
         note = (
             "; vLLM honours each call's seed, and its own batch invariance is a vLLM setting"

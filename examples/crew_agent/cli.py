@@ -11,8 +11,8 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from agl.config import LoopConfig, RunConfig
 from agl.cli.config_args import add_engine_arguments
+from agl.config import LoopConfig, RunConfig
 from agl.run.settings import Serving
 from examples._cli import add_config_options, add_schedule_options, train_settings
 

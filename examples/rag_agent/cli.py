@@ -9,8 +9,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from agl.config import LoopConfig, RunConfig
 from agl.cli.config_args import add_engine_arguments
+from agl.config import LoopConfig, RunConfig
 from agl.run.settings import Serving
 from examples._cli import (
     add_config_options,
