@@ -161,7 +161,7 @@ class EngineSettings:
 
 def _dtype_name(value: Any) -> str | None:
     """``value`` as the engine's dtype name: None, ``"auto"``, or the torch name of a known dtype name
-    (``"bf16"`` is ``"bfloat16"``) or of a ``torch.dtype``; anything else is refused, naming the field."""
+    (``bf16`` is bfloat16) or of a ``torch.dtype``; anything else is refused, naming the field."""
     if value is None:
         return None
     if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
