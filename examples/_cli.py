@@ -216,7 +216,7 @@ def train_settings(
     loop = config_from_args(LoopConfig, args, **{"warm_adapters": warm_adapters_arg(args), **loop_kw})
     values = {
         "model": model_arg(args),
-        "engine": engine_from_args(args),
+        "engine": engine_from_args(args, process_threads=True),
         **{k: v for k, v in serving.items() if v is not None},
         **serving_kw,
     }

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from agl.config import ConfigField, config_fields
-from agl.engine.settings import EngineSettings
+from agl.engine.settings import ENGINE_BACKEND, EngineSettings
 
 __all__ = [
     "ENGINE_FLAGS",
@@ -139,10 +139,15 @@ def add_engine_arguments(
     return add_config_arguments(parser, EngineSettings, only=names, overrides=overrides)
 
 
-def engine_from_args(args: argparse.Namespace, dests: Mapping[str, str] | None = None) -> EngineSettings:
+def engine_from_args(
+    args: argparse.Namespace, dests: Mapping[str, str] | None = None, *, process_threads: bool = False
+) -> EngineSettings:
     """The :class:`~agl.engine.EngineSettings` the flags of :func:`add_engine_arguments` give (``dests``
     as it returned; by default every engine flag found in ``args``, the others at their defaults),
-    validated there: a bad value fails naming the field."""
+    validated there: a bad value fails naming the field. ``process_threads``: the command sets torch's
+    threads for its whole process itself (a train command: the trainer's and an in-process engine's),
+    so ``--threads`` is honoured whatever the backend and stays out of the settings of a backend other
+    than the embedded engine, which would refuse it."""
     if dests is None:
         dests = {}
         for f in config_fields(EngineSettings):
@@ -150,4 +155,6 @@ def engine_from_args(args: argparse.Namespace, dests: Mapping[str, str] | None =
             dest = flags[0].removeprefix("--").replace("-", "_")
             if hasattr(args, dest):
                 dests[f.name] = dest
+    if process_threads and getattr(args, "backend", ENGINE_BACKEND) != ENGINE_BACKEND:
+        dests = {k: v for k, v in dests.items() if k != "threads"}
     return config_from_args(EngineSettings, args, dests)

@@ -200,7 +200,7 @@ def _trainer(args: argparse.Namespace, dests: dict[str, dict[str, str]]) -> Any:
         if value is not None and not Path(value).exists():
             raise FileNotFoundError(f"--{name} {value}: no such local folder")
     tokenizer = tokenizer_from_arg(args.tokenizer) if args.tokenizer else None
-    engine = engine_from_args(args, dests["engine"])
+    engine = engine_from_args(args, dests["engine"], process_threads=True)
     serving = config_from_args(
         Serving, args, dests["serving"], script=_script(args.script), tokenizer=tokenizer, engine=engine
     )

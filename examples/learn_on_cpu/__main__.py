@@ -47,7 +47,9 @@ def _trainer(args: argparse.Namespace, seed: int, run_dir: Path) -> Any:
     store = f"sqlite:///{(run_dir / 'store.db').resolve()}"  # inspectable after the run
     return agl.Trainer(
         algo,
-        serving=config_from_args(Serving, args, run_dir=run_dir, store=store, engine=engine_from_args(args)),
+        serving=config_from_args(
+            Serving, args, run_dir=run_dir, store=store, engine=engine_from_args(args, process_threads=True)
+        ),
         loop=config_from_args(LoopConfig, args, seed=seed),
         agents=["calculator_agent"],
         sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
