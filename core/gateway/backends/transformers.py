@@ -37,7 +37,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from agl.chat.format import parse_tool_calls
+from agl.chat.format import ParsedReply, parse_reply
 from agl.chat.stream_text import StreamText, tail_delta, token_logprobs
 from agl.engine.batching import Row
 from agl.engine.engine import Engine, Job
@@ -49,6 +49,7 @@ from agl.gateway.backends.base import (
     GenerationRequest,
     GenerationResult,
     UnknownModelError,
+    whole_stream,
 )
 from agl.semconv import BASE_ADAPTER
 
@@ -284,7 +285,7 @@ class TransformersBackend(Backend):
         a possible ``<tool_call>``), and tool calls are sent as deltas once parsed at the end.
         """
         if request.n != 1:  # several choices: generated together, then sent as whole deltas
-            async for event in self._stream_whole(request):
+            async for event in whole_stream(await self.generate(request)):
                 yield event
             return
         rendered, max_new = await self._prepare(request)
@@ -329,24 +330,6 @@ class TransformersBackend(Backend):
             if not job.future.done():  # the client went away: stop generating this row
                 self.engine.withdraw(job)
 
-    async def _stream_whole(self, request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
-        """Several choices are generated together, then sent as one whole delta each."""
-        result = await self.generate(request)
-        yield {"type": "start", "prompt_ids": result.prompt_ids}
-        for i, c in enumerate(result.choices):
-            delta: dict[str, Any] = {"role": "assistant", "content": c.content}
-            if c.tool_calls:
-                delta["tool_calls"] = [{"index": k, **tc.to_openai()} for k, tc in enumerate(c.tool_calls)]
-            yield {
-                "type": "delta",
-                "index": i,
-                "delta": delta,
-                "token_ids": c.response_ids,
-                "logprobs": None,
-                "finish_reason": c.finish_reason,
-            }
-        yield {"type": "end", "result": result}
-
     def _result(self, job: Job, row: Row) -> GenerationResult:
         """A finished row as the call's result (the engine's worker thread): the text decoded, cut at a
         stop string, led by the forced opening and parsed for tool calls."""
@@ -362,24 +345,24 @@ class TransformersBackend(Backend):
         if finish == "length" and row.ended == "cancelled":
             finish = "cancelled"
         text = rendered.forced + text  # what the model said: the forced opening, then what it drew
-        content: str | None = text
-        calls = []
+        parsed = ParsedReply(text, [])
         if (
             request.messages is not None
             and request.tools
             and request.tool_choice != "none"
             and finish == "stop"
         ):
-            content, calls = parse_tool_calls(text)
-            if calls:
+            parsed = parse_reply(text)
+            if parsed.tool_calls:
                 finish = "tool_calls"
         choice = Choice(
             text=text,
-            content=content,
-            tool_calls=calls,
+            content=parsed.content,
+            tool_calls=parsed.tool_calls,
             response_ids=ids,
             logprobs=list(row.logprobs),
             finish_reason=finish,
+            tool_call_repairs=parsed.repairs,
         )
         served = bool(self.engine.lora_names)
         return GenerationResult(
