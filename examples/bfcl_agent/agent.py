@@ -136,7 +136,8 @@ async def multi_turn(client: Any, llm: Any, task: dict[str, Any]) -> tuple[float
                 turn_steps.append(calls)
                 made += len(calls)
                 messages.extend(
-                    {"role": "tool", "content": r, "tool_call_id": c["id"]} for c, r in zip(calls, results)
+                    {"role": "tool", "content": r, "tool_call_id": c["id"]}
+                    for c, r in zip(calls, results, strict=True)
                 )
             if not turn_steps:
                 agl.emit_exception(ValueError("the turn's replies name no function"))

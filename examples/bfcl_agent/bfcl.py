@@ -94,7 +94,7 @@ def data_dir() -> Path:
     return Path(PROMPT_PATH)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cases(category: str) -> tuple[dict[str, Any], ...]:
     _require()
     from bfcl_eval.utils import load_dataset_entry
@@ -110,7 +110,7 @@ def load_cases(category: str) -> list[dict[str, Any]]:
     return copy.deepcopy(list(_cases(category)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _answers(category: str) -> dict[str, Any]:
     _require()
     from bfcl_eval.utils import load_ground_truth_entry

@@ -83,11 +83,16 @@ class ScriptedBFCL:
         if behaviour is not None and behaviour not in BEHAVIOURS:
             raise ValueError(f"behaviour must be one of {', '.join(BEHAVIOURS)}, got {behaviour!r}")
         self.oracle, self.fixed = oracle, behaviour
-        self.tasks = {self._key(t["question"][0]): t for t in data.load_tasks("all")}
+        self.tasks = {
+            self._key(t["question"][0], [f["name"] for f in t["function"]]): t for t in data.load_tasks("all")
+        }
 
     @staticmethod
-    def _key(messages: list[dict[str, Any]]) -> str:
-        return "\n".join(str(m.get("content")) for m in messages if m.get("role") in ("system", "user"))
+    def _key(messages: list[dict[str, Any]], names: list[str]) -> str:
+        """A case by its messages and its functions' names (one question is asked in several
+        categories, with other functions)."""
+        text = "\n".join(str(m.get("content")) for m in messages if m.get("role") in ("system", "user"))
+        return text + "\n" + ",".join(sorted(re.sub(r"\.", "_", n) for n in names))
 
     def behaviour(self, task: dict[str, Any]) -> str:
         if self.oracle:
@@ -97,7 +102,8 @@ class ScriptedBFCL:
         return BEHAVIOURS[int(task["id"].rsplit("_", 1)[1]) % len(BEHAVIOURS)]
 
     def __call__(self, request: Any) -> Any:
-        task = self.tasks.get(self._key(request.messages or []))
+        names = [t.get("function", {}).get("name", "") for t in request.tools or []]
+        task = self.tasks.get(self._key(request.messages or [], names))
         if task is None:
             return reply("I cannot help with that.")
         kind = self.behaviour(task)
