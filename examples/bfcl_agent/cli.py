@@ -44,6 +44,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--model-name", default=None, help="the model's name at --base-url")
     e.add_argument("--max-tokens", type=int, default=128)
     e.add_argument("--runners", type=int, default=4)
+    e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
 
@@ -134,7 +135,7 @@ def evaluate(args: argparse.Namespace, **trainer_kw: Any) -> dict[str, Any]:
         store=store,
         runners=min(len(tasks), args.runners),
         sampling={"max_tokens": args.max_tokens, "temperature": 0.0},
-        **{"progress": False, **trainer_kw},
+        **{"progress": args.progress, **trainer_kw},
     )
     trainer.dev(make_rollout(), tasks, show=False)
     summary = summarise(args.category, tasks, _errors(store))

@@ -177,6 +177,7 @@ def test_the_eval_command_end_to_end(capsys: pytest.CaptureFixture[str]) -> None
             "scripted",
             "--max-tokens",
             "512",
+            "--no-progress",
         ]
     )
     summary = cli.evaluate(args)
