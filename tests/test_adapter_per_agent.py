@@ -15,10 +15,10 @@ pytest.importorskip("peft")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from agl.algorithms.lightning_rl import LightningRL  # noqa: E402
-from agl.algorithms.per_agent_lora import adapter_names  # noqa: E402
 from agl.algorithms.update import PolicyUpdate  # noqa: E402
 from agl.config import RunConfig  # noqa: E402
 from agl.errors import UsageError  # noqa: E402
+from agl.lora import lora_names  # noqa: E402
 from agl.trainer.trainer import load_tokenizer  # noqa: E402
 from agl.types import Transition  # noqa: E402
 
@@ -80,11 +80,11 @@ def adapter_weights(policy: PolicyUpdate, name: str) -> dict[str, torch.Tensor]:
 
 
 def test_adapter_names_refuse_unnamed_agents_and_collisions() -> None:
-    assert adapter_names(["writer", "sql.rewriter"]) == {"writer": "writer", "sql.rewriter": "sql_rewriter"}
+    assert lora_names(["writer", "sql.rewriter"]) == {"writer": "writer", "sql.rewriter": "sql_rewriter"}
     with pytest.raises(UsageError, match="needs the agents to train by name"):
-        adapter_names(None)
+        lora_names(None)
     with pytest.raises(UsageError, match="map to one LoRA name 'a_b'"):
-        adapter_names(["a.b", "a b"])
+        lora_names(["a.b", "a b"])
 
 
 def test_a_step_changes_only_the_adapters_whose_agents_had_an_advantage(tok, tmp_path) -> None:

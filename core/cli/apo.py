@@ -1,4 +1,4 @@
-"""``agl apo``: APO (:mod:`agl.algorithms.apo`) from the command line — tasks from task files (agl.task_files), settings from flags or a --config file, the agent as ``module:function``,
+"""``agl apo``: APO (:mod:`agl.algorithms.apo`) from the command line — tasks from task files (agl.cli.task_files), settings from flags or a --config file, the agent as ``module:function``,
 the optimiser as any OpenAI-compatible endpoint. It builds an ``agl.Trainer`` with an ``agl.APO`` and
 runs it, printing the summary as JSON; bad input is a one-line error and exit status 2.
 """
@@ -28,9 +28,9 @@ _BUDGETS = ("rounds", "beam_width", "branch_factor", "rollouts_per_candidate", "
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[Any]:
-    """Task inputs from a task file (:func:`agl.task_files.load_tasks`: JSONL, JSON, CSV, Parquet, a saved
+    """Task inputs from a task file (:func:`agl.cli.task_files.load_tasks`: JSONL, JSON, CSV, Parquet, a saved
     dataset); errors name the file and line."""
-    from agl.task_files import load_tasks
+    from agl.cli.task_files import load_tasks
 
     return load_tasks(path)
 

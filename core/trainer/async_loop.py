@@ -47,7 +47,7 @@ from agl.types import Task, Transition
 if TYPE_CHECKING:
     from agl.trainer.trainer import Trainer
 
-__all__ = ["AsyncLoop", "AsyncSchedule"]
+__all__ = ["AsyncSchedule"]
 
 log = logging.getLogger("agl.trainer")
 
@@ -198,7 +198,3 @@ class AsyncSchedule:
             restored,
         )
         return start
-
-
-#: the name this schedule had before the loop skeleton was shared (agl.trainer.loop)
-AsyncLoop = AsyncSchedule
