@@ -136,10 +136,9 @@ def _cli(args: argparse.Namespace) -> int:
         log.info("agl apo: instrumented %s", ", ".join(names) or "nothing (no framework imported)")
     backend = "openai" if args.base_url else ("vllm" if args.vllm_url else "transformers")
     # the Trainer checks the flags it is given: a refusal is a UsageError, printed in one line
-    trainer = Trainer(
-        apo,
-        model=args.model if backend == "transformers" else None,
+    serving = Serving(
         backend=backend,
+        model=args.model if backend == "transformers" else None,
         base_url=args.base_url,
         api_key=args.api_key,
         vllm_url=args.vllm_url,
@@ -147,9 +146,13 @@ def _cli(args: argparse.Namespace) -> int:
         store=args.store,
         runners=args.runners,
         run_dir=args.run_dir,
-        sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
-        seed=args.seed,
         progress=not args.no_progress,
+    )
+    trainer = Trainer(
+        apo,
+        serving=serving,
+        loop=LoopConfig(seed=args.seed),
+        config=RunConfig(temperature=args.temperature, max_tokens=args.max_tokens),
     )
     if test is None:
         summary = trainer.fit(agent, train, val)

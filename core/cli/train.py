@@ -4,7 +4,7 @@ tasks from data files, every setting a flag or a key of a YAML/TOML config file.
     agl train --agent my_agent:agent --train train.jsonl --val val.jsonl --config run.yaml --steps 20
 
 The flags (and the config file's keys, :mod:`agl.cli.config_file`) are generated from the typed
-configs' fields with their help (:mod:`agl.cli.config_args`): :class:`agl.run.Serving`,
+configs' fields with their help (:mod:`agl.cli.config_args`): :class:`agl.run.settings.Serving`,
 :class:`agl.config.LoopConfig`, :class:`agl.config.RolloutSettings` (as ``--rollout-timeout-s``,
 ``--lease-s``, ``--max-attempts``), :class:`agl.LightningRL` and the sampling
 fields of :class:`agl.config.RunConfig`. A flag overrides the file; ``--print-config`` prints the

@@ -10,8 +10,7 @@
   the notes printed when a step cannot update, the end-of-run report;
 - :mod:`~agl.trainer.rewarding` (task, judge or mixed rewards), :mod:`~agl.trainer.monitors`
   (reward-hacking monitors), :mod:`~agl.trainer.gate` (rolls training back on a monitor);
-- :mod:`~agl.trainer.keywords` (old keyword call sites routed into the typed configs),
-  :mod:`~agl.trainer.malloc` (glibc settings for ``fit``).
+- :mod:`~agl.trainer.malloc` (glibc settings for ``fit``).
 
 What every algorithm shares (serving, the store, metrics) is :mod:`agl.run`; nothing there imports this
 package. ``Trainer`` is imported lazily, so ``import agl.trainer.gate`` does not load the whole loop.

@@ -53,7 +53,7 @@ def _trainer(args: argparse.Namespace, seed: int, run_dir: Path, per_agent: bool
             LoopConfig, args, seed=seed, adapter_per_agent=per_agent, warm_adapters=warm_adapters
         ),
         agents=AGENTS,
-        sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
+        config=RunConfig(temperature=args.temperature, max_tokens=args.max_tokens),
         **extra,
     )
 
@@ -211,13 +211,16 @@ def cmd_dev(args: argparse.Namespace) -> int:
     tasks = (train if args.split == "train" else val)[: args.n]
     run_dir = _run_dir(args, "solve_check_dev")
     scripted = {"backend": "scripted", "script": oracle} if args.backend == "scripted" else {}
-    trainer = agl.Trainer(
+    serving = Serving(
         **({"backend": "transformers", "model": args.model} | scripted),
         runners=args.runners,
         run_dir=run_dir,
-        agents=AGENTS,
-        sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
         store=args.store or f"sqlite:///{(run_dir / 'store.db').resolve()}",
+    )
+    trainer = agl.Trainer(
+        agents=AGENTS,
+        serving=serving,
+        config=RunConfig(temperature=args.temperature, max_tokens=args.max_tokens),
     )
     trainer.dev(solve_check, tasks, base_url=args.base_url, model=args.model_name)
     return 0
