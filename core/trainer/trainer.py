@@ -80,7 +80,7 @@ class Trainer:
 
     ``algorithm``: a ``LightningRL`` (credit, advantages, update settings) or an algorithm that runs
     itself (``agl.APO``). ``model``: a local path or a loaded ``PreTrainedModel`` (None: the embedded
-    SmolLM2-135M-Instruct). The numbers come in three typed values, each optional:
+    SmolLM2-135M-Instruct). The numbers come in four typed values, each optional:
 
     - ``serving`` (:class:`agl.run.settings.Serving`): what serves the policy and where rollouts go —
       backend, store, runners, run directory, gateway (bind, advertised URL, key, or one started
