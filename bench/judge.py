@@ -22,6 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from agl.config import LoopConfig
+from agl.run.settings import Serving
+
 REPORTED = {0: (0.083, 9, 2.25, 8), 3: (0.167, 19, 1.42, 18), 6: (0.042, 21, 1.25, 23)}
 
 
@@ -110,18 +113,17 @@ def cost() -> None:
         trainer = Trainer(
             agl.LightningRL(group_size=4, learning_rate=1e-2, lora_r=4, lora_alpha=8),
             model=tiny_model(),
-            backend="scripted",
-            script=Engine(),
-            runners=4,
-            run_dir=Path(tmp) / "run",
-            tokenizer=load_tokenizer(),
-            tasks_per_step=4,
-            steps=3,
-            val_every=0,
-            val_before=False,
-            progress=False,
             judge=judge,
             reward="judge",
+            serving=Serving(
+                backend="scripted",
+                script=Engine(),
+                runners=4,
+                run_dir=Path(tmp) / "run",
+                tokenizer=load_tokenizer(),
+                progress=False,
+            ),
+            loop=LoopConfig(tasks_per_step=4, steps=3, val_every=0, val_before=False),
         )
         trainer.fit(no_reward_agent, [{"q": f"What is {i} * 6?"} for i in range(12)])
         for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines():

@@ -12,11 +12,9 @@ The public API is imported lazily so ``import agl`` stays light (no torch, no ag
 from __future__ import annotations
 
 import importlib
-import sys
-from importlib.machinery import ModuleSpec
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 #: public name -> module that defines it
 _LAZY: dict[str, str] = {
@@ -67,53 +65,6 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = sorted([*_LAZY, "__version__"])
-
-#: module paths that moved in the layout of 2026-11-28 -> where they live now. ``import agl.rewards``
-#: keeps working (the same module object, with a DeprecationWarning) so documented imports do not break.
-_MOVED: dict[str, str] = {
-    "agl.agent_spans": "agl.instrumentation.agent",
-    "agl.async_loop": "agl.trainer.async_loop",
-    "agl.doctor": "agl.reports.doctor",
-    "agl.emit": "agl.tracing.emit",
-    "agl.endpoint_gate": "agl.runner.endpoint_gate",
-    "agl.exactness": "agl.reports.exactness",
-    "agl.export": "agl.reports.export",
-    "agl.gate": "agl.trainer.gate",
-    "agl.inspect": "agl.reports.inspect",
-    "agl.malloc": "agl.trainer.malloc",
-    "agl.monitors": "agl.trainer.monitors",
-    "agl.plot": "agl.run.plot",
-    "agl.prompts": "agl.tracing.prompts",
-    "agl.rewards": "agl.adapter.air_rules",
-    "agl.spanconv": "agl.tracing.spanconv",
-    "agl.trajectories": "agl.adapter.trajectories",
-    "agl.algorithms.adapters": "agl.algorithms.per_agent_lora",
-    "agl.judge.assembly": "agl.trainer.rewarding",
-}
-
-
-class _MovedFinder:
-    """Resolves a moved module's old path to the module at its new path (one object, two names). A
-    meta-path finder and loader by duck typing: ``importlib.abc`` would make ``import agl`` heavier."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in _MOVED:
-            return None
-        return ModuleSpec(fullname, self)
-
-    def create_module(self, spec: Any) -> Any:
-        import warnings
-
-        new = _MOVED[spec.name]
-        warnings.warn(f"{spec.name} moved to {new}; import it from there", DeprecationWarning, stacklevel=3)
-        return importlib.import_module(new)
-
-    def exec_module(self, module: Any) -> None:
-        """Nothing to run: the module at the new path is already executed."""
-
-
-if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
-    sys.meta_path.append(_MovedFinder())
 
 
 def __getattr__(name: str) -> Any:

@@ -27,7 +27,6 @@ from agl.errors import UsageError
 
 __all__ = [
     "LoopConfig",
-    "RolloutConfig",
     "RolloutSettings",
     "RunConfig",
     "UpdateSettings",
@@ -361,8 +360,7 @@ class LoopConfig:
 @dataclass
 class RolloutSettings:
     """How long one of the trainer's rollouts may run and how often it is tried (the loop's defaults;
-    :meth:`for_store` gives the per-rollout record :class:`agl.types.RolloutConfig` the store keeps).
-    Also importable as ``agl.config.RolloutConfig``, its name before the two were told apart."""
+    :meth:`for_store` gives the per-rollout record :class:`agl.types.RolloutConfig` the store keeps)."""
 
     timeout_s: float | None = field(
         default=None, metadata=_help("a rollout attempt's time limit in seconds (None: no limit)")
@@ -379,10 +377,6 @@ class RolloutSettings:
         return StoreRolloutConfig(
             timeout_s=self.timeout_s, lease_s=self.lease_s, max_attempts=self.max_attempts
         )
-
-
-#: the old name (``agl.types.RolloutConfig`` is the store's per-rollout record)
-RolloutConfig = RolloutSettings
 
 
 class ConfigField(NamedTuple):

@@ -1,7 +1,7 @@
 """Every exception agl raises on purpose, under one root.
 
-Every class is defined here (the modules that raise them import them from here and keep the old names
-importable). Each class also keeps the built-in base it had before ``AglError`` existed, so ``except
+Every class is defined here (the modules that raise them import them from here, and re-export them
+where a package's face names them: ``agl.judge.JudgeUnavailable``, ``agl.engine.vllm_server.VLLMServerError``). Each class also keeps the built-in base it had before ``AglError`` existed, so ``except
 ValueError`` / ``except KeyError`` callers keep working::
 
     AglError
@@ -22,7 +22,10 @@ ValueError`` / ``except KeyError`` callers keep working::
     ├── IntegrationNotFoundError(ValueError) ... no integration of that name
     ├── PatchTargetError(AttributeError) ....... a patched framework attribute is gone
     ├── OptimizerError ......................... one APO child fails
-    └── BudgetExhausted ........................ APO's optimiser token budget is spent
+    ├── BudgetExhausted ........................ APO's optimiser token budget is spent
+    ├── VLLMServerError ........................ the managed vLLM server did not start or lacks a need
+    ├── MalformedJudgeOutput(ValueError) ....... a judge's reply is not the JSON asked for
+    └── JudgeUnavailable(RuntimeError) ......... the judge endpoint kept failing after every retry
 
 The ``agl`` command prints an ``AglError`` as one line (``agl CMD: error: ...``, exit status 2);
 anything else that escapes a command — a bare ``KeyError`` or ``ValueError`` from agl's own code —
@@ -47,6 +50,8 @@ __all__ = [
     "ContextWindowError",
     "IntegrationNotFoundError",
     "InvalidInputError",
+    "JudgeUnavailable",
+    "MalformedJudgeOutput",
     "MissingFrameworkError",
     "MissingRolloutError",
     "NotFoundError",
@@ -58,6 +63,7 @@ __all__ = [
     "UnknownModelError",
     "UpstreamError",
     "UsageError",
+    "VLLMServerError",
 ]
 
 
@@ -208,3 +214,22 @@ class OptimizerError(AglError):
 
 class BudgetExhausted(AglError):
     """The next optimiser call would not fit in ``max_optimizer_tokens``."""
+
+
+# ------------------------------------------------------------------- the managed vLLM server
+
+
+class VLLMServerError(AglError):
+    """The managed vLLM server did not start, exited, or lacks what agl needs."""
+
+
+# ------------------------------------------------------------------- the LLM judge
+
+
+class MalformedJudgeOutput(AglError, ValueError):
+    """The judge's reply is not the JSON asked for; the message says what is wrong (the repair request
+    quotes it)."""
+
+
+class JudgeUnavailable(AglError, RuntimeError):
+    """The judge endpoint kept failing after every retry: the step fails loudly, nothing is guessed."""

@@ -1,6 +1,6 @@
 """LoRA names (ground floor, any process): which LoRA an agent trains and is served by.
 
-With an adapter per agent (``Trainer(adapter_per_agent=True)``, ``agl gateway serve --adapter
+With an adapter per agent (``LoopConfig(adapter_per_agent=True)``, ``agl gateway serve --adapter
 NAME=DIR``) each selected agent has a LoRA of its own on the shared base model. Its name is the agent's
 name with every character peft cannot key a module by replaced by ``_`` (:func:`lora_name`). The
 trainer, the gateway's backends, the span adapter, the CLI and the dashboard all take the rule from
@@ -51,7 +51,7 @@ def lora_names(agents: Any) -> dict[str, str]:
     if agents is None or isinstance(agents, str) or not isinstance(agents, Iterable):
         raise UsageError(
             "adapter_per_agent=True needs the agents to train by name, e.g. "
-            f"Trainer(agents=['writer', 'rewriter'], adapter_per_agent=True); got agents={agents!r}"
+            f"Trainer(agents=['writer', 'rewriter'], loop=LoopConfig(adapter_per_agent=True)); got agents={agents!r}"
         )
     out: dict[str, str] = {}
     owner: dict[str, str] = {}

@@ -194,7 +194,7 @@ def model_arg(args: argparse.Namespace) -> str | None:
 
 def warm_adapters_arg(args: argparse.Namespace) -> str | None:
     """``train --adapter-per-agent --warm-start SFT_DIR``: each agent's adapter starts from the
-    ``agl sft --adapter-per-agent`` run's (``Trainer(warm_adapters=...)``); None otherwise (a shared
+    ``agl sft --adapter-per-agent`` run's (``LoopConfig(warm_adapters=...)``); None otherwise (a shared
     warm start is the base model, see :func:`model_arg`)."""
     return str(args.warm_start) if _warm_adapters(args) else None
 
@@ -204,9 +204,10 @@ def train_settings(
 ) -> tuple[LoopConfig, Serving, dict[str, Any]]:
     """The run's ``LoopConfig`` and ``Serving``, each built whole from ``train``'s generated flags
     (:func:`agl.cli.config_args.config_from_args`), the warm start resolved into the model and the
-    per-agent adapters. ``keywords`` (a caller's ``Trainer`` keywords, e.g. a test's scripted backend)
-    win over the flags for the fields they name; ``serving`` (a model or tokenizer object) wins where it
-    is not None. Returns the two configs and the keywords that belong to neither."""
+    per-agent adapters. ``keywords`` (a caller's overrides, e.g. a test's scripted backend) win over the
+    flags for the ``LoopConfig`` and ``Serving`` fields they name; ``serving`` (a model or tokenizer
+    object) wins where it is not None. Returns the two configs and the keywords that belong to neither
+    (the Trainer's own arguments: ``judge``, ``reward``, ...)."""
     import dataclasses
 
     rest = dict(keywords)

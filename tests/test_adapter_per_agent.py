@@ -15,11 +15,12 @@ pytest.importorskip("peft")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from agl.algorithms.lightning_rl import LightningRL  # noqa: E402
-from agl.algorithms.per_agent_lora import adapter_names  # noqa: E402
 from agl.algorithms.update import PolicyUpdate  # noqa: E402
-from agl.config import RunConfig  # noqa: E402
+from agl.config import LoopConfig, RunConfig  # noqa: E402
 from agl.engine import EngineSettings  # noqa: E402
 from agl.errors import UsageError  # noqa: E402
+from agl.lora import lora_names  # noqa: E402
+from agl.run.settings import Serving  # noqa: E402
 from agl.trainer.trainer import load_tokenizer  # noqa: E402
 from agl.types import Transition  # noqa: E402
 
@@ -81,11 +82,11 @@ def adapter_weights(policy: PolicyUpdate, name: str) -> dict[str, torch.Tensor]:
 
 
 def test_adapter_names_refuse_unnamed_agents_and_collisions() -> None:
-    assert adapter_names(["writer", "sql.rewriter"]) == {"writer": "writer", "sql.rewriter": "sql_rewriter"}
+    assert lora_names(["writer", "sql.rewriter"]) == {"writer": "writer", "sql.rewriter": "sql_rewriter"}
     with pytest.raises(UsageError, match="needs the agents to train by name"):
-        adapter_names(None)
+        lora_names(None)
     with pytest.raises(UsageError, match="map to one LoRA name 'a_b'"):
-        adapter_names(["a.b", "a b"])
+        lora_names(["a.b", "a b"])
 
 
 def test_a_step_changes_only_the_adapters_whose_agents_had_an_advantage(tok, tmp_path) -> None:
@@ -179,18 +180,25 @@ def test_trainer_validates_adapter_per_agent() -> None:
     from agl import Trainer
 
     with pytest.raises(UsageError, match="needs the agents to train by name"):
-        Trainer(backend="scripted", script=["x"], adapter_per_agent=True)
+        Trainer(serving=Serving(backend="scripted", script=["x"]), loop=LoopConfig(adapter_per_agent=True))
     with pytest.raises(UsageError, match="map to one LoRA name"):
-        Trainer(backend="scripted", script=["x"], agents=["a.b", "a:b"], adapter_per_agent=True)
+        Trainer(
+            agents=["a.b", "a:b"],
+            serving=Serving(backend="scripted", script=["x"]),
+            loop=LoopConfig(adapter_per_agent=True),
+        )
     with pytest.raises(UsageError, match="needs lora=True"):
         Trainer(
-            backend="scripted",
-            script=["x"],
             agents=AGENTS,
-            adapter_per_agent=True,
-            update_options={"lora": False},
+            serving=Serving(backend="scripted", script=["x"]),
+            loop=LoopConfig(adapter_per_agent=True),
+            config=RunConfig(lora=False),
         )
-    trainer = Trainer(backend="scripted", script=["x"], agents=AGENTS, adapter_per_agent=True)
+    trainer = Trainer(
+        agents=AGENTS,
+        serving=Serving(backend="scripted", script=["x"]),
+        loop=LoopConfig(adapter_per_agent=True),
+    )
     assert trainer.agent_loras == {"writer": "writer", "rewriter": "rewriter"}
 
 
@@ -317,10 +325,10 @@ def test_the_gateway_routes_by_model_name_and_agent_baggage(tok, tmp_path) -> No
 
 @pytest.mark.parametrize("batched", [False, True], ids=["peft-rows", "batched-lora"])
 def test_fit_trains_an_adapter_per_agent_end_to_end(tmp_path, batched: bool, monkeypatch) -> None:
-    """``Trainer(agents=[...], adapter_per_agent=True)`` on the transformers backend: each agent's calls
-    are served by its own adapter (the span says so), each adapter trains on its own agent's calls, the
-    step's metrics are per adapter, and the checkpoint holds one folder per adapter; the same with
-    ``batched_lora=True`` (the engine's mixed rows through the batched LoRA product)."""
+    """``Trainer(agents=[...], loop=LoopConfig(adapter_per_agent=True))`` on the transformers backend:
+    each agent's calls are served by its own adapter (the span says so), each adapter trains on its own
+    agent's calls, the step's metrics are per adapter, and the checkpoint holds one folder per adapter;
+    the same with ``batched_lora=True`` (the engine's mixed rows through the batched LoRA product)."""
     import itertools
     import json
     import threading
@@ -353,17 +361,16 @@ def test_fit_trains_an_adapter_per_agent_end_to_end(tmp_path, batched: bool, mon
     trainer = agl.Trainer(
         LightningRL(group_size=2, lora_r=4, lora_alpha=8, learning_rate=1e-2, mixed_precision="no"),
         model=tiny_model(),
-        tokenizer=load_tokenizer(),
         agents=AGENTS,
-        adapter_per_agent=True,
-        steps=1,
-        tasks_per_step=1,
-        val_before=False,
-        runners=2,
-        run_dir=tmp_path / "run",
-        progress=False,
-        store="memory://",
-        engine=EngineSettings(batched_lora=batched),
+        serving=agl.Serving(
+            tokenizer=load_tokenizer(),
+            runners=2,
+            run_dir=tmp_path / "run",
+            progress=False,
+            store="memory://",
+            engine=EngineSettings(batched_lora=batched),
+        ),
+        loop=agl.LoopConfig(adapter_per_agent=True, steps=1, tasks_per_step=1, val_before=False),
     )
     agl.instrument("openai")
     try:

@@ -49,16 +49,11 @@ def _fit(tmp_path: Path, **serving: Any) -> agl.Trainer:
     trainer = agl.Trainer(
         LightningRL(group_size=2, lora_r=4, lora_alpha=8, learning_rate=1e-2, mixed_precision="no"),
         model=tiny_model(),
-        tokenizer=load_tokenizer(),
+        serving=agl.Serving(
+            tokenizer=load_tokenizer(), runners=2, run_dir=tmp_path, progress=False, **serving
+        ),
+        loop=agl.LoopConfig(adapter_per_agent=True, steps=2, tasks_per_step=1, val_every=0),
         agents=AGENTS,
-        adapter_per_agent=True,
-        steps=2,
-        tasks_per_step=1,
-        val_every=0,
-        runners=2,
-        run_dir=tmp_path,
-        progress=False,
-        **serving,
     )
     agl.instrument("openai")
     try:
@@ -117,7 +112,7 @@ def test_vllm_loads_each_agents_adapter_by_name_and_routes_its_calls(tmp_path: P
 
 
 def test_a_separate_gateway_gets_every_adapter_as_one_version(tmp_path: Path) -> None:
-    """Trainer(gateway_url=...) with an adapter per agent: each step's adapters reach the separately
+    """Serving(gateway_url=...) with an adapter per agent: each step's adapters reach the separately
     served transformers gateway in one ``POST /agl/v1/adapters {"adapters": ...}``; it then serves each
     one by name, decoding as the adapter folder the trainer saved."""
     from peft import PeftModel

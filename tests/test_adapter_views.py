@@ -11,10 +11,10 @@ import pytest
 from starlette.testclient import TestClient
 from test_export import read, run_rollout
 
-from agl.algorithms.per_agent_lora import adapter_pattern
 from agl.cli import main
 from agl.dashboard import create_dashboard_app
 from agl.errors import UsageError
+from agl.lora import lora_pattern
 from agl.store import open as open_store
 from agl.types import NewRollout
 
@@ -47,7 +47,7 @@ def test_plot_draws_a_train_reward_curve_per_adapter(tmp_path: Path) -> None:
 
 
 def test_adapter_pattern_selects_the_agents_an_adapter_serves() -> None:
-    pattern = adapter_pattern("re_writer")
+    pattern = lora_pattern("re_writer")
     assert [
         a for a in ("re_writer", "re.writer", "re writer", "rewriter", "re-writer") if pattern.fullmatch(a)
     ] == [
@@ -57,7 +57,7 @@ def test_adapter_pattern_selects_the_agents_an_adapter_serves() -> None:
     ]
     for bad in ("", "re.writer", "a:b"):
         with pytest.raises(UsageError, match="is not an adapter name"):
-            adapter_pattern(bad)
+            lora_pattern(bad)
 
 
 @pytest.fixture()

@@ -125,12 +125,14 @@ class Optimiser:
 def _apo_trainer(tmp_path: Path, apo: APO, store: Any, *, agents: Any = None) -> agl.Trainer:
     return agl.Trainer(
         apo,
-        backend=ScriptedBackend(agent_model, accept_any_model=True),
-        store=store,
-        runners=4,
-        run_dir=tmp_path / "run",
         agents=agents,
-        progress=False,
+        serving=agl.Serving(
+            backend=ScriptedBackend(agent_model, accept_any_model=True),
+            store=store,
+            runners=4,
+            run_dir=tmp_path / "run",
+            progress=False,
+        ),
     )
 
 
@@ -484,11 +486,13 @@ def test_default_optimiser_is_the_agents_model_and_every_prompt_takes_turns(tmp_
     apo = APO(rounds=1, beam_width=1, branch_factor=2, rollouts_per_candidate=4)
     trainer = agl.Trainer(
         apo,
-        backend=ScriptedBackend(one_model, accept_any_model=True),
-        store=MemoryStore(),
-        runners=4,
-        run_dir=tmp_path / "run",
-        progress=False,
+        serving=agl.Serving(
+            backend=ScriptedBackend(one_model, accept_any_model=True),
+            store=MemoryStore(),
+            runners=4,
+            run_dir=tmp_path / "run",
+            progress=False,
+        ),
     )
     summary = trainer.fit(two_prompts, _tasks(8), _tasks(4, offset=100))
     cands = _lines(tmp_path / "run" / "candidates.jsonl")

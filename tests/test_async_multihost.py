@@ -68,6 +68,7 @@ import sys
 import torch
 torch.set_num_threads(1)
 import agl
+from agl.config import RolloutSettings
 from agl.trainer.trainer import Trainer, load_tokenizer
 from mh_agent import agent
 
@@ -76,10 +77,17 @@ run_dir, store, gateway, model, resume = sys.argv[1:6]
 served = {"gateway_bind": gateway[5:]} if gateway.startswith("bind:") else {"gateway_url": gateway}
 trainer = Trainer(
     agl.LightningRL(group_size=GROUP_SIZE, learning_rate=1e-2, lora_r=4, lora_alpha=8),
-    model=model, model_name="tiny", tokenizer=load_tokenizer(), store=store, **served,
-    runners=0, run_dir=run_dir, tasks_per_step=TASKS_PER_STEP, steps=STEPS, val_every=0,
-    checkpoint_every=1, max_staleness=MAX_STALENESS, lease_s=5.0, max_attempts=5, resume=resume == "1",
-    config=agl.RunConfig(max_tokens=4), progress=False,
+    model=model,
+    serving=agl.Serving(
+        model_name="tiny", tokenizer=load_tokenizer(), store=store, **served, runners=0, run_dir=run_dir,
+        progress=False,
+    ),
+    loop=agl.LoopConfig(
+        tasks_per_step=TASKS_PER_STEP, steps=STEPS, val_every=0, checkpoint_every=1,
+        max_staleness=MAX_STALENESS, resume=resume == "1",
+    ),
+    rollout=RolloutSettings(lease_s=5.0, max_attempts=5),
+    config=agl.RunConfig(max_tokens=4),
 )
 trainer.fit(agent, [{"q": w} for w in ("a", "b", "c", "d", "e")])
 """

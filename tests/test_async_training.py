@@ -34,6 +34,7 @@ import agl.store  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.config import LoopConfig  # noqa: E402
 from agl.errors import UsageError  # noqa: E402
+from agl.run.settings import Serving  # noqa: E402
 from agl.tracing import provider as tracing  # noqa: E402
 from agl.trainer.trainer import Trainer, load_tokenizer  # noqa: E402
 
@@ -92,7 +93,7 @@ def test_max_staleness_is_validated() -> None:
     with pytest.raises(UsageError, match="dynamic_sampling"):
         LoopConfig(max_staleness=1, dynamic_sampling=2)
     with pytest.raises(UsageError, match="max_staleness"):
-        Trainer(backend="scripted", script=["hi"], max_staleness=-2)
+        Trainer(serving=Serving(backend="scripted", script=["hi"]), loop=LoopConfig(max_staleness=-2))
 
 
 def _ask(task: dict, resources: agl.Resources) -> str:
@@ -105,26 +106,27 @@ def _ask(task: dict, resources: agl.Resources) -> str:
     return out.choices[0].message.content or ""
 
 
-def _tiny_async_trainer(tmp_path: Path, k: int, **kw: Any) -> Trainer:
-    """A tiny random Llama on the transformers engine, memory store, 4 runners, ``max_staleness=k``."""
+def _tiny_async_trainer(tmp_path: Path, k: int, **loop: Any) -> Trainer:
+    """A tiny random Llama on the transformers engine, memory store, 4 runners, ``max_staleness=k``
+    (``loop``: more LoopConfig fields)."""
     return Trainer(
         agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
         model=tiny_model(),
-        backend="transformers",
-        model_name="tiny",
-        tokenizer=load_tokenizer(),
-        store="memory://",
-        runners=4,
-        run_dir=tmp_path,
-        val_every=0,
-        max_staleness=k,
+        serving=Serving(
+            backend="transformers",
+            model_name="tiny",
+            tokenizer=load_tokenizer(),
+            store="memory://",
+            runners=4,
+            run_dir=tmp_path,
+            progress=False,
+        ),
+        loop=LoopConfig(val_every=0, max_staleness=k, **loop),
         config=agl.RunConfig(temperature=1.0, max_tokens=4),
-        progress=False,
-        **kw,
     )
 
 
-def _stale_first_group_fit(tmp_path: Path, k: int, **kw: Any) -> Trainer:
+def _stale_first_group_fit(tmp_path: Path, k: int, **loop: Any) -> Trainer:
     """k, one task a step. The first group's calls are served by the first version, then its agents wait
     until two updates are recorded: by then the policy is two versions ahead of it."""
     box: dict[str, Trainer] = {}
@@ -139,7 +141,7 @@ def _stale_first_group_fit(tmp_path: Path, k: int, **kw: Any) -> Trainer:
             time.sleep(0.05)
         return float(len(content) % 2)
 
-    trainer = _tiny_async_trainer(tmp_path, k, tasks_per_step=1, steps=4, **kw)
+    trainer = _tiny_async_trainer(tmp_path, k, tasks_per_step=1, steps=4, **loop)
     box["t"] = trainer
     trainer.fit(agent, [{"q": "hello"}, {"q": "count"}, {"q": "ten"}])
     return trainer
@@ -223,6 +225,7 @@ import torch
 torch.set_num_threads(1)
 from transformers import LlamaConfig, LlamaForCausalLM
 import agl, openai
+from agl.config import RolloutSettings
 from agl.trainer.trainer import Trainer, load_tokenizer
 
 agl.instrument("openai")
@@ -245,10 +248,17 @@ model = LlamaForCausalLM(LlamaConfig(
 ))
 trainer = Trainer(
     agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
-    model=model, backend="transformers", model_name="tiny", tokenizer=load_tokenizer(),
-    run_dir=sys.argv[1], runners=4, tasks_per_step=2, steps=STEPS, val_every=0, checkpoint_every=1,
-    max_staleness=1, lease_s=2.0, max_attempts=5, resume=sys.argv[2] == "1",
-    config=agl.RunConfig(max_tokens=4), progress=False,
+    model=model,
+    serving=agl.Serving(
+        backend="transformers", model_name="tiny", tokenizer=load_tokenizer(), run_dir=sys.argv[1],
+        runners=4, progress=False,
+    ),
+    loop=agl.LoopConfig(
+        tasks_per_step=2, steps=STEPS, val_every=0, checkpoint_every=1, max_staleness=1,
+        resume=sys.argv[2] == "1",
+    ),
+    rollout=RolloutSettings(lease_s=2.0, max_attempts=5),
+    config=agl.RunConfig(max_tokens=4),
 )
 trainer.fit(agent, [{"q": w} for w in ("a", "b", "c", "d", "e")])
 """

@@ -62,18 +62,12 @@ def fit(tmp_path: Path, replayable: bool) -> Any:
         LightningRL(group_size=4, lora_r=4, lora_alpha=8, learning_rate=1e-2, mixed_precision="no",
                     agent_baseline="group"),
         model=tiny_model(),
-        tokenizer=load_tokenizer(),
         agents=AGENTS,
-        adapter_per_agent=True,
-        branches=K,
-        steps=1,
-        tasks_per_step=3,
-        val_before=False,
-        runners=4,
-        run_dir=tmp_path / "run",
-        progress=False,
-        store="memory://",
-        sampling={"temperature": 1.0},
+        serving=agl.Serving(
+            tokenizer=load_tokenizer(), runners=4, run_dir=tmp_path / "run", progress=False, store="memory://"
+        ),
+        loop=agl.LoopConfig(adapter_per_agent=True, branches=K, steps=1, tasks_per_step=3, val_before=False),
+        config=agl.RunConfig(temperature=1.0),
     )  # fmt: skip
     agl.instrument("openai")
     try:

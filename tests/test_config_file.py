@@ -31,7 +31,7 @@ def _parse(command: str, argv: list[str]) -> tuple[argparse.ArgumentParser, argp
 
 def test_train_flags_and_keys_come_from_the_typed_configs() -> None:
     from agl import LightningRL, LoopConfig, RunConfig, Serving
-    from agl.config import RolloutConfig, config_fields
+    from agl.config import RolloutSettings, config_fields
 
     keys = resolved_config(*_parse("train", ["--agent", "m:f"]))
     for cls in (LoopConfig, LightningRL, Serving):
@@ -39,7 +39,7 @@ def test_train_flags_and_keys_come_from_the_typed_configs() -> None:
         assert not missing, f"{cls.__name__} fields without a key: {missing}"
     assert {"temperature", "top_p", "max_tokens"} <= set(keys)
     assert {"rollout_timeout_s", "lease_s", "max_attempts"} <= set(keys)
-    assert len(list(config_fields(RolloutConfig))) == 3 and len(list(config_fields(RunConfig))) > 3
+    assert len(list(config_fields(RolloutSettings))) == 3 and len(list(config_fields(RunConfig))) > 3
     # defaults are the dataclasses' own, under the field's name (an off switch under the setting's)
     assert keys["steps"] == LoopConfig().steps and keys["group_size"] == LightningRL().group_size
     assert keys["lora"] is True and keys["progress"] is True and "no_lora" not in keys

@@ -12,6 +12,7 @@ skips naming it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 from dataclasses import dataclass
@@ -142,17 +143,17 @@ def test_trainer_block_trains(block: Block, docs_env: Path, monkeypatch: pytest.
                 max_position_embeddings=1024,
                 tie_word_embeddings=True,
             )
-            kw.update(
+            serving = kw.pop("serving", None) or agl.Serving()
+            loop = kw.pop("loop", None) or agl.LoopConfig()
+            super().__init__(
+                algorithm,
                 model=LlamaForCausalLM(config),
-                backend="scripted",
-                script=script,
-                runners=4,
-                tasks_per_step=1,
-                steps=1,
-                val_every=0,
-                progress=False,
+                serving=dataclasses.replace(
+                    serving, backend="scripted", script=script, runners=4, progress=False
+                ),
+                loop=dataclasses.replace(loop, tasks_per_step=1, steps=1, val_every=0),
+                **kw,
             )
-            super().__init__(algorithm, **kw)
 
     monkeypatch.setattr(agl, "Trainer", _TinyTrainer)
     ns = _run(block.code, name="__main__")  # run as `python my_agent.py`
@@ -169,3 +170,75 @@ def test_trainer_block_trains(block: Block, docs_env: Path, monkeypatch: pytest.
     tools = [s for s in spans if s.name == "execute_tool"]
     assert agents == {"adder"} and tools, "the block's agl.agent / agl.tool made no spans"
     assert all(s.attributes.get("gen_ai.tool.call.result") for s in tools)
+
+
+# ------------------------------------------------------------------ the dotted names the docs mention
+
+#: ``agl.x.y`` as the docs write a module path or a name in one (not inside a longer word or path)
+DOTTED = re.compile(r"(?<![\w./-])agl(?:\.[A-Za-z_]\w*)+")
+NAMED = [ROOT / "docs" / "architecture.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]
+
+
+def _packages() -> set[str]:
+    """The top-level modules and packages of ``agl``: a dotted name whose second part is one of them is
+    a Python path; any other (``agl.rollout.id``, ``agl.llm.adapter``) is a span attribute or baggage key."""
+    core = ROOT / "core"
+    found = {p.stem for p in core.glob("*.py") if p.stem != "__init__"}
+    return found | {p.name for p in core.iterdir() if (p / "__init__.py").is_file()} | {"integrations"}
+
+
+def documented_names() -> dict[str, str]:
+    """Every Python path ``agl.…`` the architecture and the guide pages name -> where it first appears:
+    ``agl.<module>...`` and ``agl.<public name>``."""
+    import agl
+
+    packages = _packages()
+    out: dict[str, str] = {}
+    for path in NAMED:
+        text = path.read_text(encoding="utf-8")
+        for m in DOTTED.finditer(text):
+            parts = m.group(0).split(".")
+            if parts[1] in packages or (len(parts) == 2 and parts[1] in agl.__all__):
+                out.setdefault(m.group(0), f"{path.relative_to(ROOT)}:{text[: m.start()].count(chr(10)) + 1}")
+    return out
+
+
+def _resolve(name: str) -> Any:
+    """The object ``name`` names: the longest prefix that imports as a module, then attributes."""
+    import importlib
+
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and exc.name.split(".")[0] != "agl":
+                raise  # an optional dependency the env lacks: the caller skips
+            if exc.name != ".".join(parts[:i]):
+                raise  # an agl module that imports a missing agl module: a real break
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise AssertionError(f"{name}: not even `agl` imports")
+
+
+def test_every_agl_name_the_docs_mention_imports() -> None:
+    """A path in docs/architecture.md or a guide page is one a reader will type: each imports, as a
+    module or as a name in one. (A name whose module needs an optional dependency this env lacks is
+    not checked here; the env that has it checks it.)"""
+    names = documented_names()
+    assert len(names) > 100 and "agl.chat.tokenizer.load_tokenizer" in names
+    broken, unchecked = [], []
+    for name, where in sorted(names.items()):
+        try:
+            _resolve(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or exc.name.split(".")[0] == "agl":
+                broken.append(f"{where}: {name} ({exc})")
+            else:
+                unchecked.append(name)
+        except (AttributeError, ImportError) as exc:
+            broken.append(f"{where}: {name} ({type(exc).__name__}: {exc})")
+    assert not broken, "documented names that do not import:\n" + "\n".join(broken)
+    assert len(unchecked) < len(names) / 2, unchecked

@@ -1,4 +1,4 @@
-"""The layout's promises (issue 49): old module paths still import, the import graph of ``agl`` has no
+"""The layout's promises (issue 49): the import graph of ``agl`` has no
 circle at run time and nothing imports up across packages, the Trainer's private names are its own and
 the schedules read it only through ``Steps``, rollout cancels skip the store's conflict/not-found and say
 anything else, one store flag."""
@@ -8,9 +8,7 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
-import importlib
 import logging
-import warnings
 from pathlib import Path
 
 import pytest
@@ -216,25 +214,6 @@ def test_lora_naming_is_taken_from_agl_lora_by_the_gateway_and_the_adapter() -> 
                     assert line.lstrip().startswith("from agl.lora import"), f"{path}:{i}: {line}"
 
 
-@pytest.mark.parametrize(
-    ("old", "new"),
-    [
-        ("agl.rewards", "agl.adapter.air_rules"),
-        ("agl.monitors", "agl.trainer.monitors"),
-        ("agl.gate", "agl.trainer.gate"),
-        ("agl.exactness", "agl.reports.exactness"),
-        ("agl.agent_spans", "agl.instrumentation.agent"),
-        ("agl.algorithms.adapters", "agl.algorithms.per_agent_lora"),
-    ],
-)
-def test_moved_module_paths_still_import(old: str, new: str) -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
-    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
-
-
 def test_faces_keep_their_names() -> None:
     import agl.runner
     import agl.tracing
@@ -243,9 +222,6 @@ def test_faces_keep_their_names() -> None:
     assert agl.trainer.Trainer is agl.Trainer
     assert agl.runner.Runner is agl.Runner
     assert agl.tracing.rollout_context is agl.rollout_context
-    from agl.algorithms.adapters import adapter_name  # an old call site of the naming rule
-
-    assert adapter_name("sql.rewriter") == "sql_rewriter"
 
 
 def test_cancel_skips_finished_and_missing_rollouts(caplog: pytest.LogCaptureFixture) -> None:

@@ -269,14 +269,8 @@ def per_agent_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         agl.LightningRL(group_size=2, lora_r=4, lora_alpha=8, learning_rate=1e-1, mixed_precision="no"),
         model=str(base),
         agents=AGENTS,
-        adapter_per_agent=True,
-        steps=2,
-        tasks_per_step=1,
-        val_before=False,
-        runners=2,
-        run_dir=root / "run",
-        progress=False,
-        store="memory://",
+        serving=agl.Serving(runners=2, run_dir=root / "run", progress=False, store="memory://"),
+        loop=agl.LoopConfig(adapter_per_agent=True, steps=2, tasks_per_step=1, val_before=False),
     )
     agl.instrument("openai")
     try:

@@ -23,10 +23,12 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.algorithms.update import PolicyUpdate  # noqa: E402
+from agl.config import LoopConfig  # noqa: E402
 from agl.engine import EngineSettings  # noqa: E402
 from agl.gateway.backends.base import GenerationRequest  # noqa: E402
 from agl.gateway.backends.transformers import TransformersBackend  # noqa: E402
 from agl.gateway.seeds import call_seed, derive_seed, rollout_place, rollout_seed  # noqa: E402
+from agl.run.settings import Serving  # noqa: E402
 from agl.tracing import provider as tracing  # noqa: E402
 from agl.trainer.trainer import Trainer, load_tokenizer  # noqa: E402
 
@@ -91,17 +93,15 @@ def _fit(tmp_path: Path, name: str, seed: int, steps: int = 2) -> tuple[Trainer,
     trainer = Trainer(
         agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
         model=tiny_model(),
-        backend="transformers",
-        engine=EngineSettings(deterministic=True),
-        runners=4,
-        run_dir=tmp_path / name,
-        tokenizer=load_tokenizer(),
-        tasks_per_step=2,
-        steps=steps,
-        val_every=0,
-        val_before=False,
-        progress=False,
-        seed=seed,
+        serving=Serving(
+            backend="transformers",
+            engine=EngineSettings(deterministic=True),
+            runners=4,
+            run_dir=tmp_path / name,
+            tokenizer=load_tokenizer(),
+            progress=False,
+        ),
+        loop=LoopConfig(tasks_per_step=2, steps=steps, val_every=0, val_before=False, seed=seed),
     )
     seen: list[tuple[Any, ...]] = []  # what each update trains on, in the order it gets it
     real = PolicyUpdate.step

@@ -1,4 +1,4 @@
-"""The run environment (agl.run) and the Trainer's typed configs: keyword routing, field help, the one
+"""The run environment (agl.run) and the Trainer's typed configs: each given whole, field help, the one
 backend factory, the served gateway with the scripted backend, the metrics log."""
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ from agl.store.memory import MemoryStore
 from agl.trainer.trainer import Trainer
 
 
-def test_keywords_are_routed_to_their_settings_and_unknown_ones_refused(tmp_path: Path) -> None:
+def test_the_trainer_takes_typed_settings_whole_and_refuses_anything_else(tmp_path: Path) -> None:
     trainer = Trainer(
-        serving=Serving(backend="scripted", script=["x"], run_dir=tmp_path),
-        loop=LoopConfig(steps=3, seed=7),
-        steps=5,  # a keyword overrides the value's field
-        lease_s=9.0,
-        sampling={"temperature": 0.5},
-        progress=False,
+        serving=Serving(backend="scripted", script=["x"], run_dir=tmp_path, progress=False),
+        loop=LoopConfig(steps=5, seed=7),
+        rollout=RolloutSettings(lease_s=9.0),
+        config=RunConfig(temperature=0.5),
     )
     assert trainer.loop.steps == 5 and trainer.loop.seed == 7
     assert trainer.serving.backend == "scripted" and trainer.serving.progress is False
@@ -33,12 +31,14 @@ def test_keywords_are_routed_to_their_settings_and_unknown_ones_refused(tmp_path
     assert trainer.rollout_config.lease_s == 9.0 and trainer.rollout_config.max_attempts == 2
     assert trainer.sampling["temperature"] == 0.5
     assert trainer.behaviour_logprobs is False  # scripted replies carry no policy log-probs
-    with pytest.raises(TypeError, match="'stepz'; did you mean 'steps'"):
-        Trainer(backend="scripted", script=["x"], stepz=3)
-    with pytest.raises(TypeError, match="LoopConfig"):
+    defaults = Trainer(serving=Serving(backend="scripted", script=["x"]))  # a value not given: its defaults
+    assert defaults.loop == LoopConfig() and defaults.rollout == RolloutSettings()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'steps'"):
+        Trainer(steps=3, serving=Serving(backend="scripted", script=["x"]))  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="loop must be an agl.config.LoopConfig, got dict"):
         Trainer(loop={"steps": 3})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="tasks_per_step must be >= 1"):
-        Trainer(backend="scripted", script=["x"], loop=LoopConfig(tasks_per_step=0))
+        Trainer(serving=Serving(backend="scripted", script=["x"]), loop=LoopConfig(tasks_per_step=0))
 
 
 def test_every_config_field_has_help_and_a_type() -> None:

@@ -55,7 +55,9 @@ pytest.importorskip("trl")
 pytest.importorskip("peft")
 
 import agl  # noqa: E402
+from agl.config import LoopConfig  # noqa: E402
 from agl.gateway.backends.transformers import TransformersBackend  # noqa: E402
+from agl.run.settings import Serving  # noqa: E402
 from agl.trainer.trainer import Trainer, load_tokenizer  # noqa: E402
 
 
@@ -87,17 +89,17 @@ def test_the_trainer_fails_the_step_when_the_engine_does_not_serve_the_push(tmp_
     trainer = Trainer(
         agl.LightningRL(group_size=2, lora_r=4, lora_alpha=8),
         model=model,
-        backend=engine,
-        tokenizer=tok,
-        model_name="tiny",
-        store="memory://",
-        run_dir=tmp_path,
-        runners=2,
-        tasks_per_step=1,
-        steps=3,
-        val_every=0,
         config=agl.RunConfig(max_tokens=2),
-        progress=False,
+        serving=Serving(
+            backend=engine,
+            tokenizer=tok,
+            model_name="tiny",
+            store="memory://",
+            run_dir=tmp_path,
+            runners=2,
+            progress=False,
+        ),
+        loop=LoopConfig(tasks_per_step=1, steps=3, val_every=0),
     )
     with pytest.raises(
         RuntimeError, match=r"pushed weight version (\d+), but the in-process gateway reports version"

@@ -1,6 +1,6 @@
 """``agl sft --adapter-per-agent`` (issue 35): each agent's demonstrations train a LoRA adapter of its
 own on the unchanged base model, saved as a peft folder per agent; RL starts each agent's adapter from
-it (``Trainer(warm_adapters=...)``); bad input is refused by name."""
+it (``LoopConfig(warm_adapters=...)``); bad input is refused by name."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from test_sft import demo, tiny_model  # noqa: E402
 import agl  # noqa: E402
 from agl.algorithms.per_agent_lora import warm_adapters_dir  # noqa: E402
 from agl.algorithms.sft import SFT  # noqa: E402
+from agl.config import LoopConfig  # noqa: E402
 from agl.errors import UsageError  # noqa: E402
+from agl.run.settings import Serving  # noqa: E402
 from agl.trainer.trainer import Trainer, load_tokenizer  # noqa: E402
 
 AGENTS = ["writer", "re.writer"]  # the second's adapter is "re_writer"
@@ -73,10 +75,14 @@ def test_rl_starts_each_adapter_from_its_warm_start(
     from safetensors.torch import load_file
 
     run, _ = sft_run
-    kw: dict[str, Any] = dict(
-        backend="scripted", script=["x"], agents=AGENTS, adapter_per_agent=True, run_dir=tmp_path
-    )
-    trainer = Trainer(agl.LightningRL(lora_r=4, lora_alpha=8), warm_adapters=run, **kw)
+    serving = Serving(backend="scripted", script=["x"], run_dir=tmp_path)
+
+    def per_agent(warm: Path) -> dict[str, Any]:
+        return dict(
+            serving=serving, loop=LoopConfig(adapter_per_agent=True, warm_adapters=warm), agents=AGENTS
+        )
+
+    trainer = Trainer(agl.LightningRL(lora_r=4, lora_alpha=8), **per_agent(run))
     trainer.build_policy(tiny_model(), load_tokenizer())
     for name in ("writer", "re_writer"):
         saved = load_file(str(run / "adapters" / name / "adapter_model.safetensors"))
@@ -84,11 +90,15 @@ def test_rl_starts_each_adapter_from_its_warm_start(
         assert set(state) == set(saved)
         assert all(torch.equal(state[k].cpu(), saved[k]) for k in saved)
     with pytest.raises(UsageError, match="LoRA rank 4, the run's lora_r is 8"):
-        Trainer(agl.LightningRL(lora_r=8, lora_alpha=16), warm_adapters=run, **kw)
+        Trainer(agl.LightningRL(lora_r=8, lora_alpha=16), **per_agent(run))
     with pytest.raises(UsageError, match="needs adapter_per_agent=True"):
-        Trainer(agl.LightningRL(lora_r=4), backend="scripted", script=["x"], warm_adapters=run)
+        Trainer(
+            agl.LightningRL(lora_r=4),
+            serving=Serving(backend="scripted", script=["x"]),
+            loop=LoopConfig(warm_adapters=run),
+        )
     with pytest.raises(UsageError, match="holds no per-agent adapters"):
-        Trainer(agl.LightningRL(lora_r=4, lora_alpha=8), warm_adapters=tmp_path / "nope", **kw)
+        Trainer(agl.LightningRL(lora_r=4, lora_alpha=8), **per_agent(tmp_path / "nope"))
 
 
 def test_per_agent_sft_refuses_bad_input(tmp_path: Path) -> None:
@@ -143,12 +153,9 @@ def test_warm_adapters_of_other_target_modules_are_refused(tmp_path: Path) -> No
         model.save_pretrained(str(tmp_path / "adapters" / name))
     trainer = Trainer(
         agl.LightningRL(lora_r=4, lora_alpha=8),
-        backend="scripted",
-        script=["x"],
         agents=AGENTS,
-        adapter_per_agent=True,
-        run_dir=tmp_path / "run",
-        warm_adapters=tmp_path,
+        serving=Serving(backend="scripted", script=["x"], run_dir=tmp_path / "run"),
+        loop=LoopConfig(adapter_per_agent=True, warm_adapters=tmp_path),
     )
     with pytest.raises(UsageError, match=r"adapter 'writer' in .* has other target modules.*missing \(e.g. "):
         trainer.build_policy(tiny_model(), load_tokenizer())

@@ -221,16 +221,11 @@ def fit_writer_rewriter(
         LightningRL(group_size=4, lora_r=4, lora_alpha=8, learning_rate=1e-2, mixed_precision="no",
                     agent_baseline=rule),
         model=tiny_model(),
-        tokenizer=load_tokenizer(),
         agents=AGENTS,
-        adapter_per_agent=True,
-        steps=steps,
-        tasks_per_step=2,
-        val_before=False,
-        runners=2,
-        run_dir=tmp_path / "run",
-        progress=False,
-        store="memory://",
+        serving=agl.Serving(
+            tokenizer=load_tokenizer(), runners=2, run_dir=tmp_path / "run", progress=False, store="memory://"
+        ),
+        loop=agl.LoopConfig(adapter_per_agent=True, steps=steps, tasks_per_step=2, val_before=False),
     )  # fmt: skip
     agl.instrument("openai")
     try:

@@ -22,7 +22,9 @@ from test_trainer import (  # noqa: E402
 )
 
 import agl  # noqa: E402
+from agl.config import LoopConfig  # noqa: E402
 from agl.errors import UsageError  # noqa: E402
+from agl.run.settings import Serving  # noqa: E402
 from agl.trainer.trainer import Trainer, load_tokenizer  # noqa: E402
 
 
@@ -30,17 +32,17 @@ def _trainer(tmp_path: Path, agents: list[str]) -> Trainer:
     return Trainer(
         agl.LightningRL(group_size=2, lora_r=4, lora_alpha=8),
         model=tiny_model(),
-        backend="scripted",
-        script=Script(),
-        store="memory://",
-        runners=2,
-        run_dir=tmp_path,
         agents=agents,
-        tokenizer=load_tokenizer(),
-        tasks_per_step=1,
-        steps=1,
-        val_every=0,
-        progress=False,
+        serving=Serving(
+            backend="scripted",
+            script=Script(),
+            store="memory://",
+            runners=2,
+            run_dir=tmp_path,
+            tokenizer=load_tokenizer(),
+            progress=False,
+        ),
+        loop=LoopConfig(tasks_per_step=1, steps=1, val_every=0),
     )
 
 
@@ -118,17 +120,17 @@ def test_an_update_in_mixed_precision_trains_by_decoupled_ppo(tmp_path: Path, pr
     trainer = Trainer(
         agl.LightningRL(group_size=4, learning_rate=1e-2, lora_r=4, lora_alpha=8, mixed_precision=precision),
         model=tiny_model(),
-        backend="transformers",
-        model_name="tiny",
-        tokenizer=load_tokenizer(),
-        store="memory://",
-        runners=4,
-        run_dir=tmp_path,
-        tasks_per_step=2,
-        steps=2,
-        val_every=0,
         config=agl.RunConfig(max_tokens=6),
-        progress=False,
+        serving=Serving(
+            backend="transformers",
+            model_name="tiny",
+            tokenizer=load_tokenizer(),
+            store="memory://",
+            runners=4,
+            run_dir=tmp_path,
+            progress=False,
+        ),
+        loop=LoopConfig(tasks_per_step=2, steps=2, val_every=0),
     )
     trainer.fit(sampling_writer, [{"q": "hello"}, {"q": "count"}])
     assert trainer.policy.precision == precision

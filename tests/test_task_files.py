@@ -1,4 +1,4 @@
-"""Tasks from the usual files (agl.task_files.load_tasks): each format read as the agent will see it, and a
+"""Tasks from the usual files (agl.cli.task_files.load_tasks): each format read as the agent will see it, and a
 bad row refused with the file and line (or row) before any task is used."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from agl.cli.task_files import load_tasks
 from agl.errors import UsageError
-from agl.task_files import load_tasks
 
 ROWS = [{"a": 1, "b": 2, "q": "one plus two"}, {"a": 3, "b": 4, "q": "three, plus four"}]
 

@@ -10,6 +10,7 @@ its stale spans are never trained on; metrics, checkpoints, resume, the plot and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
@@ -30,6 +31,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.algorithms.update import PolicyUpdate  # noqa: E402
+from agl.config import LoopConfig, RolloutSettings, RunConfig  # noqa: E402
+from agl.run.settings import Serving  # noqa: E402
 from agl.runner.runner import Runner  # noqa: E402
 from agl.store.memory import MemoryStore  # noqa: E402
 from agl.tracing import provider as tracing  # noqa: E402
@@ -166,19 +169,18 @@ def test_fit_trains_the_selected_agent_and_skips_stale_spans(
     trainer = Trainer(
         algo,
         model=tiny_model(),
-        backend="scripted",
-        script=Script(),
-        store=store,
-        runners=0,  # the test runs the runners itself: a healthy one and one that dies
-        run_dir=tmp_path / "run",
+        serving=Serving(
+            backend="scripted",
+            script=Script(),
+            store=store,
+            runners=0,  # the test runs the runners itself: a healthy one and one that dies
+            run_dir=tmp_path / "run",
+            tokenizer=tok,
+            progress=False,
+        ),
+        loop=LoopConfig(tasks_per_step=2, steps=4, val_every=2),
+        rollout=RolloutSettings(lease_s=1.0, max_attempts=3),
         agents=["writer"],
-        tokenizer=tok,
-        tasks_per_step=2,
-        steps=4,
-        val_every=2,
-        lease_s=1.0,
-        max_attempts=3,
-        progress=False,
     )
     train = [{"q": f"What is {i} * 6?"} for i in range(4)]
     val = [{"q": "What is 7 * 6?"}]
@@ -264,31 +266,37 @@ def test_fit_trains_the_selected_agent_and_skips_stale_spans(
 
 def test_resume_continues_from_the_checkpoint(tmp_path: Path) -> None:
     tok = load_tokenizer()
-    common: dict[str, Any] = dict(
-        model=tiny_model(),
+    serving = Serving(
         backend="scripted",
         script=Script(),
+        store="memory://",  # a fresh store for each Trainer: what resumes comes from the run directory
         runners=4,
         run_dir=tmp_path / "run",
         tokenizer=tok,
-        tasks_per_step=1,
-        val_every=0,
         progress=False,
-        agents=["writer"],
     )
+    loop = LoopConfig(tasks_per_step=1, val_every=0)
     algo = agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8)
-    first = Trainer(algo, store="memory://", steps=1, checkpoint_every=1, **common)
+
+    def trainer(**more: Any) -> Trainer:
+        return Trainer(
+            algo,
+            model=tiny_model(),
+            serving=serving,
+            loop=dataclasses.replace(loop, **more),
+            agents=["writer"],
+        )
+
+    first = trainer(steps=1, checkpoint_every=1)
     first.fit(two_agent_app, [{"q": "a"}, {"q": "b"}])
     assert first.policy.global_step == 1
     trained = first.policy.merged_state_dict()
-    common["model"] = tiny_model()
-    same = Trainer(algo, store="memory://", steps=1, resume=True, **common)  # nothing left to train
+    same = trainer(steps=1, resume=True)  # nothing left to train
     same.fit(two_agent_app, [{"q": "a"}, {"q": "b"}])
     resumed = same.policy.merged_state_dict()
     assert same.policy.global_step == 1
     assert max((trained[k] - resumed[k]).abs().max().item() for k in trained) < 1e-6
-    common["model"] = tiny_model()
-    second = Trainer(algo, store="memory://", steps=2, resume=True, **common)
+    second = trainer(steps=2, resume=True)
     second.fit(two_agent_app, [{"q": "a"}, {"q": "b"}])
     assert second.policy.global_step == 2
     steps = [r["step"] for r in second.history if "train_reward" in r]
@@ -297,25 +305,34 @@ def test_resume_continues_from_the_checkpoint(tmp_path: Path) -> None:
     assert ckpt["step"] == 2 and Path(ckpt["checkpoint"]).name == "checkpoint-2"
 
 
-def one_task_trainer(tmp_path: Path, algo: Any = None, *, run: str = "run", **over: Any) -> Trainer:
+def one_task_trainer(
+    tmp_path: Path,
+    algo: Any = None,
+    *,
+    run: str = "run",
+    script: Any = None,
+    tokenizer: Any = None,
+    **loop: Any,
+) -> Trainer:
     """A Trainer on a fresh tiny model and the scripted engine: one training task a step, one step,
-    held-out checks at step 0 and the end only, the writer trained (``over`` changes any of it)."""
-    kw: dict[str, Any] = dict(
-        model=tiny_model(),
+    held-out checks at step 0 and the end only, the writer trained (``loop``: LoopConfig fields that
+    change any of it)."""
+    serving = Serving(
         backend="scripted",
-        script=Script(),
+        script=script if script is not None else Script(),
         store="memory://",
         runners=4,
         run_dir=tmp_path / run,
-        tokenizer=load_tokenizer(),
-        tasks_per_step=1,
-        steps=1,
-        val_every=0,
+        tokenizer=tokenizer if tokenizer is not None else load_tokenizer(),
         progress=False,
+    )
+    return Trainer(
+        algo or agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
+        model=tiny_model(),
+        serving=serving,
+        loop=LoopConfig(**{"tasks_per_step": 1, "steps": 1, "val_every": 0, **loop}),
         agents=["writer"],
     )
-    kw.update(over)
-    return Trainer(algo or agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8), **kw)
 
 
 def test_resume_on_a_larger_held_out_set_reports_no_stale_before(tmp_path: Path) -> None:
@@ -362,7 +379,12 @@ def test_val_before_false_skips_the_first_held_out_check(tmp_path: Path) -> None
     assert [h["step"] for h in summary["history"] if h.get("val_reward") is not None] == [2, 3]
     assert summary["val_reward_before"] is None and summary["val_reward_after"] is not None
     with pytest.raises(ValueError, match="val_before"):
-        Trainer(algo, model=tiny_model(), backend="scripted", script=Script(), val_before=0)
+        Trainer(
+            algo,
+            model=tiny_model(),
+            serving=Serving(backend="scripted", script=Script()),
+            loop=LoopConfig(val_before=0),
+        )
 
 
 class ByQuestion:
@@ -419,7 +441,12 @@ def test_dynamic_sampling_draws_fresh_tasks_until_a_group_has_variance(
     assert record["zero_variance_groups"] == 2 and trainer.policy.global_step == 1
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="dynamic_sampling"):
-            Trainer(algo, model=tiny_model(), backend="scripted", script=Script(), dynamic_sampling=bad)
+            Trainer(
+                algo,
+                model=tiny_model(),
+                serving=Serving(backend="scripted", script=Script()),
+                loop=LoopConfig(dynamic_sampling=bad),
+            )
 
 
 def test_a_step_without_an_update_says_so_and_two_say_what_to_do(
@@ -444,17 +471,23 @@ def test_a_public_gateway_bind_needs_a_key_which_the_agents_receive(tmp_path: Pa
     """`agl gateway serve`'s rule holds for the trainer's own gateway: no key, no public bind. With a
     key, the gateway refuses callers without it and the published LLM resource carries it."""
     with pytest.raises(ValueError, match="refusing to listen on '0.0.0.0' without an API key"):
-        Trainer(backend="scripted", script=Script(), gateway_bind="0.0.0.0:0", run_dir=tmp_path / "a")
+        Trainer(
+            serving=Serving(
+                backend="scripted", script=Script(), gateway_bind="0.0.0.0:0", run_dir=tmp_path / "a"
+            )
+        )
     store = MemoryStore()
     trainer = Trainer(
-        backend="scripted",
-        script=Script(),
-        store=store,
-        runners=1,
-        run_dir=tmp_path / "b",
         agents=["writer"],
-        progress=False,
-        gateway_api_key="sekret",
+        serving=Serving(
+            backend="scripted",
+            script=Script(),
+            store=store,
+            runners=1,
+            run_dir=tmp_path / "b",
+            progress=False,
+            gateway_api_key="sekret",
+        ),
     )
     out = trainer.dev(two_agent_app, [{"q": "What is 6 * 7?"}], show=False)
     assert len(out) == 1  # the agent used the published key; the gateway accepted it
@@ -472,18 +505,18 @@ def test_a_public_gateway_bind_needs_a_key_which_the_agents_receive(tmp_path: Pa
     trainer.dev(wrong_key_app, [{"q": "x"}], show=False)
     # both rollouts succeeded: the wrong key was refused with a 401 (else the agent raised)
     assert [r.status for r in store.query_rollouts()] == ["succeeded", "succeeded"]
-    gw = Trainer(backend="scripted", script=Script(), run_dir=tmp_path / "c", gateway_api_key="k")
+    gw = Trainer(
+        serving=Serving(backend="scripted", script=Script(), run_dir=tmp_path / "c", gateway_api_key="k")
+    )
     assert gw.gateway_api_key == "k"
 
 
 def test_dev_prints_transitions_and_rewards(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trainer = Trainer(
-        backend="scripted",
-        script=Script(),
-        runners=2,
-        run_dir=tmp_path / "dev",
         agents=["writer"],
-        progress=False,
+        serving=Serving(
+            backend="scripted", script=Script(), runners=2, run_dir=tmp_path / "dev", progress=False
+        ),
     )
     out = trainer.dev(two_agent_app, [{"q": "What is 6 * 7?"}, {"q": "What is 1 + 1?"}])
     text = capsys.readouterr().out
@@ -513,24 +546,31 @@ def test_plot_cli_and_bad_input(tmp_path: Path) -> None:
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["plot", str(tmp_path / "nope")]) == 2
     with pytest.raises(ValueError, match="backend"):
-        Trainer(backend="tpu")
+        Trainer(serving=Serving(backend="tpu"))
     with pytest.raises(ValueError, match="vllm_url"):
-        Trainer(backend="vllm")
+        Trainer(serving=Serving(backend="vllm"))
     with pytest.raises(ValueError, match="script"):
-        Trainer(backend="scripted")
+        Trainer(serving=Serving(backend="scripted"))
     with pytest.raises(ValueError, match="dev"):
-        Trainer(backend="openai", base_url="http://127.0.0.1:9/v1").fit(two_agent_app, [{"q": "x"}])
+        Trainer(serving=Serving(backend="openai", base_url="http://127.0.0.1:9/v1")).fit(
+            two_agent_app, [{"q": "x"}]
+        )
     # the run configuration: bad values and untrainable sampling are refused before anything starts
     with pytest.raises(ValueError, match="unknown sampling setting 'temp'"):
-        Trainer(backend="scripted", script=["x"], sampling={"temp": 0.7})
+        RunConfig.resolve(sampling={"temp": 0.7})
     with pytest.raises(ValueError, match="RunConfig.lora_r must be an integer >= 1"):
-        Trainer(backend="scripted", script=["x"], update_options={"lora_r": 0})
-    greedy = Trainer(backend="scripted", script=["x"], sampling={"temperature": 0.0}, run_dir=tmp_path / "g")
+        Trainer(serving=Serving(backend="scripted", script=["x"]), config=RunConfig(lora_r=0))
+    greedy = Trainer(
+        serving=Serving(backend="scripted", script=["x"], run_dir=tmp_path / "g"),
+        config=RunConfig(temperature=0.0),
+    )
     with pytest.raises(ValueError, match="temperature must be > 0 for training"):
         greedy.fit(two_agent_app, [{"q": "x"}])
     assert not (tmp_path / "g").exists()
     with pytest.raises(ValueError, match="LightningRL"):
-        Trainer(agl.LightningRL(lora=False), backend="vllm", vllm_url="http://127.0.0.1:9/v1")
+        Trainer(
+            agl.LightningRL(lora=False), serving=Serving(backend="vllm", vllm_url="http://127.0.0.1:9/v1")
+        )
 
 
 def test_plot_keeps_a_resumed_recheck_on_another_held_out_set_apart(tmp_path: Path) -> None:
@@ -582,7 +622,9 @@ def test_learn_on_cpu_agent_rewards_only_the_strict_format(tmp_path: Path) -> No
         last = re.findall(r"= (-?\d+)", request.messages[-1]["content"])[-1]
         return f"Answer: {last}" if int(last) % 2 == 0 else f"I think it is {last}."
 
-    trainer = Trainer(backend="scripted", script=script, runners=2, run_dir=tmp_path, progress=False)
+    trainer = Trainer(
+        serving=Serving(backend="scripted", script=script, runners=2, run_dir=tmp_path, progress=False)
+    )
     out = trainer.dev(calc_agent, val, show=False)
     assert len(out) == 4 and {t.agent for t in out} == {"calculator_agent"}
     by_rollout = {t.rollout_id: t for t in out}
@@ -592,9 +634,10 @@ def test_learn_on_cpu_agent_rewards_only_the_strict_format(tmp_path: Path) -> No
     assert len(tools) == 4 and all(s.attributes[sc.GEN_AI_TOOL_NAME] == "calculator" for s in tools)
 
 
-def _fit_on_fake_vllm(tmp_path: Path, tasks: list[dict], **kw: Any) -> tuple[Trainer, Any]:
-    """A writer agent trained on the vllm backend in front of tests/gateway/fake_vllm.py; returns the
-    trainer after ``fit`` and the fake server (its ``requests`` and ``control`` logs)."""
+def _fit_on_fake_vllm(tmp_path: Path, tasks: list[dict], **loop: Any) -> tuple[Trainer, Any]:
+    """A writer agent trained on the vllm backend in front of tests/gateway/fake_vllm.py (``loop``:
+    LoopConfig fields); returns the trainer after ``fit`` and the fake server (its ``requests`` and
+    ``control`` logs)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent / "gateway"))
@@ -614,17 +657,17 @@ def _fit_on_fake_vllm(tmp_path: Path, tasks: list[dict], **kw: Any) -> tuple[Tra
         trainer = Trainer(
             agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
             model=tiny_model(),
-            backend="vllm",
-            vllm_url=root + "/v1",
-            model_name="policy",
-            tokenizer=load_tokenizer(),
-            store="memory://",
-            runners=2,
-            run_dir=tmp_path,
-            tasks_per_step=1,
-            val_every=0,
-            progress=False,
-            **kw,
+            serving=Serving(
+                backend="vllm",
+                vllm_url=root + "/v1",
+                model_name="policy",
+                tokenizer=load_tokenizer(),
+                store="memory://",
+                runners=2,
+                run_dir=tmp_path,
+                progress=False,
+            ),
+            loop=LoopConfig(tasks_per_step=1, val_every=0, **loop),
         )
         trainer.fit(agent, tasks)
     return trainer, fake
@@ -662,7 +705,7 @@ def test_async_training_on_the_vllm_backend_pauses_around_each_push(tmp_path: Pa
 
 
 def test_external_gateway_gets_weights_over_http(tmp_path: Path) -> None:
-    """Trainer(gateway_url=...): each step's LoRA adapter (not a merged copy of the model) reaches a
+    """Serving(gateway_url=...): each step's LoRA adapter (not a merged copy of the model) reaches a
     separately served transformers gateway through POST /agl/v1/adapters, as that step's version."""
     import copy
 
@@ -687,17 +730,17 @@ def test_external_gateway_gets_weights_over_http(tmp_path: Path) -> None:
         trainer = Trainer(
             agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
             model=model,
-            gateway_url=url.root,
-            model_name="tiny",
-            tokenizer=tok,
-            store=store,
-            runners=2,
-            run_dir=tmp_path,
-            tasks_per_step=1,
-            steps=2,
-            val_every=0,
-            sampling={"max_tokens": 4},
-            progress=False,
+            serving=Serving(
+                gateway_url=url.root,
+                model_name="tiny",
+                tokenizer=tok,
+                store=store,
+                runners=2,
+                run_dir=tmp_path,
+                progress=False,
+            ),
+            loop=LoopConfig(tasks_per_step=1, steps=2, val_every=0),
+            config=RunConfig(max_tokens=4),
         )
         trainer.fit(agent, [{"q": "hi"}])
         last = trainer.history[-1]["resources_version"]
@@ -742,17 +785,17 @@ def test_fit_in_process_is_on_policy_at_the_run_temperature(
     trainer = Trainer(
         agl.LightningRL(group_size=4, learning_rate=1e-2, lora_r=4, lora_alpha=8),
         model=tiny_model(),
-        backend="transformers",
-        model_name="tiny",
-        tokenizer=tok,
-        store="memory://",
-        runners=4,
-        run_dir=tmp_path,
-        tasks_per_step=2,
-        steps=2,
-        val_every=0,
         config=agl.RunConfig(temperature=0.7, max_tokens=6),
-        progress=False,
+        serving=Serving(
+            backend="transformers",
+            model_name="tiny",
+            tokenizer=tok,
+            store="memory://",
+            runners=4,
+            run_dir=tmp_path,
+            progress=False,
+        ),
+        loop=LoopConfig(tasks_per_step=2, steps=2, val_every=0),
     )
     assert trainer.sampling == {"temperature": 0.7, "top_p": 1.0, "max_tokens": 6}
     with caplog.at_level("WARNING", logger="agl.trainer"):
@@ -783,17 +826,17 @@ def test_a_step_whose_agent_selection_matches_nothing_is_refused(tmp_path: Path)
     trainer = Trainer(
         agl.LightningRL(group_size=2, lora_r=4, lora_alpha=8),
         model=tiny_model(),
-        backend="scripted",
-        script=Script(),
-        store="memory://",
-        runners=2,
-        run_dir=tmp_path,
+        serving=Serving(
+            backend="scripted",
+            script=Script(),
+            store="memory://",
+            runners=2,
+            run_dir=tmp_path,
+            tokenizer=load_tokenizer(),
+            progress=False,
+        ),
+        loop=LoopConfig(tasks_per_step=1, steps=1, val_every=0),
         agents=["wirter"],  # a typo: no span has this name
-        tokenizer=load_tokenizer(),
-        tasks_per_step=1,
-        steps=1,
-        val_every=0,
-        progress=False,
     )
     with pytest.raises(RuntimeError, match=r"agents=\['wirter'\] matched 0 of 4 LLM calls") as err:
         trainer.fit(two_agent_app, [{"q": "What is 6 * 7?"}])

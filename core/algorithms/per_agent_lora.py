@@ -3,7 +3,7 @@
 A multi-agent app (a SQL writer and a rewriter, a solver and a verifier) trains one shared policy by
 default, so agents that need different behaviour pull one set of weights two ways. With
 ``adapter_per_agent`` the policy is one peft model holding a named LoRA adapter per selected agent
-(peft's ``add_adapter``; the adapter is named after its agent, :func:`adapter_name`). What holds:
+(peft's ``add_adapter``; the adapter is named after its agent, :func:`agl.lora.lora_name`). What holds:
 
 - the base weights are shared and frozen; each adapter's A/B matrices are its own parameters, in the
   one optimizer, so each has its own AdamW moments and step count (an adapter with no gradient in a
@@ -31,24 +31,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agl.errors import UsageError
-from agl.lora import BASE_ADAPTER, check_lora_dirs, lora_name, lora_names, lora_pattern, selected_loras
+from agl.lora import BASE_ADAPTER, check_lora_dirs
 
 if TYPE_CHECKING:
     from agl.algorithms.update import PolicyUpdate
     from agl.types import Transition
 
-#: the LoRA naming rule's old names (it lives in :mod:`agl.lora`); kept for old call sites
-adapter_name = lora_name
-adapter_names = lora_names
-adapter_pattern = lora_pattern
-selected_adapters = selected_loras
-
 __all__ = [
     "BASE_ADAPTER",
-    "adapter_name",
-    "adapter_names",
-    "adapter_pattern",
-    "selected_adapters",
     "warm_adapters_dir",
     "warm_adapters_folder",
     "agent_peft_model",

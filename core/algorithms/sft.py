@@ -34,7 +34,7 @@ An adapter per agent (``adapter_per_agent=True`` with ``agents=["writer", "rewri
 --adapter-per-agent``): each agent's demonstrations train a LoRA adapter of its own on the unchanged
 base model (one TRL run per agent, each its own optimizer), saved as a peft adapter folder
 ``run_dir/adapters/<adapter>/``; nothing is merged (one base model serves every adapter). RL continues
-from them with ``Trainer(agents=..., adapter_per_agent=True, warm_adapters=run_dir)`` (the examples'
+from them with ``Trainer(agents=..., loop=LoopConfig(adapter_per_agent=True, warm_adapters=run_dir))`` (the examples'
 ``train --adapter-per-agent --warm-start run_dir``), and ``agl gateway serve --adapter
 writer=run_dir/adapters/writer`` serves them.
 

@@ -1,4 +1,4 @@
-"""``agl apo``: APO (:mod:`agl.algorithms.apo`) from the command line — tasks from task files (agl.task_files), settings from flags or a --config file, the agent as ``module:function``,
+"""``agl apo``: APO (:mod:`agl.algorithms.apo`) from the command line — tasks from task files (agl.cli.task_files), settings from flags or a --config file, the agent as ``module:function``,
 the optimiser as any OpenAI-compatible endpoint. It builds an ``agl.Trainer`` with an ``agl.APO`` and
 runs it, printing the summary as JSON; bad input is a one-line error and exit status 2.
 """
@@ -28,9 +28,9 @@ _BUDGETS = ("rounds", "beam_width", "branch_factor", "rollouts_per_candidate", "
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[Any]:
-    """Task inputs from a task file (:func:`agl.task_files.load_tasks`: JSONL, JSON, CSV, Parquet, a saved
+    """Task inputs from a task file (:func:`agl.cli.task_files.load_tasks`: JSONL, JSON, CSV, Parquet, a saved
     dataset); errors name the file and line."""
-    from agl.task_files import load_tasks
+    from agl.cli.task_files import load_tasks
 
     return load_tasks(path)
 
@@ -136,10 +136,9 @@ def _cli(args: argparse.Namespace) -> int:
         log.info("agl apo: instrumented %s", ", ".join(names) or "nothing (no framework imported)")
     backend = "openai" if args.base_url else ("vllm" if args.vllm_url else "transformers")
     # the Trainer checks the flags it is given: a refusal is a UsageError, printed in one line
-    trainer = Trainer(
-        apo,
-        model=args.model if backend == "transformers" else None,
+    serving = Serving(
         backend=backend,
+        model=args.model if backend == "transformers" else None,
         base_url=args.base_url,
         api_key=args.api_key,
         vllm_url=args.vllm_url,
@@ -147,9 +146,13 @@ def _cli(args: argparse.Namespace) -> int:
         store=args.store,
         runners=args.runners,
         run_dir=args.run_dir,
-        sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
-        seed=args.seed,
         progress=not args.no_progress,
+    )
+    trainer = Trainer(
+        apo,
+        serving=serving,
+        loop=LoopConfig(seed=args.seed),
+        config=RunConfig(temperature=args.temperature, max_tokens=args.max_tokens),
     )
     if test is None:
         summary = trainer.fit(agent, train, val)

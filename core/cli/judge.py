@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from agl.cli._util import add_store_args, open_store_from_args, store_url
-from agl.errors import UsageError
+from agl.errors import JudgeUnavailable, UsageError
 
 __all__ = ["register_cli"]
 
@@ -101,7 +101,7 @@ def _cmd_judge(args: argparse.Namespace) -> int:
         try:
             report = judge.score(store, rollouts)
         except Exception as exc:  # noqa: BLE001 - a store write that fails is one line, nothing half-done
-            if type(exc).__name__ == "JudgeUnavailable":
+            if isinstance(exc, JudgeUnavailable):
                 raise UsageError(str(exc)) from None
             raise UsageError(f"cannot write judge calls to the store: {str(exc).splitlines()[0]}") from None
         finally:

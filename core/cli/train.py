@@ -4,14 +4,14 @@ tasks from data files, every setting a flag or a key of a YAML/TOML config file.
     agl train --agent my_agent:agent --train train.jsonl --val val.jsonl --config run.yaml --steps 20
 
 The flags (and the config file's keys, :mod:`agl.cli.config_file`) are generated from the typed
-configs' fields with their help (:mod:`agl.cli.config_args`): :class:`agl.run.Serving`,
-:class:`agl.config.LoopConfig`, :class:`agl.config.RolloutConfig` (as ``rollout_timeout_s``,
-``lease_s``, ``max_attempts``, the Trainer's keywords), :class:`agl.LightningRL` and the sampling
+configs' fields with their help (:mod:`agl.cli.config_args`): :class:`agl.run.settings.Serving`,
+:class:`agl.config.LoopConfig`, :class:`agl.config.RolloutSettings` (as ``--rollout-timeout-s``,
+``--lease-s``, ``--max-attempts``), :class:`agl.LightningRL` and the sampling
 fields of :class:`agl.config.RunConfig`. A flag overrides the file; ``--print-config`` prints the
 resolved settings, and the run directory keeps them as ``config.yaml``, which runs again unchanged.
 
 The agent is imported as ``agl runner --agent`` imports it, and the integrations of the frameworks its
-module imported are instrumented the same way. Tasks come from :func:`agl.task_files.load_tasks`
+module imported are instrumented the same way. Tasks come from :func:`agl.cli.task_files.load_tasks`
 (JSONL, JSON, CSV, Parquet, a saved ``datasets`` dataset, a cached Hub dataset, ``module:attribute``);
 every task is read and checked before anything starts, so a bad row fails with its file and line
 and nothing is written. ``--dev N`` runs ``Trainer.dev`` on N held-out tasks instead of training.
@@ -30,7 +30,7 @@ from agl.algorithms.lightning_rl import LightningRL
 from agl.cli._util import tokenizer_from_arg
 from agl.cli.config_args import add_config_arguments, add_engine_arguments, config_from_args, engine_from_args
 from agl.cli.config_file import add_config_file_arguments, format_config
-from agl.config import LoopConfig, RolloutConfig, RunConfig
+from agl.config import LoopConfig, RolloutSettings, RunConfig
 from agl.errors import UsageError
 from agl.run.settings import BACKENDS, Serving
 
@@ -43,7 +43,7 @@ log = logging.getLogger("agl.train")
 _SERVING_SKIP = ("script", "engine")
 #: settings never written into the run directory's config.yaml (give them by environment variable)
 _SECRETS = ("api_key", "gateway_api_key")
-#: RolloutConfig's fields -> the Trainer keywords (and flags) they are known by
+#: RolloutSettings' fields -> the flags (and config file keys) they are known by
 _ROLLOUT = {"timeout_s": "rollout_timeout_s", "lease_s": "lease_s", "max_attempts": "max_attempts"}
 
 
@@ -107,7 +107,7 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     dests["loop"] = add_config_arguments(lp, LoopConfig)
     dests["rollout"] = add_config_arguments(
         lp,
-        RolloutConfig,
+        RolloutSettings,
         overrides={name: {"flags": ["--" + flag.replace("_", "-")]} for name, flag in _ROLLOUT.items()},
     )
     al = parser.add_argument_group("algorithm: credit, advantages, the policy update (agl.LightningRL)")
@@ -147,7 +147,7 @@ def _cli(args: argparse.Namespace, parser: argparse.ArgumentParser, dests: dict[
 
 
 def _tasks(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
-    from agl.task_files import load_tasks
+    from agl.cli.task_files import load_tasks
     from agl.types import as_tasks
 
     train = load_tasks(args.train, split=args.train_split, name=args.dataset_name) if args.train else []
@@ -181,11 +181,11 @@ def _script(spec: str | None) -> Any:
             if not isinstance(replies, list) or not replies:
                 raise UsageError(f"--script {path} must hold a non-empty array of replies")
             return replies
-        from agl.task_files import load_tasks
+        from agl.cli.task_files import load_tasks
 
         return load_tasks(path)  # JSONL: one reply per line, each line checked with its number
     if ":" in spec:
-        from agl.task_files import import_object
+        from agl.cli.task_files import import_object
 
         return import_object(spec, "--script")
     raise FileNotFoundError(f"--script {spec}: no such file (or give module:function)")
@@ -205,7 +205,7 @@ def _trainer(args: argparse.Namespace, dests: dict[str, dict[str, str]]) -> Any:
         Serving, args, dests["serving"], script=_script(args.script), tokenizer=tokenizer, engine=engine
     )
     loop = config_from_args(LoopConfig, args, dests["loop"])
-    rollout = config_from_args(RolloutConfig, args, dests["rollout"])
+    rollout = config_from_args(RolloutSettings, args, dests["rollout"])
     algorithm = config_from_args(LightningRL, args, dests["algorithm"])
     sampling = RunConfig(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     agents = [a.strip() for a in args.agents.split(",") if a.strip()] if args.agents else None

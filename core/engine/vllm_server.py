@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agl.errors import AglError, UsageError
+from agl.errors import UsageError, VLLMServerError
 
 __all__ = ["VLLMServer", "VLLMServerError", "server_environment", "vllm_python_from_env"]
 
@@ -88,10 +88,6 @@ while True:
         stop()
     time.sleep(0.5)
 """
-
-
-class VLLMServerError(AglError):
-    """The managed vLLM server did not start, exited, or lacks what agl needs."""
 
 
 def vllm_python_from_env() -> str | None:

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agl.errors import MalformedJudgeOutput
+
 __all__ = [
     "MODES",
     "MalformedJudgeOutput",
@@ -30,10 +32,6 @@ _SYSTEM = (
     "wrote. Reply with JSON only, no prose, in exactly this form: "
     '{"scores": [{"id": "<trajectory id>", "score": <number 0..1>, "reason": "<one short sentence>"}]}'
 )
-
-
-class MalformedJudgeOutput(ValueError):
-    """The judge's reply is not the JSON asked for; the message says what is wrong."""
 
 
 @dataclass(frozen=True)

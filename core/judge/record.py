@@ -19,15 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from agl import semconv as sc
+from agl.errors import JudgeUnavailable
 
 __all__ = ["JudgeCall", "JudgeRecorder", "JudgeUnavailable"]
 
 #: rollout metadata key marking a judge call
 META_KEY = "agl.judge"
-
-
-class JudgeUnavailable(RuntimeError):
-    """The judge endpoint kept failing after every retry: the step fails loudly, nothing is guessed."""
 
 
 class _TransientError(Exception):

@@ -1,6 +1,6 @@
 """Runners stop claiming while the agents' LLM endpoint is down, and go on when it answers again.
 
-Why: a gateway served inside the trainer (``Trainer(gateway_bind=...)``, reached by runners on other
+Why: a gateway served inside the trainer (``Serving(gateway_bind=...)``, reached by runners on other
 hosts) is gone while the trainer restarts after a crash. Without this gate every runner would go on
 claiming queued rollouts, each would fail at its first LLM call within milliseconds, and the queue
 would burn through its ``max_attempts`` in seconds: rollouts failed for good, groups lost. With it, only

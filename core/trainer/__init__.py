@@ -20,7 +20,6 @@ Its modules, all of them:
   the notes printed when a step cannot update, what ``dev`` prints;
 - :mod:`~agl.trainer.rewarding` (task, judge or mixed rewards), :mod:`~agl.trainer.monitors`
   (reward-hacking monitors), :mod:`~agl.trainer.gate` (rolls training back on a monitor);
-- :mod:`~agl.trainer.keywords` (old keyword call sites routed into the typed configs);
 - :mod:`~agl.trainer.malloc` (glibc settings for ``fit``).
 
 What every algorithm shares (serving, the store, metrics) is :mod:`agl.run`; nothing there imports this

@@ -45,7 +45,7 @@ from agl.trainer.pipeline import (
 from agl.trainer.steps import Steps
 from agl.types import Task, Transition
 
-__all__ = ["AsyncLoop", "AsyncSchedule"]
+__all__ = ["AsyncSchedule"]
 
 log = logging.getLogger("agl.trainer")
 
@@ -183,7 +183,3 @@ class AsyncSchedule:
             restored,
         )
         return start
-
-
-#: the name this schedule had before the loop skeleton was shared (agl.trainer.loop)
-AsyncLoop = AsyncSchedule

@@ -1,7 +1,7 @@
 """An optional gate on training: roll back to the last checkpoint when a chosen reward-hacking
 monitor fires or the held-out task reward drops, log why, and go on from there with fresh tasks.
 
-``Trainer(gate=agl.trainer.gate.Gate(...), checkpoint_every=N)``: after each training step, :meth:`Gate.apply`
+``Trainer(gate=agl.Gate(...), loop=LoopConfig(checkpoint_every=N))``: after each training step, :meth:`Gate.apply`
 checks the step's record; when it trips, the policy (weights, optimizer, scheduler) is reloaded from
 the checkpoint ``trainer_state.json`` names, and the step's record carries ``gate_rollback`` (why,
 from which checkpoint). The task order is not rewound: the next step draws tasks the run has not yet

@@ -43,7 +43,6 @@ from agl.run.metrics import MetricsLog
 from agl.run.settings import Serving
 from agl.trainer import distributed
 from agl.trainer.checks import StepChecks
-from agl.trainer.keywords import merged, route_keywords
 from agl.trainer.loop import Schedule, run_loop
 from agl.trainer.notes import inspect_commands
 from agl.trainer.steps import Steps
@@ -59,6 +58,16 @@ __all__ = ["Trainer", "load_tokenizer"]
 log = logging.getLogger("agl.trainer")
 
 
+def _given(name: str, cls: type, value: Any, *, default: Any = dataclasses.MISSING) -> Any:
+    """``value`` if it is a ``cls``; None gives ``default`` (the class's defaults unless one is named);
+    anything else — a dict, another settings class — is a TypeError naming what was expected."""
+    if value is None:
+        return cls() if default is dataclasses.MISSING else default
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be an {cls.__module__}.{cls.__name__}, got {type(value).__name__}")
+    return value
+
+
 # ------------------------------------------------------------------------------------ trainer
 
 
@@ -67,21 +76,23 @@ class Trainer:
 
     ``algorithm``: a ``LightningRL`` (credit, advantages, update settings) or an algorithm that runs
     itself (``agl.APO``). ``model``: a local path or a loaded ``PreTrainedModel`` (None: the embedded
-    SmolLM2-135M-Instruct). The numbers come in three typed values, each optional:
+    SmolLM2-135M-Instruct). The numbers come in four typed values, each optional:
 
-    - ``serving`` (:class:`agl.run.Serving`): what serves the policy and where rollouts go — backend,
-      store, runners, run directory, gateway (bind, advertised URL, key, or one started elsewhere);
+    - ``serving`` (:class:`agl.run.settings.Serving`): what serves the policy and where rollouts go —
+      backend, store, runners, run directory, gateway (bind, advertised URL, key, or one started
+      elsewhere);
     - ``loop`` (:class:`agl.config.LoopConfig`): steps, tasks per step, held-out checks, dynamic
       sampling, checkpoints, resume, seed; ``rollout`` (:class:`agl.config.RolloutSettings`): a
       rollout's timeout, lease and attempts;
     - ``config`` (:class:`agl.config.RunConfig`): sampling and the update's settings.
 
-    Every field can also be given as a keyword (``Trainer(backend="scripted", steps=3)``, and
-    ``rollout_timeout_s``, ``sampling={...}``, ``update_options={...}``); a keyword overrides the
-    value's field, and an unknown keyword is a TypeError naming it. ``agents``: which agents' calls
-    to train on; ``adapter``: an ``Adapter`` to use instead of the default one. With an adapter per
-    agent (``adapter_per_agent=True``), ``warm_adapters`` (an ``agl sft --adapter-per-agent`` run
-    directory) starts each agent's adapter from its warm start instead of zero.
+    Each value is given whole (``Trainer(serving=Serving(backend="scripted"),
+    loop=LoopConfig(steps=3))``); one not given takes its class's defaults, and anything but an
+    instance of the class is a TypeError naming it. ``agents``: which agents' calls to train on;
+    ``adapter``: an ``Adapter`` to use instead of the default one. With an adapter per agent
+    (``LoopConfig.adapter_per_agent``), ``LoopConfig.warm_adapters`` (an ``agl sft
+    --adapter-per-agent`` run directory) starts each agent's adapter from its warm start instead of
+    zero.
 
     Rewards (:mod:`agl.judge`, :mod:`agl.trainer.monitors`): ``judge`` (an :class:`agl.Judge`) scores each
     group; ``reward`` is ``"task"``, ``"judge"`` or weights ``{"task": 0.7, "judge": 0.3}``;
@@ -104,7 +115,6 @@ class Trainer:
         reward: Any = "task",
         monitors: Any = True,
         gate: Any = None,
-        **keywords: Any,
     ) -> None:
         from agl.algorithms.lightning_rl import LightningRL
 
@@ -113,15 +123,16 @@ class Trainer:
             raise UsageError(
                 f"algorithm must be an agl.LightningRL or agl.APO, got {type(self.algorithm).__name__}"
             )
-        parts = route_keywords(keywords)
+        self.serving = _given("serving", Serving, serving)
         if model is not None:
-            parts["serving"]["model"] = model
-        self.serving = merged(Serving, serving, parts["serving"])
-        self.loop = merged(LoopConfig, loop, parts["loop"])
-        self.rollout = merged(RolloutSettings, rollout, parts["rollout"])
+            self.serving = dataclasses.replace(self.serving, model=model)
+        self.loop = _given("loop", LoopConfig, loop)
+        self.rollout = _given("rollout", RolloutSettings, rollout)
         #: the one run configuration: sampling published to the agents and used by the in-process
         #: gateway, and the update settings (temperature included) the policy update reads
-        self.config = RunConfig.resolve(self.algorithm, base=config, **parts["config"])
+        self.config = RunConfig.resolve(
+            self.algorithm, base=_given("config", RunConfig, config, default=None)
+        )
         backend = self.serving.backend
         if backend == "vllm" and not self.config.lora:
             raise UsageError(

@@ -104,7 +104,7 @@ def _table(s: dict[str, Any]) -> str:
 def evaluate(args: argparse.Namespace, **trainer_kw: Any) -> dict[str, Any]:
     """Greedy BFCL accuracy of ``args.category``: every case once, scored by BFCL's checker."""
     import agl.store
-    from agl import Trainer
+    from agl import RunConfig, Serving, Trainer
     from examples.bfcl_agent import bfcl, data
     from examples.bfcl_agent.agent import AGENT, make_rollout
 
@@ -125,18 +125,18 @@ def evaluate(args: argparse.Namespace, **trainer_kw: Any) -> dict[str, Any]:
         from examples.bfcl_agent.scripted import ScriptedBFCL
 
         trainer_kw.setdefault("script", ScriptedBFCL())
-    trainer = Trainer(
+    serving = Serving(
         model=model if args.base_url is None else None,
         tokenizer=tokenizer,
         backend="openai" if args.base_url else args.backend,
         base_url=args.base_url,
         model_name=args.model_name,
-        agents=[AGENT],
         store=store,
         runners=min(len(tasks), args.runners),
-        sampling={"max_tokens": args.max_tokens, "temperature": 0.0},
         **{"progress": args.progress, **trainer_kw},
     )
+    config = RunConfig(max_tokens=args.max_tokens, temperature=0.0)
+    trainer = Trainer(serving=serving, config=config, agents=[AGENT])
     trainer.dev(make_rollout(), tasks, show=False)
     summary = summarise(args.category, tasks, _errors(store))
     print(_table(summary))
@@ -147,7 +147,7 @@ def evaluate(args: argparse.Namespace, **trainer_kw: Any) -> dict[str, Any]:
 def dev(
     args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, script: Any = None, **kw: Any
 ) -> Any:
-    from agl import Trainer
+    from agl import RunConfig, Serving, Trainer
     from examples.bfcl_agent import data
     from examples.bfcl_agent.agent import AGENT, make_rollout
 
@@ -160,17 +160,17 @@ def dev(
     if args.store is not None:
         kw.setdefault("store", args.store)
     is_path = args.model is not None and os.path.isdir(args.model)
-    trainer = Trainer(
+    serving = Serving(
         model=model if model is not None else (args.model if is_path else None),
         tokenizer=tokenizer,
         backend=args.backend,
         script=script,
-        agents=[AGENT],
         runners=min(len(tasks), 4),
-        sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
         progress=False,
         **kw,
     )
+    config = RunConfig(max_tokens=args.max_tokens, temperature=args.temperature)
+    trainer = Trainer(serving=serving, config=config, agents=[AGENT])
     return trainer.dev(
         make_rollout(),
         tasks,
@@ -181,7 +181,7 @@ def dev(
 
 
 def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, **trainer_kw: Any) -> Any:
-    from agl import LightningRL, Trainer
+    from agl import LightningRL, RunConfig, Trainer
     from examples.bfcl_agent import data
     from examples.bfcl_agent.agent import AGENT, make_rollout
 
@@ -203,7 +203,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         serving=serving,
         loop=loop,
         agents=[AGENT],
-        sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
+        config=RunConfig(max_tokens=args.max_tokens, temperature=args.temperature),
         **rest,
     )
     val = None

@@ -58,11 +58,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def apo(args: argparse.Namespace, **setup: Any) -> Any:
+def apo(args: argparse.Namespace, **serving_kw: Any) -> Any:
     """APO on the solver's system prompt: failures on training problems drive the rewrites,
     candidates are chosen on held-back training problems, and the initial and best prompts are
-    compared on held-out test problems. Every problem is decoded greedily."""
-    from agl import APO, Trainer
+    compared on held-out test problems. Every problem is decoded greedily. ``serving_kw``: fields of
+    the run's ``Serving`` that win over the flags (the tests' scripted backend, no progress bar)."""
+    from agl import APO, LoopConfig, RunConfig, Serving, Trainer
     from examples.calc_agent import data
     from examples.calc_agent.agent import AGENT, make_rollout
 
@@ -82,7 +83,7 @@ def apo(args: argparse.Namespace, **setup: Any) -> Any:
         max_failures=3,
         trace_chars=800,
     )
-    kw: dict[str, Any] = {
+    serving: dict[str, Any] = {
         "model": args.model if args.base_url is None else None,
         "backend": "openai" if args.base_url else "transformers",
         "base_url": args.base_url,
@@ -90,11 +91,14 @@ def apo(args: argparse.Namespace, **setup: Any) -> Any:
         "model_name": args.model if args.base_url else None,
         "runners": args.runners,
         "run_dir": args.run_dir,
-        "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0},
-        "seed": args.seed,
-        **setup,  # the tests' overrides (a scripted backend, no progress bar)
+        **serving_kw,
     }
-    trainer = Trainer(algorithm, **kw)
+    trainer = Trainer(
+        algorithm,
+        serving=Serving(**serving),
+        loop=LoopConfig(seed=args.seed),
+        config=RunConfig(max_tokens=args.max_tokens, temperature=0.0),
+    )
     train = data.load_tasks("train")
     val, train = train[-args.val_tasks :], train[: -args.val_tasks]
     test = data.load_tasks("test", limit=args.test_tasks)
@@ -119,9 +123,9 @@ def dev(
     model: Any = None,
     tokenizer: Any = None,
     script: Any = None,
-    **trainer_kw: Any,
+    **serving_kw: Any,
 ) -> Any:
-    from agl import Trainer
+    from agl import RunConfig, Serving, Trainer
     from examples.calc_agent import data
     from examples.calc_agent.agent import AGENT, make_rollout
 
@@ -132,18 +136,21 @@ def dev(
 
         script = ScriptedCalc(oracle=args.oracle)
     if args.store is not None:
-        trainer_kw.setdefault("store", args.store)
+        serving_kw.setdefault("store", args.store)
     is_path = args.model is not None and os.path.isdir(args.model)
-    trainer = Trainer(
+    serving = Serving(
         model=model if model is not None else (args.model if is_path else None),
         tokenizer=tokenizer,
         backend=args.backend,
         script=script,
-        agents=[AGENT],
         runners=min(len(tasks), 4),
-        sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
         progress=False,
-        **trainer_kw,
+        **serving_kw,
+    )
+    trainer = Trainer(
+        agents=[AGENT],
+        serving=serving,
+        config=RunConfig(max_tokens=args.max_tokens, temperature=args.temperature),
     )
     return trainer.dev(
         make_rollout(),
@@ -155,7 +162,7 @@ def dev(
 
 
 def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, **trainer_kw: Any) -> Any:
-    from agl import LightningRL, Trainer
+    from agl import LightningRL, RunConfig, Trainer
     from examples.calc_agent import data
     from examples.calc_agent.agent import AGENT, make_rollout
 
@@ -177,7 +184,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         serving=serving,
         loop=loop,
         agents=[AGENT],
-        sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
+        config=RunConfig(max_tokens=args.max_tokens, temperature=args.temperature),
         **rest,
     )
     val = _val_tasks(data.load_tasks("test", limit=args.val_tasks)) if args.val_tasks else None

@@ -120,9 +120,9 @@ def dev(
     model: Any = None,
     tokenizer: Any = None,
     script: Any = None,
-    **trainer_kw: Any,
+    **serving_kw: Any,
 ) -> Any:
-    from agl import Trainer
+    from agl import RunConfig, Serving, Trainer
     from examples.crew_agent import data
     from examples.crew_agent.agent import TRAINED_AGENTS, make_rollout
 
@@ -132,18 +132,21 @@ def dev(
 
         script = ScriptedCrew()
     if args.store is not None:
-        trainer_kw.setdefault("store", args.store)
+        serving_kw.setdefault("store", args.store)
     is_path = args.model is not None and os.path.isdir(args.model)
-    trainer = Trainer(
+    serving = Serving(
         model=model if model is not None else (args.model if is_path else None),
         tokenizer=tokenizer,
         backend=args.backend,
         script=script,
-        agents=TRAINED_AGENTS,
         runners=min(len(tasks), 4) or 1,
-        sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
         progress=False,
-        **trainer_kw,
+        **serving_kw,
+    )
+    trainer = Trainer(
+        agents=TRAINED_AGENTS,
+        serving=serving,
+        config=RunConfig(max_tokens=args.max_tokens, temperature=args.temperature),
     )
     with researcher(args) as fixed:
         return trainer.dev(
@@ -156,7 +159,7 @@ def dev(
 
 
 def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, **trainer_kw: Any) -> Any:
-    from agl import LightningRL, Trainer
+    from agl import LightningRL, RunConfig, Trainer
     from examples.crew_agent import data
     from examples.crew_agent.agent import TRAINED_AGENTS, make_rollout
 
@@ -172,7 +175,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         serving=serving,
         loop=loop,
         agents=TRAINED_AGENTS,
-        sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
+        config=RunConfig(max_tokens=args.max_tokens, temperature=args.temperature),
         **rest,
     )
     val = _val_tasks(data.load_tasks("test", limit=args.val_tasks)) if args.val_tasks else None

@@ -52,7 +52,7 @@ def _trainer(args: argparse.Namespace, seed: int, run_dir: Path) -> Any:
         ),
         loop=config_from_args(LoopConfig, args, seed=seed),
         agents=["calculator_agent"],
-        sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
+        config=RunConfig(temperature=args.temperature, max_tokens=args.max_tokens),
     )
 
 
@@ -153,7 +153,7 @@ def cmd_dev(args: argparse.Namespace) -> int:
     _setup(args)
     _, val = split(n_val=args.n)
     run_dir = _fresh_run_dir(args)
-    trainer = agl.Trainer(
+    serving = Serving(
         backend=args.backend,
         vllm_url=args.vllm_url,
         vllm_python=args.vllm_python,
@@ -161,9 +161,12 @@ def cmd_dev(args: argparse.Namespace) -> int:
         model=args.model,
         runners=args.runners,
         run_dir=run_dir,
-        agents=["calculator_agent"],
-        sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
         store=f"sqlite:///{(run_dir / 'store.db').resolve()}",
+    )
+    trainer = agl.Trainer(
+        agents=["calculator_agent"],
+        serving=serving,
+        config=RunConfig(temperature=args.temperature, max_tokens=args.max_tokens),
     )
     trainer.dev(calc_agent, val[: args.n], base_url=args.base_url, model=args.model_name)
     return 0

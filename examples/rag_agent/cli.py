@@ -127,9 +127,9 @@ def dev(
     model: Any = None,
     tokenizer: Any = None,
     script: Any = None,
-    **trainer_kw: Any,
+    **serving_kw: Any,
 ) -> Any:
-    from agl import Trainer
+    from agl import RunConfig, Serving, Trainer
     from examples.rag_agent import data
     from examples.rag_agent.agent import TRAINED_AGENTS, make_rollout
 
@@ -140,19 +140,22 @@ def dev(
 
         script = ScriptedRAG(_scale(args), oracle=args.oracle)
     if args.store is not None:
-        trainer_kw.setdefault("store", args.store)
+        serving_kw.setdefault("store", args.store)
     _prepare_index(args)
     is_path = args.model is not None and os.path.isdir(args.model)
-    trainer = Trainer(
+    serving = Serving(
         model=model if model is not None else (args.model if is_path else None),
         tokenizer=tokenizer,
         backend=args.backend,
         script=script,
-        agents=TRAINED_AGENTS,
         runners=min(len(tasks), 4) or 1,
-        sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
         progress=False,
-        **trainer_kw,
+        **serving_kw,
+    )
+    trainer = Trainer(
+        agents=TRAINED_AGENTS,
+        serving=serving,
+        config=RunConfig(max_tokens=args.max_tokens, temperature=args.temperature),
     )
     return trainer.dev(
         make_rollout(args.data_dir),
@@ -175,7 +178,7 @@ def _judge_kw(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, **trainer_kw: Any) -> Any:
-    from agl import LightningRL, Trainer
+    from agl import LightningRL, RunConfig, Trainer
     from examples.rag_agent import data
     from examples.rag_agent.agent import TRAINED_AGENTS, make_rollout
 
@@ -197,7 +200,7 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         serving=serving,
         loop=loop,
         agents=TRAINED_AGENTS,
-        sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
+        config=RunConfig(max_tokens=args.max_tokens, temperature=args.temperature),
         **rest,
     )
     scale = _scale(args)

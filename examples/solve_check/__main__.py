@@ -29,7 +29,8 @@ from agl.run.settings import Serving  # noqa: E402
 SETUPS = ("shared", "per_agent")
 
 
-def _trainer(args: argparse.Namespace, seed: int, run_dir: Path, per_agent: bool, **extra: Any) -> Any:
+def _trainer(args: argparse.Namespace, seed: int, run_dir: Path, per_agent: bool, **serving_kw: Any) -> Any:
+    """One run's Trainer from the flags; ``serving_kw``: Serving fields that win (a test's tokenizer)."""
     import agl
     from examples.solve_check.agent import AGENTS
 
@@ -47,14 +48,13 @@ def _trainer(args: argparse.Namespace, seed: int, run_dir: Path, per_agent: bool
     return agl.Trainer(
         algo,
         serving=config_from_args(
-            Serving, args, model=model, backend="transformers", run_dir=run_dir, store=store
+            Serving, args, model=model, backend="transformers", run_dir=run_dir, store=store, **serving_kw
         ),
         loop=config_from_args(
             LoopConfig, args, seed=seed, adapter_per_agent=per_agent, warm_adapters=warm_adapters
         ),
         agents=AGENTS,
-        sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
-        **extra,
+        config=RunConfig(temperature=args.temperature, max_tokens=args.max_tokens),
     )
 
 
@@ -94,7 +94,7 @@ def held_out_by_agent(store: Any) -> dict[int, dict[str, float]]:
 
 
 def _train_one(
-    args: argparse.Namespace, seed: int, run_dir: Path, per_agent: bool, **extra: Any
+    args: argparse.Namespace, seed: int, run_dir: Path, per_agent: bool, **serving_kw: Any
 ) -> dict[str, Any]:
     import agl.store
     from examples.solve_check.agent import solve_check
@@ -102,7 +102,7 @@ def _train_one(
 
     train, val = split(n_val=args.val_size)
     t0 = time.perf_counter()
-    out = _trainer(args, seed, run_dir, per_agent, **extra).fit(solve_check, train, val)
+    out = _trainer(args, seed, run_dir, per_agent, **serving_kw).fit(solve_check, train, val)
     out["wall_s"] = time.perf_counter() - t0
     out["seed"], out["setup"] = seed, "per_agent" if per_agent else "shared"
     store = agl.store.open(f"sqlite:///{run_dir / 'store.db'}")
@@ -211,13 +211,16 @@ def cmd_dev(args: argparse.Namespace) -> int:
     tasks = (train if args.split == "train" else val)[: args.n]
     run_dir = _run_dir(args, "solve_check_dev")
     scripted = {"backend": "scripted", "script": oracle} if args.backend == "scripted" else {}
-    trainer = agl.Trainer(
+    serving = Serving(
         **({"backend": "transformers", "model": args.model} | scripted),
         runners=args.runners,
         run_dir=run_dir,
-        agents=AGENTS,
-        sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
         store=args.store or f"sqlite:///{(run_dir / 'store.db').resolve()}",
+    )
+    trainer = agl.Trainer(
+        agents=AGENTS,
+        serving=serving,
+        config=RunConfig(temperature=args.temperature, max_tokens=args.max_tokens),
     )
     trainer.dev(solve_check, tasks, base_url=args.base_url, model=args.model_name)
     return 0

@@ -80,15 +80,14 @@ def test_failure_kinds_are_the_checkers_terms() -> None:
 
 
 def _dev(tmp_path: Path, tasks: list[dict[str, Any]], script: Any) -> tuple[Any, list[Any]]:
+    import agl
     import agl.store
     from agl import Trainer
     from examples.bfcl_agent.agent import AGENT, make_rollout
 
     store = agl.store.open(f"sqlite:///{tmp_path / 'dev.db'}")
-    trainer = Trainer(
-        backend="scripted", script=script, agents=[AGENT], store=store, runners=4, progress=False,
-        sampling={"max_tokens": 512, "temperature": 0.0},
-    )  # fmt: skip
+    serving = agl.Serving(backend="scripted", script=script, store=store, runners=4, progress=False)
+    trainer = Trainer(serving=serving, config=agl.RunConfig(max_tokens=512, temperature=0.0), agents=[AGENT])
     return store, trainer.dev(make_rollout(), tasks, show=False)
 
 

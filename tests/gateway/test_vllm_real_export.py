@@ -54,16 +54,16 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     trainer = agl.Trainer(
         agl.LightningRL(group_size=2, lora_r=8, lora_alpha=16, learning_rate=5e-3, mixed_precision="no"),
         model=str(model_dir()),
-        backend="scripted",
-        script=["Answer: 5", "I am not sure."],
         agents=["writer"],
-        steps=1,
-        tasks_per_step=2,
-        val_before=False,
-        runners=2,
-        run_dir=root / "run",
-        store="memory://",
-        progress=False,
+        serving=agl.Serving(
+            backend="scripted",
+            script=["Answer: 5", "I am not sure."],
+            runners=2,
+            run_dir=root / "run",
+            store="memory://",
+            progress=False,
+        ),
+        loop=agl.LoopConfig(steps=1, tasks_per_step=2, val_before=False),
     )
     agl.instrument("openai")
     try:

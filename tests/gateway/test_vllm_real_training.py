@@ -1,5 +1,5 @@
 """A short LightningRL run with the policy served by a real vLLM server that the run starts itself
-(``Trainer(backend="vllm", vllm_python=...)``), SIGKILLed in the middle of a step: the run restarts it
+(``Serving(backend="vllm", vllm_python=...)``), SIGKILLed in the middle of a step: the run restarts it
 with the last pushed adapter, loses no rollout and says so in the step's metrics. Skipped unless
 AGL_VLLM_PYTHON is set (vllm_real.py); ``tox -e vllm`` runs it."""
 
@@ -47,18 +47,17 @@ def test_lightning_rl_trains_through_a_managed_vllm_that_crashes_mid_step(tmp_pa
     trainer = agl.Trainer(
         agl.LightningRL(group_size=4, learning_rate=1e-3, lora_r=8, lora_alpha=16, kl_coef=0.0),
         model=str(model_dir()),
-        backend="vllm",
-        vllm_python=python,
-        vllm_args=" ".join(["--dtype", "bfloat16", *SERVER_ARGS]),
-        runners=8,
-        run_dir=tmp_path / "run",
         agents=["calculator_agent"],
-        sampling={"temperature": 1.0, "max_tokens": 16},
-        tasks_per_step=2,
-        steps=2,
-        val_every=2,
-        seed=0,
-        progress=False,
+        serving=agl.Serving(
+            backend="vllm",
+            vllm_python=python,
+            vllm_args=" ".join(["--dtype", "bfloat16", *SERVER_ARGS]),
+            runners=8,
+            run_dir=tmp_path / "run",
+            progress=False,
+        ),
+        loop=agl.LoopConfig(tasks_per_step=2, steps=2, val_every=2, seed=0),
+        config=agl.RunConfig(temperature=1.0, max_tokens=16),
     )
     done = threading.Event()
     killer = threading.Thread(target=_kill_during_step, args=(trainer, 1, done), daemon=True)

@@ -21,7 +21,9 @@ openai = pytest.importorskip("openai")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import agl  # noqa: E402
+from agl.config import LoopConfig  # noqa: E402
 from agl.gateway.testing import ScriptedBackend  # noqa: E402
+from agl.run.settings import Serving  # noqa: E402
 from agl.tracing import provider as tracing  # noqa: E402
 from agl.trainer.trainer import Trainer, load_tokenizer  # noqa: E402
 
@@ -89,18 +91,17 @@ def judged_trainer(tmp_path: Path, steps: int) -> Trainer:
     return Trainer(
         agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
         model=tiny_model(),
-        backend="scripted",
-        script=Engine(),
-        runners=2,
-        run_dir=tmp_path / "run",
-        tokenizer=load_tokenizer(),
-        tasks_per_step=2,
-        steps=steps,
-        val_every=0,
-        val_before=False,
-        progress=False,
         judge=judge,
         reward="judge",
+        serving=Serving(
+            backend="scripted",
+            script=Engine(),
+            runners=2,
+            run_dir=tmp_path / "run",
+            tokenizer=load_tokenizer(),
+            progress=False,
+        ),
+        loop=LoopConfig(tasks_per_step=2, steps=steps, val_every=0, val_before=False),
     )
 
 
@@ -169,11 +170,11 @@ def test_divergence_compares_the_reported_task_reward_with_the_judge(tmp_path: P
 
 def test_reward_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="needs judge"):
-        Trainer(backend="scripted", script=["x"], reward="judge")
+        Trainer(reward="judge", serving=Serving(backend="scripted", script=["x"]))
     with pytest.raises(ValueError, match="reward must be"):
-        Trainer(backend="scripted", script=["x"], reward={"task": 1, "vibes": 1})
+        Trainer(reward={"task": 1, "vibes": 1}, serving=Serving(backend="scripted", script=["x"]))
     with pytest.raises(ValueError, match="reward must be"):
-        Trainer(backend="scripted", script=["x"], reward={"task": -1})
+        Trainer(reward={"task": -1}, serving=Serving(backend="scripted", script=["x"]))
 
 
 def test_the_gate_rolls_back_to_the_last_checkpoint_when_its_monitor_fires(tmp_path: Path) -> None:
@@ -182,18 +183,16 @@ def test_the_gate_rolls_back_to_the_last_checkpoint_when_its_monitor_fires(tmp_p
     trainer = Trainer(
         agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
         model=tiny_model(),
-        backend="scripted",
-        script=lambda request: GOOD,
-        runners=2,
-        run_dir=tmp_path / "run",
-        tokenizer=load_tokenizer(),
-        tasks_per_step=2,
-        steps=3,
-        val_every=0,
-        val_before=False,
-        progress=False,
-        checkpoint_every=1,
         gate=agl.Gate(monitors=("identical_answers",), val_drop=None),
+        serving=Serving(
+            backend="scripted",
+            script=lambda request: GOOD,
+            runners=2,
+            run_dir=tmp_path / "run",
+            tokenizer=load_tokenizer(),
+            progress=False,
+        ),
+        loop=LoopConfig(tasks_per_step=2, steps=3, val_every=0, val_before=False, checkpoint_every=1),
     )
     trainer.fit(no_reward_agent, [{"q": f"What is {i} * 6?"} for i in range(6)])
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -207,6 +206,6 @@ def test_the_gate_rolls_back_to_the_last_checkpoint_when_its_monitor_fires(tmp_p
 
 def test_a_gate_needs_checkpoints_and_known_monitors() -> None:
     with pytest.raises(ValueError, match="checkpoint_every"):
-        Trainer(backend="scripted", script=["x"], gate=agl.Gate())
+        Trainer(gate=agl.Gate(), serving=Serving(backend="scripted", script=["x"]))
     with pytest.raises(ValueError, match="Gate.monitors"):
         agl.Gate(monitors=("vibes",))

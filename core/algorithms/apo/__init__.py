@@ -54,9 +54,6 @@ from agl.algorithms.apo.text import (
     summarize_trace,
 )
 
-#: the name ``RunSettings`` had before APO became a package (kept for existing imports)
-_Setup = RunSettings
-
 __all__ = [
     "APO",
     "Candidate",

@@ -1,5 +1,6 @@
-"""The running pieces of an APO run: the agent's run environment (:class:`agl.run.Environment`: store,
-gateway, runners) and the optimiser's own gateway and store.
+"""The running pieces of an APO run: the agent's run environment
+(:class:`agl.run.environment.Environment`: store, gateway, runners) and the optimiser's own gateway and
+store.
 
 Both models sit behind an agl gateway, so every call is a recorded span: the agent's in the agent's
 store (``run_dir/store.db`` by default), the optimiser's in a store of its own

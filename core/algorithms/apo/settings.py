@@ -1,5 +1,5 @@
 """What an APO run borrows from the run it is part of: how the agent's model is served (a
-:class:`agl.run.Serving`: backend, model, store, runners, run directory), and the sampling, agents,
+:class:`agl.run.settings.Serving`: backend, model, store, runners, run directory), and the sampling, agents,
 seed and rollout limits. ``agl.Trainer`` holds these for LightningRL; APO reads them from it
 (:meth:`RunSettings.from_trainer`, typed values, nothing looked up by name) so the same
 ``Trainer(...)`` call serves both algorithms.

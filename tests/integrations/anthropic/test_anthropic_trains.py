@@ -75,16 +75,16 @@ def test_an_anthropic_client_agent_trains_on_exact_ids(tmp_path: Path) -> None:
         trainer = agl.Trainer(
             agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
             model=_tiny_model(),
-            tokenizer=load_tokenizer(),
-            backend="scripted",
-            script=Alternate(),
-            store="memory://",
-            runners=1,
-            run_dir=tmp_path / "run",
-            tasks_per_step=2,
-            steps=2,
-            val_every=0,
-            progress=False,
+            serving=agl.Serving(
+                tokenizer=load_tokenizer(),
+                backend="scripted",
+                script=Alternate(),
+                store="memory://",
+                runners=1,
+                run_dir=tmp_path / "run",
+                progress=False,
+            ),
+            loop=agl.LoopConfig(tasks_per_step=2, steps=2, val_every=0),
         )
         summary = trainer.fit(
             claude_style_agent, [{"q": "Capital of France?"}, {"q": "Where is the Louvre?"}]
