@@ -96,6 +96,9 @@ def learn_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(demo, "_trainer", trainer)
+        # the agent module instruments openai when first imported; an earlier test of the session may
+        # have imported it and uninstrumented since, so instrument here as the agent would
+        agl.instrument("openai")
         try:
             demo._train_one(args, 3, root / "run")
         finally:
