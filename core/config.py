@@ -371,6 +371,21 @@ class RolloutSettings:
         default=120.0, metadata=_help("a runner's claim lapses without a heartbeat within this many seconds")
     )
     max_attempts: int = field(default=2, metadata=_help("tries per rollout before it counts as failed"))
+    infra_retries: int = field(
+        default=2,
+        metadata=_help(
+            "new rollouts in the place of one that failed on the infrastructure (a 502, a dead runner),"
+            " apart from max_attempts"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.infra_retries, bool)
+            or not isinstance(self.infra_retries, int)
+            or self.infra_retries < 0
+        ):
+            raise UsageError(f"infra_retries must be an integer >= 0, got {self.infra_retries!r}")
 
     def for_store(self) -> Any:
         """The same limits as the store's per-rollout ``agl.types.RolloutConfig`` (validated there)."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from agl import semconv as sc
 from agl.adapter.air import AirPass
 from agl.adapter.air_rules import AIR, credit_returns
+from agl.adapter.failures import FailureKind, failure_kind
 from agl.adapter.messages import (
     _cut_at_max_tokens,
     _float_list,
@@ -103,6 +104,8 @@ class Adapter:
         self.last_stats = AdapterStats()
         #: final rewards of the rollouts of the last :meth:`from_store` call, by (rollout id, attempt)
         self._finals: dict[tuple[str, int], float | None] = {}
+        #: failure kinds of the rollouts of the last :meth:`from_store` call, by (rollout id, attempt)
+        self._kinds: dict[tuple[str, int], str] = {}
 
     def rollout_reward(self, store: Store, rollout: Rollout) -> float:
         """The final reward of ``rollout``'s finishing attempt (:func:`final_reward`), or
@@ -132,6 +135,7 @@ class Adapter:
         the final rewards found here."""
         wanted = self._rollouts(store, rollouts)
         self._finals = {}
+        self._kinds = {}
         out: list[Transition] = []
         it: Iterable[Rollout] = wanted
         if progress:
@@ -144,9 +148,23 @@ class Adapter:
                 self.stats.no_finished_attempt += 1
                 continue
             spans = store.query_spans(rollout_id=rollout.id, attempt=att, include_stale=False)
-            out.extend(self.transitions(spans, rollout=rollout, attempt=att))
+            kind = failure_kind(rollout, spans)
+            self._kinds[(rollout.id, att)] = kind
+            ts = self.transitions(spans, rollout=rollout, attempt=att)
+            out.extend(t.model_copy(update={"failure_kind": kind}) for t in ts)
             self._finals[(rollout.id, att)] = self._final
         return out
+
+    def failure_kind(self, store: Store, rollout: Rollout) -> FailureKind:
+        """How ``rollout``'s finishing attempt ended (:func:`agl.adapter.failures.failure_kind`): read
+        once — a rollout the last :meth:`from_store` call adapted is not read again."""
+        att = finishing_attempt(rollout)
+        if att is not None and (rollout.id, att) in self._kinds:
+            return self._kinds[(rollout.id, att)]  # type: ignore[return-value]
+        spans = (
+            [] if att is None else store.query_spans(rollout_id=rollout.id, attempt=att, include_stale=False)
+        )
+        return failure_kind(rollout, spans)
 
     @staticmethod
     def _rollouts(store: Store, rollouts: Iterable[str | Rollout]) -> list[Rollout]:

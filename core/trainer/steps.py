@@ -29,7 +29,10 @@ from agl.types import NewRollout, Rollout, Task, Transition
 if TYPE_CHECKING:
     from agl.trainer.trainer import Trainer
 
-__all__ = ["Steps"]
+__all__ = ["INFRA_RETRY_KEY", "Steps"]
+
+#: a requeued rollout's metadata: how many of its place's rollouts failed on the infrastructure before it
+INFRA_RETRY_KEY = "agl.infra_retry"
 
 log = logging.getLogger("agl.trainer")
 
@@ -39,6 +42,8 @@ class Steps:
 
     def __init__(self, trainer: Trainer) -> None:
         self.t = trainer
+        #: failure counts of the rollouts collected since :meth:`take_failures` last ran
+        self.failures: dict[str, int] = {}
 
     @property
     def store(self) -> Any:
@@ -88,11 +93,50 @@ class Steps:
         return float(self.t.adapter.rollout_reward(self.store, rollout))
 
     def adapt(self, rollout: Rollout) -> tuple[list[Transition], float | None]:
-        """A finished rollout's transitions and reward (none for a cancelled one)."""
+        """A finished rollout's transitions and reward: none for a cancelled one, nor for one that
+        failed on the infrastructure (:func:`agl.adapter.failures.failure_kind`): its zero is no verdict
+        on the policy, so it never reaches a reward, a group baseline or the update."""
         if rollout.status == "cancelled":
             return [], None
         ts = self.t.adapter.from_store(self.store, [rollout])
+        kind = self.t.adapter.failure_kind(self.store, rollout)
+        self.failures[f"errored_rollouts/{kind}"] = self.failures.get(f"errored_rollouts/{kind}", 0) + (
+            kind in ("infra", "agent")
+        )
+        if kind == "infra":
+            return [], None
         return ts, self.reward(rollout, ts)
+
+    def requeue(self, rollout: Rollout) -> str | None:
+        """A new rollout in the place of ``rollout``, which failed on the infrastructure: the same task,
+        group, pinned weights and seed place (so a reproducible run stays reproducible: its calls get
+        the seeds the failed one's got), while ``RolloutSettings.infra_retries`` allows; its id, else
+        None (the budget is spent: the rollout stays out of the step)."""
+        tries = int(rollout.metadata.get(INFRA_RETRY_KEY, 0))
+        if tries >= self.t.rollout.infra_retries:
+            return None
+        again = NewRollout(
+            task_id=rollout.task_id,
+            input=rollout.input,
+            mode=rollout.mode,
+            group_id=rollout.group_id,
+            resources_version=rollout.resources_version,
+            config=rollout.config,
+            metadata={**rollout.metadata, INFRA_RETRY_KEY: tries + 1},
+        )
+        self.failures["requeued_rollouts"] = self.failures.get("requeued_rollouts", 0) + 1
+        log.info(
+            "agl trainer: rollout %s failed on the infrastructure; requeued (try %d)", rollout.id, tries + 1
+        )
+        return str(self.store.enqueue([again])[0].id)
+
+    def take_failures(self) -> dict[str, int]:
+        """The failure counts since the last call (``errored_rollouts/<kind>``, ``requeued_rollouts``),
+        for the step's record; every key is present, zero when nothing happened."""
+        out = {f"errored_rollouts/{k}": 0 for k in ("infra", "agent")} | {"requeued_rollouts": 0}
+        out.update({k: v for k, v in self.failures.items() if k in out})
+        self.failures = {}
+        return out
 
     def collect(
         self, ids: Sequence[str], bar: Any, label: str
@@ -105,16 +149,23 @@ class Steps:
         finished: list[Rollout] = []
         timeout_s = self.t.loop.step_timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        slot: dict[str, str] = {}  # a requeued rollout -> the rollout whose place it takes
         while pending:
             done = [
                 r for r in self.store.wait_for_rollouts(sorted(pending), timeout_s=0.5) if r.id in pending
             ]
             for r in done:
                 pending.discard(r.id)
-                transitions[r.id], reward = self.adapt(r)
+                key = slot.get(r.id, r.id)
+                transitions[key], reward = self.adapt(r)
                 if reward is not None:
-                    rewards[r.id] = reward
-                finished.append(r)
+                    rewards[key] = reward
+                again = self.requeue(r) if self.t.adapter.failure_kind(self.store, r) == "infra" else None
+                if again is not None:
+                    pending.add(again)
+                    slot[again] = key
+                else:
+                    finished.append(r)
             if bar is not None and done:
                 bar.set_postfix(rollouts_postfix(len(ids), finished, rewards), refresh=True)
             if deadline is not None and time.monotonic() > deadline and pending:

@@ -140,6 +140,7 @@ class SyncSchedule:
             transitions=len(train_ts),
             exact_token_ratio=(sum(1 for x in train_ts if x.exact) / len(train_ts)) if train_ts else None,
         )
+        record.update(self.steps.take_failures())  # errored rollouts by kind, requeued ones
         record.update(reward_split(train_ts, t.history))
         record.update(agent_rewards(t.agent_adapters, ids, transitions, rewards))
         if sampled:
