@@ -17,7 +17,7 @@ import pytest
 import agl
 from agl.adapter import Adapter, failure_kind
 from agl.adapter.failures import is_infra_error
-from agl.errors import InfraError
+from agl.errors import InfraError, UsageError
 from agl.runner.runner import Runner
 from agl.store.memory import MemoryStore
 from agl.tracing import provider as tracing
@@ -129,3 +129,49 @@ def test_infra_errors_are_named_by_type_or_5xx() -> None:
     assert not is_infra_error("KeyError", "boom") and not is_infra_error("BadRequestError", "Error code: 400")
     with pytest.raises(TypeError, match="True or False"):
         agl.emit_exception(ValueError("x"), infra="yes")  # type: ignore[arg-type]
+
+
+def _t(rollout: str, group: str | None, reward: float = 0.0) -> Any:
+    from agl.types import Transition
+
+    return Transition(
+        rollout_id=rollout,
+        attempt=1,
+        group_id=group,
+        index=0,
+        prompt_ids=(1,),
+        response_ids=(2,),
+        reward=reward,
+        final_reward=reward,
+        failure_kind="task",
+    )
+
+
+def test_a_group_under_the_floor_is_dropped_whole_and_reported() -> None:
+    algo = agl.LightningRL(group_size=4, min_group_fraction=0.75)
+    full = [_t(f"a{i}", "A", float(i)) for i in range(4)]
+    three = [_t(f"b{i}", "B", float(i)) for i in range(3)]
+    two = [_t(f"c{i}", "C", float(i)) for i in range(2)] + [_t("c0", "C", 0.0)]  # c0 made 2 calls
+    kept, stats = algo.viable_groups(full + three + two + [_t("lone", None)])
+    assert {t.group_id for t in kept} == {"A", "B", None}  # C: 2 of 4 members < ceil(0.75 * 4) = 3
+    assert stats["dropped_groups"] == 1 and stats["dropped_group_ids"] == ["C"]
+    assert stats["effective_group_size"] == 3.0 and stats["effective_group_size_min"] == 2
+    advantages, _ = algo.compute_advantages(kept)
+    assert all(a == a for a in advantages)  # no NaN
+    # every group gone: nothing to train, no NaN either
+    none, stats = algo.viable_groups(two)
+    assert none == [] and stats["dropped_groups"] == 1
+    assert agl.LightningRL(min_group_fraction=0.0).viable_groups(two)[0] == two
+    with pytest.raises(ValueError, match="min_group_fraction"):
+        agl.LightningRL(min_group_fraction=1.5)
+
+
+def test_a_nan_reward_is_refused_naming_the_rollout() -> None:
+    with (
+        agl.rollout_context("ro-nan", 2, span=False),
+        pytest.raises(ValueError, match="rollout ro-nan attempt 2"),
+    ):
+        agl.emit_reward(float("nan"))
+    with pytest.raises(UsageError, match="missing_reward"):
+        Adapter(missing_reward=float("inf"))
+    assert Adapter().missing_reward is None  # unset by default: a silent zero is never a reward

@@ -65,7 +65,9 @@ class Adapter:
     tokenizer, or anything with ``apply_chat_template``/``encode``, or agl's gateway ``ChatTokenizer``)
     re-tokenises calls that have no engine token ids; without one they are skipped and counted. ``air``
     sets the automatic intermediate rewards (``None`` or ``AIR.off()`` for none). ``missing_reward`` is
-    the final reward of an attempt that never reported one.
+    the final reward of an attempt that never reported one, when set; unset (None, the default) such an
+    attempt is ``no_reward`` and the trainer leaves it out of its group (a silent zero is never a
+    reward), while its transitions carry 0.0.
 
     ``Transition.reward`` is the credited return under ``algorithm``'s credit rule (anything with
     ``.credit`` and ``.gamma``; by default LightningRL's ``identical`` rule, ``R + r_j`` with
@@ -78,7 +80,7 @@ class Adapter:
         agents: AgentSelection = None,
         tokenizer: Any = None,
         air: AIR | None = AIR(),
-        missing_reward: float = 0.0,
+        missing_reward: float | None = None,
         *,
         algorithm: Any = None,
         include_intermediate: bool = True,
@@ -91,11 +93,16 @@ class Adapter:
                 f"air must be an agl.adapter.air_rules.AIR (or None for no automatic rewards), got {air!r}"
             )
         self.air = AIR.off() if air is None else air
-        if isinstance(missing_reward, bool) or not isinstance(missing_reward, (int, float)):
-            raise UsageError(f"missing_reward must be a number, got {missing_reward!r}")
-        if not math.isfinite(missing_reward):
+        if missing_reward is not None and (
+            isinstance(missing_reward, bool) or not isinstance(missing_reward, (int, float))
+        ):
+            raise UsageError(f"missing_reward must be a number or None, got {missing_reward!r}")
+        if missing_reward is not None and not math.isfinite(missing_reward):
             raise UsageError(f"missing_reward must be finite, got {missing_reward!r}")
-        self.missing_reward = float(missing_reward)
+        #: the default reward asked for, or None (unset: a rollout without a reward is no member of its
+        #: group, agl.algorithms.groups); ``_fill`` is what its transitions carry meanwhile
+        self.missing_reward = None if missing_reward is None else float(missing_reward)
+        self._fill = self.missing_reward or 0.0
         #: the credit rule's configuration (``.credit``, ``.gamma``); None: ``identical``, gamma 1 (the
         #: defaults of :class:`agl.LightningRL`, without importing the algorithms layer)
         self.algorithm = algorithm
@@ -113,15 +120,15 @@ class Adapter:
         made no LLM call. A rollout the last :meth:`from_store` call adapted is not read again."""
         att = finishing_attempt(rollout)
         if att is None:
-            return self.missing_reward
+            return self._fill
         if (rollout.id, att) in self._finals:
             value = self._finals[(rollout.id, att)]
-            return self.missing_reward if value is None else value
+            return self._fill if value is None else value
         spans = store.query_spans(
             rollout_id=rollout.id, attempt=att, name=sc.SPAN_REWARD, include_stale=False
         )
         value = final_reward(spans)
-        return self.missing_reward if value is None else value
+        return self._fill if value is None else value
 
     # ------------------------------------------------------------------ public API
 
@@ -231,7 +238,7 @@ class Adapter:
         calls = self._calls(tree, st)
         locate = _Locator(calls, tree.S)
         inter, self._final = attach_rewards(tree, len(calls), locate, st)
-        big_r = self.missing_reward if self._final is None else self._final
+        big_r = self._fill if self._final is None else self._final
         if self.air.enabled and calls:
             air = AirPass(self.air, tree, calls, locate, st).run()
             # the guards (caps, outcome gate: agl.adapter.air_rules.AIR.shape) see the whole rollout's AIR

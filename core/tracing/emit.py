@@ -50,7 +50,9 @@ def _reward_value(value: Any, what: str) -> float:
         raise TypeError(f"{what} must be a real number, got {type(value).__name__} ({value!r})")
     number = float(value)
     if not math.isfinite(number):
-        raise ValueError(f"{what} must be finite, got {number!r}")
+        here = current_rollout()
+        where = f" (rollout {here[0]} attempt {here[1]})" if here is not None else ""
+        raise ValueError(f"{what} must be finite, got {number!r}{where}: a NaN or inf reward is refused")
     return number
 
 

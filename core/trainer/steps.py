@@ -101,10 +101,10 @@ class Steps:
         ts = self.t.adapter.from_store(self.store, [rollout])
         kind = self.t.adapter.failure_kind(self.store, rollout)
         self.failures[f"errored_rollouts/{kind}"] = self.failures.get(f"errored_rollouts/{kind}", 0) + (
-            kind in ("infra", "agent")
+            kind != "task"
         )
-        if kind == "infra":
-            return [], None
+        if kind == "infra" or (kind == "no_reward" and self.t.adapter.missing_reward is None):
+            return [], None  # no verdict: out of the rewards, the groups and the update
         return ts, self.reward(rollout, ts)
 
     def requeue(self, rollout: Rollout) -> str | None:
@@ -133,7 +133,7 @@ class Steps:
     def take_failures(self) -> dict[str, int]:
         """The failure counts since the last call (``errored_rollouts/<kind>``, ``requeued_rollouts``),
         for the step's record; every key is present, zero when nothing happened."""
-        out = {f"errored_rollouts/{k}": 0 for k in ("infra", "agent")} | {"requeued_rollouts": 0}
+        out = {f"errored_rollouts/{k}": 0 for k in ("infra", "agent", "no_reward")} | {"requeued_rollouts": 0}
         out.update({k: v for k, v in self.failures.items() if k in out})
         self.failures = {}
         return out
