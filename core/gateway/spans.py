@@ -482,6 +482,8 @@ def _choice_span(ids: _SpanIds, attrs: dict[str, Any], rollout: tuple[str, int])
 
 def _choice_attrs(attrs: dict[str, Any], choice: Choice) -> None:
     attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] = [choice.finish_reason]
+    if choice.tool_call_repairs:
+        attrs[sc.AGL_LLM_TOOL_CALL_REPAIRS] = choice.tool_call_repairs
     attrs[sc.GEN_AI_OUTPUT_MESSAGES] = _dumps([choice.message()])
     if choice.response_ids is not None:
         attrs[sc.AGL_LLM_RESPONSE_TOKEN_IDS] = list(choice.response_ids)

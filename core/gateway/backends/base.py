@@ -86,6 +86,8 @@ class Choice:
     response_ids: list[int] | None = None
     logprobs: list[float] | None = None
     finish_reason: str = "stop"
+    #: tool-call blocks the parser repaired (a call followed by more text: ``agl.chat.format.parse_reply``)
+    tool_call_repairs: int = 0
 
     def message(self) -> dict[str, Any]:
         """The OpenAI chat ``assistant`` message for this choice."""

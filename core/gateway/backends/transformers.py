@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agl.chat.format import forced_tool_prefix, parse_tool_calls
+from agl.chat.format import ParsedReply, forced_tool_prefix, parse_reply
 from agl.chat.stream_text import StreamText, hand_over, tail_delta, token_logprobs
 from agl.chat.tokenizer import ChatTokenizer, load_default_tokenizer
 from agl.engine.batching import Batch, BusyClock, Row
@@ -640,19 +640,19 @@ class TransformersBackend(AgentAdapters, Backend):
             finish = "cancelled"
         forced = _forced_prefix(r) if r.messages is not None else ""
         text = forced + text  # what the model said: the forced opening, then what it drew
-        content: str | None = text
-        calls = []
+        parsed = ParsedReply(text, [])
         if r.messages is not None and r.tools and r.tool_choice != "none" and finish == "stop":
-            content, calls = parse_tool_calls(text)
-            if calls:
+            parsed = parse_reply(text)
+            if parsed.tool_calls:
                 finish = "tool_calls"
         choice = Choice(
             text=text,
-            content=content,
-            tool_calls=calls,
+            content=parsed.content,
+            tool_calls=parsed.tool_calls,
             response_ids=ids,
             logprobs=list(row.logprobs),
             finish_reason=finish,
+            tool_call_repairs=parsed.repairs,
         )
         return GenerationResult(
             model=r.model,
