@@ -125,7 +125,22 @@ class UpdateSettings:
         metadata=_help("leave calls cut at max_tokens out of the loss (DAPO's overlong filtering)"),
     )
 
+    #: what each weighs in the loss: "token" (every trained response token the same: today's token
+    #: mean), "transition" (each trained call's tokens together the same) or "rollout" (each rollout's
+    #: calls together the same however many calls or tokens it made: slime's per-rollout mean), as a
+    #: per-token weight on the policy term (agl.algorithms.balance)
+    loss_balance: str = field(
+        default="token",
+        metadata=_help(
+            "what weighs the same in the loss: each token, each call ('transition') or each rollout"
+        ),
+    )
+
     def _validate_update(self, owner: str) -> None:
+        if self.loss_balance not in ("token", "transition", "rollout"):
+            raise UsageError(
+                f"{owner}.loss_balance must be 'token', 'transition' or 'rollout', got {self.loss_balance!r}"
+            )
         check_number(owner, "clip_eps", self.clip_eps, lo=0.0, lo_open=True)
         if self.clip_eps_high is not None:
             check_number(owner, "clip_eps_high", self.clip_eps_high, lo=0.0, lo_open=True)

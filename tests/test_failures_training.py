@@ -22,8 +22,10 @@ pytest.importorskip("openai")
 
 import agl  # noqa: E402
 from agl.algorithms.update import PolicyUpdate  # noqa: E402
+from agl.config import LoopConfig, RolloutSettings  # noqa: E402
 from agl.errors import BackendError  # noqa: E402
 from agl.gateway.backends.transformers import TransformersBackend  # noqa: E402
+from agl.run.settings import Serving  # noqa: E402
 from agl.tracing import provider as tracing  # noqa: E402
 from agl.trainer.trainer import Trainer, load_tokenizer  # noqa: E402
 
@@ -63,25 +65,23 @@ class FaultSwitch:
         TransformersBackend.generate = self.real  # type: ignore[method-assign]
 
 
-def _fit(tmp_path: Path, name: str, **kw: Any) -> tuple[Trainer, list[tuple[Any, ...]]]:
+def _fit(tmp_path: Path, name: str, infra_retries: int = 2) -> tuple[Trainer, list[tuple[Any, ...]]]:
     from tests.test_reproducible import TASKS, tiny_model, two_call_agent
 
     trainer = Trainer(
         agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
-        model=tiny_model(),
-        backend="transformers",
-        deterministic=True,
-        runners=4,
-        run_dir=tmp_path / name,
-        tokenizer=load_tokenizer(),
-        tasks_per_step=2,
-        steps=1,
-        val_every=0,
-        val_before=False,
-        progress=False,
-        seed=5,
-        max_attempts=1,  # every retry is the trainer's requeue at the seed place (a store retry reseeds)
-        **kw,
+        serving=Serving(
+            model=tiny_model(),
+            backend="transformers",
+            deterministic=True,
+            runners=4,
+            run_dir=tmp_path / name,
+            tokenizer=load_tokenizer(),
+            progress=False,
+        ),
+        loop=LoopConfig(tasks_per_step=2, steps=1, val_every=0, val_before=False, seed=5),
+        # every retry is the trainer's requeue at the seed place (a store retry is a new, reseeded attempt)
+        rollout=RolloutSettings(max_attempts=1, infra_retries=infra_retries),
     )
     seen: list[tuple[Any, ...]] = []
     real = PolicyUpdate.step
@@ -112,6 +112,7 @@ def test_a_502_is_requeued_and_the_step_trains_what_the_faultless_run_trains(tmp
     assert rec_b["errored_rollouts/infra"] == 1 and rec_b["requeued_rollouts"] == 1
     assert rec_a["errored_rollouts/infra"] == 0 and rec_a["requeued_rollouts"] == 0
     assert rec_b["train_reward"] == rec_a["train_reward"]
+    assert rec_b["effective_group_size"] == 2 and rec_b["dropped_groups"] == 0
 
 
 def test_a_spent_retry_budget_leaves_the_rollout_out_and_no_nan(tmp_path: Path) -> None:
@@ -121,4 +122,5 @@ def test_a_spent_retry_budget_leaves_the_rollout_out_and_no_nan(tmp_path: Path) 
     assert ts_b == []
     rec = b.history[-1]
     assert rec["requeued_rollouts"] == 4 and rec["errored_rollouts/infra"] == 8  # 4 places, 2 tries each
-    assert rec["train_reward"] is None or rec["train_reward"] == rec["train_reward"]
+    assert rec["train_reward"] is None and rec["dropped_groups"] == 0 and rec["effective_group_size"] is None
+    assert b.policy.global_step == 0  # no update: nothing a failure produced reached one

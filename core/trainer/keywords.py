@@ -22,6 +22,7 @@ HOME: dict[str, tuple[str, str]] = {
     "rollout_timeout_s": ("rollout", "timeout_s"),
     "lease_s": ("rollout", "lease_s"),
     "max_attempts": ("rollout", "max_attempts"),
+    "infra_retries": ("rollout", "infra_retries"),
     "sampling": ("config", "sampling"),
     "update_options": ("config", "update"),
 }

@@ -31,6 +31,13 @@ if TYPE_CHECKING:
 
 __all__ = ["INFRA_RETRY_KEY", "Steps"]
 
+#: the rewards for doing nothing counted per step, and what the first one's warning says
+_FOR_NOTHING = {
+    "rewarded_without_calls": "rewarded > 0 without making any LLM call",
+    "rewarded_truncated": "rewarded > 0 for a reply cut at max_tokens",
+    "default_rewards": "its reward is the adapter's missing_reward, not one the agent reported",
+}
+
 #: a requeued rollout's metadata: how many of its place's rollouts failed on the infrastructure before it
 INFRA_RETRY_KEY = "agl.infra_retry"
 
@@ -44,6 +51,7 @@ class Steps:
         self.t = trainer
         #: failure counts of the rollouts collected since :meth:`take_failures` last ran
         self.failures: dict[str, int] = {}
+        self._warned: set[str] = set()  # the rewards-for-nothing already warned about (once each)
 
     @property
     def store(self) -> Any:
@@ -100,12 +108,37 @@ class Steps:
             return [], None
         ts = self.t.adapter.from_store(self.store, [rollout])
         kind = self.t.adapter.failure_kind(self.store, rollout)
-        self.failures[f"errored_rollouts/{kind}"] = self.failures.get(f"errored_rollouts/{kind}", 0) + (
-            kind != "task"
-        )
+        if kind != "task":
+            self._count(f"errored_rollouts/{kind}")
         if kind == "infra" or (kind == "no_reward" and self.t.adapter.missing_reward is None):
             return [], None  # no verdict: out of the rewards, the groups and the update
-        return ts, self.reward(rollout, ts)
+        reward = self.reward(rollout, ts)
+        self._flag_for_nothing(rollout, kind, ts, reward)
+        return ts, reward
+
+    def _count(self, key: str) -> None:
+        self.failures[key] = self.failures.get(key, 0) + 1
+
+    def _flag_for_nothing(self, rollout: Rollout, kind: str, ts: list[Transition], reward: float) -> None:
+        """Count the rewards that may be for doing nothing — rewarded without any LLM call, rewarded for a
+        reply cut at ``max_tokens``, a default reward (``missing_reward``) — warning the first time each."""
+        found = {
+            "rewarded_without_calls": reward > 0 and not ts,
+            "rewarded_truncated": reward > 0 and bool(ts) and ts[-1].truncated,
+            "default_rewards": kind == "no_reward",
+        }
+        for key, hit in found.items():
+            if not hit:
+                continue
+            self._count(key)
+            if key not in self._warned:
+                self._warned.add(key)
+                log.warning(
+                    "agl trainer: rollout %s: %s (counted per step as %s; a reward for doing nothing?)",
+                    rollout.id,
+                    _FOR_NOTHING[key],
+                    key,
+                )
 
     def requeue(self, rollout: Rollout) -> str | None:
         """A new rollout in the place of ``rollout``, which failed on the infrastructure: the same task,
@@ -131,9 +164,10 @@ class Steps:
         return str(self.store.enqueue([again])[0].id)
 
     def take_failures(self) -> dict[str, int]:
-        """The failure counts since the last call (``errored_rollouts/<kind>``, ``requeued_rollouts``),
-        for the step's record; every key is present, zero when nothing happened."""
-        out = {f"errored_rollouts/{k}": 0 for k in ("infra", "agent", "no_reward")} | {"requeued_rollouts": 0}
+        """The counts since the last call (``errored_rollouts/<kind>``, ``requeued_rollouts`` and the
+        rewards for doing nothing), for the step's record; every key is present, zero when none."""
+        out = {f"errored_rollouts/{k}": 0 for k in ("infra", "agent", "no_reward")}
+        out |= {k: 0 for k in ("requeued_rollouts", *_FOR_NOTHING)}
         out.update({k: v for k, v in self.failures.items() if k in out})
         self.failures = {}
         return out
