@@ -6,7 +6,7 @@ tasks from data files, every setting a flag or a key of a YAML/TOML config file.
 The flags (and the config file's keys, :mod:`agl.cli.config_file`) are generated from the typed
 configs' fields with their help (:mod:`agl.cli.config_args`): :class:`agl.run.Serving`,
 :class:`agl.config.LoopConfig`, :class:`agl.config.RolloutConfig` (as ``rollout_timeout_s``,
-``lease_s``, ``max_attempts``, the Trainer's keywords), :class:`agl.LightningRL` and the sampling
+``lease_s``, ``max_attempts``, ``infra_retries``, the Trainer's keywords), :class:`agl.LightningRL` and the sampling
 fields of :class:`agl.config.RunConfig`. A flag overrides the file; ``--print-config`` prints the
 resolved settings, and the run directory keeps them as ``config.yaml``, which runs again unchanged.
 
@@ -44,7 +44,12 @@ _SERVING_SKIP = ("script",)
 #: settings never written into the run directory's config.yaml (give them by environment variable)
 _SECRETS = ("api_key", "gateway_api_key")
 #: RolloutConfig's fields -> the Trainer keywords (and flags) they are known by
-_ROLLOUT = {"timeout_s": "rollout_timeout_s", "lease_s": "lease_s", "max_attempts": "max_attempts"}
+_ROLLOUT = {
+    "timeout_s": "rollout_timeout_s",
+    "lease_s": "lease_s",
+    "max_attempts": "max_attempts",
+    "infra_retries": "infra_retries",
+}
 
 
 def register_cli(parser: argparse.ArgumentParser) -> None:
