@@ -105,6 +105,13 @@ def test_each_way_an_attempt_ends_gets_its_kind(store: MemoryStore) -> None:
     kinds = {t.rollout_id: t.failure_kind for t in transitions}
     assert kinds["ro-wrong"] == "task" and kinds["ro-bug"] == "agent" and kinds["ro-no_reward"] == "no_reward"
     assert [t.final_reward for t in transitions if t.rollout_id == "ro-wrong"] == [0.0]
+    # `agl rollouts list` shows each rollout's kind
+    from agl.reports.inspect import failure_kind_of, format_rollouts
+
+    table = format_rollouts(rollouts, kinds={r.id: failure_kind_of(store, r) for r in rollouts})
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[1:-1]}
+    assert table.splitlines()[0].split()[5] == "KIND"
+    assert {rid: row[5] for rid, row in rows.items()} == {f"ro-{do}": kind for do, kind in CASES.items()}
 
 
 def test_an_attempt_whose_runner_died_is_infra(store: MemoryStore) -> None:
