@@ -175,6 +175,8 @@ class AsyncSchedule:
             rollout_s=idle_s,
         )
         record.update(reward_split(train_ts, t.history))
+        record.update(self.steps.take_failures())  # errored rollouts by kind (left out, not requeued here)
+        train_ts = self.steps.viable(step, train_ts, record)
         record.update(self.steps.update(train_ts, on_policy=not any(lags)))
         return ids, transitions
 

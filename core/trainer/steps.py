@@ -213,6 +213,24 @@ class Steps:
         return transitions, rewards, finished
 
     # -------------------------------------------------------------------------- update
+    def viable(self, step: int, train_ts: list[Transition], record: dict[str, Any]) -> list[Transition]:
+        """The groups with enough members (``LightningRL.min_group_fraction``); the dropped ones are
+        counted in ``record`` and named in a warning."""
+        viable = getattr(self.t.algorithm, "viable_groups", None)
+        if viable is None:
+            return train_ts
+        kept, groups = viable(train_ts)
+        dropped = groups.pop("dropped_group_ids")
+        if dropped:
+            log.warning(
+                "agl trainer: step %d: %d group(s) dropped, too few members counted (min_group_fraction): %s",
+                step,
+                len(dropped),
+                ", ".join(dropped[:5]) + (" ..." if len(dropped) > 5 else ""),
+            )
+        record.update(groups)
+        return kept
+
     def update(self, train_ts: list[Transition], *, on_policy: bool = True) -> dict[str, Any]:
         """Advantages and one policy update over a step's transitions; returns their metrics.
         ``on_policy=False`` (older weights served some calls) skips the on-policy ratio check."""

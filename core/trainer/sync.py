@@ -116,24 +116,6 @@ class SyncSchedule:
         record.update(engine_share(busy0, t.env, record["step_s"]))
         return record
 
-    def _viable(self, step: int, train_ts: list[Transition], record: dict[str, Any]) -> list[Transition]:
-        """The groups with enough members (``LightningRL.min_group_fraction``); the dropped ones are
-        counted in ``record`` and named in a warning."""
-        viable = getattr(self.t.algorithm, "viable_groups", None)
-        if viable is None:
-            return train_ts
-        kept, groups = viable(train_ts)
-        dropped = groups.pop("dropped_group_ids")
-        if dropped:
-            log.warning(
-                "agl trainer: step %d: %d group(s) dropped, too few members counted (min_group_fraction): %s",
-                step,
-                len(dropped),
-                ", ".join(dropped[:5]) + (" ..." if len(dropped) > 5 else ""),
-            )
-        record.update(groups)
-        return kept
-
     def _train(
         self,
         step: int,
@@ -161,7 +143,7 @@ class SyncSchedule:
         record.update(self.steps.take_failures())  # errored rollouts by kind, requeued ones
         record.update(reward_split(train_ts, t.history))
         record.update(agent_rewards(t.agent_adapters, ids, transitions, rewards))
-        train_ts = self._viable(step, train_ts, record)
+        train_ts = self.steps.viable(step, train_ts, record)
         if sampled:
             keep = set(sampled.pop("kept_groups"))
             # nothing informative after every round: the update still runs (it skips zero advantages),
