@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from agl import semconv as sc
 from agl.adapter.air import AirPass
-from agl.adapter.air_rules import AIR, credit_returns
+from agl.adapter.air_rules import AIR
+from agl.adapter.credit import credit_returns
 from agl.adapter.failures import FailureKind, failure_kind
 from agl.adapter.messages import (
     _cut_at_max_tokens,
@@ -69,10 +70,10 @@ class Adapter:
     attempt is ``no_reward`` and the trainer leaves it out of its group (a silent zero is never a
     reward), while its transitions carry 0.0.
 
-    ``Transition.reward`` is the credited return under ``algorithm``'s credit rule (anything with
-    ``.credit`` and ``.gamma``; by default LightningRL's ``identical`` rule, ``R + r_j`` with
-    ``include_intermediate=True``), computed here once: exports and the inspection CLI show it, and
-    ``LightningRL.compute_advantages`` normalises it without crediting again.
+    ``Transition.reward`` is the credited return (:mod:`agl.adapter.credit`) under ``algorithm``'s
+    credit rule (anything with ``.credit`` and ``.gamma``; by default LightningRL's ``identical`` rule,
+    ``R + r_j`` with ``include_intermediate=True``), computed here once: exports and the inspection CLI
+    show it, and ``LightningRL.compute_advantages`` normalises it without crediting again.
     """
 
     def __init__(
@@ -216,7 +217,8 @@ class Adapter:
 
     def returns(self, final_reward: float, intermediate: Sequence[float]) -> list[float]:
         """The credited return of each of one rollout's transitions (in call order) under this
-        adapter's credit rule; the reward assembly credits a judge-rescored rollout with it too."""
+        adapter's credit rule (:func:`agl.adapter.credit.credit_returns`, the one implementation);
+        the reward assembly credits a judge-rescored rollout with it too."""
         return credit_returns(
             final_reward, intermediate, self.algorithm, include_intermediate=self.include_intermediate
         )
