@@ -23,6 +23,7 @@ pytest.importorskip("openai")
 import agl  # noqa: E402
 from agl.algorithms.update import PolicyUpdate  # noqa: E402
 from agl.config import LoopConfig, RolloutSettings  # noqa: E402
+from agl.engine import EngineSettings  # noqa: E402
 from agl.errors import BackendError  # noqa: E402
 from agl.gateway.backends.transformers import TransformersBackend  # noqa: E402
 from agl.run.settings import Serving  # noqa: E402
@@ -73,7 +74,7 @@ def _fit(tmp_path: Path, name: str, infra_retries: int = 2) -> tuple[Trainer, li
         serving=Serving(
             model=tiny_model(),
             backend="transformers",
-            deterministic=True,
+            engine=EngineSettings(deterministic=True),
             runners=4,
             run_dir=tmp_path / name,
             tokenizer=load_tokenizer(),
