@@ -33,6 +33,7 @@ _LAZY: dict[str, str] = {
     "emit_message": "agl.tracing.emit",
     "emit_object": "agl.tracing.emit",
     "emit_exception": "agl.tracing.emit",
+    "InfraError": "agl.errors",
     # adapter / rewards / algorithm
     "Adapter": "agl.adapter",
     "AIR": "agl.adapter.air_rules",

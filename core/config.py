@@ -124,7 +124,22 @@ class UpdateSettings:
         metadata=_help("leave calls cut at max_tokens out of the loss (DAPO's overlong filtering)"),
     )
 
+    #: what each weighs in the loss: "token" (every trained response token the same: today's token
+    #: mean), "transition" (each trained call's tokens together the same) or "rollout" (each rollout's
+    #: calls together the same however many calls or tokens it made: slime's per-rollout mean), as a
+    #: per-token weight on the policy term (agl.algorithms.balance)
+    loss_balance: str = field(
+        default="token",
+        metadata=_help(
+            "what weighs the same in the loss: each token, each call ('transition') or each rollout"
+        ),
+    )
+
     def _validate_update(self, owner: str) -> None:
+        if self.loss_balance not in ("token", "transition", "rollout"):
+            raise UsageError(
+                f"{owner}.loss_balance must be 'token', 'transition' or 'rollout', got {self.loss_balance!r}"
+            )
         check_number(owner, "clip_eps", self.clip_eps, lo=0.0, lo_open=True)
         if self.clip_eps_high is not None:
             check_number(owner, "clip_eps_high", self.clip_eps_high, lo=0.0, lo_open=True)
@@ -369,6 +384,21 @@ class RolloutSettings:
         default=120.0, metadata=_help("a runner's claim lapses without a heartbeat within this many seconds")
     )
     max_attempts: int = field(default=2, metadata=_help("tries per rollout before it counts as failed"))
+    infra_retries: int = field(
+        default=2,
+        metadata=_help(
+            "new rollouts in the place of one that failed on the infrastructure (a 502, a dead runner),"
+            " apart from max_attempts"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.infra_retries, bool)
+            or not isinstance(self.infra_retries, int)
+            or self.infra_retries < 0
+        ):
+            raise UsageError(f"infra_retries must be an integer >= 0, got {self.infra_retries!r}")
 
     def for_store(self) -> Any:
         """The same limits as the store's per-rollout ``agl.types.RolloutConfig`` (validated there)."""

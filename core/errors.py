@@ -12,6 +12,7 @@ ValueError`` / ``except KeyError`` callers keep working::
     │   ├── ConflictError ...................... 409
     │   ├── StoreUnavailableError(ConnectionError)  503, after the retry window
     │   └── StoreAuthError(PermissionError) ....... 401
+    ├── InfraError ............................. an infrastructure failure, not the agent's: requeued
     ├── BackendError ........................... gateway answers 502
     │   └── UpstreamError ...................... an upstream's own 4xx, passed on
     ├── ContextWindowError ..................... gateway answers 400
@@ -47,6 +48,7 @@ __all__ = [
     "BackendError",
     "BudgetExhausted",
     "ConflictError",
+    "InfraError",
     "ContextWindowError",
     "IntegrationNotFoundError",
     "InvalidInputError",
@@ -122,6 +124,13 @@ class StoreAuthError(StoreError, PermissionError):
 
 
 # ------------------------------------------------------------------- gateway and its backends
+
+
+class InfraError(AglError):
+    """An infrastructure failure — an engine, gateway, tool server or network the agent depends on went
+    down — which an agent raises (or records with ``agl.emit_exception(exc, infra=True)``) to say the
+    rollout's outcome says nothing about the policy. The attempt is classified ``infra``
+    (:func:`agl.adapter.failures.failure_kind`): the trainer requeues it and never scores it."""
 
 
 class BackendError(AglError):

@@ -116,6 +116,8 @@ AGL_OBJECT_JSON = "agl.object.json"
 AGL_EXCEPTION_TYPE = "exception.type"  # OTel semconv
 AGL_EXCEPTION_MESSAGE = "exception.message"  # OTel semconv
 AGL_EXCEPTION_STACKTRACE = "exception.stacktrace"  # OTel semconv
+# an agl.exception span the agent marked as an infrastructure failure (emit_exception(..., infra=True))
+AGL_EXCEPTION_INFRA = "agl.exception.infra"
 
 # agl.prompt spans (agl.tracing.prompts): the prompt an agent used and where it came from
 AGL_PROMPT_NAME = "agl.prompt.name"

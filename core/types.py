@@ -458,6 +458,9 @@ class Transition(_Model):
     #: "run" (derived from the run's seed and the call's place, agl.gateway.seeds) or "agent" (the program's own)
     seed: int | None = None
     seed_source: str | None = None
+    #: how the rollout's attempt ended (agl.adapter.failures.failure_kind): "task" (finished with a
+    #: reward), "no_reward", "agent" (its own code failed) or "infra" (never trained on); None: not known
+    failure_kind: Literal["infra", "agent", "task", "no_reward"] | None = None
 
     @field_validator("reward", "intermediate_reward", "final_reward")
     @classmethod

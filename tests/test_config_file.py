@@ -38,8 +38,8 @@ def test_train_flags_and_keys_come_from_the_typed_configs() -> None:
         missing = {f.name for f in config_fields(cls)} - set(keys) - {"script"}
         assert not missing, f"{cls.__name__} fields without a key: {missing}"
     assert {"temperature", "top_p", "max_tokens"} <= set(keys)
-    assert {"rollout_timeout_s", "lease_s", "max_attempts"} <= set(keys)
-    assert len(list(config_fields(RolloutSettings))) == 3 and len(list(config_fields(RunConfig))) > 3
+    assert {"rollout_timeout_s", "lease_s", "max_attempts", "infra_retries"} <= set(keys)
+    assert len(list(config_fields(RolloutSettings))) == 4 and len(list(config_fields(RunConfig))) > 3
     # defaults are the dataclasses' own, under the field's name (an off switch under the setting's)
     assert keys["steps"] == LoopConfig().steps and keys["group_size"] == LightningRL().group_size
     assert keys["lora"] is True and keys["progress"] is True and "no_lora" not in keys

@@ -59,6 +59,7 @@ def test_fields_are_exactly_the_contract() -> None:
         "normalize_std": True,
         "group_size": 4,
         "agent_baseline": "auto",
+        "min_group_fraction": 0.75,
         "running_window": 4,
         "clip_eps": 0.2,
         "clip_eps_high": None,
@@ -75,6 +76,7 @@ def test_fields_are_exactly_the_contract() -> None:
         "merge_turns": True,
         "share_prefixes": True,
         "mask_truncated": False,
+        "loss_balance": "token",
     }
 
 

@@ -18,6 +18,7 @@ from agl import semconv as sc
 from agl.adapter.air import AirPass
 from agl.adapter.air_rules import AIR
 from agl.adapter.credit import credit_returns
+from agl.adapter.failures import FailureKind, failure_kind
 from agl.adapter.messages import (
     _cut_at_max_tokens,
     _float_list,
@@ -65,7 +66,9 @@ class Adapter:
     tokenizer, or anything with ``apply_chat_template``/``encode``, or agl's gateway ``ChatTokenizer``)
     re-tokenises calls that have no engine token ids; without one they are skipped and counted. ``air``
     sets the automatic intermediate rewards (``None`` or ``AIR.off()`` for none). ``missing_reward`` is
-    the final reward of an attempt that never reported one.
+    the final reward of an attempt that never reported one, when set; unset (None, the default) such an
+    attempt is ``no_reward`` and the trainer leaves it out of its group (a silent zero is never a
+    reward), while its transitions carry 0.0.
 
     ``Transition.reward`` is the credited return (:mod:`agl.adapter.credit`) under ``algorithm``'s
     credit rule (anything with ``.credit`` and ``.gamma``; by default LightningRL's ``identical`` rule,
@@ -78,7 +81,7 @@ class Adapter:
         agents: AgentSelection = None,
         tokenizer: Any = None,
         air: AIR | None = AIR(),
-        missing_reward: float = 0.0,
+        missing_reward: float | None = None,
         *,
         algorithm: Any = None,
         include_intermediate: bool = True,
@@ -91,11 +94,16 @@ class Adapter:
                 f"air must be an agl.adapter.air_rules.AIR (or None for no automatic rewards), got {air!r}"
             )
         self.air = AIR.off() if air is None else air
-        if isinstance(missing_reward, bool) or not isinstance(missing_reward, (int, float)):
-            raise UsageError(f"missing_reward must be a number, got {missing_reward!r}")
-        if not math.isfinite(missing_reward):
+        if missing_reward is not None and (
+            isinstance(missing_reward, bool) or not isinstance(missing_reward, (int, float))
+        ):
+            raise UsageError(f"missing_reward must be a number or None, got {missing_reward!r}")
+        if missing_reward is not None and not math.isfinite(missing_reward):
             raise UsageError(f"missing_reward must be finite, got {missing_reward!r}")
-        self.missing_reward = float(missing_reward)
+        #: the default reward asked for, or None (unset: a rollout without a reward is no member of its
+        #: group, agl.algorithms.groups); ``_fill`` is what its transitions carry meanwhile
+        self.missing_reward = None if missing_reward is None else float(missing_reward)
+        self._fill = self.missing_reward or 0.0
         #: the credit rule's configuration (``.credit``, ``.gamma``); None: ``identical``, gamma 1 (the
         #: defaults of :class:`agl.LightningRL`, without importing the algorithms layer)
         self.algorithm = algorithm
@@ -104,6 +112,8 @@ class Adapter:
         self.last_stats = AdapterStats()
         #: final rewards of the rollouts of the last :meth:`from_store` call, by (rollout id, attempt)
         self._finals: dict[tuple[str, int], float | None] = {}
+        #: failure kinds of the rollouts of the last :meth:`from_store` call, by (rollout id, attempt)
+        self._kinds: dict[tuple[str, int], str] = {}
 
     def rollout_reward(self, store: Store, rollout: Rollout) -> float:
         """The final reward of ``rollout``'s finishing attempt (:func:`final_reward`), or
@@ -111,15 +121,15 @@ class Adapter:
         made no LLM call. A rollout the last :meth:`from_store` call adapted is not read again."""
         att = finishing_attempt(rollout)
         if att is None:
-            return self.missing_reward
+            return self._fill
         if (rollout.id, att) in self._finals:
             value = self._finals[(rollout.id, att)]
-            return self.missing_reward if value is None else value
+            return self._fill if value is None else value
         spans = store.query_spans(
             rollout_id=rollout.id, attempt=att, name=sc.SPAN_REWARD, include_stale=False
         )
         value = final_reward(spans)
-        return self.missing_reward if value is None else value
+        return self._fill if value is None else value
 
     # ------------------------------------------------------------------ public API
 
@@ -133,6 +143,7 @@ class Adapter:
         the final rewards found here."""
         wanted = self._rollouts(store, rollouts)
         self._finals = {}
+        self._kinds = {}
         out: list[Transition] = []
         it: Iterable[Rollout] = wanted
         if progress:
@@ -145,9 +156,23 @@ class Adapter:
                 self.stats.no_finished_attempt += 1
                 continue
             spans = store.query_spans(rollout_id=rollout.id, attempt=att, include_stale=False)
-            out.extend(self.transitions(spans, rollout=rollout, attempt=att))
+            kind = failure_kind(rollout, spans)
+            self._kinds[(rollout.id, att)] = kind
+            ts = self.transitions(spans, rollout=rollout, attempt=att)
+            out.extend(t.model_copy(update={"failure_kind": kind}) for t in ts)
             self._finals[(rollout.id, att)] = self._final
         return out
+
+    def failure_kind(self, store: Store, rollout: Rollout) -> FailureKind:
+        """How ``rollout``'s finishing attempt ended (:func:`agl.adapter.failures.failure_kind`): read
+        once — a rollout the last :meth:`from_store` call adapted is not read again."""
+        att = finishing_attempt(rollout)
+        if att is not None and (rollout.id, att) in self._kinds:
+            return self._kinds[(rollout.id, att)]  # type: ignore[return-value]
+        spans = (
+            [] if att is None else store.query_spans(rollout_id=rollout.id, attempt=att, include_stale=False)
+        )
+        return failure_kind(rollout, spans)
 
     @staticmethod
     def _rollouts(store: Store, rollouts: Iterable[str | Rollout]) -> list[Rollout]:
@@ -215,7 +240,7 @@ class Adapter:
         calls = self._calls(tree, st)
         locate = _Locator(calls, tree.S)
         inter, self._final = attach_rewards(tree, len(calls), locate, st)
-        big_r = self.missing_reward if self._final is None else self._final
+        big_r = self._fill if self._final is None else self._final
         if self.air.enabled and calls:
             air = AirPass(self.air, tree, calls, locate, st).run()
             # the guards (caps, outcome gate: agl.adapter.air_rules.AIR.shape) see the whole rollout's AIR

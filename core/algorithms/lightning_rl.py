@@ -114,6 +114,14 @@ class LightningRL(UpdateSettings):
             "when the step leaves it no spread"
         },
     )
+    min_group_fraction: float = field(
+        default=0.75,
+        metadata={
+            "help": "a group trains only when at least this share of group_size members count (a member "
+            "that failed on the infrastructure, or ended without a reward and no default, does not); "
+            "below it the group is dropped whole and reported (0: never drop)"
+        },
+    )
     running_window: int = field(
         default=RUNNING_WINDOW,
         metadata={
@@ -136,6 +144,7 @@ class LightningRL(UpdateSettings):
         value = self.group_size
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"LightningRL.group_size must be an integer >= 1, got {value!r}")
+        check_number("LightningRL", "min_group_fraction", self.min_group_fraction, lo=0.0, hi=1.0)
         window = self.running_window
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise UsageError(f"LightningRL.running_window must be an integer >= 0, got {window!r}")
@@ -164,6 +173,13 @@ class LightningRL(UpdateSettings):
         return compute_advantages(
             transitions, self, include_intermediate=include_intermediate, per_agent=per_agent, prior=prior
         )
+
+    def viable_groups(self, transitions: Sequence[Transition]) -> tuple[list[Transition], dict[str, Any]]:
+        """The transitions of the groups that keep enough members (:func:`agl.algorithms.groups.viable_groups`
+        with ``group_size`` and ``min_group_fraction``) and the step's group-size figures."""
+        from agl.algorithms.groups import viable_groups
+
+        return viable_groups(transitions, self.group_size, self.min_group_fraction)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

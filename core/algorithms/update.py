@@ -56,6 +56,7 @@ from agl.adapter.trajectories import (
     per_call_trajectories,
     token_advantages,
 )
+from agl.algorithms.balance import balance_weights
 from agl.algorithms.distributed import (
     average_gradients,
     gradient_sync,
@@ -442,7 +443,9 @@ class PolicyUpdate:
         seqs, merge_stats = (merge_transitions if merge else per_call_trajectories)(transitions)
         trained = self._trained_calls(transitions, advantages)
         train_masks = [_train_mask(s, trained) for s in seqs]
-        token_adv = [token_advantages(s, advantages) for s in seqs]
+        factors = balance_weights(transitions, trained, self.config.loss_balance)  # agl.algorithms.balance
+        weighted = [float(a) * w for a, w in zip(advantages, factors, strict=True)]
+        token_adv = [token_advantages(s, weighted) for s in seqs]
         keep = [k for k, m in enumerate(train_masks) if any(m)]
         n_calls = sum(1 for k in keep for seg in seqs[k].segments if seg.transition in trained)
         acc = self.trainer.accelerator  # each rank trains its share (agl.algorithms.distributed)

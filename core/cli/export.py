@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from agl.adapter import Adapter, finishing_attempt
+from agl.adapter import Adapter, failure_kind, finishing_attempt
 from agl.adapter.air_rules import AIR
 from agl.adapter.trajectories import merge_transitions
 from agl.algorithms.lightning_rl import LightningRL
@@ -327,12 +327,15 @@ def _cmd_transitions(args: argparse.Namespace) -> int:
     finally:
         store.close()
     ts = adapter.transitions(spans, rollout=rollout, attempt=attempt) if attempt is not None else []
+    kind = failure_kind(rollout, spans) if rollout.done and rollout.status != "cancelled" else None
+    ts = [t.model_copy(update={"failure_kind": kind}) for t in ts]
     _say_if_nothing_selected(args, adapter.last_stats)
     if args.json:
         for t in ts:
             print(json.dumps(t.model_dump(mode="json"), ensure_ascii=False))
         return 0
     print_transitions(rollout, attempt, ts, adapter, width=args.width, file=sys.stdout)
+    print(f"  failure kind: {kind or '- (not finished)'}", file=sys.stdout)
     if ts:
         from agl.reports.exactness import exactness_report, format_report
 

@@ -15,6 +15,7 @@ from typing import Any, TextIO
 from agl.cli._util import add_store_args, open_store_from_args
 from agl.errors import UsageError
 from agl.reports.inspect import (
+    failure_kind_of,
     final_reward_of,
     format_rollout,
     format_rollouts,
@@ -78,7 +79,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
         if args.json:
             out.write(json.dumps([r.model_dump(mode="json") for r in rollouts], indent=2) + "\n")
         else:
-            out.write(format_rollouts(rollouts, {r.id: final_reward_of(store, r) for r in rollouts}) + "\n")
+            rewards = {r.id: final_reward_of(store, r) for r in rollouts}
+            kinds = {r.id: failure_kind_of(store, r) for r in rollouts}
+            out.write(format_rollouts(rollouts, rewards, kinds) + "\n")
 
     return _run(args, body)
 

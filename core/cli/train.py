@@ -6,7 +6,7 @@ tasks from data files, every setting a flag or a key of a YAML/TOML config file.
 The flags (and the config file's keys, :mod:`agl.cli.config_file`) are generated from the typed
 configs' fields with their help (:mod:`agl.cli.config_args`): :class:`agl.run.settings.Serving`,
 :class:`agl.config.LoopConfig`, :class:`agl.config.RolloutSettings` (as ``--rollout-timeout-s``,
-``--lease-s``, ``--max-attempts``), :class:`agl.LightningRL` and the sampling
+``--lease-s``, ``--max-attempts``, ``--infra-retries``), :class:`agl.LightningRL` and the sampling
 fields of :class:`agl.config.RunConfig`. A flag overrides the file; ``--print-config`` prints the
 resolved settings, and the run directory keeps them as ``config.yaml``, which runs again unchanged.
 
@@ -44,7 +44,12 @@ _SERVING_SKIP = ("script", "engine")
 #: settings never written into the run directory's config.yaml (give them by environment variable)
 _SECRETS = ("api_key", "gateway_api_key")
 #: RolloutSettings' fields -> the flags (and config file keys) they are known by
-_ROLLOUT = {"timeout_s": "rollout_timeout_s", "lease_s": "lease_s", "max_attempts": "max_attempts"}
+_ROLLOUT = {
+    "timeout_s": "rollout_timeout_s",
+    "lease_s": "lease_s",
+    "max_attempts": "max_attempts",
+    "infra_retries": "infra_retries",
+}
 
 
 def register_cli(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ from agl import semconv as sc
 
 __all__ = [
     "error_from_spans",
+    "failure_kind_of",
     "format_rollout",
     "final_reward_of",
     "format_rollouts",
@@ -109,12 +110,28 @@ def final_reward_of(store: Any, rollout: Any) -> float | None:
     return final_reward(spans)
 
 
-def format_rollouts(rollouts: Sequence[Any], rewards: dict[str, float | None] | None = None) -> str:
+def failure_kind_of(store: Any, rollout: Any) -> str | None:
+    """How a finished rollout ended (:func:`agl.adapter.failures.failure_kind`: infra, agent, task,
+    no_reward); None while it is not finished."""
+    from agl.adapter import failure_kind, finishing_attempt
+
+    if not rollout.done or rollout.status == "cancelled":
+        return None
+    attempt = finishing_attempt(rollout)
+    spans = [] if attempt is None else store.query_spans(rollout_id=rollout.id, attempt=attempt)
+    return failure_kind(rollout, spans)
+
+
+def format_rollouts(
+    rollouts: Sequence[Any],
+    rewards: dict[str, float | None] | None = None,
+    kinds: dict[str, str | None] | None = None,
+) -> str:
     """A table: one line per rollout, with its final reward (``-``: none reported), how many attempts it
-    took, and the last error."""
+    took, how it ended (its failure kind, ``-`` while running) and the last error."""
     if not rollouts:
         return "no rollouts"
-    header = ("ID", "STATUS", "MODE", "REWARD", "ATTEMPTS", "GROUP", "CREATED", "LAST ERROR")
+    header = ("ID", "STATUS", "MODE", "REWARD", "ATTEMPTS", "KIND", "GROUP", "CREATED", "LAST ERROR")
     rows = [header]
     for r in rollouts:
         last_error = next((a.error for a in reversed(r.attempts) if a.error is not None), None)
@@ -122,7 +139,10 @@ def format_rollouts(rollouts: Sequence[Any], rewards: dict[str, float | None] | 
         reward = (rewards or {}).get(r.id)
         shown = "-" if reward is None else f"{reward:g}"
         attempts = str(len(r.attempts))
-        rows.append((r.id, r.status, r.mode, shown, attempts, r.group_id or "-", _when(r.created_at), err))
+        kind = (kinds or {}).get(r.id) or "-"
+        rows.append(
+            (r.id, r.status, r.mode, shown, attempts, kind, r.group_id or "-", _when(r.created_at), err)
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1]

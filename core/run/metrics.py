@@ -166,7 +166,23 @@ def bar_postfix(record: dict[str, Any], history: Sequence[dict[str, Any]]) -> di
         post["val"] = f"{record['val_reward']:.3f}"
     if record.get("no_update"):
         post["update"] = "none"
+    for key, short in _FLAGGED:  # shown only when the step had any: a failure or a reward for nothing
+        if record.get(key):
+            post[short] = str(record[key])
+    if record.get("dropped_groups"):
+        post["dropped"] = str(record["dropped_groups"])
     return post
+
+
+#: step metrics the bar shows when non-zero, and their short names there
+_FLAGGED = (
+    ("errored_rollouts/infra", "infra"),
+    ("errored_rollouts/agent", "agent_err"),
+    ("requeued_rollouts", "requeued"),
+    ("rewarded_without_calls", "no_calls"),
+    ("rewarded_truncated", "truncated"),
+    ("default_rewards", "defaults"),
+)
 
 
 def rollouts_postfix(total: int, finished: Sequence[Any], rewards: dict[str, float]) -> dict[str, str]:

@@ -50,7 +50,9 @@ def _reward_value(value: Any, what: str) -> float:
         raise TypeError(f"{what} must be a real number, got {type(value).__name__} ({value!r})")
     number = float(value)
     if not math.isfinite(number):
-        raise ValueError(f"{what} must be finite, got {number!r}")
+        here = current_rollout()
+        where = f" (rollout {here[0]} attempt {here[1]})" if here is not None else ""
+        raise ValueError(f"{what} must be finite, got {number!r}{where}: a NaN or inf reward is refused")
     return number
 
 
@@ -131,18 +133,28 @@ def emit_object(obj: Any) -> None:
     _span(semconv.SPAN_OBJECT, {semconv.AGL_OBJECT_JSON: body}).end()
 
 
-def emit_exception(exc: BaseException) -> None:
-    """Record an exception as an ``agl.exception`` span with status ERROR and an exception event."""
+def emit_exception(exc: BaseException, *, infra: bool | None = None) -> None:
+    """Record an exception as an ``agl.exception`` span with status ERROR and an exception event.
+
+    ``infra=True`` says the failure is the infrastructure's (an engine, tool server or network went
+    down), not the agent's: the attempt is then classified ``infra``
+    (:func:`agl.adapter.failures.failure_kind`), requeued by the trainer and never scored — also when
+    the agent goes on to return a reward of its own. An :class:`agl.InfraError` is ``infra`` unless
+    ``infra=False`` is given."""
     if not isinstance(exc, BaseException):
         raise TypeError(f"emit_exception() takes an exception, got {type(exc).__name__}")
+    if infra is not None and not isinstance(infra, bool):
+        raise TypeError(f"emit_exception(infra=...) takes True or False, got {infra!r}")
     _warn_outside_rollout("emit_exception")
-    span = _span(
-        semconv.SPAN_EXCEPTION,
-        {
-            semconv.AGL_EXCEPTION_TYPE: type(exc).__qualname__,
-            semconv.AGL_EXCEPTION_MESSAGE: str(exc),
-        },
-    )
+    from agl.errors import InfraError
+
+    attributes: dict[str, Any] = {
+        semconv.AGL_EXCEPTION_TYPE: type(exc).__qualname__,
+        semconv.AGL_EXCEPTION_MESSAGE: str(exc),
+    }
+    if infra or (infra is None and isinstance(exc, InfraError)):
+        attributes[semconv.AGL_EXCEPTION_INFRA] = True
+    span = _span(semconv.SPAN_EXCEPTION, attributes)
     span.record_exception(exc)
     span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
     span.end()

@@ -160,6 +160,7 @@ class AsyncSchedule:
             trainer_idle_s=idle_s,
             rollout_s=idle_s,
         )
+        train_ts = s.viable(step, train_ts, record)  # groups under min_group_fraction dropped
         record.update(s.update(train_ts, on_policy=not any(lags)))
         return ids, transitions
 

@@ -37,7 +37,17 @@ if TYPE_CHECKING:
     from agl.config import LoopConfig
     from agl.trainer.trainer import Trainer
 
-__all__ = ["Steps", "agent_rewards"]
+__all__ = ["INFRA_RETRY_KEY", "Steps", "agent_rewards"]
+
+#: the rewards for doing nothing counted per step, and what the first one's warning says
+_FOR_NOTHING = {
+    "rewarded_without_calls": "rewarded > 0 without making any LLM call",
+    "rewarded_truncated": "rewarded > 0 for a reply cut at max_tokens",
+    "default_rewards": "its reward is the adapter's missing_reward, not one the agent reported",
+}
+
+#: a requeued rollout's metadata: how many of its place's rollouts failed on the infrastructure before it
+INFRA_RETRY_KEY = "agl.infra_retry"
 
 log = logging.getLogger("agl.trainer")
 
@@ -47,6 +57,9 @@ class Steps:
 
     def __init__(self, trainer: Trainer) -> None:
         self.t = trainer
+        #: failure counts of the rollouts collected since :meth:`take_failures` last ran
+        self.failures: dict[str, int] = {}
+        self._warned: set[str] = set()  # the rewards-for-nothing already warned about (once each)
 
     # ------------------------------------------------------------------ the run, read-only
     @property
@@ -148,11 +161,76 @@ class Steps:
         return float(self.t.adapter.rollout_reward(self.store, rollout))
 
     def adapt(self, rollout: Rollout) -> tuple[list[Transition], float | None]:
-        """A finished rollout's transitions and reward (none for a cancelled one)."""
+        """A finished rollout's transitions and reward: none for a cancelled one, nor for one that
+        failed on the infrastructure (:func:`agl.adapter.failures.failure_kind`): its zero is no verdict
+        on the policy, so it never reaches a reward, a group baseline or the update."""
         if rollout.status == "cancelled":
             return [], None
         ts = self.t.adapter.from_store(self.store, [rollout])
-        return ts, self.reward(rollout, ts)
+        kind = self.t.adapter.failure_kind(self.store, rollout)
+        if kind != "task":
+            self._count(f"errored_rollouts/{kind}")
+        if kind == "infra" or (kind == "no_reward" and self.t.adapter.missing_reward is None):
+            return [], None  # no verdict: out of the rewards, the groups and the update
+        reward = self.reward(rollout, ts)
+        self._flag_for_nothing(rollout, kind, ts, reward)
+        return ts, reward
+
+    def _count(self, key: str) -> None:
+        self.failures[key] = self.failures.get(key, 0) + 1
+
+    def _flag_for_nothing(self, rollout: Rollout, kind: str, ts: list[Transition], reward: float) -> None:
+        """Count the rewards that may be for doing nothing — rewarded without any LLM call, rewarded for a
+        reply cut at ``max_tokens``, a default reward (``missing_reward``) — warning the first time each."""
+        found = {
+            "rewarded_without_calls": reward > 0 and not ts,
+            "rewarded_truncated": reward > 0 and bool(ts) and ts[-1].truncated,
+            "default_rewards": kind == "no_reward",
+        }
+        for key, hit in found.items():
+            if not hit:
+                continue
+            self._count(key)
+            if key not in self._warned:
+                self._warned.add(key)
+                log.warning(
+                    "agl trainer: rollout %s: %s (counted per step as %s; a reward for doing nothing?)",
+                    rollout.id,
+                    _FOR_NOTHING[key],
+                    key,
+                )
+
+    def requeue(self, rollout: Rollout) -> str | None:
+        """A new rollout in the place of ``rollout``, which failed on the infrastructure: the same task,
+        group, pinned weights and seed place (so a reproducible run stays reproducible: its calls get
+        the seeds the failed one's got), while ``RolloutSettings.infra_retries`` allows; its id, else
+        None (the budget is spent: the rollout stays out of the step)."""
+        tries = int(rollout.metadata.get(INFRA_RETRY_KEY, 0))
+        if tries >= self.t.rollout.infra_retries:
+            return None
+        again = NewRollout(
+            task_id=rollout.task_id,
+            input=rollout.input,
+            mode=rollout.mode,
+            group_id=rollout.group_id,
+            resources_version=rollout.resources_version,
+            config=rollout.config,
+            metadata={**rollout.metadata, INFRA_RETRY_KEY: tries + 1},
+        )
+        self.failures["requeued_rollouts"] = self.failures.get("requeued_rollouts", 0) + 1
+        log.info(
+            "agl trainer: rollout %s failed on the infrastructure; requeued (try %d)", rollout.id, tries + 1
+        )
+        return str(self.store.enqueue([again])[0].id)
+
+    def take_failures(self) -> dict[str, int]:
+        """The counts since the last call (``errored_rollouts/<kind>``, ``requeued_rollouts`` and the
+        rewards for doing nothing), for the step's record; every key is present, zero when none."""
+        out = {f"errored_rollouts/{k}": 0 for k in ("infra", "agent", "no_reward")}
+        out |= {k: 0 for k in ("requeued_rollouts", *_FOR_NOTHING)}
+        out.update({k: v for k, v in self.failures.items() if k in out})
+        self.failures = {}
+        return out
 
     def collect(
         self, ids: Sequence[str], bar: Any, label: str
@@ -165,16 +243,23 @@ class Steps:
         finished: list[Rollout] = []
         timeout_s = self.t.loop.step_timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        slot: dict[str, str] = {}  # a requeued rollout -> the rollout whose place it takes
         while pending:
             done = [
                 r for r in self.store.wait_for_rollouts(sorted(pending), timeout_s=0.5) if r.id in pending
             ]
             for r in done:
                 pending.discard(r.id)
-                transitions[r.id], reward = self.adapt(r)
+                key = slot.get(r.id, r.id)
+                transitions[key], reward = self.adapt(r)
                 if reward is not None:
-                    rewards[r.id] = reward
-                finished.append(r)
+                    rewards[key] = reward
+                again = self.requeue(r) if self.t.adapter.failure_kind(self.store, r) == "infra" else None
+                if again is not None:
+                    pending.add(again)
+                    slot[again] = key
+                else:
+                    finished.append(r)
             if bar is not None and done:
                 bar.set_postfix(rollouts_postfix(len(ids), finished, rewards), refresh=True)
             if deadline is not None and time.monotonic() > deadline and pending:
@@ -247,11 +332,30 @@ class Steps:
             "rollouts_failed": failed,
             "transitions": len(train_ts),
             "exact_token_ratio": exact,
+            **self.take_failures(),  # errored rollouts by kind, requeued ones, rewards for nothing
             **reward_split(train_ts, self.history),
             **agent_rewards(self.t.agent_loras, ids, transitions, rewards),
         }
 
     # -------------------------------------------------------------------------- update
+    def viable(self, step: int, train_ts: list[Transition], record: dict[str, Any]) -> list[Transition]:
+        """The groups with enough members (``LightningRL.min_group_fraction``); the dropped ones are
+        counted in ``record`` and named in a warning."""
+        viable = getattr(self.t.algorithm, "viable_groups", None)
+        if viable is None:
+            return train_ts
+        kept, groups = viable(train_ts)
+        dropped = groups.pop("dropped_group_ids")
+        if dropped:
+            log.warning(
+                "agl trainer: step %d: %d group(s) dropped, too few members counted (min_group_fraction): %s",
+                step,
+                len(dropped),
+                ", ".join(dropped[:5]) + (" ..." if len(dropped) > 5 else ""),
+            )
+        record.update(groups)
+        return kept
+
     def update(self, train_ts: list[Transition], *, on_policy: bool = True) -> dict[str, Any]:
         """Advantages and one policy update over a step's transitions; returns their metrics.
         ``on_policy=False`` (older weights served some calls) skips the on-policy ratio check."""

@@ -124,6 +124,7 @@ class SyncSchedule:
             prove_calls(train_ts, {version}, f"step {step}")
         failed = sum(1 for r in finished if r.id in train_ids and r.status != "succeeded")
         record.update(s.train_record(ids, transitions, rewards, failed))
+        train_ts = s.viable(step, train_ts, record)  # groups under min_group_fraction dropped
         if sampled:
             keep = set(sampled.pop("kept_groups"))
             # nothing informative after every round: the update still runs (it skips zero advantages),

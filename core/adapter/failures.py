@@ -1,0 +1,129 @@
+"""Why a rollout ended as it did: one rule, read from what the store and the spans already hold.
+
+The trainer must not score an attempt that failed because the infrastructure did (a 502 from the
+gateway, an engine that went away, a runner that died): its zero would teach the policy to avoid
+whatever it did before the crash and shift its group's baseline. :func:`failure_kind` tells those apart
+from the agent's own failures and from honest outcomes. The first row that matches decides:
+
+| kind        | when                                                                                   |
+|-------------|----------------------------------------------------------------------------------------|
+| `infra`     | no attempt finished (every one was `lost` or `timed_out`: the runner died or lost its  |
+|             | lease); an `agl.exception` span marked infra (`agl.emit_exception(exc, infra=True)`,    |
+|             | an `agl.InfraError`); an LLM call span in ERROR with an infrastructure error (the       |
+|             | gateway's 502 `BackendError`, an unreachable or closed upstream) — also when the agent  |
+|             | caught it and returned a reward of its own; the attempt's error is an infrastructure    |
+|             | one (a connection error, a 5xx answer, the runner's shutdown); a rollout timeout while  |
+|             | one of its LLM calls failed or was cut off                                             |
+| `agent`     | the attempt failed otherwise: the agent's own code raised (a bug, a crashed tool), or  |
+|             | it ran past its timeout with no LLM call left waiting                                  |
+| `task`      | the attempt succeeded with a reward span, good or bad                                  |
+| `no_reward` | the attempt succeeded without a reward span                                            |
+
+Infrastructure errors are recognised by type name (:data:`INFRA_ERROR_TYPES`, the names agl's gateway
+and the OpenAI/Anthropic/httpx clients use) or by an HTTP 5xx in the message (``Error code: 502``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Literal
+
+from agl import semconv as sc
+from agl.adapter.rewards import final_reward
+from agl.adapter.spans import finishing_attempt
+from agl.types import AttemptError, Rollout, Span
+
+__all__ = ["FAILURE_KINDS", "INFRA_ERROR_TYPES", "FailureKind", "failure_kind", "is_infra_error"]
+
+FailureKind = Literal["infra", "agent", "task", "no_reward"]
+FAILURE_KINDS: tuple[str, ...] = ("infra", "agent", "task", "no_reward")
+
+#: exception type names that mean the infrastructure failed, not the agent (agl's own, the gateway's
+#: 502, the OpenAI/Anthropic SDKs' connection and 5xx errors, httpx/aiohttp/stdlib connection errors)
+INFRA_ERROR_TYPES: frozenset[str] = frozenset(
+    {
+        "InfraError",
+        "BackendError",  # the gateway answered 502: the engine failed to reply
+        "StoreUnavailableError",
+        "_ShutdownError",  # the runner shut down under the rollout
+        "ClientGone",  # the gateway saw the call's connection close
+        "APIConnectionError",
+        "APITimeoutError",
+        "InternalServerError",
+        "ServiceUnavailableError",
+        "BadGatewayError",
+        "ConnectError",
+        "ConnectTimeout",
+        "ReadError",
+        "RemoteProtocolError",
+        "ServerDisconnectedError",
+        "ClientConnectorError",
+        "ConnectionError",
+        "ConnectionResetError",
+        "ConnectionRefusedError",
+        "ConnectionAbortedError",
+        "BrokenPipeError",
+        "IncompleteRead",
+    }
+)
+
+_HTTP_5XX = re.compile(r"\b(?:error code|status(?: code)?|HTTP)[: ]+5\d\d\b", re.IGNORECASE)
+_LLM_SPANS = frozenset({sc.SPAN_CHAT, sc.OP_TEXT_COMPLETION, sc.OP_GENERATE_CONTENT})
+
+
+def is_infra_error(type_name: str | None, message: str | None = None) -> bool:
+    """Whether an error (its type's name, its message) is an infrastructure failure."""
+    name = (type_name or "").rsplit(".", 1)[-1]
+    return name in INFRA_ERROR_TYPES or bool(message and _HTTP_5XX.search(message))
+
+
+def _span_errors(span: Span) -> list[tuple[str | None, str | None]]:
+    """(type, message) of each exception a span records: its events, else its own attributes."""
+    out = [
+        (e.attributes.get(sc.AGL_EXCEPTION_TYPE), e.attributes.get(sc.AGL_EXCEPTION_MESSAGE))
+        for e in span.events
+        if e.name == sc.EVENT_EXCEPTION
+    ]
+    return out or [(span.attributes.get(sc.AGL_EXCEPTION_TYPE), span.status.message)]  # type: ignore[list-item]
+
+
+def _infra_in_spans(spans: list[Span]) -> bool:
+    """An infra-marked ``agl.exception`` span, or an LLM call that failed on the infrastructure."""
+    for s in spans:
+        if s.name == sc.SPAN_EXCEPTION and s.attributes.get(sc.AGL_EXCEPTION_INFRA) is True:
+            return True
+        if s.name in _LLM_SPANS and s.status.code == "ERROR":
+            if any(is_infra_error(t if isinstance(t, str) else None, m) for t, m in _span_errors(s)):
+                return True
+    return False
+
+
+def _timed_out_waiting(error: AttemptError, spans: list[Span]) -> bool:
+    """A rollout timeout while an LLM call failed or was cut off (the call waited on the engine)."""
+    if error.type != "TimeoutError":
+        return False
+    return any(s.name in _LLM_SPANS and s.status.code == "ERROR" for s in spans)
+
+
+def failure_kind(rollout: Rollout, spans: Iterable[Span]) -> FailureKind:
+    """The failure kind of ``rollout``'s finishing attempt (the table in the module docstring).
+
+    ``spans`` are that attempt's spans (others and stale ones are ignored), as the adapter reads them.
+    A rollout still running has no kind yet: it is classified as what it is now (``no_reward``)."""
+    att = finishing_attempt(rollout)
+    if att is None:
+        ended = [a for a in rollout.attempts if a.status in ("lost", "timed_out")]
+        return "infra" if ended or rollout.status == "failed" else "no_reward"
+    live = [s for s in spans if not s.stale and s.rollout_id == rollout.id and s.attempt == att]
+    if _infra_in_spans(live):
+        return "infra"
+    attempt = next((a for a in rollout.attempts if a.number == att), None)
+    if attempt is not None and attempt.status == "failed":
+        error = attempt.error
+        if error is not None and (
+            is_infra_error(error.type, error.message) or _timed_out_waiting(error, live)
+        ):
+            return "infra"
+        return "agent"
+    return "task" if final_reward(live) is not None else "no_reward"
