@@ -94,6 +94,11 @@ SEED_SOURCE_AGENT = "agent"
 # place in the run, and that place ("<mode>:s<step>[r<round>]/t<task position>/m<group member>")
 ROLLOUT_SEED_KEY = "agl.seed"
 ROLLOUT_PLACE_KEY = "agl.place"
+# a held-out rollout decoded greedily (LoopConfig.val_samples=0): the temperature every call of the rollout is
+# decoded at, whatever the request asked (the gateway forces it and records the source on the span)
+ROLLOUT_TEMPERATURE_KEY = "agl.temperature"
+AGL_LLM_TEMPERATURE_SOURCE = "agl.llm.temperature_source"
+TEMPERATURE_SOURCE_ROLLOUT = "rollout"
 # branching at a call (agl.trainer.branching, agl.gateway.replay): a branch rollout's metadata names its
 # parent rollout, the parent's attempt, the branch call's index in it, the agent and the branch member;
 # the gateway replays the parent's calls before that index (their spans carry ``agl.llm.replayed``) and

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from agl.adapter.air_rules import reward_split
 from agl.run.metrics import engine_share
+from agl.trainer.heldout import enqueue_held_out, held_out_record
 from agl.trainer.order import TaskOrder
 from agl.trainer.pipeline import (
     PIPELINE_KEY,
@@ -105,7 +106,7 @@ class AsyncSchedule:
             self.pipe.fill(self.budget_at(step), step, self.draw)
         else:  # nothing trains any more: groups still running would only slow the held-out check
             self.pipe.cancel_outstanding()
-        val_ids = self.steps.enqueue(val_tasks, version, step, 1)
+        val_ids = enqueue_held_out(self.steps, val_tasks, version, step, t.loop.val_samples)
         record: dict[str, Any] = {"step": step, "resources_version": version, "max_staleness": self.k}
         ids: list[str] = []
         transitions: dict[str, list[Transition]] = {}
@@ -114,8 +115,7 @@ class AsyncSchedule:
         if val_ids:  # the held-out rollouts ran on this step's weights while the update ran
             vt, rewards, _ = self.steps.collect(val_ids, None, f"step {step} held-out")
             transitions.update(vt)
-            vr = [rewards[r] for r in val_ids if r in rewards]
-            record.update(val_reward=_mean(vr), val_rollouts=len(vr), val_tasks=len(val_tasks))
+            record.update(held_out_record(val_ids, rewards, len(val_tasks), t.loop.val_samples))
         record.update(t.rewarding.monitor(t.store, step, ids, val_ids, transitions, record, t.history))
         step_s = time.perf_counter() - t_step
         record.update(sync_s=sync_s, step_s=step_s)

@@ -57,17 +57,28 @@ class Steps:
 
     # ------------------------------------------------------------------------ rollouts
     def enqueue(
-        self, tasks: Sequence[Task], version: int, step: int, repeat: int, group_suffix: str = ""
+        self,
+        tasks: Sequence[Task],
+        version: int,
+        step: int,
+        repeat: int,
+        group_suffix: str = "",
+        extra: dict[str, Any] | None = None,
     ) -> list[str]:
         """``repeat`` rollouts of each task pinned to ``version``, one group per task; returns their ids.
-        A task drawn again in a later sampling round of the same step is a group of its own."""
+        A task drawn again in a later sampling round of the same step is a group of its own. ``extra``
+        goes into every rollout's metadata (a greedy held-out check's temperature, agl.trainer.heldout)."""
         rollouts = [
             NewRollout.from_task(
                 task,
                 group_id=f"{task.id}-s{step}{group_suffix}",
                 resources_version=version,
                 config=self.t.rollout_config,
-                metadata={"step": step, **self.seeded(step, i, member, group_suffix, task.mode)},
+                metadata={
+                    "step": step,
+                    **self.seeded(step, i, member, group_suffix, task.mode),
+                    **(extra or {}),
+                },
             )
             for i, task in enumerate(tasks)
             for member in range(repeat)

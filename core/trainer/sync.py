@@ -17,6 +17,7 @@ from agl.adapter.air_rules import agent_rewards, reward_split
 from agl.run.metrics import engine_share
 from agl.run.served import prove_calls
 from agl.trainer.branching import Branching
+from agl.trainer.heldout import enqueue_held_out, held_out_record
 from agl.trainer.order import TaskOrder
 from agl.trainer.sampling import resample
 from agl.trainer.steps import Steps
@@ -73,7 +74,7 @@ class SyncSchedule:
         version = s.publish()
         sync_s = s.push(version)
         ids = s.enqueue(batch, version, step, t.algorithm.group_size)
-        val_ids = s.enqueue(val_tasks, version, step, 1)
+        val_ids = enqueue_held_out(s, val_tasks, version, step, t.loop.val_samples)
         t0 = time.perf_counter()
         stats_before = t.adapter.stats.copy()
         transitions, rewards, finished = s.collect(ids + val_ids, bar, f"step {step}")
@@ -104,8 +105,7 @@ class SyncSchedule:
             transitions, rewards, judged = t.rewarding.assemble(t.store, ids, transitions, rewards)
             record.update(judged)
         if val_ids:
-            vr = [rewards[r] for r in val_ids if r in rewards]
-            record.update(val_reward=_mean(vr), val_rollouts=len(vr), val_tasks=len(val_tasks))
+            record.update(held_out_record(val_ids, rewards, len(val_tasks), t.loop.val_samples))
         if batch:
             self._train(step, version, ids, transitions, rewards, finished, sampled, record)
         # the reward-hacking monitors' metrics and warnings (agl.trainer.monitors)
