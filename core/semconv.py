@@ -131,6 +131,13 @@ AGL_HANDOFF_FROM = "agl.handoff.from"
 AGL_HANDOFF_TO = "agl.handoff.to"
 AGL_GUARDRAIL_NAME = "agl.guardrail.name"
 AGL_GUARDRAIL_TRIGGERED = "agl.guardrail.triggered"  # bool: the guardrail's tripwire fired
+# an agent's calls whose output the app threw away (agl.adapter: left out of training unless
+# Adapter(keep_discarded=True), then Transition.discarded): on an invoke_agent span, the windows
+# [start_ns, end_ns, start_ns, end_ns, ...] in which its LLM calls started, and why ("input_guardrail": an
+# input guardrail tripped while the agent's turn ran, so the SDK discarded the turn's reply)
+AGL_DISCARDED_WINDOWS = "agl.discarded.windows"
+AGL_DISCARDED_REASON = "agl.discarded.reason"
+DISCARDED_INPUT_GUARDRAIL = "input_guardrail"
 
 # LangChain / LangGraph integration: where an agent span came from
 AGL_LANGCHAIN_RUN_ID = "agl.langchain.run_id"  # the LangChain run id (joins with LangSmith traces)

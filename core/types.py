@@ -452,6 +452,9 @@ class Transition(_Model):
     #: "run" (derived from the run's seed and the call's place, agl.gateway.seeds) or "agent" (the program's own)
     seed: int | None = None
     seed_source: str | None = None
+    #: the app threw the call's output away (an input guardrail tripped during the agent's turn: the
+    #: span's ``agl.discarded.windows``); the adapter leaves such calls out unless ``keep_discarded=True``
+    discarded: bool = False
 
     @field_validator("reward", "intermediate_reward", "final_reward")
     @classmethod
