@@ -146,7 +146,14 @@ def test_k_samples_give_mean_and_pass_at_k(tmp_path: Path, monkeypatch: pytest.M
     assert [m.value for m in series] == pytest.approx([c["val_pass_at_k"] for c in checks])
 
 
-def test_val_samples_is_checked() -> None:
+def test_val_samples_is_checked_and_a_flag_of_agl_train(capsys: pytest.CaptureFixture[str]) -> None:
     for bad in (-1, 1.5, True, "3"):
         with pytest.raises(ValueError, match="val_samples"):
             LoopConfig(val_samples=bad)
+    from agl.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.rsplit("--val-samples VAL_SAMPLES", 1)[-1][:400].split())
+    assert "once greedily (temperature 0" in help_text
