@@ -7,7 +7,9 @@ One setting, ``LoopConfig.val_samples``, written once here for both schedules:
   :data:`agl.semconv.ROLLOUT_TEMPERATURE_KEY`, which the gateway forces, :mod:`agl.gateway.seeds`).
   Deployed agents and benchmarks are scored this way, and a greedy figure does not move with the draw:
   a sampled one of 20 tasks at temperature 1.0 can read 0.05 for a model that answers 13 of them
-  greedily.
+  greedily. The gateway reads the temperature from the run's store, as it reads the rollout's seed: an
+  external gateway started without the store cannot, and serves what the program asks (its spans then
+  lack ``agl.llm.temperature_source``).
 - ``K >= 1``: **sampled**. K rollouts per task at the run's own sampling (``RunConfig.temperature``);
   ``val_reward`` is the mean over all K x tasks rollouts and ``val_pass_at_k`` the mean over tasks of
   the best of their K rewards (pass@K for 0/1 rewards). ``val_samples=1`` is the check as it was before
