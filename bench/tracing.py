@@ -155,8 +155,9 @@ def bench_components(reps: int = 2000) -> list[tuple[str, float]]:
     from openai.types.chat import ChatCompletion
     from opentelemetry import trace
 
+    from agl.instrumentation import stainless as ins
     from agl.integrations.openai import _spans
-    from agl.integrations.openai import instrumentor as ins
+    from agl.integrations.openai.instrumentor import _OPENAI
 
     provider = TracerProvider()
     tracing.setup_tracing(tracer_provider=provider)
@@ -175,7 +176,7 @@ def bench_components(reps: int = 2000) -> list[tuple[str, float]]:
         span.end()
 
     def agl_work() -> None:  # everything the wrapper does around the HTTP call
-        call = ins._Call(tracer, options, {})
+        call = ins._Call(tracer, options, {}, _OPENAI)
         ins._with_headers(options, call.context(), None)
         call.detach()
         call.on_result(resp)

@@ -81,6 +81,9 @@ AGL_LLM_PREFIX_MATCH = "agl.llm.prefix_match"  # multi-turn drift: earlier turn 
 AGL_LLM_CHOICE_INDEX = "agl.llm.choice_index"  # for n>1: which choice this span's response ids are
 # int: the last N prompt ids are the tool-call opening the backend forced to honour tool_choice
 AGL_LLM_FORCED_TOKENS = "agl.llm.forced_tokens"
+# int, set when > 0: tool-call blocks the parser repaired (the model wrote on after a call's closing brace,
+# or several calls in one block): their calls kept, the rest kept as content (agl.chat.format.parse_reply)
+AGL_LLM_TOOL_CALL_REPAIRS = "agl.llm.tool_call_repairs"
 AGL_LLM_PROMPT_TEXT = "agl.llm.prompt_text"  # /v1/completions: the raw prompt (no chat template applied)
 # reproducible runs (agl.gateway.seeds): the seed the call was sampled with, and where it came from: "run" (derived
 # by the gateway from the rollout's seed and the call's index in its attempt) or "agent" (the program set

@@ -150,21 +150,31 @@ def test_demo_store_is_inspectable_after_dev(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The main job's `dev` path keeps its rollouts in a SQLite store in its run dir, prints how to
-    look at it, and `agl rollouts list` on that store lists them; rerunning into it needs --overwrite."""
+    look at it once (a relative --run-dir used to print every command twice, with the store's absolute
+    and relative paths), and `agl rollouts list` on that store lists them; rerunning into it needs
+    --overwrite."""
     pytest.importorskip("openai")
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # `examples` from the checkout
     from agl.gateway.testing import ScriptedBackend, serve_gateway
     from examples.learn_on_cpu.__main__ import main as demo
 
-    run_dir = tmp_path / "demo"
+    monkeypatch.chdir(tmp_path)
+    run_dir = Path("demo")  # relative, as a user types it
     backend = ScriptedBackend(["Answer: 8"], models=["scripted"], on_exhausted="cycle")
     try:
         with serve_gateway(backend) as url:
             args = ["dev", "-n", "2", "--runners", "1", "--run-dir", str(run_dir)]
             assert demo([*args, "--base-url", str(url), "--model-name", "scripted"]) == 0
             out = capsys.readouterr().out
-            store_url = f"sqlite:///{run_dir / 'store.db'}"
-            assert f"agl rollouts list --store {store_url}" in out
+            store_url = f"sqlite:///{(run_dir / 'store.db').resolve()}"
+            for command in (
+                "rollouts list",
+                "rollouts show ROLLOUT_ID",
+                "spans ROLLOUT_ID",
+                "transitions ROLLOUT_ID",
+            ):
+                assert out.count(f"agl {command} --store") == 1, out
+            assert f"agl rollouts list --store {store_url}\n" in out
             with pytest.raises(SystemExit, match="--overwrite"):
                 demo([*args, "--base-url", str(url), "--model-name", "scripted"])
     finally:

@@ -62,6 +62,54 @@ def test_agl_train_refuses_a_missing_tracker_in_one_line(
     ]
 
 
+@pytest.mark.parametrize("uri", ["file:///{tmp}/mlruns", "{tmp}/mlruns"])
+def test_agl_train_refuses_an_mlflow_file_store_in_one_line_before_anything_starts(
+    uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MLflow 3 refuses ``file:`` stores (and plain paths) only when the tracker first opens its client,
+    mid-run; `agl train` says so in one line, with what to use instead, before anything is written."""
+    pytest.importorskip("mlflow")
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from agl.cli import main
+
+    uri = uri.format(tmp=tmp_path)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(MlflowException, match="maintenance mode"):  # what the real MLflow does with it
+        MlflowClient(tracking_uri=uri).search_experiments()
+    (tmp_path / "plain_agent.py").write_text("def agent(task, resources):\n    return 1.0\n")
+    (tmp_path / "t.jsonl").write_text('{"a": 1}\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delitem(__import__("sys").modules, "plain_agent", raising=False)
+    rc = main(["train", "--agent", "plain_agent:agent", "--train", "t.jsonl", "--report-to", "mlflow"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == (
+        f"agl train: error: MLFLOW_TRACKING_URI={uri} is a file store, which MLflow 3 refuses: use "
+        "sqlite:///PATH/mlflow.db (or a tracking server's http:// URL), or unset it to get the run's own "
+        "run_dir/mlflow.db"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == [
+        "plain_agent.py",
+        "t.jsonl",
+    ]
+
+
+def test_an_mlflow_file_store_mlflow_is_told_to_allow_is_let_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``MLFLOW_ALLOW_FILE_STORE=true`` is MLflow's own opt-out: agl leaves the choice to it."""
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    log = MetricsLog(tmp_path / "run", report_to="mlflow", project="unit", run_name="r")
+    log.start({"loop": {"steps": 1}})
+    log.write({"step": 0, "train_reward": 0.5})
+    log.close()
+    assert any((tmp_path / "mlruns").iterdir())
+
+
 def test_a_record_reaches_trackers_as_numbers_by_name() -> None:
     record = {
         "step": 3,

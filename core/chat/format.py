@@ -14,8 +14,12 @@ were trained on:
 - a tool result becomes a ``tool`` message ``<tool_response>\\n...\\n</tool_response>``.
 
 Parsing is lenient: ``<tool_call>`` blocks holding one JSON object or a list of them, ``arguments``
-or ``parameters`` as an object or a JSON string, an unterminated last block (generation stopped at
-EOS) and Markdown code fences are accepted; a block that is not JSON stays in the content.
+or ``parameters`` as an object or a JSON string, an unterminated block (generation stopped at EOS, or
+the next ``<tool_call>`` began) and Markdown code fences are accepted; a block that holds no call
+stays in the content. A block whose call is followed by more (the model kept writing after the
+call's closing brace, or wrote several calls one after another) keeps every complete call at its
+start and the rest as content: :func:`parse_reply` counts such blocks (``repairs``), and the gateway
+records the count on the call's span (``agl.llm.tool_call_repairs``).
 """
 
 from __future__ import annotations
@@ -47,10 +51,12 @@ class ToolCall:
 
 __all__ = [
     "TOOL_SYSTEM_PROMPT",
+    "ParsedReply",
     "content_chars",
     "flatten_content",
     "lower_messages",
     "new_tool_call_id",
+    "parse_reply",
     "parse_tool_calls",
     "render_chat",
     "render_tool_call",
@@ -65,8 +71,9 @@ TOOL_SYSTEM_PROMPT = (
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
-_FENCE_RE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|(?=<tool_call>)|\Z)", re.S)
+_FENCE_OPEN_RE = re.compile(r"\s*```(?:json)?\s*")
+_DECODER = json.JSONDecoder()
 
 
 def new_tool_call_id() -> str:
@@ -271,33 +278,76 @@ def _parse_call(obj: Any) -> tuple[str, str] | None:
     return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
-def parse_tool_calls(text: str, *, allowed: set[str] | None = None) -> tuple[str | None, list[ToolCall]]:
-    """Split model output into (content, tool calls). Blocks that do not parse stay in the content."""
+@dataclass(frozen=True)
+class ParsedReply:
+    """Model text split into content and tool calls; ``repairs``: the ``<tool_call>`` blocks that held
+    more than one JSON call (text after the call, or several calls in a row), whose calls were kept and
+    whose remaining text went to the content."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+    repairs: int = 0
+
+
+def _block_calls(body: str) -> tuple[list[tuple[str, str]], str, bool] | None:
+    """The complete calls at the start of one block's body (a fence opening it skipped), the text
+    after them, and whether the body was more than one JSON value; None when it starts with no call."""
+    fence = _FENCE_OPEN_RE.match(body)
+    pos = fence.end() if fence else 0
+    calls: list[tuple[str, str]] = []
+    values = 0
+    while True:
+        while pos < len(body) and body[pos].isspace():
+            pos += 1
+        if pos >= len(body) or body[pos] not in "[{":
+            break
+        try:
+            obj, end = _DECODER.raw_decode(body, pos)
+        except ValueError:
+            break
+        parsed = [_parse_call(o) for o in (obj if isinstance(obj, list) else [obj])]
+        if not parsed or any(p is None for p in parsed):
+            break
+        calls += [p for p in parsed if p is not None]
+        values, pos = values + 1, end
+    if not calls:
+        return None
+    rest = body[pos:].strip()
+    if fence and rest.startswith("```"):  # the fence's closing
+        rest = rest[3:].strip()
+    return calls, rest, values > 1 or bool(rest)
+
+
+def parse_reply(text: str, *, allowed: set[str] | None = None) -> ParsedReply:
+    """Split model output into content and tool calls. Blocks holding no call (or, with ``allowed``,
+    a call of a function not in it) stay in the content whole; text after a block's calls joins it."""
     if "<tool_call>" not in text:
-        return text, []
+        return ParsedReply(text, [])
     calls: list[ToolCall] = []
     kept: list[str] = []
-    pos = 0
+    pos = repairs = 0
     for match in _TOOL_CALL_RE.finditer(text):
-        body = match.group(1).strip()
-        fence = _FENCE_RE.match(body)
-        if fence:
-            body = fence.group(1)
-        try:
-            obj = json.loads(body)
-        except ValueError:
+        found = _block_calls(match.group(1))
+        if found is None:
             continue
-        objs = obj if isinstance(obj, list) else [obj]
-        parsed = [_parse_call(o) for o in objs]
-        if not parsed or any(p is None for p in parsed):
-            continue
-        if allowed is not None and any(p[0] not in allowed for p in parsed if p):
+        parsed, rest, repaired = found
+        if allowed is not None and any(name not in allowed for name, _ in parsed):
             continue
         kept.append(text[pos : match.start()])
+        if rest:
+            before = "".join(kept)
+            kept.append(("\n" if before and not before[-1].isspace() else "") + rest)
+        repairs += repaired
         pos = match.end()
-        calls.extend(ToolCall(name=p[0], arguments=p[1], id=new_tool_call_id()) for p in parsed if p)
+        calls.extend(ToolCall(name=name, arguments=args, id=new_tool_call_id()) for name, args in parsed)
     if not calls:
-        return text, []
+        return ParsedReply(text, [])
     kept.append(text[pos:])
     content = "".join(kept).strip()
-    return (content or None), calls
+    return ParsedReply(content or None, calls, repairs)
+
+
+def parse_tool_calls(text: str, *, allowed: set[str] | None = None) -> tuple[str | None, list[ToolCall]]:
+    """Split model output into (content, tool calls) (:func:`parse_reply` without its repair count)."""
+    reply = parse_reply(text, allowed=allowed)
+    return reply.content, reply.tool_calls

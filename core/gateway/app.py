@@ -66,7 +66,7 @@ from agl.gateway.protocol import (
 from agl.gateway.replay import Replays
 from agl.gateway.sampling import SamplingLimits
 from agl.gateway.seeds import CallSeeds
-from agl.gateway.spans import DriftTracker, SpanWriter, build_chat_spans, parse_trace_headers
+from agl.gateway.spans import CallRecord, CallRecorder, SpanWriter, parse_trace_headers
 from agl.names import display_name
 
 __all__ = ["Gateway", "create_app"]
@@ -118,11 +118,12 @@ class Gateway:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.stats: dict[str, int] = defaultdict(int)
-        self.drift = DriftTracker()
-        #: one drift tracker per backend: each renders and tokenises conversations its own way
-        self._drifts = {id(b): (self.drift if b is backend else DriftTracker()) for b in self.names.backends}
         self.writer = SpanWriter(store, self.stats) if store is not None else None
-        self._in_flight = 0  # calls between their request and their span (the writer batches overlaps)
+        #: counts each call and records its span(s), streamed or not (agl.gateway.spans)
+        self.recorder = CallRecorder(
+            self.writer, self.stats, span_writes=span_writes, policy=backend, backends=self.names.backends
+        )
+        self.drift = self.recorder.drift  # the policy's drift tracker
         #: each call of a seeded rollout gets a seed from the rollout's and its place (agl.gateway.seeds)
         self.seeds = CallSeeds(store)
         #: a branch rollout's calls before its branch call are answered from its parent's record
@@ -168,12 +169,19 @@ class Gateway:
         """The backend that serves ``gen`` (chosen by :meth:`_route`)."""
         return gen.served_by or self.backend
 
-    def _check_prompt_size(self, gen: GenerationRequest) -> None:
-        """Refuse a prompt that cannot fit the context window before it is rendered or tokenised
+    def _admit(self, gen: GenerationRequest) -> Backend:
+        """The backend that serves ``gen``, once it knows the model and the prompt can fit its context
+        window; checked before a call is counted or recorded, streamed or not (a refusal here is a
+        plain 4xx, no span). The size is checked before anything is rendered or tokenised
         (tokenising megabytes takes seconds of CPU)."""
-        limit = self._backend(gen).max_prompt_chars()
+        backend = self._backend(gen)
+        try:
+            backend.check_model(gen.model)
+        except UnknownModelError as exc:
+            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+        limit = backend.max_prompt_chars()
         if limit is None:
-            return
+            return backend
         chars = content_chars(gen.messages, gen.prompt)
         if chars > limit:
             what = "messages" if gen.messages is not None else "prompt"
@@ -184,6 +192,7 @@ class Gateway:
                 param=what,
                 code="context_length_exceeded",
             )
+        return backend
 
     async def _body(self, request: Request) -> Any:
         self._auth(request)
@@ -257,18 +266,8 @@ class Gateway:
         except UnknownModelError as exc:
             raise ApiError(404, str(exc), param="model", code="model_not_found") from None
 
-    def _check_model(self, gen: GenerationRequest) -> Backend:
-        backend = self._backend(gen)
-        try:
-            backend.check_model(gen.model)
-        except UnknownModelError as exc:
-            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
-        return backend
-
-    async def _run(self, request: Request, gen: GenerationRequest) -> GenerationResult:
+    async def _run(self, request: Request, backend: Backend, gen: GenerationRequest) -> GenerationResult:
         """Generate; a client that disconnects first cancels the generation."""
-        backend = self._check_model(gen)
-        self._check_prompt_size(gen)
         if gen.replay is not None or not backend.cancellable:  # replayed: the parent's response
             return gen.replay or await backend.generate(gen)
         # generate in this task; a watcher cancels it when the client disconnects (one extra task,
@@ -283,7 +282,6 @@ class Gateway:
                 raise
             if hasattr(me, "uncancel"):  # Python >= 3.11: this cancellation is handled here
                 me.uncancel()  # type: ignore[union-attr]
-            self.stats["cancelled_calls"] += 1
             raise ClientGone("the client disconnected before the reply; generation cancelled") from None
         finally:
             watch.cancel()
@@ -294,37 +292,21 @@ class Gateway:
         gen: GenerationRequest,
         *,
         trace: tuple[str | None, str | None],
-        input_messages: list[dict[str, Any]] | None = None,
         response_id: str,
     ) -> GenerationResult:
-        """Generate and record the span(s); map backend failures to API errors."""
-        rollout = gen.rollout
-        trace_id, parent_id = trace
-        start_ns = time.time_ns()
-        self.stats["calls"] += 1
-        if rollout is None:
-            self.stats["unattributed_calls"] += 1
-        error: BaseException | None = None
-        result: GenerationResult | None = None
-        self._in_flight += 1
-        try:
-            result = await self._run(request, gen)
-        except ClientGone as exc:  # cancelled: recorded as an ERROR span
-            error = exc
-            raise
-        except ApiError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - mapped to an API error; backend failures get an ERROR span
-            api_error, error = self._api_error(exc, gen)
-            raise api_error from None
-        finally:
-            alone, self._in_flight = self._in_flight == 1, self._in_flight - 1  # alone: no call overlaps
-            if result is not None or error is not None:
-                spans = self._spans(gen, result, error, trace, start_ns, response_id, input_messages)
-                if spans and self.span_writes == "before_reply":
-                    await self.writer.write(spans, alone=alone)  # type: ignore[union-attr]
-                elif spans:
-                    self.writer.submit(spans)  # type: ignore[union-attr]
+        """Generate, recorded by the recorder (agl.gateway.spans); map backend failures to API errors."""
+        backend = self._admit(gen)
+        async with self.recorder.call(gen, backend, trace, response_id) as call:
+            try:
+                call.result = result = await self._run(request, backend, gen)
+            except ClientGone as exc:  # cancelled: recorded as an ERROR span
+                call.cancelled(exc)
+                raise
+            except ApiError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to an API error; backend failures get an ERROR span
+                api_error, call.error = self._api_error(exc, gen)
+                raise api_error from None
         if gen.requested_model:  # the reply names the model as the client asked for it (the span has both)
             result.model = gen.requested_model
         return result
@@ -346,42 +328,6 @@ class Gateway:
         message = f"the {name} backend failed: {exc}"
         return ApiError(502, message, type="backend_error", code="backend_error"), exc
 
-    def _spans(
-        self,
-        gen: GenerationRequest,
-        result: GenerationResult | None,
-        error: BaseException | None,
-        trace: tuple[str | None, str | None],
-        start_ns: int,
-        response_id: str,
-        input_messages: list[dict[str, Any]] | None = None,
-    ) -> list[Any]:
-        """The span(s) of a finished call (drift checked); none when there is no rollout or store."""
-        rollout = gen.rollout
-        if rollout is None or self.writer is None:
-            return []
-        prefix = None
-        backend = self._backend(gen)
-        if result is not None and result.prompt_ids is not None and gen.messages is not None:
-            choice = result.choices[0]
-            drift = self._drifts.get(id(backend), self.drift)
-            prefix = drift.observe(
-                rollout, gen.messages, gen.tools, result.prompt_ids, choice.message(), choice.response_ids
-            )
-        return build_chat_spans(
-            request=gen,
-            result=result,
-            rollout=rollout,
-            trace_id=trace[0],
-            parent_id=trace[1],
-            start_ns=start_ns,
-            backend_name=backend.name,
-            response_id=response_id,
-            prefix_match=prefix,
-            error=error,
-            input_messages=input_messages,
-        )
-
     async def flush(self, timeout_s: float | None = 60.0) -> bool:
         """Wait until the spans of every call answered so far are stored; False on timeout."""
         if self.writer is None:
@@ -398,8 +344,8 @@ class Gateway:
             await self._number(gen)
             response_id = new_id("chatcmpl")
             if req.stream and self._streams(gen):
-                events, first, start_ns = await self._open_stream(gen, (trace_id, parent_id), response_id)
-                tracked = self._tracked(gen, events, (trace_id, parent_id), start_ns, response_id)
+                events, first, call = await self._open_stream(gen, (trace_id, parent_id), response_id)
+                tracked = self._tracked(gen, events, call)
                 return StreamingResponse(
                     self._chat_stream(req, gen, tracked, first, response_id), media_type="text/event-stream"
                 )
@@ -428,42 +374,27 @@ class Gateway:
 
     async def _open_stream(
         self, gen: GenerationRequest, trace: tuple[str | None, str | None], response_id: str
-    ) -> tuple[AsyncIterator[dict[str, Any]], dict[str, Any], int]:
-        """Start a true stream: (events, first event, start time).
+    ) -> tuple[AsyncIterator[dict[str, Any]], dict[str, Any], CallRecord]:
+        """Start a true stream: (events, first event, its record).
 
         The backend's first event comes before the 200 is committed, so a refusal (bad input, unknown
         model, upstream down) is still a plain HTTP error, with an ERROR span where the backend failed.
         """
-        backend = self._check_model(gen)
-        self._check_prompt_size(gen)
-        start_ns = time.time_ns()
-        self.stats["calls"] += 1
-        if gen.rollout is None:
-            self.stats["unattributed_calls"] += 1
+        backend = self._admit(gen)
+        call = self.recorder.open(gen, backend, trace, response_id)
         events = backend.stream(gen)
         try:
             first = await anext(events)  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001 - mapped like a non-streamed call's failure
-            api_error, error = self._api_error(exc, gen)
-            if error is not None:
-                self._record(self._spans(gen, None, error, trace, start_ns, response_id))
+            api_error, call.error = self._api_error(exc, gen)
+            call.submit()
             raise api_error from None
-        return events, first, start_ns
-
-    def _record(self, spans: list[Any]) -> None:
-        if spans:
-            self.writer.submit(spans)  # type: ignore[union-attr]
+        return events, first, call
 
     async def _tracked(
-        self,
-        gen: GenerationRequest,
-        events: AsyncIterator[dict[str, Any]],
-        trace: tuple[str | None, str | None],
-        start_ns: int,
-        response_id: str,
-        input_messages: list[dict[str, Any]] | None = None,
+        self, gen: GenerationRequest, events: AsyncIterator[dict[str, Any]], call: CallRecord
     ) -> AsyncIterator[dict[str, Any]]:
-        """The backend's events, with the span recorded when the stream ends.
+        """The backend's events, with the call's span recorded when the stream ends.
 
         The ``end`` event is passed on after the span is recorded (stored first with
         ``before_reply``). A backend failure mid-stream becomes an ``error`` event carrying the
@@ -471,7 +402,6 @@ class Gateway:
         stream (the backend's iterator is closed) and leaves an ERROR span.
         """
         result: GenerationResult | None = None
-        error: BaseException | None = None
         end: dict[str, Any] | None = None
         try:
             async for ev in events:
@@ -482,24 +412,19 @@ class Gateway:
             if result is None:
                 raise BackendError("the backend's stream ended without a result")
         except (asyncio.CancelledError, GeneratorExit):
-            self.stats["cancelled_calls"] += 1
-            error = ClientGone("the client disconnected mid-stream; generation cancelled")
+            call.cancelled(ClientGone("the client disconnected mid-stream; generation cancelled"))
             raise
         except Exception as exc:  # noqa: BLE001 - the 200 is sent: the error goes into the stream
             api_error, error = self._api_error(exc, gen)
-            error = error or exc
+            call.error = error or exc
             yield {"type": "error", "error": api_error}
             return
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()  # type: ignore[attr-defined]
-            if error is not None:
-                self._record(self._spans(gen, None, error, trace, start_ns, response_id, input_messages))
-        spans = self._spans(gen, result, None, trace, start_ns, response_id, input_messages)
-        if spans and self.span_writes == "before_reply":
-            await self.writer.write(spans)  # type: ignore[union-attr]
-        else:
-            self._record(spans)
+            call.submit()  # a stream that failed or was cancelled: its ERROR span, queued
+        call.result = result
+        await call.store()
         yield end  # type: ignore[misc]
 
     def _chat_stream(
@@ -561,8 +486,8 @@ class Gateway:
             response_id = new_id("resp")
             created = time.time()
             if req.stream and self._streams(gen):
-                events, _, start_ns = await self._open_stream(gen, (trace_id, parent_id), response_id)
-                tracked = self._tracked(gen, events, (trace_id, parent_id), start_ns, response_id)
+                events, _, call = await self._open_stream(gen, (trace_id, parent_id), response_id)
+                tracked = self._tracked(gen, events, call)
                 return StreamingResponse(
                     sse.response_stream(req, response_id, created, tracked), media_type="text/event-stream"
                 )
@@ -592,8 +517,8 @@ class Gateway:
             message_id = new_id("msg")
             trace = (trace_id, parent_id)
             if req.stream and self._streams(gen):
-                events, first, start_ns = await self._open_stream(gen, trace, message_id)
-                tracked = self._tracked(gen, events, trace, start_ns, message_id)
+                events, first, call = await self._open_stream(gen, trace, message_id)
+                tracked = self._tracked(gen, events, call)
                 prompt_tokens = len(first.get("prompt_ids") or ()) or None
                 model = gen.requested_model or gen.model
                 stream = anthropic.message_stream(model, message_id, tracked, prompt_tokens)

@@ -1,5 +1,9 @@
-"""Server-side ``chat`` spans: built per call, stored in batches (``SpanWriter``, in
-:mod:`agl.gateway.span_writer`).
+"""Server-side ``chat`` spans: one :class:`CallRecorder` records every gateway call, built per call,
+stored in batches (``SpanWriter``, in :mod:`agl.gateway.span_writer`).
+
+Every route (Chat Completions, Completions, Responses, Anthropic Messages), streamed or not, records
+its call through :class:`CallRecorder`: it counts the call once, builds its span(s) once (drift checked)
+and chooses between waiting for the store and queueing. The routes keep HTTP only.
 
 The gateway builds :class:`agl.types.Span` objects directly (without validation, from values it made or
 checked itself) instead of going through an OTel ``TracerProvider``: no per-span validation, no span
@@ -25,16 +29,24 @@ import math
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Optional
 
 from agl import semconv as sc
 from agl.chat.format import flatten_content
-from agl.gateway.backends.base import Choice, GenerationRequest, GenerationResult
+from agl.gateway.backends.base import Backend, Choice, GenerationRequest, GenerationResult
 from agl.gateway.span_writer import SpanWriter
 from agl.types import Span, SpanEvent, SpanStatus, _construct
 
-__all__ = ["DriftTracker", "SpanWriter", "build_chat_spans", "parse_trace_headers"]
+__all__ = [
+    "CallRecord",
+    "CallRecorder",
+    "DriftTracker",
+    "SpanWriter",
+    "build_chat_spans",
+    "parse_trace_headers",
+]
 
 log = logging.getLogger("agl.gateway")
 
@@ -147,6 +159,142 @@ class DriftTracker:
             while len(self._by_attempt) > self.max_attempts:
                 self._by_attempt.popitem(last=False)
         return result
+
+
+#: (trace id, parent span id) of a call, from its W3C ``traceparent`` (both None without one)
+Trace = tuple[Optional[str], Optional[str]]
+
+
+class CallRecorder:
+    """Records the gateway's calls, streamed or not, of every route, in one place.
+
+    :meth:`open` counts a call once (``stats["calls"]``; ``unattributed_calls`` when it names no
+    rollout: served, span not stored) and starts its clock; the returned :class:`CallRecord` builds
+    its span(s) once and stores them once. :meth:`call` is the same for a call answered whole: it also
+    knows whether the call was alone in flight (then an in-process commit store is written on the
+    loop, no thread hop; see :mod:`agl.gateway.span_writer`). ``span_writes="before_reply"`` awaits the
+    store before the reply leaves; ``"after_reply"`` queues. ``writer`` None: nothing is stored.
+    """
+
+    def __init__(
+        self,
+        writer: SpanWriter | None,
+        stats: dict[str, int],
+        *,
+        span_writes: str,
+        policy: Backend,
+        backends: Sequence[Backend],
+    ) -> None:
+        self.writer = writer
+        self.stats = stats
+        self.wait = span_writes == "before_reply"
+        self.drift = DriftTracker()
+        #: one drift tracker per backend: each renders and tokenises conversations its own way
+        self._drifts = {id(b): (self.drift if b is policy else DriftTracker()) for b in backends}
+        self._in_flight = 0  # calls answered whole between their request and their span
+
+    def drift_for(self, backend: Backend) -> DriftTracker:
+        """The drift tracker of the backend that served a call."""
+        return self._drifts.get(id(backend), self.drift)
+
+    def open(self, gen: GenerationRequest, backend: Backend, trace: Trace, response_id: str) -> CallRecord:
+        """Count the call ``backend`` serves and start recording it (a stream: ended by its writer)."""
+        self.stats["calls"] += 1
+        if gen.rollout is None:
+            self.stats["unattributed_calls"] += 1
+        return CallRecord(self, gen, backend, trace, response_id)
+
+    @asynccontextmanager
+    async def call(
+        self, gen: GenerationRequest, backend: Backend, trace: Trace, response_id: str
+    ) -> AsyncIterator[CallRecord]:
+        """A call answered whole: the block sets ``result`` (or ``error``); its span(s) are stored
+        when the block ends, however it ends, before the reply is built."""
+        record = self.open(gen, backend, trace, response_id)
+        self._in_flight += 1
+        try:
+            yield record
+        finally:
+            alone, self._in_flight = self._in_flight == 1, self._in_flight - 1  # alone: no call overlaps
+            await record.store(alone=alone)
+
+
+class CallRecord:
+    """One call being recorded: whoever serves it sets ``result``, or ``error`` when it failed (an
+    ERROR span); neither set (bad input refused): no span. Stored once, however often asked."""
+
+    __slots__ = (
+        "_recorder",
+        "backend",
+        "error",
+        "gen",
+        "response_id",
+        "result",
+        "start_ns",
+        "trace",
+        "_done",
+    )
+
+    def __init__(
+        self, recorder: CallRecorder, gen: GenerationRequest, backend: Backend, trace: Trace, response_id: str
+    ) -> None:
+        self._recorder = recorder
+        self.gen, self.backend, self.trace, self.response_id = gen, backend, trace, response_id
+        self.start_ns = time.time_ns()
+        self.result: GenerationResult | None = None
+        self.error: BaseException | None = None
+        self._done = False
+
+    def cancelled(self, error: BaseException) -> None:
+        """The client went away: counted (``cancelled_calls``), recorded as an ERROR span."""
+        self._recorder.stats["cancelled_calls"] += 1
+        self.error = error
+
+    async def store(self, *, alone: bool = True) -> None:
+        """Store the span(s): awaited with ``span_writes="before_reply"``, else queued."""
+        spans = self._take()
+        if spans and self._recorder.wait:
+            await self._recorder.writer.write(spans, alone=alone)  # type: ignore[union-attr]
+        elif spans:
+            self._recorder.writer.submit(spans)  # type: ignore[union-attr]
+
+    def submit(self) -> None:
+        """Queue the span(s) without waiting: where nothing may wait (a stream closed mid-way, a
+        stream refused before its 200)."""
+        spans = self._take()
+        if spans:
+            self._recorder.writer.submit(spans)  # type: ignore[union-attr]
+
+    def _take(self) -> list[Span]:
+        if self._done or (self.result is None and self.error is None):
+            return []
+        self._done = True
+        return self.spans()
+
+    def spans(self) -> list[Span]:
+        """The call's span(s) (drift checked); none when it has no rollout or nothing stores them."""
+        gen, rollout = self.gen, self.gen.rollout
+        if rollout is None or self._recorder.writer is None:
+            return []
+        result = self.result if self.error is None else None
+        prefix = None
+        if result is not None and result.prompt_ids is not None and gen.messages is not None:
+            choice = result.choices[0]
+            prefix = self._recorder.drift_for(self.backend).observe(
+                rollout, gen.messages, gen.tools, result.prompt_ids, choice.message(), choice.response_ids
+            )
+        return build_chat_spans(
+            request=gen,
+            result=result,
+            rollout=rollout,
+            trace_id=self.trace[0],
+            parent_id=self.trace[1],
+            start_ns=self.start_ns,
+            backend_name=self.backend.name,
+            response_id=self.response_id,
+            prefix_match=prefix,
+            error=self.error,
+        )
 
 
 try:  # orjson is several times faster where installed; the stdlib writes the same JSON
@@ -336,6 +484,8 @@ def _choice_span(ids: _SpanIds, attrs: dict[str, Any], rollout: tuple[str, int])
 
 def _choice_attrs(attrs: dict[str, Any], choice: Choice) -> None:
     attrs[sc.GEN_AI_RESPONSE_FINISH_REASONS] = [choice.finish_reason]
+    if choice.tool_call_repairs:
+        attrs[sc.AGL_LLM_TOOL_CALL_REPAIRS] = choice.tool_call_repairs
     attrs[sc.GEN_AI_OUTPUT_MESSAGES] = _dumps([choice.message()])
     if choice.response_ids is not None:
         attrs[sc.AGL_LLM_RESPONSE_TOKEN_IDS] = list(choice.response_ids)

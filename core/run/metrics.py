@@ -35,14 +35,16 @@ class MetricsLog:
         project: str | None = None,
         run_name: str | None = None,
     ) -> None:
-        from agl.run.trackers import check_installed, resolve_report_to
+        from agl.run.trackers import check_installed, check_settings, resolve_report_to
 
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.history: list[dict[str, Any]] = list(history)
-        #: the tracker names (None: TensorBoard when installed); a missing package is refused here
+        #: the tracker names (None: TensorBoard when installed); a missing package, or a setting the
+        #: tracker would refuse mid-run (MLflow's file store), is refused here
         self.report_to = resolve_report_to(report_to)
         check_installed(self.report_to)
+        check_settings(self.report_to)
         self.project, self.run_name = project, run_name
         self._trackers: list[Any] | None = None  # opened by start(), or by the first write()
 

@@ -20,7 +20,9 @@ name            extra                      where it writes
                                            ``wandb sync`` later)
 ``mlflow``      ``agl[mlflow]``            ``$MLFLOW_TRACKING_URI``, else ``run_dir/mlflow.db`` and
                                            ``run_dir/mlflow-artifacts`` (``mlflow ui
-                                           --backend-store-uri sqlite:///run_dir/mlflow.db``)
+                                           --backend-store-uri sqlite:///run_dir/mlflow.db``); a
+                                           ``file:`` URI is refused before the run starts (MLflow 3
+                                           opens no file store)
 ==============  =========================  =========================================================
 
 A tracker's client is imported only when it is named, and a named tracker whose package is missing
@@ -45,6 +47,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from agl.errors import UsageError
 
@@ -52,6 +55,7 @@ __all__ = [
     "TRACKERS",
     "Tracker",
     "check_installed",
+    "check_settings",
     "numeric_metrics",
     "open_trackers",
     "resolve_report_to",
@@ -112,6 +116,29 @@ def check_installed(names: Sequence[str] | None) -> None:
             raise UsageError(
                 f"report_to {name!r} needs {missing}, which is not installed: pip install 'agl[{extra}]'"
             )
+
+
+def _file_store(uri: str) -> bool:
+    """Whether MLflow reads ``uri`` as its file store: ``file:`` URIs and plain paths (no scheme, or a
+    Windows drive letter), the two schemes MLflow's own registry maps to ``FileStore``."""
+    scheme = urlsplit(uri).scheme
+    return scheme in ("", "file") or len(scheme) == 1
+
+
+def check_settings(names: Sequence[str] | None) -> None:
+    """Refuse, before a run starts, a named tracker whose settings it would refuse only once the run is
+    under way: ``MLFLOW_TRACKING_URI`` naming a file store, which MLflow 3 no longer opens (unless
+    ``MLFLOW_ALLOW_FILE_STORE`` says to), so the run would fail at its first step with MLflow's own
+    exception instead of this one line."""
+    if "mlflow" not in (names or ()):
+        return
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("1", "true")
+    if uri and _file_store(uri) and not allowed:
+        raise UsageError(
+            f"MLFLOW_TRACKING_URI={uri} is a file store, which MLflow 3 refuses: use sqlite:///PATH/mlflow.db "
+            "(or a tracking server's http:// URL), or unset it to get the run's own run_dir/mlflow.db"
+        )
 
 
 def numeric_metrics(record: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
@@ -392,6 +419,7 @@ def open_trackers(
     if names is None:
         names = ("tensorboard",) if _installed("tensorboard") else ()
     check_installed(names)
+    check_settings(names)
     run_name = run_name or Path(run_dir).resolve().name
     return [
         _CLASSES[name](run_dir=Path(run_dir), project=project, run_name=run_name, resume=resume)

@@ -19,6 +19,9 @@ belongs to even when a framework drops the tracing headers.
 SIGINT/SIGTERM stop claiming; in-flight rollouts get ``grace_s`` to finish, then are finished as failed
 (the store requeues them while attempts remain). A second signal stops at once, the same way.
 
+A store that becomes unreachable (a claim's HTTP retries ran out) is one warning; the runner then
+waits for it with backoff and claims again once it answers (:mod:`agl.runner.store_gate`).
+
 Hung sync agents: Python cannot stop a thread. When a sync agent's rollout times out (or is lost or
 released) the attempt is finished at once, but the agent's thread runs on until the agent returns by
 itself. Such threads are counted (``stats.hung``); once ``max_hung`` are still running the runner
@@ -373,6 +376,9 @@ class Runner:
         from agl.runner.endpoint_gate import EndpointGate
 
         self._gate = EndpointGate()  # no claims while the agents' LLM endpoint refuses connections
+        from agl.runner.store_gate import StoreGate
+
+        self._store_gate = StoreGate(store, self.worker_id)  # nor while the store is unreachable
 
     # ------------------------------------------------------------------------------ control
     def stop(self, *, now: bool = False) -> None:
@@ -532,6 +538,9 @@ class Runner:
                 await self._gate.wait(self._stop_evt, functools.partial(self.store.get_resources, None))
                 self._resources.pop(None, None)  # "the latest" may have changed meanwhile
                 continue
+            if self._store_gate.down:
+                await self._store_gate.wait(self._stop_evt)
+                continue
             if len(self._hung) >= self.max_hung:
                 if not await self._pause_while_hung():
                     return
@@ -544,8 +553,9 @@ class Runner:
                 )
             except Exception as exc:  # noqa: BLE001 - a store hiccup must not kill the worker
                 self._give_back_slot()
-                log.warning("agl runner %s: claim failed: %r", self.worker_id, exc)
-                await asyncio.sleep(min(1.0, self.claim_timeout_s or 0.1))
+                if not self._store_gate.note(exc):  # unreachable: one line, then wait for it
+                    log.warning("agl runner %s: claim failed: %r", self.worker_id, exc)
+                    await asyncio.sleep(min(1.0, self.claim_timeout_s or 0.1))
                 continue
             if claim is None:
                 self._give_back_slot()

@@ -257,6 +257,11 @@ class _Waker:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._lease.wait(), timeout=min(delay, 3600.0) + 0.001)
 
+    def wake(self) -> None:
+        """Wake every waiter now, as a change would (the server is shutting down: each re-checks, sees
+        the server closing and answers with what it has)."""
+        self._fire("wake")
+
     def close(self) -> None:
         self._unsubscribe()
         if self._pump is not None:

@@ -14,6 +14,9 @@ of its retries; each client drives it with its own sockets and sleeps. What a ca
 - Long-poll: ``claim``/``wait_for_rollouts`` are held by the server until work arrives; waits longer
   than the server's cap are split into consecutive long-polls, never a fixed polling interval.
   ``close()`` wakes a thread blocked in one (it gets ``ConflictError``, as with a closed local store).
+  A server that shuts down answers its held claims at once with no claim; when the claim's next
+  long-poll then finds it gone, the claim returns None rather than retrying (a runner told to stop
+  with its store stops at once, and the caller's next claim meets the retry policy as usual).
 - Answers are trusted: spans, rollouts and claims from the server (which validated them before storing)
   are rebuilt without running the models' validators again, several times cheaper than validating.
 
@@ -96,6 +99,9 @@ _POLL_MARGIN_S = 15.0
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 2.0
 _RETRY_STATUSES = frozenset({502, 503, 504})
+#: ``_Core._call``'s default: a request that finds the server gone is retried
+_RETRY: Any = object()
+_GONE: Any = object()
 
 
 _ERRORS: dict[str, type[StoreError]] = {
@@ -263,10 +269,11 @@ class _Core:
     def _backoff(attempt: int) -> float:
         return min(_BACKOFF_MAX_S, _BACKOFF_MIN_S * 2**attempt) * (0.5 + random.random() / 2)
 
-    def _call(self, req: _Req) -> _Op[Any]:
+    def _call(self, req: _Req, *, if_gone: Any = _RETRY) -> _Op[Any]:
         """One request under the retry policy: connection errors and 502/503/504 are re-sent with
         capped exponential backoff for up to ``retry_timeout_s``; a retried write that meets
-        ConflictError asks the server whether its own earlier try did it (``reconcile``)."""
+        ConflictError asks the server whether its own earlier try did it (``reconcile``). With
+        ``if_gone`` given, such a failure returns it at once instead (no retry)."""
         attempt = 0
         give_up_at: float | None = None
         while True:
@@ -286,6 +293,8 @@ class _Core:
                 failure = f"server answered {status}"
             else:
                 failure = outcome
+            if if_gone is not _RETRY:
+                return if_gone
             if self._closed:
                 raise ConflictError("the store is closed")
             now = time.monotonic()
@@ -333,13 +342,18 @@ class _Core:
         if worker_id is not None and not isinstance(worker_id, str):
             raise InvalidInputError(f"worker_id must be a string, got {worker_id!r}")
         mode_list = check_modes(modes)
+        gone: Any = _RETRY  # after the first answer: a server gone since is shutting down, no claim
         while True:
             wait = _poll_chunk(deadline)
             body = _to_json({"worker_id": worker_id, "timeout_s": wait, "modes": mode_list})
             read = None if wait <= 0 else wait + _POLL_MARGIN_S
-            claim = yield from self._call(_Req("POST", "/claim", body, _P_CLAIM, read_timeout=read))
+            req = _Req("POST", "/claim", body, _P_CLAIM, read_timeout=read)
+            claim = yield from self._call(req, if_gone=gone)
+            if claim is _GONE:
+                return None
             if claim is not None or time.monotonic() >= deadline:
                 return claim  # type: ignore[no-any-return]
+            gone = _GONE
 
     def _heartbeat(self, rollout_id: str, attempt: int) -> _Op[Attempt]:
         check_attempt_number(attempt)

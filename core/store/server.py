@@ -86,6 +86,8 @@ __all__ = [
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 #: Longest a single claim/wait request is held; clients split longer waits into several requests.
 LONG_POLL_CAP_S = 30.0
+#: How long a shutting-down server lets the requests in flight finish (held long-polls end at once).
+GRACEFUL_SHUTDOWN_S = 2.0
 #: How often a held request checks that its client is still connected.
 _POLL_SLICE_S = 1.0
 _IDEM_CACHE = 10_000
@@ -238,7 +240,7 @@ class StoreServer:
         that already left is handed to ``orphaned`` (a claim is given back rather than left to expire).
         """
         result = call(0.0)
-        if done(result) or timeout_s <= 0:
+        if done(result) or timeout_s <= 0 or self._closing:
             return result
         deadline = time.monotonic() + min(timeout_s, self.long_poll_cap_s)
         store = self._store(request)
@@ -519,8 +521,18 @@ class StoreServer:
                 return public is not None and bool(public(path[len(prefix) :]))
         return False
 
-    def close(self) -> None:
+    def begin_shutdown(self) -> None:
+        """Hold no request any longer: every waiting long-poll answers now with what it has (an empty
+        claim; the rollouts finished so far) and later ones answer at once, while every other request
+        (a write in flight) runs to its end. Called when the server starts shutting down, before it
+        waits for its connections: a held claim would otherwise outlast the graceful timeout and be
+        cancelled, a traceback in the log and a 500 to its runner."""
         self._closing = True
+        for waker in self._wakers.values():
+            waker.wake()
+
+    def close(self) -> None:
+        self.begin_shutdown()
         for waker in self._wakers.values():
             waker.close()
         self._wakers.clear()
@@ -606,6 +618,43 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _uvicorn_server(config: Any, store_server: StoreServer, *, ready: str | None = None) -> Any:
+    """uvicorn's server, shutting down as a store should: on SIGINT/SIGTERM it stops accepting, ends
+    the held long-polls at once (:meth:`StoreServer.begin_shutdown`), lets the requests in flight
+    finish within ``GRACEFUL_SHUTDOWN_S``, and returns, so ``agl store serve`` exits 0 (uvicorn would
+    re-raise the signal after a clean shutdown, and the process would read as killed by it).
+    ``ready``: a line printed once listening (``agl store serve``'s ready line, which clients wait for)."""
+    import signal
+    import threading
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and ready is not None:
+                print(ready, flush=True)
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            store_server.begin_shutdown()  # before uvicorn waits for the connections to close
+            await super().shutdown(sockets=sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield  # signals reach the main thread only (serve_in_thread)
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return _Server(config)
+
+
 @contextlib.contextmanager
 def serve_in_thread(
     store: Store | Any,
@@ -641,10 +690,10 @@ def serve_in_thread(
         log_level="warning",
         access_log=False,
         lifespan="on",
-        timeout_graceful_shutdown=2,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         http=(limits or HttpLimits()).protocol(),
     )
-    server = uvicorn.Server(config)
+    server = _uvicorn_server(config, app.server)
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="agl-store-server"
     )
@@ -690,6 +739,7 @@ def serve(
     import uvicorn
 
     app = create_app(store, token=token, max_body_bytes=max_body_bytes, mounts=mounts)
+    store_server = app.server
     if wrap is not None:  # agl.testing.store_server adds its test-only routes this way
         app = wrap(app)
     sock = _bind(host, port)
@@ -697,23 +747,17 @@ def serve(
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{bound_port}"
 
-    class _Server(uvicorn.Server):
-        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().startup(sockets=sockets)
-            if self.started:
-                print(f"{ready_message} {url}", flush=True)
-
     config = uvicorn.Config(
         app,
         log_level=log_level,
         access_log=False,
-        timeout_graceful_shutdown=2,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=60,  # runners idle between rollouts keep their connection
         lifespan="on",
         server_header=False,
         http=(limits or HttpLimits()).protocol(),  # slow or greedy clients cannot hold the server
     )
-    server = _Server(config)
+    server = _uvicorn_server(config, store_server, ready=f"{ready_message} {url}")
     try:
         server.run(sockets=[sock])
     finally:

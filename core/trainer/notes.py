@@ -67,11 +67,13 @@ def _learnt(record: dict[str, Any], history: Sequence[dict[str, Any]]) -> str | 
 
 
 def inspect_commands(run_dir: str | Path, store_url: str | None) -> str:
-    """The commands that look inside a run's store and directory (printed when fit()/dev() finish)."""
+    """The commands that look inside a run's store and directory, printed once when fit()/dev() finish
+    (an example's own script prints none of its own: the run's output says each command once)."""
     lines = ["Look inside the run:"]
     if store_url:
         lines += [
             f"  agl rollouts list --store {store_url}",
+            f"  agl rollouts show ROLLOUT_ID --store {store_url}",
             f"  agl spans ROLLOUT_ID --store {store_url}",
             f"  agl transitions ROLLOUT_ID --store {store_url}",
         ]

@@ -81,20 +81,6 @@ def _fresh_run_dir(args: argparse.Namespace) -> Path:
     return path
 
 
-def _print_inspect(run_dir: Path) -> None:
-    """How to look at what the run stored (every rollout, attempt and span is in its SQLite store)."""
-    store = f"sqlite:///{run_dir / 'store.db'}"
-    print(
-        "\ninspect this run:\n"
-        f"  agl rollouts list --store {store}\n"
-        f"  agl rollouts show ROLLOUT_ID --store {store}\n"
-        f"  agl spans ROLLOUT_ID --store {store}\n"
-        f"  agl transitions ROLLOUT_ID --store {store}\n"
-        f"  agl dashboard --store {store} --run-dir {run_dir}\n"
-        f"  agl plot {run_dir}"
-    )
-
-
 def _train_one(args: argparse.Namespace, seed: int, run_dir: Path) -> dict[str, Any]:
     from examples.learn_on_cpu.agent import calc_agent
     from examples.learn_on_cpu.data import split
@@ -118,7 +104,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"held-out reward ({out.get('val_decoding')}) {out['val_reward_before']:.3f} -> "
         f"{out['val_reward_after']:.3f} in {out['steps']} steps, {out['wall_s'] / 60:.1f} min; curve: {run_dir / 'reward_curve.png'}"
     )
-    _print_inspect(run_dir)
     return 0
 
 
@@ -146,9 +131,7 @@ def cmd_seeds(args: argparse.Namespace) -> int:
         root / "reward_curve.png",
         title="learn_on_cpu: SmolLM2-135M + LoRA",
     )
-    print(f"curves: {png}")
-    for seed in args.seeds:
-        _print_inspect(root / f"seed{seed}")
+    print(f"curves: {png}")  # each seed's run printed its inspect commands when it finished
     (root / "seeds.json").write_text(
         json.dumps([{k: v for k, v in r.items() if k != "history"} for r in results], indent=2)
     )
@@ -176,7 +159,6 @@ def cmd_dev(args: argparse.Namespace) -> int:
         store=f"sqlite:///{(run_dir / 'store.db').resolve()}",
     )
     trainer.dev(calc_agent, val[: args.n], base_url=args.base_url, model=args.model_name)
-    _print_inspect(run_dir)
     return 0
 
 

@@ -9,7 +9,6 @@ on parsed JSON (raw responses), whole or streamed.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,8 +17,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from agl import semconv
 from agl.instrumentation import safe_json
-
-logger = logging.getLogger(__name__)
+from agl.instrumentation.stainless import ClientChatSpan
 
 MESSAGES = "messages"
 _FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls"}
@@ -113,33 +111,25 @@ def message_attributes(msg: Any) -> dict[str, Any]:
     return attrs
 
 
-class MessagesSpan:
+class MessagesSpan(ClientChatSpan):
     """One in-flight client ``chat`` span of a Messages call; for streams it assembles the message from
     the events (``message_start`` gives the message, ``content_block_*`` its blocks, ``message_delta``
-    the stop reason and usage). Ending is idempotent."""
+    the stop reason and usage). Ending and failures: :class:`~agl.instrumentation.stainless.ClientChatSpan`."""
 
-    __slots__ = ("api", "span", "_ended", "_msg", "_blocks", "_json")
+    __slots__ = ("_msg", "_blocks", "_json")
+    sdk = "anthropic"
 
     def __init__(self, api: str, span: trace.Span) -> None:
-        self.api, self.span, self._ended = api, span, False
+        super().__init__(api, span)
         self._msg: dict[str, Any] = {}
         self._blocks: dict[int, dict[str, Any]] = {}
         self._json: dict[int, list[str]] = {}
 
-    def finish_response(self, resp: Any) -> None:
-        if self._ended:
-            return
-        try:
-            self.span.set_attributes(message_attributes(resp))
-        except Exception as exc:  # noqa: BLE001 - recording must never break the user's call
-            logger.debug("agl: cannot record anthropic response: %r", exc)
-        self.end()
+    def response_attributes(self, resp: Any) -> dict[str, Any]:
+        return message_attributes(resp)
 
-    def on_chunk(self, event: Any) -> None:
-        try:
-            self._on_event(event)
-        except Exception as exc:  # noqa: BLE001
-            logger.debug("agl: cannot record anthropic stream event: %r", exc)
+    def record_chunk(self, chunk: Any) -> None:
+        self._on_event(chunk)
 
     def _on_event(self, event: Any) -> None:
         kind = _g(event, "type")
@@ -171,33 +161,14 @@ class MessagesSpan:
                 Status(StatusCode.ERROR, str(_g(_g(event, "error"), "message") or "stream error"))
             )
 
-    def finish_stream(self) -> None:
-        if self._ended:
-            return
-        try:
-            texts, calls = [], []
-            for i in sorted(self._blocks):
-                b = self._blocks[i]
-                if b["type"] == "text":
-                    texts.append(b["text"])
-                elif b["type"] == "tool_use":
-                    calls.append(_call(b, "".join(self._json.get(i, ())) or "{}"))
-            attrs = message_attributes({**self._msg, "content": []})
-            attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = safe_json([_assistant(texts, calls)])
-            self.span.set_attributes(attrs)
-        except Exception as exc:  # noqa: BLE001
-            logger.debug("agl: cannot record anthropic stream output: %r", exc)
-        self.end()
-
-    def fail(self, exc: BaseException) -> None:
-        if self._ended:
-            return
-        self.span.record_exception(exc)
-        self.span.set_attribute(semconv.ERROR_TYPE, type(exc).__qualname__)
-        self.span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-        self.end()
-
-    def end(self) -> None:
-        if not self._ended:
-            self._ended = True
-            self.span.end()
+    def stream_attributes(self) -> dict[str, Any]:
+        texts, calls = [], []
+        for i in sorted(self._blocks):
+            b = self._blocks[i]
+            if b["type"] == "text":
+                texts.append(b["text"])
+            elif b["type"] == "tool_use":
+                calls.append(_call(b, "".join(self._json.get(i, ())) or "{}"))
+        attrs = message_attributes({**self._msg, "content": []})
+        attrs[semconv.GEN_AI_OUTPUT_MESSAGES] = safe_json([_assistant(texts, calls)])
+        return attrs

@@ -1,8 +1,7 @@
 """Instrument the ``anthropic`` package: one client-side ``chat`` span per Messages call + trace headers.
 
 The anthropic SDK is generated like the openai one (``SyncAPIClient.request`` / ``AsyncAPIClient
-.request``, ``Stream.__stream__``), so the same wrappers serve it (:func:`agl.integrations.openai
-.instrumentor.instrument_client`): ``messages.create`` (sync, async, ``stream=True``),
+.request``, ``Stream.__stream__``), so the same wrappers serve it (:func:`agl.instrumentation.stainless.instrument_client`): ``messages.create`` (sync, async, ``stream=True``),
 ``messages.stream`` and raw responses all open a span (kind CLIENT) for a ``POST .../v1/messages``,
 carry ``traceparent`` and ``baggage`` on every request (so the gateway's span is the client span's
 child and lands in the rollout), and streams are recorded when they end. ``uninstrument()`` restores
@@ -16,8 +15,8 @@ from typing import Any
 from opentelemetry import trace
 
 from agl.instrumentation import Instrumentor
+from agl.instrumentation.stainless import Dialect, instrument_client
 from agl.integrations.anthropic._spans import MessagesSpan, classify, request_attributes
-from agl.integrations.openai.instrumentor import Dialect, instrument_client
 
 __all__ = ["AnthropicInstrumentor"]
 

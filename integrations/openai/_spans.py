@@ -22,6 +22,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from agl import semconv
 from agl.instrumentation import safe_json
+from agl.instrumentation.stainless import ClientChatSpan
 
 logger = logging.getLogger(__name__)
 
@@ -209,43 +210,28 @@ class _ChoiceAcc:
         self.finish: str | None = None
 
 
-class ChatSpan:
-    """One in-flight client ``chat`` span; for streams it assembles the output from the chunks.
+class ChatSpan(ClientChatSpan):
+    """One in-flight client ``chat`` span of an openai call; for streams it assembles the output from
+    the chunks (ending and failure handling: :class:`~agl.instrumentation.stainless.ClientChatSpan`)."""
 
-    ``finish``/``fail`` are idempotent, so exhausting, closing and garbage-collecting a stream end
-    the span exactly once.
-    """
-
-    __slots__ = ("api", "span", "_ended", "_choices", "_resp_attrs", "_resp_final", "_text")
+    __slots__ = ("_choices", "_resp_attrs", "_resp_final", "_text")
+    sdk = "openai"
 
     def __init__(self, api: str, span: trace.Span) -> None:
-        self.api = api
-        self.span = span
-        self._ended = False
+        super().__init__(api, span)
         self._choices: dict[int, _ChoiceAcc] | None = None
         self._resp_attrs: dict[str, Any] = {}
         self._resp_final: Any = None
         self._text: list[str] | None = None
 
-    # --------------------------------------------------------------------- whole responses
-    def finish_response(self, resp: Any) -> None:
-        if self._ended:
-            return
-        try:
-            self.span.set_attributes(response_attributes(self.api, resp))
-        except Exception as exc:  # noqa: BLE001 - recording must never break the user's call
-            logger.debug("agl: cannot record openai response: %r", exc)
-        self.end()
+    def response_attributes(self, resp: Any) -> dict[str, Any]:
+        return response_attributes(self.api, resp)
 
-    # ---------------------------------------------------------------------------- streams
-    def on_chunk(self, chunk: Any) -> None:
-        try:
-            if self.api == CHAT_COMPLETIONS:
-                self._on_chat_chunk(chunk)
-            else:
-                self._on_responses_event(chunk)
-        except Exception as exc:  # noqa: BLE001
-            logger.debug("agl: cannot record openai stream chunk: %r", exc)
+    def record_chunk(self, chunk: Any) -> None:
+        if self.api == CHAT_COMPLETIONS:
+            self._on_chat_chunk(chunk)
+        else:
+            self._on_responses_event(chunk)
 
     def _on_chat_chunk(self, chunk: Any) -> None:
         attrs = self._resp_attrs
@@ -298,7 +284,7 @@ class ChatSpan:
         elif kind == "error":
             self.span.set_status(Status(StatusCode.ERROR, str(_g(event, "message") or "stream error")))
 
-    def _stream_attributes(self) -> dict[str, Any]:
+    def stream_attributes(self) -> dict[str, Any]:
         if self.api == RESPONSES:
             if self._resp_final is not None and _g(self._resp_final, "output"):
                 return responses_attributes(self._resp_final)
@@ -321,26 +307,3 @@ class ChatSpan:
         if finish:
             attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = finish
         return attrs
-
-    def finish_stream(self) -> None:
-        if self._ended:
-            return
-        try:
-            self.span.set_attributes(self._stream_attributes())
-        except Exception as exc:  # noqa: BLE001
-            logger.debug("agl: cannot record openai stream output: %r", exc)
-        self.end()
-
-    # ----------------------------------------------------------------------------- ending
-    def fail(self, exc: BaseException) -> None:
-        if self._ended:
-            return
-        self.span.record_exception(exc)
-        self.span.set_attribute(semconv.ERROR_TYPE, type(exc).__qualname__)
-        self.span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-        self.end()
-
-    def end(self) -> None:
-        if not self._ended:
-            self._ended = True
-            self.span.end()

@@ -27,7 +27,20 @@ TOK = load_default_tokenizer()
 
 
 def tiny(kind: str, seed: int = 0) -> Any:
-    return tiny_lm(kind, seed)
+    """A tiny random model with its (tied) output embeddings scaled so its next-token distributions are
+    peaked, as a trained model's are. At random init its logits have a std of ~0.1 over 49k tokens, so a
+    sampled token's interval of the CDF (~2e-5 wide) is as narrow as the rounding that a batched forward
+    pass's other GEMM shapes put on the logits (~1e-6): which token an inverse-CDF draw picks then depends
+    on the CPU's kernels (seen: the Qwen2 row drew the neighbouring token id on an EPYC without AVX-512),
+    and "batched rows draw what they draw alone" stops being a property of the engine."""
+    model = tiny_lm(kind, seed)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(PEAK)
+    return model
+
+
+#: the output-embedding scale: logits with a std of a few units, like a trained model's
+PEAK = 60.0
 
 
 class Steps:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from agl.chat.format import forced_tool_prefix, parse_tool_calls
+from agl.chat.format import ParsedReply, forced_tool_prefix, parse_reply
 from agl.chat.stream_text import StreamText, tail_delta, token_logprobs
 from agl.gateway.backends.base import (
     BackendError,
@@ -139,19 +139,19 @@ def rendered_choice(
     if finish == "abort":
         finish = "cancelled"
     text = rendered.forced + text
-    content: str | None = text
-    calls = []
+    parsed = ParsedReply(text, [])
     if request.messages is not None and request.tools and request.tool_choice != "none" and finish == "stop":
-        content, calls = parse_tool_calls(text)
-        if calls:
+        parsed = parse_reply(text)
+        if parsed.tool_calls:
             finish = "tool_calls"
     return Choice(
         text=text,
-        content=content,
-        tool_calls=calls,
+        content=parsed.content,
+        tool_calls=parsed.tool_calls,
         response_ids=list(ids),
         logprobs=logprobs if logprobs is not None and len(logprobs) == len(ids) else None,
         finish_reason=finish,
+        tool_call_repairs=parsed.repairs,
     )
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "ToolCall",
     "UnknownModelError",
     "UpstreamError",
+    "whole_stream",
 ]
 
 
@@ -87,6 +88,8 @@ class Choice:
     response_ids: list[int] | None = None
     logprobs: list[float] | None = None
     finish_reason: str = "stop"
+    #: tool-call blocks the parser repaired (a call followed by more text: ``agl.chat.format.parse_reply``)
+    tool_call_repairs: int = 0
 
     def message(self) -> dict[str, Any]:
         """The OpenAI chat ``assistant`` message for this choice."""
@@ -125,6 +128,26 @@ class GenerationResult:
         if self.reported_completion_tokens is not None:
             return self.reported_completion_tokens
         return sum(len(c.response_ids) if c.response_ids is not None else 0 for c in self.choices)
+
+
+async def whole_stream(result: GenerationResult) -> AsyncIterator[dict[str, Any]]:
+    """A finished result as the streaming event protocol (``start``, one whole ``delta`` per choice,
+    ``end``): what a streaming backend sends for a reply it generates whole (several choices, or a
+    completion rendered by the backend), so the gateway's stream writers take it like any stream."""
+    yield {"type": "start", "prompt_ids": result.prompt_ids}
+    for i, c in enumerate(result.choices):
+        delta: dict[str, Any] = {"role": "assistant", "content": c.content}
+        if c.tool_calls:
+            delta["tool_calls"] = [{"index": k, **tc.to_openai()} for k, tc in enumerate(c.tool_calls)]
+        yield {
+            "type": "delta",
+            "index": i,
+            "delta": delta,
+            "token_ids": c.response_ids,
+            "logprobs": None,
+            "finish_reason": c.finish_reason,
+        }
+    yield {"type": "end", "result": result}
 
 
 class Backend(abc.ABC):

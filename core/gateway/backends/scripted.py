@@ -10,7 +10,9 @@ A script is a list of replies, consumed in order *per conversation* (per rollout
 no rollout share one cursor), or a function ``(GenerationRequest) -> reply`` for replies that depend
 on the request (e.g. on the agent's system prompt). A reply is a string, a :class:`Reply`, or a dict
 ``{"content": ..., "tool_calls": [{"name": ..., "arguments": {...}}]}``. With ``n > 1`` every choice
-gets the same reply.
+gets the same reply. Text replied to a request that offers tools is parsed for tool calls as the
+engine parses what a model wrote (:func:`agl.chat.format.parse_reply`), so a script can also say what a
+model writes, ``<tool_call>`` blocks, trailing prose and all.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from agl.chat.format import new_tool_call_id, render_tool_call
+from agl.chat.format import new_tool_call_id, parse_reply, render_tool_call
 from agl.chat.tokenizer import ChatTokenizer, load_default_tokenizer
 from agl.gateway.backends.base import (
     Backend,
@@ -227,6 +229,17 @@ class ScriptedBackend(Backend):
             text = tok.decode(ids)
             calls, finish = [], "length"
         content: str | None = rep.content if calls else text
+        repairs = 0
+        offered = request.messages is not None and request.tools and request.tool_choice != "none"
+        if not rep.tool_calls and finish == "stop" and offered:  # the text a model wrote, parsed as such
+            parsed = parse_reply(text)
+            if parsed.tool_calls:
+                content, calls, finish, repairs = (
+                    parsed.content,
+                    parsed.tool_calls,
+                    "tool_calls",
+                    parsed.repairs,
+                )
         return Choice(
             text=text,
             content=content,
@@ -234,4 +247,5 @@ class ScriptedBackend(Backend):
             response_ids=ids,
             logprobs=[0.0] * len(ids),
             finish_reason=finish,
+            tool_call_repairs=repairs,
         )

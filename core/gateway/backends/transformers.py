@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agl.chat.format import forced_tool_prefix, parse_tool_calls
+from agl.chat.format import ParsedReply, forced_tool_prefix, parse_reply
 from agl.chat.stream_text import StreamText, hand_over, tail_delta, token_logprobs
 from agl.chat.tokenizer import ChatTokenizer, load_default_tokenizer
 from agl.engine.batching import Batch, BusyClock, Row
@@ -65,6 +65,7 @@ from agl.gateway.backends.base import (
     GenerationResult,
     UnknownModelError,
     UpstreamError,
+    whole_stream,
 )
 from agl.lora import check_lora_dirs
 from agl.semconv import BASE_ADAPTER
@@ -403,7 +404,7 @@ class TransformersBackend(AgentAdapters, Backend):
         a possible ``<tool_call>``), and tool calls are sent as deltas once parsed at the end.
         """
         if request.n != 1:  # several choices: generated together, then sent as whole deltas
-            async for event in self._stream_whole(request):
+            async for event in whole_stream(await self.generate(request)):
                 yield event
             return
         prompt_text, prompt_ids, max_new = await self._prepare(request)
@@ -452,24 +453,6 @@ class TransformersBackend(AgentAdapters, Backend):
         finally:
             if not job.future.done():  # the client went away: stop generating this row
                 self._withdraw(job)
-
-    async def _stream_whole(self, request: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
-        """Several choices are generated together, then sent as one whole delta each."""
-        result = await self.generate(request)
-        yield {"type": "start", "prompt_ids": result.prompt_ids}
-        for i, c in enumerate(result.choices):
-            delta: dict[str, Any] = {"role": "assistant", "content": c.content}
-            if c.tool_calls:
-                delta["tool_calls"] = [{"index": k, **tc.to_openai()} for k, tc in enumerate(c.tool_calls)]
-            yield {
-                "type": "delta",
-                "index": i,
-                "delta": delta,
-                "token_ids": c.response_ids,
-                "logprobs": None,
-                "finish_reason": c.finish_reason,
-            }
-        yield {"type": "end", "result": result}
 
     async def _run_worker(self) -> None:
         assert self._wakeup is not None and self._lock is not None
@@ -657,19 +640,19 @@ class TransformersBackend(AgentAdapters, Backend):
             finish = "cancelled"
         forced = _forced_prefix(r) if r.messages is not None else ""
         text = forced + text  # what the model said: the forced opening, then what it drew
-        content: str | None = text
-        calls = []
+        parsed = ParsedReply(text, [])
         if r.messages is not None and r.tools and r.tool_choice != "none" and finish == "stop":
-            content, calls = parse_tool_calls(text)
-            if calls:
+            parsed = parse_reply(text)
+            if parsed.tool_calls:
                 finish = "tool_calls"
         choice = Choice(
             text=text,
-            content=content,
-            tool_calls=calls,
+            content=parsed.content,
+            tool_calls=parsed.tool_calls,
             response_ids=ids,
             logprobs=list(row.logprobs),
             finish_reason=finish,
+            tool_call_repairs=parsed.repairs,
         )
         return GenerationResult(
             model=r.model,

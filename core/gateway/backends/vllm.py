@@ -96,6 +96,7 @@ from agl.gateway.backends.base import (
     GenerationResult,
     UnknownModelError,
     UpstreamError,
+    whole_stream,
 )
 from agl.lora import is_lora_name
 from agl.semconv import BASE_ADAPTER
@@ -382,7 +383,7 @@ class VLLMBackend(HttpUpstreamBackend):
         """A chat streamed from vLLM's completions route, rendered and decoded here."""
         if request.n != 1 or request.messages is None:  # several choices, or a completion: sent whole
             result = await self._generate_rendered(request, upstream)
-            async for event in _whole_stream(result):
+            async for event in whole_stream(result):
                 yield event
             return
         rendered = await _rendered.render(self.tokenizer, request, self.max_model_len)
@@ -697,24 +698,6 @@ class VLLMBackend(HttpUpstreamBackend):
             "the vllm backend takes new weights as LoRA adapters (load_adapter); for full weights restart "
             "vLLM on the new checkpoint"
         )
-
-
-async def _whole_stream(result: GenerationResult) -> AsyncIterator[dict[str, Any]]:
-    """A finished result as stream events: one whole delta per choice."""
-    yield {"type": "start", "prompt_ids": result.prompt_ids}
-    for i, c in enumerate(result.choices):
-        delta: dict[str, Any] = {"role": "assistant", "content": c.content}
-        if c.tool_calls:
-            delta["tool_calls"] = [{"index": k, **tc.to_openai()} for k, tc in enumerate(c.tool_calls)]
-        yield {
-            "type": "delta",
-            "index": i,
-            "delta": delta,
-            "token_ids": c.response_ids,
-            "logprobs": None,
-            "finish_reason": c.finish_reason,
-        }
-    yield {"type": "end", "result": result}
 
 
 def _pause_support_in_schema(raw: bytes) -> str | None:
