@@ -423,7 +423,13 @@ class Resources(_Model):
 
 
 class Transition(_Model):
-    """One LLM call turned into a training sample: the paper's (state, action, reward) triplet."""
+    """One LLM call turned into a training sample: the paper's (state, action, reward) triplet.
+
+    ``reward`` holds the call's *credited return* ``G_j`` (:mod:`agl.adapter.credit`), not a raw reward:
+    the rollout's ``final_reward`` and this call's ``intermediate_reward`` (emitted and AIR rewards)
+    combined under the run's credit rule (``identical``: ``G_j = R + r_j``), which the update
+    normalises into advantages.
+    """
 
     rollout_id: str
     attempt: int = Field(ge=1)

@@ -190,7 +190,7 @@ def test_trainer_validates_adapter_per_agent() -> None:
             update_options={"lora": False},
         )
     trainer = Trainer(backend="scripted", script=["x"], agents=AGENTS, adapter_per_agent=True)
-    assert trainer.agent_adapters == {"writer": "writer", "rewriter": "rewriter"}
+    assert trainer.agent_loras == {"writer": "writer", "rewriter": "rewriter"}
 
 
 # ------------------------------------------------------------------------------------------- serving

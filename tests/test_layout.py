@@ -1,6 +1,7 @@
 """The layout's promises (issue 49): old module paths still import, the import graph of ``agl`` has no
-circle at run time and nothing imports up across packages, the Trainer is worked only from inside its
-package, rollout cancels skip the store's conflict/not-found and say anything else, one store flag."""
+circle at run time and nothing imports up across packages, the Trainer's private names are its own and
+the schedules read it only through ``Steps``, rollout cancels skip the store's conflict/not-found and say
+anything else, one store flag."""
 
 from __future__ import annotations
 
@@ -132,25 +133,79 @@ def test_at_most_ten_loose_top_level_modules() -> None:
     assert len(loose) <= 10, loose
 
 
-def test_no_module_outside_the_trainer_package_calls_its_private_methods() -> None:
-    private = {
+def _trainer_private_names() -> set[str]:
+    """The Trainer's private methods and the private attributes it sets on itself (``self._x = ...``)."""
+    tree = ast.parse((CORE / "trainer" / "trainer.py").read_text())
+    names = {
         n.name
-        for n in ast.walk(ast.parse((CORE / "trainer" / "trainer.py").read_text()))
+        for n in ast.walk(tree)
         if isinstance(n, ast.FunctionDef) and n.name.startswith("_") and not n.name.startswith("__")
     }
-    assert private  # the Trainer has private methods to protect
+    names |= {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.ctx, ast.Store)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+        and n.attr.startswith("_")
+        and not n.attr.startswith("__")
+    }
+    return names
+
+
+def _is_trainer(node: ast.AST) -> bool:
+    """Whether ``node`` names a Trainer the way core's code does: ``trainer``, ``t``, ``tr`` or ``self.t``."""
+    if isinstance(node, ast.Name):
+        return node.id in ("trainer", "t", "tr")
+    return isinstance(node, ast.Attribute) and node.attr == "t" and getattr(node.value, "id", None) == "self"
+
+
+def test_no_module_but_the_trainers_own_reaches_its_private_names() -> None:
+    """Inside ``core/trainer/`` too: only ``trainer.py`` calls the Trainer's private methods or touches
+    its private attributes (``distributed.py`` builds a follower's policy with ``build_policy``)."""
+    private = _trainer_private_names()
+    assert {"_start", "_tokenizer"} <= private  # the Trainer has private names to protect
     for name, path in _modules().items():
-        if name.startswith("agl.trainer"):
+        if name == "agl.trainer.trainer":
             continue
-        calls = {
+        reached = {
             n.attr
             for n in ast.walk(ast.parse(path.read_text()))
-            if isinstance(n, ast.Attribute)
-            and n.attr in private
-            and isinstance(n.value, ast.Name)
-            and n.value.id in ("trainer", "t", "tr")
+            if isinstance(n, ast.Attribute) and n.attr in private and _is_trainer(n.value)
         }
-        assert not calls, f"{name} calls the Trainer's {sorted(calls)}"
+        assert not reached, f"{name} reaches the Trainer's {sorted(reached)}"
+
+
+@pytest.mark.parametrize("module", ["sync", "async_loop"])
+def test_a_schedule_reads_the_trainer_only_through_steps(module: str) -> None:
+    """A schedule holds no Trainer: it takes a ``Steps`` and its tasks, names no ``trainer``/``self.t``
+    and imports no ``Trainer`` — every read of the run goes through :class:`agl.trainer.steps.Steps`."""
+    tree = ast.parse((CORE / "trainer" / f"{module}.py").read_text())
+    reads = sorted(  # ``trainer.x``, ``t.x``, ``self.t.x``, and ``steps.t`` (the Trainer behind Steps)
+        f"line {n.lineno}: {ast.unparse(n)}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and (_is_trainer(n.value) or n.attr == "t")
+    )
+    assert not reads, f"agl.trainer.{module} reads the Trainer around Steps: {reads}"
+    params = {a.arg for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) for a in n.args.args}
+    assert not params & {"trainer", "t", "tr"}, params
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert "Trainer" not in imported
+    # and the schedules are built that way (a schedule given a Trainer would fail here)
+    schedule = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Schedule"))
+    init = next(n for n in schedule.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert [a.arg for a in init.args.args] == ["self", "steps", "train_tasks"]
+
+
+def test_the_trainer_package_docstring_lists_every_module() -> None:
+    import agl.trainer
+
+    doc = agl.trainer.__doc__ or ""
+    for path in sorted((CORE / "trainer").glob("*.py")):
+        if path.name != "__init__.py":
+            assert f"agl.trainer.{path.stem}`" in doc, path.name
+    assert "step interface" in doc and "agl.trainer.steps" in doc
 
 
 def test_lora_naming_is_taken_from_agl_lora_by_the_gateway_and_the_adapter() -> None:

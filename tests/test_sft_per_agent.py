@@ -77,8 +77,7 @@ def test_rl_starts_each_adapter_from_its_warm_start(
         backend="scripted", script=["x"], agents=AGENTS, adapter_per_agent=True, run_dir=tmp_path
     )
     trainer = Trainer(agl.LightningRL(lora_r=4, lora_alpha=8), warm_adapters=run, **kw)
-    trainer._tokenizer = load_tokenizer()
-    trainer._build_policy(tiny_model())
+    trainer.build_policy(tiny_model(), load_tokenizer())
     for name in ("writer", "re_writer"):
         saved = load_file(str(run / "adapters" / name / "adapter_model.safetensors"))
         state = get_peft_model_state_dict(trainer.policy.model, adapter_name=name)
@@ -151,6 +150,5 @@ def test_warm_adapters_of_other_target_modules_are_refused(tmp_path: Path) -> No
         run_dir=tmp_path / "run",
         warm_adapters=tmp_path,
     )
-    trainer._tokenizer = load_tokenizer()
     with pytest.raises(UsageError, match=r"adapter 'writer' in .* has other target modules.*missing \(e.g. "):
-        trainer._build_policy(tiny_model())
+        trainer.build_policy(tiny_model(), load_tokenizer())

@@ -7,7 +7,9 @@ everything it had to skip or guess in :class:`AdapterStats`. The rules are in do
 
 One job per module: :mod:`~agl.adapter.spans` (span kinds, the repaired tree, agent attribution,
 :func:`finishing_attempt`), :mod:`~agl.adapter.messages` (message parsing), :mod:`~agl.adapter.rewards`
-(:func:`final_reward`, the one definition), :mod:`~agl.adapter.air` (where AIR lands),
+(:func:`final_reward`, the one definition), :mod:`~agl.adapter.air_rules` (AIR: what each signal is
+worth), :mod:`~agl.adapter.air` (where AIR lands), :mod:`~agl.adapter.credit` (the credited return of
+each call, the one implementation), :mod:`~agl.adapter.trajectories` (multi-turn merging),
 :mod:`~agl.adapter.stats` and :mod:`~agl.adapter.adapter` (:class:`Adapter`, the pipeline).
 """
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from agl import semconv as sc
 from agl.adapter.air import AirPass
-from agl.adapter.air_rules import AIR, credit_returns
+from agl.adapter.air_rules import AIR
+from agl.adapter.credit import credit_returns
 from agl.adapter.messages import (
     _cut_at_max_tokens,
     _float_list,
@@ -68,10 +69,10 @@ class Adapter:
     output the app threw away (an input guardrail tripped during the agent's turn, the agent span's
     ``agl.discarded.windows``) into transitions, marked ``discarded=True``; by default they are left out.
 
-    ``Transition.reward`` is the credited return under ``algorithm``'s credit rule (anything with
-    ``.credit`` and ``.gamma``; by default LightningRL's ``identical`` rule, ``R + r_j`` with
-    ``include_intermediate=True``), computed here once: exports and the inspection CLI show it, and
-    ``LightningRL.compute_advantages`` normalises it without crediting again.
+    ``Transition.reward`` is the credited return (:mod:`agl.adapter.credit`) under ``algorithm``'s
+    credit rule (anything with ``.credit`` and ``.gamma``; by default LightningRL's ``identical`` rule,
+    ``R + r_j`` with ``include_intermediate=True``), computed here once: exports and the inspection CLI
+    show it, and ``LightningRL.compute_advantages`` normalises it without crediting again.
     """
 
     def __init__(
@@ -199,7 +200,8 @@ class Adapter:
 
     def returns(self, final_reward: float, intermediate: Sequence[float]) -> list[float]:
         """The credited return of each of one rollout's transitions (in call order) under this
-        adapter's credit rule; the reward assembly credits a judge-rescored rollout with it too."""
+        adapter's credit rule (:func:`agl.adapter.credit.credit_returns`, the one implementation);
+        the reward assembly credits a judge-rescored rollout with it too."""
         return credit_returns(
             final_reward, intermediate, self.algorithm, include_intermediate=self.include_intermediate
         )

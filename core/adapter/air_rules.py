@@ -24,7 +24,8 @@ rollout by :meth:`AIR.shape` after the rules have fired:
   still apply everywhere: they say which call failed.
 
 :func:`reward_breakdown` splits a batch's reward into its task part and its AIR/intermediate part, so a
-run's metrics show how much of a reward gain came from each.
+run's metrics show how much of a reward gain came from each. What a call is credited with once its
+rewards are known (its credited return) is :mod:`agl.adapter.credit`'s.
 """
 
 from __future__ import annotations
@@ -40,16 +41,7 @@ from agl.errors import UsageError
 if TYPE_CHECKING:
     from agl.types import Span, Transition
 
-__all__ = [
-    "AIR",
-    "CREDITS",
-    "GATES",
-    "RULES",
-    "credit_returns",
-    "plugin_rewards",
-    "reward_breakdown",
-    "reward_split",
-]
+__all__ = ["AIR", "GATES", "RULES", "plugin_rewards", "reward_breakdown", "reward_split"]
 
 log = logging.getLogger(__name__)
 
@@ -253,115 +245,4 @@ def reward_split(transitions: Sequence[Transition], history: Sequence[dict[str, 
     if first is not None and out["task_reward"] is not None:
         out["task_reward_gain"] = out["task_reward"] - first["task_reward"]
         out["air_reward_gain"] = out["air_reward"] - first["air_reward"]
-    return out
-
-
-# ------------------------------------------------------------------------------------ credit
-
-#: credit rules: ``identical`` (``G_j = R + r_j``) and ``discounted`` (``G_j = r_j + gamma * G_j+1``)
-CREDITS: tuple[str, ...] = ("identical", "discounted")
-
-
-def credit_returns(
-    final_reward: float,
-    intermediate: Sequence[float],
-    credit: Any = "identical",
-    gamma: float = 1.0,
-    *,
-    include_intermediate: bool = True,
-) -> list[float]:
-    """The credited return ``G_j`` of each transition of ONE rollout, in call order.
-
-    ``intermediate[j]`` is the intermediate reward of the rollout's j-th transition (0 when none).
-    ``credit`` is a rule name (:data:`CREDITS`) with its ``gamma``, or a configuration that has
-    ``.credit`` and ``.gamma`` (a :class:`agl.algorithms.LightningRL`; None for the defaults). With
-    ``include_intermediate=False`` intermediate rewards are ignored (the paper's identical rule).
-    """
-    if credit is None:
-        credit = "identical"
-    elif not isinstance(credit, str):
-        credit, gamma = credit.credit, credit.gamma
-    big_r = float(final_reward)
-    if not include_intermediate:
-        intermediate = [0.0] * len(intermediate)
-    if credit == "identical":
-        return [big_r + float(r) for r in intermediate]
-    if credit != "discounted":
-        raise UsageError(f"credit must be one of {', '.join(CREDITS)}, got {credit!r}")
-    g, out = big_r, [0.0] * len(intermediate)
-    for j in range(len(intermediate) - 1, -1, -1):
-        g = float(intermediate[j]) + float(gamma) * g
-        out[j] = g
-    return out
-
-
-def _by_rollout(transitions: Sequence[Transition]) -> dict[tuple[str, int], list[int]]:
-    """Positions of each rollout attempt's transitions, in call (``index``) order; checks consistency."""
-    groups: dict[tuple[str, int], list[int]] = {}
-    for pos, t in enumerate(transitions):
-        groups.setdefault((t.rollout_id, t.attempt), []).append(pos)
-    for (rid, att), positions in groups.items():
-        positions.sort(key=lambda p: transitions[p].index)
-        seen: set[int] = set()
-        first = transitions[positions[0]]
-        for p in positions:
-            t = transitions[p]
-            if t.index in seen:
-                raise UsageError(
-                    f"rollout {rid!r} attempt {att} has two transitions with index {t.index}; "
-                    "each LLM call must appear once"
-                )
-            seen.add(t.index)
-            if t.final_reward != first.final_reward:
-                raise UsageError(
-                    f"rollout {rid!r} attempt {att} has transitions with different final rewards "
-                    f"({first.final_reward!r} and {t.final_reward!r}); a rollout has one final reward"
-                )
-            if t.group_id != first.group_id:
-                raise UsageError(
-                    f"rollout {rid!r} attempt {att} has transitions in different groups "
-                    f"({first.group_id!r} and {t.group_id!r})"
-                )
-    return groups
-
-
-def _returns(
-    transitions: Sequence[Transition], credit: Any, gamma: float, include_intermediate: bool | None
-) -> tuple[list[float], dict[tuple[str, int], list[int]]]:
-    """Each transition's credited return (same order) and the positions of each rollout attempt's
-    transitions. ``include_intermediate=None`` takes the returns the adapter already put on the
-    transitions (``Transition.reward``) instead of crediting them again."""
-    by_rollout = _by_rollout(transitions)
-    if include_intermediate is None:
-        return [t.reward for t in transitions], by_rollout
-    returns = [0.0] * len(transitions)
-    for positions in by_rollout.values():
-        ts = [transitions[p] for p in positions]
-        g = credit_returns(
-            ts[0].final_reward,
-            [t.intermediate_reward for t in ts],
-            credit,
-            gamma,
-            include_intermediate=include_intermediate,
-        )
-        for p, value in zip(positions, g, strict=True):
-            returns[p] = value
-    return returns, by_rollout
-
-
-def agent_rewards(
-    agent_adapters: dict[str, str],
-    ids: Sequence[str],
-    transitions: dict[str, list[Transition]],
-    rewards: dict[str, float],
-) -> dict[str, float]:
-    """With an adapter per agent (``{agent: adapter}``): ``train_reward/<adapter>``, the mean reward of
-    the rollouts among ``ids`` in which that agent made a trained call."""
-    out: dict[str, float] = {}
-    for agent, name in agent_adapters.items():
-        seen = [
-            rewards[r] for r in ids if r in rewards and any(t.agent == agent for t in transitions.get(r, []))
-        ]
-        if seen:
-            out[f"train_reward/{name}"] = float(sum(seen) / len(seen))
     return out

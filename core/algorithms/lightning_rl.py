@@ -2,10 +2,11 @@
 
 LightningRL reduces a multi-call agent run to single-call RL: each LLM call (a :class:`Transition`)
 becomes one training sequence whose tokens share one advantage. This module holds the small, exact
-part of the method — from rewards to per-transition returns (*credit assignment*) and from returns to
-advantages (GRPO-style group normalisation). It is pure Python so it can be checked by hand values and
-run anywhere; the torch/TRL policy update lives in :mod:`agl.algorithms.update` and only the trainer
-imports it.
+part of the method — the credit rule's configuration and from returns to advantages (GRPO-style group
+normalisation). The returns themselves (*credit assignment*) come from :mod:`agl.adapter.credit`, the
+one implementation the adapter and the trainer's reward assembly use too. It is pure Python so it can
+be checked by hand values and run anywhere; the torch/TRL policy update lives in
+:mod:`agl.algorithms.update` and only the trainer imports it.
 
 Notation, for the rollouts ``i`` of one group, their transitions ``j = 1..n_i`` in call order, final
 reward ``R_i`` and intermediate rewards ``r_ij``:
@@ -52,8 +53,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from agl.adapter.air_rules import _returns as _credited
-from agl.adapter.air_rules import credit_returns
+from agl.adapter.credit import Credit, check_credit, credit_returns, credit_transitions
 from agl.config import UpdateSettings, check_number
 from agl.errors import UsageError
 from agl.semconv import BRANCH_GROUP_MARK
@@ -82,7 +82,6 @@ ZERO_STD = 1e-9
 #: Steps an agent's running baseline pools by default (``LightningRL.running_window``).
 RUNNING_WINDOW = 4
 
-Credit = Literal["identical", "discounted"]
 AdvantageLevel = Literal["rollout", "transition"]
 AgentBaseline = Literal["auto", "group", "step"]
 
@@ -124,8 +123,7 @@ class LightningRL(UpdateSettings):
     )
 
     def __post_init__(self) -> None:
-        if self.credit not in ("identical", "discounted"):
-            raise UsageError(f"LightningRL.credit must be 'identical' or 'discounted', got {self.credit!r}")
+        check_credit(self.credit, "LightningRL.credit")
         if self.advantage_level not in ("rollout", "transition"):
             raise UsageError(
                 f"LightningRL.advantage_level must be 'rollout' or 'transition', got {self.advantage_level!r}"
@@ -174,26 +172,19 @@ class LightningRL(UpdateSettings):
 # ------------------------------------------------------------------------------------ credit
 
 
-def _returns(
-    transitions: Sequence[Transition], cfg: LightningRL, include_intermediate: bool | None
-) -> tuple[list[float], dict[tuple[str, int], list[int]]]:
-    """Credited returns under ``cfg`` (:func:`agl.adapter.air_rules.credit_returns`); ``include_intermediate=None``
-    takes the ones the adapter already put on the transitions (``Transition.reward``)."""
-    return _credited(transitions, cfg.credit, cfg.gamma, include_intermediate)
-
-
 def assign_credit(
     transitions: Sequence[Transition],
     cfg: LightningRL | None = None,
     *,
     include_intermediate: bool = True,
 ) -> list[Transition]:
-    """Copies of ``transitions`` (same order) whose ``reward`` is the credited return ``G_ij``.
+    """Copies of ``transitions`` (same order) whose ``reward`` is the credited return ``G_ij``
+    (:func:`agl.adapter.credit.credit_transitions` under ``cfg``'s rule).
 
     Transitions are grouped by ``(rollout_id, attempt)`` and ordered by ``index``; ``final_reward`` and
     ``intermediate_reward`` are the inputs, nothing else is read.
     """
-    returns, _ = _returns(transitions, cfg or _DEFAULT, include_intermediate)
+    returns, _ = credit_transitions(transitions, cfg or _DEFAULT, include_intermediate=include_intermediate)
     return [t.model_copy(update={"reward": g}) for t, g in zip(transitions, returns, strict=True)]
 
 
@@ -484,7 +475,7 @@ def group_statistics(
     """Per group: the mean/std the advantages are normalised by (final rewards at rollout level,
     credited returns at transition level) and whether the group has zero variance."""
     cfg = cfg or _DEFAULT
-    returns, by_rollout = _returns(transitions, cfg, include_intermediate)
+    returns, by_rollout = credit_transitions(transitions, cfg, include_intermediate=include_intermediate)
     stats, _ = _statistics(transitions, returns, by_rollout, cfg)
     return stats
 
@@ -513,7 +504,7 @@ def compute_advantages(
     ``prior`` pools (:func:`prior_from_history`).
     """
     cfg = cfg or _DEFAULT
-    returns, by_rollout = _returns(transitions, cfg, include_intermediate)
+    returns, by_rollout = credit_transitions(transitions, cfg, include_intermediate=include_intermediate)
     if per_agent:
         stats, positions_of = _agent_statistics(transitions, returns, by_rollout, cfg, prior)
     else:

@@ -189,19 +189,19 @@ def warm_adapters_dir(path: str | os.PathLike[str]) -> Path:
     )
 
 
-def warm_adapters_folder(path: Any, agent_adapters: dict[str, str], lora_r: int) -> Path | None:
+def warm_adapters_folder(path: Any, agent_loras: dict[str, str], lora_r: int) -> Path | None:
     """The folder of each agent's warm-start adapter (``agl sft --adapter-per-agent``), checked before
     anything starts: an adapter per agent is on, and every selected agent has a peft adapter there, of
     the run's LoRA rank (a mismatch would fail only when the policy loads, after the model)."""
     if path is None:
         return None
-    if not agent_adapters:
+    if not agent_loras:
         raise UsageError("warm_adapters= starts each agent's adapter: it needs adapter_per_agent=True")
     try:
         folder = warm_adapters_dir(path)
     except FileNotFoundError as exc:
         raise UsageError(f"warm_adapters={os.fspath(path)!r}: {exc}") from None
-    dirs = {name: str(folder / name) for name in agent_adapters.values()}
+    dirs = {name: str(folder / name) for name in agent_loras.values()}
     check_lora_dirs(dirs)
     rank = json.loads((folder / next(iter(dirs)) / "adapter_config.json").read_text()).get("r")
     if rank != lora_r:

@@ -116,6 +116,11 @@ class TransitionGRPOTrainer(GRPOTrainer):
     #: only to a call for exactly its flat ids, so any other call (another batch, inspection) runs flat
     packed: PackedInputs | None = None
 
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        """No card from TRL: its template, written beside every checkpoint, names no base model for a
+        local folder ("a fine-tuned version of [None]") and describes a generic GRPO run. The true card
+        is written by ``agl export model`` (:mod:`agl.reports.model_card`) from the run's own record."""
+
     def _get_per_token_logps_and_entropies(  # type: ignore[override]
         self,
         model: Any,

@@ -2,6 +2,8 @@
 
 ``agl export --store URL --format transitions|sft|dpo --out FILE.jsonl`` writes the records
 :func:`agl.reports.export.export` makes (formats in that module's docstring and docs/architecture.md §8).
+``agl export model RUN_DIR --out DIR`` writes a run's trained policy as a folder to serve, with its
+model card (:mod:`agl.reports.model_export`).
 ``agl transitions ROLLOUT_ID --store URL`` prints, per transition, the agent, the prompt tail and the
 response (decoded with ``--tokenizer`` if given), token counts, exactness and the rewards.
 """
@@ -19,6 +21,7 @@ from agl.adapter.air_rules import AIR
 from agl.adapter.trajectories import merge_transitions
 from agl.algorithms.lightning_rl import LightningRL
 from agl.cli._util import add_store_args, open_store_from_args, tokenizer_from_arg
+from agl.errors import UsageError
 from agl.reports.export import FORMATS, FORMS, check_format, export
 from agl.types import Rollout, Transition
 
@@ -56,7 +59,10 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         _add_common(parser)
         parser.set_defaults(func=_cmd_transitions)
     else:
-        parser.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
+        _add_model_command(parser)
+        parser.add_argument(
+            "--format", choices=FORMATS, dest="fmt", help="transitions, sft or dpo (required)"
+        )
         parser.add_argument(
             "--form",
             choices=FORMS,
@@ -64,7 +70,7 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
             help="for --format transitions: one record per LLM call (default) or per merged agent "
             "conversation (trajectories: what the update trains on)",
         )
-        parser.add_argument("--out", required=True, help="output JSONL file ('-' for stdout)")
+        parser.add_argument("--out", help="output JSONL file ('-' for stdout; required)")
         parser.add_argument("--min-reward", type=float, help="keep rollouts whose final reward is >= this")
         parser.add_argument(
             "--rollouts", help="comma-separated rollout ids (default: every finished rollout)"
@@ -118,7 +124,65 @@ def _say_if_nothing_selected(args: argparse.Namespace, stats: Any) -> None:
     )
 
 
+def _add_model_command(parser: argparse.ArgumentParser) -> None:
+    """``agl export model RUN_DIR --out DIR``: the trained policy as a folder to serve (beside the
+    data exports, which keep their flags: ``agl export --format ... --out FILE``)."""
+    sub = parser.add_subparsers(dest="export_command", metavar="model")
+    m = sub.add_parser(
+        "model",
+        help="the trained policy as a folder to load or serve, with its model card",
+        description="Export a run's trained policy (a LoRA adapter, one per agent, the merged model or a "
+        "full fine-tune) with a model card that states the run: agl.reports.model_export.",
+    )
+    m.add_argument(
+        "run_dir", metavar="RUN_DIR", help="a run directory (its checkpoints/) or a checkpoint folder"
+    )
+    m.add_argument("--out", required=True, help="the new folder to write (must not exist or be empty)")
+    pick = m.add_mutually_exclusive_group()
+    pick.add_argument(
+        "--step", type=int, metavar="N", help="export checkpoint-N (default: the last checkpoint)"
+    )
+    pick.add_argument(
+        "--best",
+        action="store_true",
+        help="export the checkpoint with the best held-out reward (metrics.jsonl)",
+    )
+    m.add_argument(
+        "--merge", action="store_true", help="LoRA runs: the base model with the adapter merged in"
+    )
+    m.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="the merged weights' dtype")
+    m.add_argument("--base", metavar="DIR", help="the base model's folder, when it moved since the run")
+    m.set_defaults(func=_cmd_export_model)
+
+
+def _cmd_export_model(args: argparse.Namespace) -> int:
+    from agl.reports.model_card import serve_commands
+    from agl.reports.model_export import export_model
+
+    result = export_model(
+        args.run_dir,
+        args.out,
+        step=args.step,
+        best=args.best,
+        merge=args.merge,
+        dtype=args.dtype,
+        base=args.base,
+    )
+    ckpt = result.checkpoint
+    print(
+        f"agl export: {result.kind} from {ckpt.path} (loop step {ckpt.step}, {ckpt.update_step} update(s)) "
+        f"-> {result.out}; the card: {result.out / 'README.md'}"
+    )
+    print("serve it:")
+    for command in serve_commands(result.out, result.manifest):
+        print(f"  {command}")
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
+    for flag, value in (("--format", args.fmt), ("--out", args.out)):
+        if value is None:
+            raise UsageError(f"agl export needs {flag} (or: agl export model RUN_DIR --out DIR)")
     check_format(args.fmt, args.form)  # before the store is opened or anything written
     adapter = _adapter_from_args(args)
     store = open_store_from_args(args)

@@ -48,7 +48,8 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--model",
-        help="transformers: a local checkpoint path (default: SmolLM2-135M-Instruct, prepared on first use); "
+        help="transformers: a local checkpoint path or an `agl export model` folder (default: "
+        "SmolLM2-135M-Instruct, prepared on first use); "
         "vllm: the policy's model name (default: the upstream's first model); scripted: the model name",
     )
     p.add_argument(
@@ -261,9 +262,11 @@ def build_backend(args: Any) -> Any:
 
     if args.backend == "transformers":
         _require_torch()
+        model, tokenizer = _export_model(args)
         return from_spec(
             "transformers",
-            model=args.model,
+            model=model,
+            tokenizer=tokenizer,
             model_name=(args.model_name or [None])[0],
             max_batch_size=args.max_batch_size,
             threads=getattr(args, "threads", None),
@@ -289,6 +292,29 @@ def build_backend(args: Any) -> Any:
     return from_spec(
         "openai", url=args.upstream, api_key=args.upstream_api_key, models=[args.model] if args.model else ()
     )
+
+
+def _export_model(args: Any) -> tuple[Any, Any]:
+    """``--model DIR`` of an ``agl export model`` folder (:func:`agl.reports.model_export.serving_plan`):
+    a shared LoRA export is merged onto its base and served as the policy (under every name); an
+    adapter per agent serves each adapter on the base under its agent's name (``--adapter`` and
+    ``--serve`` added). Returns the model (a path or a loaded model) and its tokenizer (or None)."""
+    if args.model is None or not Path(args.model).is_dir():
+        return args.model, None
+    from agl.reports.model_export import load_merged, serving_plan
+
+    plan = serving_plan(args.model)
+    if plan is None:
+        return args.model, None
+    if plan.merge is not None:
+        if not args.model_name:
+            args.model_name = [Path(args.model).name]
+        return load_merged(plan)
+    given = _adapter_args(list(args.adapter or []))
+    args.adapter = list(args.adapter or []) + [f"{n}={d}" for n, d in plan.adapters.items() if n not in given]
+    mapped = {value.partition("=")[0].strip() for value in args.serve or []}
+    args.serve = list(args.serve or []) + [f"{a}={n}" for a, n in plan.serve.items() if a not in mapped]
+    return plan.model, None
 
 
 def _names_line(options: dict[str, Any]) -> str:

@@ -4,7 +4,8 @@ Each record is appended to ``run_dir/metrics.jsonl`` (what ``agl plot``, the das
 run read) and its numbers to the experiment trackers ``report_to`` names (:mod:`agl.run.trackers`:
 TensorBoard under ``run_dir/tb``, trackio, W&B, MLflow; by default TensorBoard when it is installed,
 and the JSONL is written either way). ``history`` keeps the records in memory; :func:`bar_postfix` is
-the progress bar's summary of a step. The Trainer and SFT both write through it.
+the progress bar's summary of a step, :func:`mean` the records' mean. The Trainer and SFT both write
+through it.
 """
 
 from __future__ import annotations
@@ -16,9 +17,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLog", "bar_postfix", "rollouts_postfix"]
+__all__ = ["MetricsLog", "bar_postfix", "engine_share", "mean", "rollouts_postfix"]
 
 log = logging.getLogger("agl.metrics")
+
+
+def mean(xs: Sequence[float]) -> float | None:
+    """The mean of a record's values, or None for none (a step without held-out rewards has no
+    ``val_reward``, not a zero one); the one definition the trainer's records and monitors use."""
+    return float(sum(xs) / len(xs)) if xs else None
 
 
 class MetricsLog:

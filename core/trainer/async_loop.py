@@ -22,17 +22,18 @@ step's metrics); metrics of steps after that checkpoint are discarded (their upd
 process) and the groups they trained are trained again. Every other group in the store is picked up:
 finished ones are trained, queued ones run, and running ones a dead runner held are retried by the
 store once their lease lapses. So every rollout id is trained in exactly one recorded step.
+
+The schedule acts on the run only through :class:`~agl.trainer.steps.Steps` (it holds no Trainer).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from agl.adapter.air_rules import reward_split
-from agl.run.metrics import engine_share
-from agl.trainer.heldout import enqueue_held_out, held_out_record
+from agl.run.metrics import mean
+from agl.trainer.heldout import enqueue_held_out
 from agl.trainer.order import TaskOrder
 from agl.trainer.pipeline import (
     PIPELINE_KEY,
@@ -45,33 +46,25 @@ from agl.trainer.pipeline import (
 from agl.trainer.steps import Steps
 from agl.types import Task, Transition
 
-if TYPE_CHECKING:
-    from agl.trainer.trainer import Trainer
-
 __all__ = ["AsyncLoop", "AsyncSchedule"]
 
 log = logging.getLogger("agl.trainer")
 
 
-def _mean(xs: list[float]) -> float | None:
-    return float(sum(xs) / len(xs)) if xs else None
-
-
 class AsyncSchedule:
     """The asynchronous schedule of one ``Trainer.fit`` (see the module docstring)."""
 
-    def __init__(self, trainer: Trainer, steps: Steps, train_tasks: list[Task]) -> None:
-        self.t = trainer
+    def __init__(self, steps: Steps, train_tasks: list[Task]) -> None:
         self.steps = steps
-        self.cfg = trainer.loop
+        self.cfg = steps.loop
         self.k = self.cfg.max_staleness
         self.train_tasks = train_tasks
         self.order = TaskOrder(len(train_tasks), self.cfg.seed)
         self.pipe = GroupPipeline(
-            trainer.store, steps.adapt, trainer.algorithm.group_size, trainer.rollout_config, self.cfg.seed
+            steps.store, steps.adapt, steps.group_size, steps.rollout_config, self.cfg.seed
         )
         #: a scripted or hosted engine never serves the pushed versions: staleness is unknown there
-        self.versions_known = trainer.env is not None and trainer.env.serves_pushed_weights
+        self.versions_known = steps.serves_pushed_weights
         self.ledger = VersionLedger()
 
     def budget_at(self, step: int) -> int:
@@ -95,31 +88,30 @@ class AsyncSchedule:
 
     def _step(self, step: int, final: bool, val_tasks: list[Task]) -> dict[str, Any]:
         """publish -> push -> top up the pipeline -> take complete groups -> update -> held-out."""
-        t = self.t
-        assert t.env is not None
+        s = self.steps
         t_step = time.perf_counter()
-        busy0 = t.env.engine_busy_s()
-        version = self.steps.publish()
-        sync_s = self.steps.push(version)
-        self.ledger.pushed(version, t.policy.global_step)
+        busy0 = s.engine_busy()
+        version = s.publish()
+        sync_s = s.push(version)
+        self.ledger.pushed(version, s.global_step)
         if not final:
             self.pipe.fill(self.budget_at(step), step, self.draw)
         else:  # nothing trains any more: groups still running would only slow the held-out check
             self.pipe.cancel_outstanding()
-        val_ids = enqueue_held_out(self.steps, val_tasks, version, step, t.loop.val_samples)
+        val_ids = enqueue_held_out(s, val_tasks, version, step, self.cfg.val_samples)
         record: dict[str, Any] = {"step": step, "resources_version": version, "max_staleness": self.k}
         ids: list[str] = []
         transitions: dict[str, list[Transition]] = {}
         if not final:
             ids, transitions = self._train(step, version, record)
         if val_ids:  # the held-out rollouts ran on this step's weights while the update ran
-            vt, rewards, _ = self.steps.collect(val_ids, None, f"step {step} held-out")
+            vt, rewards, _ = s.collect(val_ids, None, f"step {step} held-out")
             transitions.update(vt)
-            record.update(held_out_record(val_ids, rewards, len(val_tasks), t.loop.val_samples))
-        record.update(t.rewarding.monitor(t.store, step, ids, val_ids, transitions, record, t.history))
+            record.update(s.val_record(val_ids, rewards, len(val_tasks)))
+        record.update(s.monitor(step, ids, val_ids, transitions, record))
         step_s = time.perf_counter() - t_step
         record.update(sync_s=sync_s, step_s=step_s)
-        record.update(engine_share(busy0, t.env, step_s))
+        record.update(s.engine_share(busy0, step_s))
         return record
 
     def _take(self, step: int, version: int) -> tuple[list[Group], list[Group], float]:
@@ -146,26 +138,21 @@ class AsyncSchedule:
     ) -> tuple[list[str], dict[str, list[Transition]]]:
         """Take the step's groups and update on them; fills ``record``; returns the trained ids and
         transitions."""
-        t = self.t
-        stats_before = t.adapter.stats.copy()
-        groups, dropped, idle_s = self._take(step, version)
-        t.checks.adapted(step, t.adapter.stats.since(stats_before), t.adapter.agents)
+        s = self.steps
+        with s.adapting(step):
+            groups, dropped, idle_s = self._take(step, version)
         ids = [rid for g in groups for rid in g.ids]
         transitions = {rid: ts for g in groups for rid, ts in g.transitions.items()}
         rewards = {rid: r for g in groups for rid, r in g.rewards.items()}
         failed = sum(1 for g in groups for r in g.finished.values() if r.status != "succeeded")
-        transitions, rewards, judged = t.rewarding.assemble(t.store, ids, transitions, rewards)
+        transitions, rewards, judged = s.assemble(ids, transitions, rewards)
         record.update(judged)
-        train_ts = [x for rid in ids for x in transitions.get(rid, [])]
+        train_ts = s.trained(ids, transitions)
         lags = [self.ledger.lag(x.weight_version, version) for x in train_ts] if self.versions_known else []
         lags = [x for x in lags if x is not None]
+        record.update(s.train_record(ids, transitions, rewards, failed))
         record.update(
-            train_reward=_mean([rewards[r] for r in ids if r in rewards]),
-            rollouts=len(ids),
-            rollouts_failed=failed,
-            transitions=len(train_ts),
-            exact_token_ratio=(sum(1 for x in train_ts if x.exact) / len(train_ts)) if train_ts else None,
-            staleness_mean=_mean([float(x) for x in lags]),
+            staleness_mean=mean([float(x) for x in lags]),
             staleness_max=max(lags) if lags else None,
             stale_groups_dropped=len(dropped),
             dropped_rollout_ids=[rid for g in dropped for rid in g.ids],
@@ -174,8 +161,7 @@ class AsyncSchedule:
             trainer_idle_s=idle_s,
             rollout_s=idle_s,
         )
-        record.update(reward_split(train_ts, t.history))
-        record.update(self.steps.update(train_ts, on_policy=not any(lags)))
+        record.update(s.update(train_ts, on_policy=not any(lags)))
         return ids, transitions
 
     # ------------------------------------------------------------------------------ resume

@@ -208,11 +208,7 @@ def follow(policy: Any, channel: Channel) -> dict[str, Any]:
 def follow_fit(trainer: Trainer) -> dict[str, Any]:
     """``Trainer.fit`` on a rank other than 0: build the same policy as rank 0 (the same collectives in
     the same order: :func:`init`, :func:`same_source`, the policy, the channel), then follow its calls."""
-    from agl.chat.tokenizer import load_tokenizer
-
     init()
     source = same_source(trainer.serving.model)
-    tok = trainer.serving.tokenizer
-    trainer._tokenizer = tok if tok is not None else load_tokenizer(source)  # noqa: SLF001
-    trainer._build_policy(source)  # noqa: SLF001 - rank 0's construction; lead() is a no-op here
-    return follow(trainer.policy, Channel())
+    policy = trainer.build_policy(source)  # rank 0's construction; lead() is a no-op here
+    return follow(policy, Channel())

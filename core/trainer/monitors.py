@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from agl.errors import UsageError
+from agl.run.metrics import mean
 
 __all__ = ["MONITORS", "MonitorWarning", "Monitors", "StepData", "Thresholds", "fingerprint"]
 
@@ -99,10 +100,6 @@ class StepData:
     val_ids: Sequence[str] = ()
 
 
-def _mean(xs: Sequence[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
 def _first(history: Sequence[Mapping[str, Any]], key: str) -> float | None:
     return next((h[key] for h in history if isinstance(h.get(key), (int, float))), None)
 
@@ -122,7 +119,7 @@ def _air_share(d: StepData, record: Mapping[str, Any], th: Thresholds) -> tuple[
 
 def _divergence(d: StepData, th: Thresholds) -> tuple[dict, MonitorWarning | None]:
     gaps = {r: abs(d.task[r] - d.judge[r]) for r in d.transitions if r in d.judge and r in d.task}
-    value = _mean(list(gaps.values()))
+    value = mean(list(gaps.values()))
     if value is None or th.divergence is None or value <= th.divergence:
         return {"monitor_divergence": value}, None
     worst = sorted(gaps, key=gaps.__getitem__, reverse=True)
@@ -173,7 +170,7 @@ def _drift(
     history: Sequence[Mapping[str, Any]],
     limit: float | None,
 ) -> tuple[dict, MonitorWarning | None]:
-    value = _mean(list(per.values()))
+    value = mean(list(per.values()))
     base = _first(history, key)
     out: dict[str, Any] = {key: value}
     if value is None or base is None:
@@ -226,7 +223,7 @@ class Monitors:
         checks = [_trend(d, record, history, th)]
         if trained:
             length = {
-                r: _mean([len(t.response_ids) for t in ts]) or 0.0 for r, ts in d.transitions.items() if ts
+                r: mean([len(t.response_ids) for t in ts]) or 0.0 for r, ts in d.transitions.items() if ts
             }
             tools = {r: float(d.tool_calls.get(r, 0)) for r in d.transitions}
             checks += [

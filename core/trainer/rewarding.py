@@ -118,8 +118,9 @@ class RewardAssembly:
 
     def _rescore(self, ts: Sequence[Any], value: float, verdict: float | None) -> list[Any]:
         """One rollout's transitions (in call order) with the assembled final reward, judge-gated AIR,
-        and ``reward`` — the credited return the update normalises — credited again from them: the
-        adapter credited the task's reward, and a rescored rollout must train on its new one."""
+        and ``reward`` — the credited return the update normalises — credited again from them with the
+        adapter's rule (:meth:`agl.Adapter.returns`: :func:`agl.adapter.credit.credit_returns`, the
+        function the adapter credited the task's reward with): a rescored rollout trains on its new one."""
         inter = [t.intermediate_reward for t in ts]
         if self.air is not None and getattr(self.air, "gate", None) == "judge" and verdict is not None:
             inter = list(self.air.gate_on(inter, verdict))

@@ -1,35 +1,44 @@
 """The step interface: what a schedule (synchronous or asynchronous) does to the run, and nothing more.
 
 A step of either schedule is made of the same moves — publish a resources version, push the policy's
-weights to the engine, enqueue rollouts, collect them (adapting each as it finishes), update the policy,
-checkpoint — and the schedules differ only in how they order and overlap them. :class:`Steps` is those
-moves over one :class:`~agl.trainer.Trainer`'s run: the schedules (:mod:`agl.trainer.sync`,
-:mod:`agl.trainer.async_loop`), dynamic sampling (:mod:`agl.trainer.sampling`) and ``Trainer.dev`` work
-through it and never reach into the Trainer. It reads the Trainer's public attributes only (its store,
-environment, adapter, policy, algorithm and configs).
+weights to the engine, enqueue rollouts, collect them (adapting each as it finishes), assemble their
+rewards, update the policy, write the step's record, checkpoint — and the schedules differ only in how
+they order and overlap them. :class:`Steps` is those moves over one :class:`~agl.trainer.Trainer`'s
+run, plus the read-only views of the run a schedule needs (its loop settings, algorithm, history,
+the policy's update step, the engine's busy clock). The schedules (:mod:`agl.trainer.sync`,
+:mod:`agl.trainer.async_loop`), dynamic sampling (:mod:`agl.trainer.sampling`), branching
+(:mod:`agl.trainer.branching`) and ``Trainer.dev`` work through it and never reach into the Trainer
+(``tests/test_layout.py`` checks the schedules hold no Trainer at all). It reads the Trainer's public
+attributes only (its store, environment, adapter, policy, algorithm, checks, rewards and configs).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agl import semconv as sc
+from agl.adapter.air_rules import reward_split
 from agl.algorithms.lightning_rl import prior_from_history
 from agl.gateway.seeds import rollout_place, rollout_seed
-from agl.run.metrics import rollouts_postfix
+from agl.run.metrics import engine_share, mean, rollouts_postfix
+from agl.run.record import CHECKPOINT_FILE
+from agl.trainer.heldout import held_out_record
 from agl.trainer.order import TaskOrder
 from agl.trainer.pipeline import cancel_rollouts
 from agl.trainer.state import read_state, write_state
 from agl.types import NewRollout, Rollout, Task, Transition
 
 if TYPE_CHECKING:
+    from agl.config import LoopConfig
     from agl.trainer.trainer import Trainer
 
-__all__ = ["Steps"]
+__all__ = ["Steps", "agent_rewards"]
 
 log = logging.getLogger("agl.trainer")
 
@@ -40,9 +49,61 @@ class Steps:
     def __init__(self, trainer: Trainer) -> None:
         self.t = trainer
 
+    # ------------------------------------------------------------------ the run, read-only
     @property
     def store(self) -> Any:
         return self.t.store
+
+    @property
+    def loop(self) -> LoopConfig:
+        """The run's loop settings (steps, tasks per step, staleness, seed, ...)."""
+        return self.t.loop
+
+    @property
+    def algorithm(self) -> Any:
+        """The run's algorithm (a :class:`agl.LightningRL`: its group size and group statistics)."""
+        return self.t.algorithm
+
+    @property
+    def group_size(self) -> int:
+        """Rollouts per training task: the GRPO group."""
+        return int(self.t.algorithm.group_size)
+
+    @property
+    def rollout_config(self) -> Any:
+        """The per-rollout limits the store keeps (timeout, lease, attempts)."""
+        return self.t.rollout_config
+
+    @property
+    def agent_fn(self) -> Any:
+        """The rollout function of the run (branching reads its replay contract)."""
+        return self.t.agent_fn
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The metrics records written so far (one per step)."""
+        return self.t.history
+
+    @property
+    def global_step(self) -> int:
+        """The policy's update step (how many updates it has taken)."""
+        return int(self.t.policy.global_step)
+
+    @property
+    def serves_pushed_weights(self) -> bool:
+        """Whether the engine serves the weights :meth:`push` sends (the embedded and vLLM ones; not a
+        scripted or hosted one), so the served version on each call can be trusted."""
+        env = self.t.env
+        return env is not None and bool(env.serves_pushed_weights)
+
+    def engine_busy(self) -> float | None:
+        """The in-process engine's busy clock in seconds (None without one)."""
+        return self.t.env.engine_busy_s() if self.t.env is not None else None
+
+    def engine_share(self, busy0: float | None, step_s: float) -> dict[str, float]:
+        """``engine_busy_s``/``engine_idle_s`` of a step that began at busy clock ``busy0``
+        (:func:`agl.run.metrics.engine_share`)."""
+        return engine_share(busy0, self.t.env, step_s)
 
     # ------------------------------------------------------------------------- serving
     def publish(self) -> int:
@@ -138,6 +199,70 @@ class Steps:
                 deadline = None
         return transitions, rewards, finished
 
+    @contextlib.contextmanager
+    def adapting(self, step: int) -> Iterator[None]:
+        """Around a step's collection: the adapter's counts over it are checked on leaving
+        (:meth:`agl.trainer.checks.StepChecks.adapted`: a step whose calls could not be adapted says
+        why)."""
+        adapter = self.t.adapter
+        before = adapter.stats.copy()
+        yield
+        self.t.checks.adapted(step, adapter.stats.since(before), adapter.agents)
+
+    # ------------------------------------------------------------------------- rewards
+    def assemble(
+        self, ids: Sequence[str], transitions: dict[str, list[Transition]], rewards: dict[str, float]
+    ) -> tuple[dict[str, list[Transition]], dict[str, float], dict[str, Any]]:
+        """The step's training rollouts rescored (task, judge or mixed: :mod:`agl.trainer.rewarding`);
+        new ``transitions`` and ``rewards`` maps and the ``judge_*`` metrics."""
+        return self.t.rewarding.assemble(self.store, ids, transitions, rewards)
+
+    def monitor(
+        self,
+        step: int,
+        ids: Sequence[str],
+        val_ids: Sequence[str],
+        transitions: Mapping[str, list[Transition]],
+        record: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """The reward-hacking monitors' metrics and warnings for the step (:mod:`agl.trainer.monitors`)."""
+        return self.t.rewarding.monitor(self.store, step, ids, val_ids, transitions, record, self.history)
+
+    # -------------------------------------------------------------------------- record
+    @staticmethod
+    def trained(ids: Sequence[str], transitions: Mapping[str, list[Transition]]) -> list[Transition]:
+        """The transitions of the rollouts ``ids``, in that order: what the step trains on."""
+        return [x for rid in ids for x in transitions.get(rid, [])]
+
+    def val_record(self, val_ids: Sequence[str], rewards: Mapping[str, float], tasks: int) -> dict[str, Any]:
+        """The held-out part of a step's record: ``val_reward`` (the mean over the held-out rollouts
+        that finished with a reward), ``val_rollouts``, ``val_tasks`` and how they were decoded
+        (:func:`agl.trainer.heldout.held_out_record`)."""
+        return held_out_record(val_ids, rewards, tasks, self.loop.val_samples)
+
+    def train_record(
+        self,
+        ids: Sequence[str],
+        transitions: Mapping[str, list[Transition]],
+        rewards: Mapping[str, float],
+        failed: int,
+    ) -> dict[str, Any]:
+        """The training part of a step's record, the same for both schedules: ``train_reward``,
+        ``rollouts``, ``rollouts_failed`` (``failed``), ``transitions``, ``exact_token_ratio``, the
+        reward's task/AIR split (:func:`agl.adapter.air_rules.reward_split`) and, with a LoRA per
+        agent, ``train_reward/<lora>``."""
+        train_ts = self.trained(ids, transitions)
+        exact = sum(1 for x in train_ts if x.exact) / len(train_ts) if train_ts else None
+        return {
+            "train_reward": mean([rewards[r] for r in ids if r in rewards]),
+            "rollouts": len(ids),
+            "rollouts_failed": failed,
+            "transitions": len(train_ts),
+            "exact_token_ratio": exact,
+            **reward_split(train_ts, self.history),
+            **agent_rewards(self.t.agent_loras, ids, transitions, rewards),
+        }
+
     # -------------------------------------------------------------------------- update
     def update(self, train_ts: list[Transition], *, on_policy: bool = True) -> dict[str, Any]:
         """Advantages and one policy update over a step's transitions; returns their metrics.
@@ -150,7 +275,7 @@ class Steps:
         # GRPO groups per agent with a LoRA per agent (each agent's weights are compared alone); an
         # agent the step leaves without spread is compared with its own last steps (the records' returns)
         per_agent: dict[str, Any] = {}
-        if t.agent_adapters:
+        if t.agent_loras:
             window = getattr(t.algorithm, "running_window", 0)
             per_agent = {
                 "per_agent": True,
@@ -183,10 +308,8 @@ class Steps:
             baselines[f"step_baseline/{agent}"] = float(rule in ("step", "running"))
             baselines[f"running_baseline/{agent}"] = float(rule == "running")
             baselines[f"task_baseline/{agent}"] = float(rule == "task")
-        for agent, (n, mean, std) in adv_stats.get("agent_returns", {}).items():
-            baselines.update(
-                {f"return_n/{agent}": n, f"return_mean/{agent}": mean, f"return_std/{agent}": std}
-            )
+        for agent, (n, mu, std) in adv_stats.get("agent_returns", {}).items():
+            baselines.update({f"return_n/{agent}": n, f"return_mean/{agent}": mu, f"return_std/{agent}": std})
         return {
             "zero_variance_groups": adv_stats["zero_variance_groups"],
             "groups": adv_stats["groups"],
@@ -205,6 +328,13 @@ class Steps:
     def checkpoint(self, order: TaskOrder, extra: dict[str, Any] | None = None) -> None:
         """Save the policy, then the run's state (the task order and ``extra``) atomically."""
         path = self.t.policy.save_checkpoint()
+        # which loop step the folder holds (its name counts updates; a step without one adds none),
+        # so `agl export model --step/--best` finds the held-out check of these weights
+        done = (extra or {}).get("next_step")
+        marker = {"step": done, "update_step": self.t.policy.global_step}
+        (Path(path) / CHECKPOINT_FILE).write_text(json.dumps(marker))
+        for card in Path(path).glob("**/README.md"):  # peft's blank template ("More Information Needed")
+            card.unlink()
         state = {
             "checkpoint": str(Path(path).resolve()),
             "step": self.t.policy.global_step,
@@ -233,3 +363,21 @@ class Steps:
         says the schedule picks up again."""
         live = self.store.query_rollouts(status=["queued", "running"])
         cancel_rollouts(self.store, [r.id for r in live if keep is None or not keep(r)])
+
+
+def agent_rewards(
+    agent_loras: Mapping[str, str],
+    ids: Sequence[str],
+    transitions: Mapping[str, list[Transition]],
+    rewards: Mapping[str, float],
+) -> dict[str, float]:
+    """With a LoRA per agent (``{agent: LoRA name}``): ``train_reward/<lora>``, the mean reward of the
+    rollouts among ``ids`` in which that agent made a trained call."""
+    out: dict[str, float] = {}
+    for agent, name in agent_loras.items():
+        seen = [
+            rewards[r] for r in ids if r in rewards and any(t.agent == agent for t in transitions.get(r, []))
+        ]
+        if seen:
+            out[f"train_reward/{name}"] = float(sum(seen) / len(seen))
+    return out

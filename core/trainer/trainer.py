@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,10 +57,6 @@ if TYPE_CHECKING:
 __all__ = ["Trainer", "load_tokenizer"]
 
 log = logging.getLogger("agl.trainer")
-
-
-def _mean(xs: Sequence[float]) -> float | None:
-    return float(sum(xs) / len(xs)) if xs else None
 
 
 # ------------------------------------------------------------------------------------ trainer
@@ -139,11 +135,11 @@ class Trainer:
         ):
             log.info("agl trainer: runners=0 — rollouts wait for external `agl runner` processes")
         self.agents = agents
-        #: ``{agent: adapter name}`` with an adapter per agent (LoopConfig.adapter_per_agent), else {}
-        self.agent_adapters = selected_loras(agents, self.loop.adapter_per_agent, self.config.lora)
-        #: per-agent adapter folders the adapters start from (``agl sft --adapter-per-agent``), or None
+        #: ``{agent: LoRA name}`` with a LoRA per agent (LoopConfig.adapter_per_agent), else {}
+        self.agent_loras = selected_loras(agents, self.loop.adapter_per_agent, self.config.lora)
+        #: per-agent LoRA folders the LoRAs start from (``agl sft --adapter-per-agent``), or None
         self.warm_adapters = warm_adapters_folder(
-            self.loop.warm_adapters, self.agent_adapters, self.config.lora_r
+            self.loop.warm_adapters, self.agent_loras, self.config.lora_r
         )
         self.adapter_arg = adapter
         #: the per-rollout limits the store keeps (timeout, lease, attempts)
@@ -156,6 +152,8 @@ class Trainer:
         #: the rollout function of the run in progress (fit/dev set it)
         self.agent_fn: Any = None
         self._tokenizer: Any = None
+        #: the model the policy was built from (a path or a loaded model), once a run started
+        self.model_source: Any = None
         from agl.trainer.rewarding import RewardAssembly
 
         self.rewarding = RewardAssembly(judge=judge, reward=reward, monitors=monitors)
@@ -210,11 +208,12 @@ class Trainer:
         if training:  # several processes: every rank builds its policy from rank 0's source
             distributed.init()
             source = distributed.same_source(source)
+        self.model_source = source
         # Training needs the policy's tokenizer; dev uses one to print prompts and to re-tokenise calls
         # of an endpoint without token ids (the shipped SmolLM2 one when nothing better is known).
         self._tokenizer = s.tokenizer if s.tokenizer is not None else load_tokenizer(source or s.model)
         if training:
-            self._build_policy(source)
+            self.build_policy(source)
         engine = {"default_temperature": self.config.temperature, "default_top_p": self.config.top_p}
         if s.batched_lora:  # mixed-adapter rows through one batched LoRA product (adapter_per_agent)
             engine["batched_lora"] = True
@@ -241,11 +240,21 @@ class Trainer:
         else:
             self.adapter = Adapter(agents=self.agents, tokenizer=self._tokenizer, algorithm=self.algorithm)
 
-    def _build_policy(self, source: Any) -> None:
+    def build_policy(self, source: Any, tokenizer: Any = None) -> Any:
+        """Build the policy this process trains (``self.policy``, returned) from the model ``source``:
+        its tokenizer (``tokenizer``; else the one already set; else ``Serving.tokenizer``, else
+        ``source``'s), then the seeded :class:`~agl.algorithms.update.PolicyUpdate` (a LoRA per agent when asked), its warm
+        start, and on rank 0 of several processes the :class:`~agl.trainer.distributed.LeaderPolicy`
+        around it. Every rank builds it the same way (:func:`agl.trainer.distributed.follow_fit`)."""
         import torch
 
         from agl.algorithms.update import PolicyUpdate
 
+        if tokenizer is not None:
+            self._tokenizer = tokenizer
+        elif self._tokenizer is None:
+            tok = self.serving.tokenizer
+            self._tokenizer = tok if tok is not None else load_tokenizer(source)
         torch.manual_seed(self.loop.seed)
         self.policy = PolicyUpdate(
             source,
@@ -253,13 +262,14 @@ class Trainer:
             self.config,
             output_dir=self.run_dir / "checkpoints",
             seed=self.loop.seed,
-            adapters=dict(self.agent_adapters) or None,
+            adapters=dict(self.agent_loras) or None,
         )
         if self.warm_adapters is not None:
             from agl.algorithms.per_agent_lora import load_adapter_checkpoint
 
             load_adapter_checkpoint(self.policy, str(self.warm_adapters))
         self.policy = distributed.lead(self.policy)  # rank 0 of several: its updates run on every rank
+        return self.policy
 
     def close(self) -> None:
         """Stop the in-process runners and gateway, flush the spans and close TensorBoard."""
@@ -302,6 +312,7 @@ class Trainer:
         self.metrics.start(run_config(self.algorithm, **parts), resume=self.loop.resume)
         try:
             self._start(agent, training=True)
+            self._record(agent, parts)
             # the judge's gateway, store and cache; AIR's gate and the credit rule are the adapter's
             self.rewarding.open(self.run_dir, self.adapter)
             self._loop(train_tasks, val_tasks)
@@ -320,6 +331,22 @@ class Trainer:
         distributed.end(self.policy, summary)  # the other ranks' fit returns it
         return summary
 
+    def _record(self, agent: Any, parts: dict[str, Any]) -> None:
+        """``run_dir/run.json`` (:mod:`agl.run.record`): the base model, the agents and the settings,
+        which ``agl export model`` writes into the model card."""
+        from agl.run.record import write_run_record
+        from agl.run.trackers import run_config
+
+        write_run_record(
+            self.run_dir,
+            source=self.model_source,
+            agent=agent,
+            agents=self.agents,
+            adapters=self.agent_adapters,
+            lora=self.config.lora,
+            config=run_config(self.algorithm, **parts),
+        )
+
     def _loop(self, train_tasks: list[Task], val_tasks: list[Task]) -> None:
         """The run's steps: the synchronous schedule, or the asynchronous one with ``max_staleness > 0``,
         under the one loop skeleton (:mod:`agl.trainer.loop`)."""
@@ -328,9 +355,9 @@ class Trainer:
         if self.loop.max_staleness:
             from agl.trainer.async_loop import AsyncSchedule
 
-            schedule = AsyncSchedule(self, steps, train_tasks)
+            schedule = AsyncSchedule(steps, train_tasks)
         else:
-            schedule = SyncSchedule(self, steps, train_tasks)
+            schedule = SyncSchedule(steps, train_tasks)
         run_loop(self, schedule, val_tasks)
 
     # ----------------------------------------------------------------------------------- dev
