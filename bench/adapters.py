@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -99,11 +100,14 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
+    from agl.engine import EngineSettings
     from agl.gateway.backends.transformers import TransformersBackend
 
     torch.set_num_threads(args.threads)
     model = peft_model()
-    backend = TransformersBackend(model, model_name="m", max_batch_size=8, threads=args.threads)
+    backend = TransformersBackend(
+        model, model_name="m", settings=EngineSettings(max_batch_size=8, threads=args.threads)
+    )
     cases: list[tuple[str, list[str], list[str | None], bool]] = [
         ("plain", [], [None], False),
         ("1 adapter/row", NAMES[:1], NAMES[:1], False),
@@ -122,8 +126,10 @@ def main() -> None:
     for rnd in range(args.rounds):
         ref = None
         for label, served, rows, batched in cases:
-            backend.agent_adapters = served
-            backend.batched_lora, backend._lora_stack = batched, None  # stacks of this case's adapters
+            engine = backend.engine
+            engine.lora_names = served
+            engine.settings = dataclasses.replace(engine.settings, batched_lora=batched)
+            engine._lora_stack = None  # the stacks of this case's adapters
             seconds, tokens = run(backend, rows, args.new_tokens)
             rate = tokens / seconds
             ref = ref or rate

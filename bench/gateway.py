@@ -633,11 +633,12 @@ def bench_smollm2(new_tokens: int, threads: int | None) -> list[dict[str, Any]]:
 
     import openai
 
+    from agl.engine import EngineSettings
     from agl.gateway.backends.transformers import TransformersBackend
     from agl.gateway.testing import serve_gateway
 
-    backend = TransformersBackend(max_batch_size=8, threads=threads)
-    backend._load_sync()
+    backend = TransformersBackend(settings=EngineSettings(max_batch_size=8, threads=threads or 0))
+    backend.engine.load()
     name = backend.model_name or ""
     rows: list[dict[str, Any]] = []
 

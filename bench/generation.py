@@ -52,7 +52,7 @@ def hf_generate(backend: Any, prompts: list[str], new_tokens: int, **extra: Any)
     tok = backend.tokenizer
     encoded = [tok.encode_chat([{"role": "user", "content": p}], None)[1] for p in prompts]
     width = max(map(len, encoded))
-    ids = torch.full((len(encoded), width), backend._pad_id, dtype=torch.long)
+    ids = torch.full((len(encoded), width), backend.engine.pad_id, dtype=torch.long)
     mask = torch.zeros((len(encoded), width), dtype=torch.long)
     for r, e in enumerate(encoded):
         ids[r, width - len(e) :] = torch.tensor(e)
@@ -64,14 +64,14 @@ def hf_generate(backend: Any, prompts: list[str], new_tokens: int, **extra: Any)
             attention_mask=mask,
             max_new_tokens=new_tokens,
             do_sample=False,
-            pad_token_id=backend._pad_id,
-            eos_token_id=backend._eos_ids,
+            pad_token_id=backend.engine.pad_id,
+            eos_token_id=backend.engine.eos_ids,
             **extra,
         )
         elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
     n = 0
     for row in out[:, width:].tolist():
-        ends = [k for k, t_id in enumerate(row) if t_id in backend._eos_ids]
+        ends = [k for k, t_id in enumerate(row) if t_id in backend.engine.eos_ids]
         n += ends[0] + 1 if ends else len(row)
     return {"tokens": n, "seconds": elapsed, "cpu_s": cpu}
 
@@ -80,12 +80,13 @@ def run(threads: int, new_tokens: int, rounds: int) -> list[dict[str, dict[str, 
     import openai
     import torch
 
+    from agl.engine import EngineSettings
     from agl.gateway.backends.transformers import TransformersBackend
     from agl.gateway.testing import serve_gateway
 
     torch.set_num_threads(threads)
-    backend = TransformersBackend(max_batch_size=8, threads=threads)
-    backend._load_sync()
+    backend = TransformersBackend(settings=EngineSettings(max_batch_size=8, threads=threads))
+    backend.engine.load()
     name = backend.model_name or ""
     results: list[dict[str, dict[str, Any]]] = []
     with serve_gateway(backend) as url:
@@ -169,19 +170,20 @@ def probe(threads: int, new_tokens: int) -> None:
     """Static KV cache and ``torch.compile`` on the model alone, against the eager decode loop."""
     import torch
 
+    from agl.engine import EngineSettings
     from agl.engine.batching import Batch, Row
     from agl.gateway.backends.transformers import TransformersBackend
 
     torch.set_num_threads(threads)
-    backend = TransformersBackend(threads=threads)
-    backend._load_sync()
+    backend = TransformersBackend(settings=EngineSettings(threads=threads))
+    backend.engine.load()
     tok = backend.tokenizer
     assert tok is not None
     encoded = [tok.encode_chat([{"role": "user", "content": p}], None)[1] for p in PROMPTS]
 
     def loop(model: Any, n: int = new_tokens) -> float:
-        batch = Batch(model, backend._pad_id)
-        rows = [Row(e, n, 0.0, 1.0, None, None, frozenset(backend._eos_ids)) for e in encoded]
+        batch = Batch(model, backend.engine.pad_id)
+        rows = [Row(e, n, 0.0, 1.0, None, None, frozenset(backend.engine.eos_ids)) for e in encoded]
         t = time.perf_counter()
         batch.admit(rows)
         while len(batch):

@@ -97,12 +97,17 @@ async def _alone(engine: Any, new_tokens: int) -> list[Reply]:
 async def run(threads: int, new_tokens: int, rounds: int) -> dict[str, Any]:
     import torch
 
+    from agl.engine import EngineSettings
     from agl.gateway.backends.transformers import TransformersBackend
 
     torch.set_num_threads(threads)
-    default = TransformersBackend(max_batch_size=8, threads=threads)
-    default._load_sync()
-    det = TransformersBackend(default.model, tokenizer=default.tokenizer, deterministic=True, threads=threads)
+    default = TransformersBackend(settings=EngineSettings(max_batch_size=8, threads=threads))
+    default.engine.load()
+    det = TransformersBackend(
+        default.model,
+        tokenizer=default.tokenizer,
+        settings=EngineSettings(deterministic=True, threads=threads),
+    )
     await _batch(default, 4)  # warm-up: first-call allocations out of the figures
     await _batch(det, 4)
     tps: dict[str, list[float]] = {"default": [], "deterministic": []}

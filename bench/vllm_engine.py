@@ -195,6 +195,7 @@ def run_all(
     from contextlib import ExitStack
 
     from agl.chat.models import prepare_default_model
+    from agl.engine import EngineSettings
     from agl.engine.vllm_server import VLLMServer
     from agl.gateway.backends.transformers import TransformersBackend
     from agl.gateway.backends.vllm import VLLMBackend
@@ -205,9 +206,10 @@ def run_all(
     with ExitStack() as stack:
         for dtype in engine_dtypes:
             backend = TransformersBackend(
-                str(prepare_default_model()), max_batch_size=16, threads=threads, dtype=dtype
+                str(prepare_default_model()),
+                settings=EngineSettings(max_batch_size=16, threads=threads, dtype=dtype),
             )
-            backend._load_sync()
+            backend.engine.load()
             url = str(stack.enter_context(serve_gateway(backend)))
             _push(url, adapter)
             engines[f"embedded {dtype} [{backend.serving_dtype}] ({threads} thread){tag}"] = (

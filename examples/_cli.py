@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from agl.cli.config_args import add_config_arguments, config_from_args
+from agl.cli.config_args import add_config_arguments, add_engine_arguments, config_from_args, engine_from_args
 from agl.config import LoopConfig, RunConfig
 from agl.run.settings import Serving
 
@@ -101,7 +101,7 @@ def add_train_options(t: argparse.ArgumentParser, name: str, item: str) -> None:
     t.add_argument("--advantage-level", choices=["rollout", "transition"], default="rollout")
     add_update_options(t)
     t.add_argument("--runners", type=int, default=16, help="rollouts run at once")
-    add_config_options(t, Serving, ["batched_lora", "engine_dtype", "deterministic", "prefix_cache_mb"])
+    add_engine_arguments(t, only=["batched_lora", "dtype", "deterministic", "prefix_cache_mb"])
     add_config_options(t, LoopConfig, ["seed", "resume", "checkpoint_every"])
 
 
@@ -214,5 +214,10 @@ def train_settings(
     loop_kw = {k: rest.pop(k) for k in list(rest) if k in own[LoopConfig]}
     serving_kw = {k: rest.pop(k) for k in list(rest) if k in own[Serving]}
     loop = config_from_args(LoopConfig, args, **{"warm_adapters": warm_adapters_arg(args), **loop_kw})
-    values = {"model": model_arg(args), **{k: v for k, v in serving.items() if v is not None}, **serving_kw}
+    values = {
+        "model": model_arg(args),
+        "engine": engine_from_args(args, process_threads=True),
+        **{k: v for k, v in serving.items() if v is not None},
+        **serving_kw,
+    }
     return loop, config_from_args(Serving, args, **values), rest

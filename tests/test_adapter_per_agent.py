@@ -18,6 +18,7 @@ from agl.algorithms.lightning_rl import LightningRL  # noqa: E402
 from agl.algorithms.per_agent_lora import adapter_names  # noqa: E402
 from agl.algorithms.update import PolicyUpdate  # noqa: E402
 from agl.config import RunConfig  # noqa: E402
+from agl.engine import EngineSettings  # noqa: E402
 from agl.errors import UsageError  # noqa: E402
 from agl.trainer.trainer import load_tokenizer  # noqa: E402
 from agl.types import Transition  # noqa: E402
@@ -206,7 +207,9 @@ def distinct_adapters(policy: PolicyUpdate) -> None:
 def serve(policy: PolicyUpdate):
     from agl.gateway.backends.transformers import TransformersBackend
 
-    return TransformersBackend.for_policy(policy, model_name="tiny", max_batch_size=8, batch_window_s=0.05)
+    return TransformersBackend.for_policy(
+        policy, model_name="tiny", settings=EngineSettings(max_batch_size=8), batch_window_s=0.05
+    )
 
 
 def test_a_mixed_batch_matches_each_adapter_served_alone(tok, tmp_path) -> None:
@@ -360,7 +363,7 @@ def test_fit_trains_an_adapter_per_agent_end_to_end(tmp_path, batched: bool, mon
         run_dir=tmp_path / "run",
         progress=False,
         store="memory://",
-        batched_lora=batched,
+        engine=EngineSettings(batched_lora=batched),
     )
     agl.instrument("openai")
     try:
@@ -472,7 +475,10 @@ def test_the_batched_lora_product_matches_peft_per_row(tok, tmp_path) -> None:
 
     peft_rows = serve(policy)
     batched = TransformersBackend.for_policy(
-        policy, model_name="tiny", max_batch_size=8, batch_window_s=0.05, batched_lora=True
+        policy,
+        model_name="tiny",
+        settings=EngineSettings(max_batch_size=8, batched_lora=True),
+        batch_window_s=0.05,
     )
     asks = [(f"question {i}", adapter) for i in range(2) for adapter in ("writer", "rewriter", None)]
 

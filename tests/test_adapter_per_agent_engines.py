@@ -132,7 +132,7 @@ def test_a_separate_gateway_gets_every_adapter_as_one_version(tmp_path: Path) ->
         trainer = _fit(tmp_path, gateway_url=url.root, model_name="tiny", store=store)
         last = trainer.history[-1]["resources_version"]
         assert backend.weight_version == last
-        assert backend.agent_adapters == AGENTS
+        assert backend.agent_loras() == AGENTS
         assert backend.models() == ["tiny", "tiny:writer", "tiny:rewriter"]
     served = backend.model
     ids = torch.tensor([[1, 2, 3, 4, 5]])

@@ -23,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 import agl  # noqa: E402
 from agl import semconv as sc  # noqa: E402
 from agl.algorithms.update import PolicyUpdate  # noqa: E402
+from agl.engine import EngineSettings  # noqa: E402
 from agl.gateway.backends.base import GenerationRequest  # noqa: E402
 from agl.gateway.backends.transformers import TransformersBackend  # noqa: E402
 from agl.gateway.seeds import call_seed, derive_seed, rollout_place, rollout_seed  # noqa: E402
@@ -91,7 +92,7 @@ def _fit(tmp_path: Path, name: str, seed: int, steps: int = 2) -> tuple[Trainer,
         agl.LightningRL(group_size=2, learning_rate=1e-2, lora_r=4, lora_alpha=8),
         model=tiny_model(),
         backend="transformers",
-        deterministic=True,
+        engine=EngineSettings(deterministic=True),
         runners=4,
         run_dir=tmp_path / name,
         tokenizer=load_tokenizer(),
@@ -212,7 +213,9 @@ def test_seeds_depend_on_the_place_only() -> None:
 
 
 def _engine(**kw: Any) -> TransformersBackend:
-    return TransformersBackend(tiny_model(), tokenizer=load_tokenizer(), default_max_tokens=12, **kw)
+    return TransformersBackend(
+        tiny_model(), tokenizer=load_tokenizer(), default_max_tokens=12, settings=EngineSettings(**kw)
+    )
 
 
 async def _calls(engine: TransformersBackend, seeds: list[int]) -> list[list[int]]:
@@ -231,7 +234,7 @@ async def _calls(engine: TransformersBackend, seeds: list[int]) -> list[list[int
 
 def test_deterministic_engine_gives_a_call_the_same_tokens_alone_and_in_a_batch_of_8() -> None:
     engine = _engine(deterministic=True)
-    assert engine.max_batch_size == 1
+    assert engine.settings.rows == 1
     alone = asyncio.run(_calls(engine, [123]))[0]
     batch = asyncio.run(_calls(engine, [123, 1, 2, 3, 4, 5, 6, 7]))
     assert batch[0] == alone and len(alone) == 12
@@ -246,4 +249,4 @@ def test_deterministic_is_refused_off_the_transformers_backend(tmp_path: Path) -
     from agl.run.settings import Serving
 
     with pytest.raises(UsageError, match="deterministic"):
-        Serving(backend="scripted", script=["x"], deterministic=True, run_dir=tmp_path)
+        Serving(backend="scripted", script=["x"], engine=EngineSettings(deterministic=True), run_dir=tmp_path)

@@ -63,7 +63,7 @@ class StaleEngine(TransformersBackend):
     """An engine that keeps serving its first adapter after later pushes and says so (ART #661's bug)."""
 
     async def push(self, policy: Any, *, version: int | None = None, staging_dir: Any = None) -> int:
-        if self._pushed_from is not None:
+        if self.engine._pushed_from is not None:
             return self.weight_version
         return await super().push(policy, version=version, staging_dir=staging_dir)
 

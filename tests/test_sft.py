@@ -164,7 +164,7 @@ def test_sft_learns_its_demonstrations_and_the_gateway_serves_the_result(tmp_pat
             assert out.choices[0].message.content == ANSWER  # greedy: the demonstration, end of turn included
             assert out.choices[0].finish_reason == "stop"
     finally:
-        backend._executor.shutdown(wait=False)
+        backend.engine._executor.shutdown(wait=False)
 
 
 def _two_turns(rid: str = "conv") -> list[Transition]:

@@ -307,7 +307,7 @@ def test_first_ratio_is_one_when_the_engine_sampled_at_the_update_temperature(to
     assert m["clip_fraction"] == 0.0
     off = make(tok, tmp_path / "b", temperature=1.0)
     assert off.step(ts, [1.0, -1.0, 0.5, -0.5])["behaviour_ratio_dev"] > 0.05
-    engine._executor.shutdown(wait=False)
+    engine.engine._executor.shutdown(wait=False)
 
 
 def test_chunked_logprobs_equal_the_full_log_softmax_with_gradients() -> None:
@@ -387,7 +387,7 @@ def test_push_shares_the_base_weights_and_copies_only_the_adapter(tok, tmp_path)
         assert not torch.allclose(out0, out1)
         up.model.eval()
         assert torch.allclose(out1, up.model(ids).logits, atol=1e-5)
-    engine._executor.shutdown(wait=False)
+    engine.engine._executor.shutdown(wait=False)
 
 
 def test_full_finetuning_push_copies_every_weight_in_place(tok, tmp_path) -> None:
@@ -400,7 +400,7 @@ def test_full_finetuning_push_copies_every_weight_in_place(tok, tmp_path) -> Non
     asyncio.run(engine.push(up, version=1))
     for n, p in up.model.named_parameters():
         assert torch.equal(served[n], p)
-    engine._executor.shutdown(wait=False)
+    engine.engine._executor.shutdown(wait=False)
 
 
 def test_run_config_refuses_bad_values_with_clear_messages() -> None:

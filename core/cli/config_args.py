@@ -16,6 +16,10 @@ The mapping, which every ``agl`` command and example shares:
   ``--no-name`` with None when neither is given;
 - ``overrides[name]`` replaces any ``add_argument`` keyword (a command's own default or help) and
   may rename the flag with ``"flags": [...]`` (``dest`` follows the first long flag, as in argparse).
+
+The embedded engine's flags (:class:`agl.engine.EngineSettings`) are one set, the same in every command
+that serves with it (``agl train``, ``agl gateway serve``, the examples' ``train``):
+:func:`add_engine_arguments` adds them and :func:`engine_from_args` reads them back.
 """
 
 from __future__ import annotations
@@ -27,8 +31,16 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from agl.config import ConfigField, config_fields
+from agl.engine.settings import ENGINE_BACKEND, EngineSettings
 
-__all__ = ["add_config_arguments", "config_from_args", "scalar_type"]
+__all__ = [
+    "ENGINE_FLAGS",
+    "add_config_arguments",
+    "add_engine_arguments",
+    "config_from_args",
+    "engine_from_args",
+    "scalar_type",
+]
 
 _NUMBERS = (int, float, bool)
 
@@ -110,3 +122,39 @@ def _own_dest(f: ConfigField, args: argparse.Namespace) -> str | None:
     if scalar_type(f.type) is bool and f.default is True:
         return "no_" + f.name if hasattr(args, "no_" + f.name) else None
     return f.name if hasattr(args, f.name) else None
+
+
+#: the engine's flags where one differs from its field's name: ``--engine-dtype`` (a train command's
+#: ``--dtype`` would read as the trained policy's, which the engine's dtype is not)
+ENGINE_FLAGS: dict[str, dict[str, Any]] = {"dtype": {"flags": ["--engine-dtype"], "metavar": "DTYPE"}}
+
+
+def add_engine_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, only: Iterable[str] | None = None
+) -> dict[str, str]:
+    """The embedded engine's flags from :class:`~agl.engine.EngineSettings` (all, or those in ``only``),
+    named alike in every command; returns ``{field: dest}`` for :func:`engine_from_args`."""
+    names = list(only) if only is not None else None
+    overrides = {k: v for k, v in ENGINE_FLAGS.items() if names is None or k in names}
+    return add_config_arguments(parser, EngineSettings, only=names, overrides=overrides)
+
+
+def engine_from_args(
+    args: argparse.Namespace, dests: Mapping[str, str] | None = None, *, process_threads: bool = False
+) -> EngineSettings:
+    """The :class:`~agl.engine.EngineSettings` the flags of :func:`add_engine_arguments` give (``dests``
+    as it returned; by default every engine flag found in ``args``, the others at their defaults),
+    validated there: a bad value fails naming the field. ``process_threads``: the command sets torch's
+    threads for its whole process itself (a train command: the trainer's and an in-process engine's),
+    so ``--threads`` is honoured whatever the backend and stays out of the settings of a backend other
+    than the embedded engine, which would refuse it."""
+    if dests is None:
+        dests = {}
+        for f in config_fields(EngineSettings):
+            flags, _ = _argument(f, dict(ENGINE_FLAGS.get(f.name, {})))
+            dest = flags[0].removeprefix("--").replace("-", "_")
+            if hasattr(args, dest):
+                dests[f.name] = dest
+    if process_threads and getattr(args, "backend", ENGINE_BACKEND) != ENGINE_BACKEND:
+        dests = {k: v for k, v in dests.items() if k != "threads"}
+    return config_from_args(EngineSettings, args, dests)

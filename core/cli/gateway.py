@@ -17,6 +17,7 @@ from agl.cli._util import (
     open_store_from_args,
     read_secret,
 )
+from agl.cli.config_args import add_engine_arguments
 from agl.errors import UsageError
 from agl.gateway.serve import API_KEY_ENV, check_public_bind
 from agl.http_limits import HttpLimits
@@ -24,6 +25,7 @@ from agl.http_limits import HttpLimits
 __all__ = [
     "API_KEY_ENV",
     "build_backend",
+    "engine_settings",
     "check_public_bind",
     "register_cli",
 ]  # the two bind names: from agl.gateway.serve
@@ -40,6 +42,40 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         "/v1/models) in front of one backend, recording every call as a span with its exact token ids. "
         "Agents reach it per rollout at /rollouts/{rollout_id}/attempts/{n}/v1.",
     )
+    _add_backend_options(p)
+    add_store_args(p, what="store for the spans (none given and no $AGL_STORE: spans are not recorded)")
+    _add_bind_options(p)
+    p.add_argument(
+        "--span-writes",
+        choices=["before-reply", "after-reply"],
+        default="before-reply",
+        help="store each call's span before its reply is sent (default; a runner may finish its attempt "
+        "right after) or just after it, batched (lower latency; readers must POST /agl/v1/flush first)",
+    )
+    p.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="transformers, vllm: serve the peft LoRA adapter in DIR as NAME (an agent's adapter: a "
+        "checkpoint's NAME/ folder; vllm loads DIR itself); repeat for each agent. Clients reach it by "
+        "model '<model>:NAME' or the baggage agl.agent=NAME",
+    )
+    add_engine_arguments(p.add_argument_group("transformers backend: the engine (agl.engine.EngineSettings)"))
+    _add_sampling_options(p)
+    HttpLimits.add_arguments(p)
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="server log level; debug also logs every request (default: info)",
+    )
+    p.set_defaults(func=_serve)
+    parser.set_defaults(func=lambda args: parser.print_help() or 2)
+
+
+def _add_backend_options(p: argparse.ArgumentParser) -> None:
+    """The backend and the model names it serves."""
     p.add_argument(
         "--backend",
         choices=["transformers", "scripted", "vllm", "openai"],
@@ -84,7 +120,10 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--script", help="scripted: a JSON file with a list of replies (strings or {content, tool_calls})"
     )
-    add_store_args(p, what="store for the spans (none given and no $AGL_STORE: spans are not recorded)")
+
+
+def _add_bind_options(p: argparse.ArgumentParser) -> None:
+    """Where the gateway listens and the bearer token that guards it."""
     p.add_argument(
         "--host",
         default="127.0.0.1",
@@ -103,71 +142,14 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         help=f"the bearer token itself; prefer ${API_KEY_ENV} or --api-key-file: a value given here is "
         f"visible to every user of the machine in the process list (default: ${API_KEY_ENV})",
     )
-    p.add_argument(
-        "--span-writes",
-        choices=["before-reply", "after-reply"],
-        default="before-reply",
-        help="store each call's span before its reply is sent (default; a runner may finish its attempt "
-        "right after) or just after it, batched (lower latency; readers must POST /agl/v1/flush first)",
-    )
-    _add_engine_options(p)
-    _add_sampling_options(p)
-    HttpLimits.add_arguments(p)
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="server log level; debug also logs every request (default: info)",
-    )
-    p.set_defaults(func=_serve)
-    parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
 
-def _add_engine_options(p: argparse.ArgumentParser) -> None:
-    """The options of the engine behind the gateway: per-agent adapters and the transformers batch."""
-    p.add_argument(
-        "--adapter",
-        action="append",
-        default=[],
-        metavar="NAME=DIR",
-        help="transformers, vllm: serve the peft LoRA adapter in DIR as NAME (an agent's adapter: a "
-        "checkpoint's NAME/ folder; vllm loads DIR itself); repeat for each agent. Clients reach it by "
-        "model '<model>:NAME' or the baggage agl.agent=NAME",
-    )
-    p.add_argument(
-        "--batched-lora",
-        action="store_true",
-        help="transformers, with --adapter: rows of different adapters in one batch through a batched LoRA "
-        "product (adapters concatenated, each row masked to its own) instead of peft's loop over adapters",
-    )
-    p.add_argument("--max-batch-size", type=int, default=8, help="transformers: requests generated together")
-    p.add_argument("--threads", type=int, help="transformers: torch CPU threads (default: torch's choice)")
-    p.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16"],
-        help="transformers: the dtype the engine computes in (auto: bf16 where the hardware has native "
-        "bf16 (CUDA, a CPU with AMX/AVX512-BF16), fp32 elsewhere; default: bf16 on CUDA, fp32 on CPU)",
-    )
-    p.add_argument(
-        "--prefix-cache-mb",
-        type=_megabytes,
-        default=128.0,
-        metavar="MB",
-        help="transformers: MB of recent prompts' KV kept, so a prompt starting like an earlier one (a "
-        "group's members, a shared system prompt, a conversation's next turn) is prefilled from there "
-        "(default: 128; 0: off)",
-    )
+def engine_settings(args: Any) -> Any:
+    """The :class:`~agl.engine.EngineSettings` the engine flags give (the defaults for a namespace
+    without them); validated there, so a bad value is a UsageError naming the setting."""
+    from agl.cli.config_args import engine_from_args
 
-
-def _megabytes(text: str) -> float:
-    """``--prefix-cache-mb``: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of MB >= 0, got {text!r}") from None
-    if not (0 <= value < float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a number of MB >= 0, got {text!r}")
-    return value
+    return engine_from_args(args)
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -237,15 +219,7 @@ def _target_backend(args: Any, name: str, target: str, adapters: list[str]) -> A
     if args.backend == "scripted" and path.is_file():
         return from_spec("scripted", script=_read_script(target), models=[name], on_exhausted="cycle")
     if args.backend == "transformers" and path.is_dir():
-        return from_spec(
-            "transformers",
-            model=str(path),
-            model_name=name,
-            max_batch_size=args.max_batch_size,
-            threads=getattr(args, "threads", None),
-            dtype=getattr(args, "dtype", None),
-            prefix_cache_mb=getattr(args, "prefix_cache_mb", 128.0),
-        )
+        return from_spec("transformers", model=str(path), model_name=name, settings=engine_settings(args))
     what = {"scripted": "a script file", "transformers": "a checkpoint directory"}.get(args.backend)
     choices = [
         f"'{POLICY_TARGET}'",
@@ -260,6 +234,9 @@ def build_backend(args: Any) -> Any:
     """The backend the command-line arguments describe (through :func:`agl.gateway.backends.from_spec`)."""
     from agl.gateway.backends import from_spec
 
+    settings = engine_settings(args)
+    if args.backend != "transformers":
+        settings.check_backend(args.backend)  # e.g. --prefix-cache-mb with --backend vllm: refused by name
     if args.backend == "transformers":
         _require_torch()
         model, tokenizer = _export_model(args)
@@ -268,12 +245,8 @@ def build_backend(args: Any) -> Any:
             model=model,
             tokenizer=tokenizer,
             model_name=(args.model_name or [None])[0],
-            max_batch_size=args.max_batch_size,
-            threads=getattr(args, "threads", None),
-            dtype=getattr(args, "dtype", None),
             adapters=_adapter_args(getattr(args, "adapter", None) or []) or None,
-            batched_lora=bool(getattr(args, "batched_lora", False)),
-            prefix_cache_mb=getattr(args, "prefix_cache_mb", 128.0),
+            settings=settings,
         )
     if args.backend == "scripted":
         return from_spec(
@@ -376,6 +349,7 @@ def _serve(args: Any) -> int:
 
     from agl.gateway.app import create_app
 
+    engine_settings(args)  # a bad engine flag fails first, naming the setting, before anything binds
     api_key = read_secret(args.api_key, args.api_key_file, API_KEY_ENV, "API key")
     check_public_bind(args.host, api_key)
     limits = HttpLimits.from_args(args)

@@ -28,7 +28,7 @@ from typing import Any
 
 from agl.algorithms.lightning_rl import LightningRL
 from agl.cli._util import tokenizer_from_arg
-from agl.cli.config_args import add_config_arguments, config_from_args
+from agl.cli.config_args import add_config_arguments, add_engine_arguments, config_from_args, engine_from_args
 from agl.cli.config_file import add_config_file_arguments, format_config
 from agl.config import LoopConfig, RolloutConfig, RunConfig
 from agl.errors import UsageError
@@ -40,7 +40,7 @@ log = logging.getLogger("agl.train")
 
 #: Serving's fields that are not flags: objects only Python can hand over (a loaded model or tokenizer
 #: object stays a path here), and ``script``, which is read from a file or module (--script)
-_SERVING_SKIP = ("script",)
+_SERVING_SKIP = ("script", "engine")
 #: settings never written into the run directory's config.yaml (give them by environment variable)
 _SECRETS = ("api_key", "gateway_api_key")
 #: RolloutConfig's fields -> the Trainer keywords (and flags) they are known by
@@ -79,7 +79,6 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="turn off: instrument the integrations of the frameworks the agent's module imports",
     )
-    a.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     dests: dict[str, dict[str, str]] = {}
     s = parser.add_argument_group("serving: the model, the backend, where the run goes (agl.Serving)")
     dests["serving"] = add_config_arguments(
@@ -102,6 +101,8 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
         help="scripted backend (a dry run without a model's replies): a .json/.jsonl file of replies, "
         "or module:function taking the request",
     )
+    e = parser.add_argument_group("engine: the embedded transformers engine (agl.engine.EngineSettings)")
+    dests["engine"] = add_engine_arguments(e)
     lp = parser.add_argument_group("loop: steps, held-out checks, checkpoints (agl.LoopConfig)")
     dests["loop"] = add_config_arguments(lp, LoopConfig)
     dests["rollout"] = add_config_arguments(
@@ -124,7 +125,7 @@ def _cli(args: argparse.Namespace, parser: argparse.ArgumentParser, dests: dict[
     train, val = _tasks(args)  # every task read and checked before anything starts
     agent = _agent(args)
     trainer = _trainer(args, dests)
-    if args.threads:
+    if args.threads:  # the trainer's threads too: it shares the process with the engine
         import torch
 
         torch.set_num_threads(args.threads)
@@ -199,8 +200,9 @@ def _trainer(args: argparse.Namespace, dests: dict[str, dict[str, str]]) -> Any:
         if value is not None and not Path(value).exists():
             raise FileNotFoundError(f"--{name} {value}: no such local folder")
     tokenizer = tokenizer_from_arg(args.tokenizer) if args.tokenizer else None
+    engine = engine_from_args(args, dests["engine"], process_threads=True)
     serving = config_from_args(
-        Serving, args, dests["serving"], script=_script(args.script), tokenizer=tokenizer
+        Serving, args, dests["serving"], script=_script(args.script), tokenizer=tokenizer, engine=engine
     )
     loop = config_from_args(LoopConfig, args, dests["loop"])
     rollout = config_from_args(RolloutConfig, args, dests["rollout"])

@@ -15,3 +15,7 @@ this package reaches into it but through its public modules:
 - :mod:`agl.engine.swaps`: weight swaps between decode steps;
 - :mod:`agl.engine.vllm_server`: a vLLM server process agl starts, watches and stops.
 """
+
+from agl.engine.settings import EngineSettings
+
+__all__ = ["EngineSettings"]

@@ -16,7 +16,7 @@ weights once per step, in GEMMs the BLAS runs well. Only the block range spannin
 present in the batch is used (a view), so a batch of one adapter costs what that adapter alone does.
 
 What holds: the concatenations are copies, built on first use from the model's current LoRA tensors,
-so the backend drops them at every weight swap (``AgentAdapters._bump_version``) and rebuilds them
+so the backend drops them at every weight swap (``Engine._bump_version``) and rebuilds them
 before the next forward, the running batch's included after an in-place swap between two decode
 steps. Layers this does not cover (DoRA, LoRA bias, embeddings, adapters of different ranks) make
 :func:`batched_lora` return None, and the backend keeps peft's per-row path.

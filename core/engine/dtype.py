@@ -16,9 +16,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["cpu_has_native_bf16", "engine_copy", "inference_only", "resolve_dtype", "serves_other_dtype"]
+__all__ = [
+    "DTYPE_NAMES",
+    "cpu_has_native_bf16",
+    "engine_copy",
+    "inference_only",
+    "resolve_dtype",
+    "serves_other_dtype",
+]
 
-_NAMES = {
+#: the dtype names the engine takes (``"auto"`` besides), each to its torch name
+DTYPE_NAMES = {
     "float32": "float32",
     "fp32": "float32",
     "bfloat16": "bfloat16",
@@ -55,9 +63,9 @@ def resolve_dtype(spec: Any, device: str) -> Any:
     if name == "auto":
         native = device.startswith("cuda") or cpu_has_native_bf16()
         return torch.bfloat16 if native else torch.float32
-    if name not in _NAMES:
-        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {spec!r}")
-    return getattr(torch, _NAMES[name])
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPE_NAMES)}, got {spec!r}")
+    return getattr(torch, DTYPE_NAMES[name])
 
 
 def serves_other_dtype(backend: Any, policy: Any) -> bool:

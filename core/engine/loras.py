@@ -1,5 +1,5 @@
-"""Named LoRA adapters the transformers backend serves beside its base model (an adapter per agent,
-``agl gateway serve --adapter writer=DIR``): checked before anything loads, then loaded by name."""
+"""Named LoRAs the embedded engine serves beside its base model (a LoRA per agent, ``agl gateway serve
+--adapter writer=DIR``): checked before anything loads, then loaded by name."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import Any
 
 from agl.lora import check_lora_dirs
 
-__all__ = ["AgentAdapters", "load_named_adapters", "with_adapters"]
+__all__ = ["AgentLoras", "load_named_loras", "with_loras"]
 
 
-def with_adapters(model: Any, paths: dict[str, str]) -> Any:
-    """``model`` wrapped by peft with each named adapter loaded from its folder."""
+def with_loras(model: Any, paths: dict[str, str]) -> Any:
+    """``model`` wrapped by peft with each named LoRA loaded from its folder."""
     from peft import PeftModel
 
     items = list(paths.items())
@@ -23,9 +23,9 @@ def with_adapters(model: Any, paths: dict[str, str]) -> Any:
     return model
 
 
-def load_named_adapters(model: Any, paths: dict[str, str], device: Any) -> Any:
-    """``model`` serving each named adapter's weights from its folder: an adapter it already has gets
-    the folder's tensors in place (no new modules), a new one is loaded beside the others."""
+def load_named_loras(model: Any, paths: dict[str, str], device: Any) -> Any:
+    """``model`` serving each named LoRA's weights from its folder: a LoRA it already has gets the
+    folder's tensors in place (no new modules), a new one is loaded beside the others."""
     from peft import PeftModel, set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -41,42 +41,37 @@ def load_named_adapters(model: Any, paths: dict[str, str], device: Any) -> Any:
     return model
 
 
-class AgentAdapters:
-    """The transformers backend's agent-adapter swaps and batched-LoRA stacks (a mixin: it uses the
-    backend's ``model``, ``device``, ``agent_adapters``, ``batched_lora``, ``_swap`` and
-    ``_bump_version``)."""
+class AgentLoras:
+    """The engine's agent-LoRA swaps and batched-LoRA stacks (a mixin: it uses the engine's ``model``,
+    ``device``, ``lora_names``, ``settings.batched_lora``, ``_swap`` and ``_bump_version``, which drops
+    ``_lora_stack`` after every swap)."""
 
     model: Any
-    agent_adapters: list[str]
-    batched_lora: bool
+    #: the named LoRAs served beside the base model (one per agent)
+    lora_names: list[str]
+    settings: Any
     _lora_stack: Any
 
-    async def load_agent_adapters(self, paths: dict[str, str], *, version: int | None = None) -> int:
-        """New weights for agent adapters (``{adapter: peft folder}``, checked first), swapped together
-        once the running batch drained, as one version: a served adapter gets the tensors in place, a
-        new one is added beside the others."""
+    async def load_agent_loras(self, paths: dict[str, str], *, version: int | None = None) -> int:
+        """New weights for agent LoRAs (``{name: peft folder}``, checked first), swapped together once
+        the running batch drained, as one version: a served LoRA gets the tensors in place, a new one
+        is added beside the others."""
         check_lora_dirs(paths)
 
         def swap() -> int:
-            self.model = load_named_adapters(self.model, paths, self.device)  # type: ignore[attr-defined]
-            self.agent_adapters += [n for n in paths if n not in self.agent_adapters]
+            self.model = load_named_loras(self.model, paths, self.device)  # type: ignore[attr-defined]
+            self.lora_names += [n for n in paths if n not in self.lora_names]
             return int(self._bump_version(version))  # type: ignore[attr-defined]
 
         return int(await self._swap(swap))  # type: ignore[attr-defined]
 
-    def _stacked_adapters(self) -> Any:
-        """The agent adapters stacked for the batched LoRA product, or None (off, no agent adapters, or
+    def _stacked_loras(self) -> Any:
+        """The agent LoRAs stacked for the batched LoRA product, or None (off, no agent LoRAs, or
         layers it cannot stack: peft's per-row path); built on first use after each swap."""
-        if not (self.batched_lora and self.agent_adapters):
+        if not (self.settings.batched_lora and self.lora_names):
             return None
         if self._lora_stack is None:
             from agl.engine.batched_lora import batched_lora
 
-            self._lora_stack = batched_lora(self.model, self.agent_adapters)
+            self._lora_stack = batched_lora(self.model, self.lora_names)
         return self._lora_stack
-
-    def _bump_version(self, version: int | None) -> int:
-        """Every swap ends here, in the worker thread, after the tensors changed: the stacks (copies)
-        are dropped, so the next forward (or the running batch, after an in-place swap) rebuilds them."""
-        self._lora_stack = None
-        return int(super()._bump_version(version))  # type: ignore[misc]

@@ -631,7 +631,7 @@ class Gateway:
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in adapters.items())
         ):
             raise ApiError(400, "adapters must be a non-empty object {adapter name: path}", param="adapters")
-        return await self.backend.load_agent_adapters(adapters, version=body.get("version"))
+        return await self.backend.load_agent_loras(adapters, version=body.get("version"))
 
     async def flush_spans(self, request: Request) -> Response:
         """``POST /agl/v1/flush``: answers once the spans of every call answered so far are stored."""

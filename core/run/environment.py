@@ -118,20 +118,21 @@ class Environment:
         tokenizer: Any = None,
         source: Any = None,
         base_url: str | None = None,
-        engine: dict[str, Any] | None = None,
+        defaults: dict[str, Any] | None = None,
         worker_id: str = "agl-trainer",
         sampling: Any = None,
     ) -> None:
         """Open the store, serve the backend (``policy``: the engine shares the trainer's policy;
         ``source``: the model to load otherwise; ``base_url``: serve that OpenAI-compatible endpoint
-        instead; ``engine``: extra transformers-engine options; ``sampling``: the in-process gateway's
+        instead; ``defaults``: the embedded engine's ``default_temperature``/``default_top_p``, its
+        settings being ``serving.engine``; ``sampling``: the in-process gateway's
         :class:`~agl.gateway.sampling.SamplingLimits`) and start the runners for ``agent`` (none when
         ``serving.runners`` is 0 or ``agent`` is None)."""
         self.open_store()
         s = self.serving
         if s.gateway_url is None or base_url is not None:
             backend = self.make_backend(
-                policy=policy, tokenizer=tokenizer, source=source, base_url=base_url, engine=engine
+                policy=policy, tokenizer=tokenizer, source=source, base_url=base_url, defaults=defaults
             )
             host, port = s.bind
             self.gateway = ServedGateway.for_backend(
@@ -159,9 +160,10 @@ class Environment:
         tokenizer: Any = None,
         source: Any = None,
         base_url: str | None = None,
-        engine: dict[str, Any] | None = None,
+        defaults: dict[str, Any] | None = None,
     ) -> Any:
-        """The backend ``serving`` names, through the one factory (``gateway.backends.from_spec``)."""
+        """The backend ``serving`` names, through the one factory (``gateway.backends.from_spec``); the
+        embedded engine gets ``serving.engine`` whole (``defaults``: its sampling defaults)."""
         from agl.gateway.backends import from_spec
 
         s = self.serving
@@ -174,7 +176,7 @@ class Environment:
             return from_spec("scripted", script=s.script, accept_any_model=True, on_exhausted="repeat")
         if s.backend == "vllm":
             return self._vllm_backend(policy, source, tokenizer)
-        options = dict(engine or {}, model_name=self.served_name(source))
+        options = dict(defaults or {}, model_name=self.served_name(source), settings=s.engine)
         if policy is not None:
             # the engine serves the policy itself: frozen base weights shared, LoRA tensors pushed
             return from_spec("transformers", policy=policy, tokenizer=tokenizer, **options)
@@ -317,6 +319,19 @@ class Environment:
         backend = self.gateway.backend if self.gateway is not None else None
         seconds = getattr(getattr(backend, "busy", None), "seconds", None)  # a BusyClock
         return float(seconds) if isinstance(seconds, (int, float)) else None
+
+    def engine_differs(self, policy: Any) -> str | None:
+        """Which engine computes this run's log-probs with other numerics than ``policy``'s model (so
+        the update trains by decoupled PPO against its own log-probs), or None: ``"vllm"`` (another
+        engine: other kernels, often another dtype), ``"transformers (other dtype)"`` for the
+        in-process engine serving in another dtype (``EngineSettings.dtype``, e.g. bf16 on a CPU with
+        native bf16), None for the in-process engine in the policy's dtype."""
+        if self.serving.backend == "vllm":
+            return "vllm"
+        from agl.engine.dtype import serves_other_dtype
+
+        backend = self.gateway.backend if self.gateway is not None else None
+        return "transformers (other dtype)" if serves_other_dtype(backend, policy) else None
 
     @property
     def serves_pushed_weights(self) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agl.engine.settings import EngineSettings
 from agl.errors import UsageError
 from agl.gateway.serve import API_KEY_ENV, check_public_bind
 
@@ -82,40 +83,13 @@ class Serving:
         default=None, metadata=_help(f"the gateway's bearer token (default: ${API_KEY_ENV})")
     )
     progress: bool = field(default=True, metadata=_help("show progress bars"))
-    engine_dtype: str | None = field(
-        default=None,
+    engine: EngineSettings = field(
+        default_factory=EngineSettings,
         metadata=_help(
-            "transformers backend: the dtype the embedded engine computes in: auto (bf16 where the "
-            "hardware has native bf16: CUDA, a CPU with AMX/AVX512-BF16; fp32 elsewhere), float32, "
-            "bfloat16; None serves in the policy's dtype, sharing its frozen weights. Another dtype "
-            "than the policy's trains by decoupled PPO against the update's own log-probs"
+            "backend='transformers': the embedded engine's settings (agl.engine.EngineSettings: dtype, "
+            "prefix cache, batched LoRA, deterministic, batch size, threads), carried whole to the engine"
         ),
     )
-    batched_lora: bool = field(
-        default=False,
-        metadata=_help(
-            "transformers backend, an adapter per agent: rows of one batch that use different adapters "
-            "share one batched LoRA product (two bmm per LoRA layer) instead of peft's per-adapter loop"
-        ),
-    )
-
-    prefix_cache_mb: float = field(
-        default=128.0,
-        metadata=_help(
-            "transformers backend: MB of recent prompts' (and finished turns') KV the embedded engine "
-            "keeps, so a prompt starting like an earlier one (a group's members, a shared system prompt, "
-            "a conversation's next turn) is prefilled from there; 0: off"
-        ),
-    )
-
-    deterministic: bool = field(
-        default=False,
-        metadata=_help(
-            "transformers backend: batch-invariant generation (one row at a time), so a seeded run "
-            "reproduces token for token whatever the runners' timing; slower (see the training guide)"
-        ),
-    )
-
     report_to: Any = field(
         default=None,
         metadata=_help(
@@ -147,32 +121,9 @@ class Serving:
             )
         if self.vllm_url and self.vllm_python:
             raise UsageError("give vllm_url (a running server) or vllm_python (agl starts one), not both")
-        if self.engine_dtype is not None and str(self.engine_dtype).lower() not in (
-            "auto",
-            "float32",
-            "fp32",
-            "bfloat16",
-            "bf16",
-            "float16",
-        ):
-            raise UsageError(
-                f"engine_dtype must be auto, float32, bfloat16 or float16, got {self.engine_dtype!r}"
-            )
-        if not isinstance(self.batched_lora, bool):
-            raise UsageError(f"batched_lora must be True or False, got {self.batched_lora!r}")
-        if self.batched_lora and self.backend != "transformers":
-            raise UsageError("batched_lora is an option of the transformers backend (backend='transformers')")
-        if not isinstance(self.deterministic, bool):
-            raise UsageError(f"deterministic must be True or False, got {self.deterministic!r}")
-        if isinstance(self.prefix_cache_mb, bool) or not (
-            isinstance(self.prefix_cache_mb, (int, float)) and 0 <= self.prefix_cache_mb < float("inf")
-        ):
-            raise UsageError(f"prefix_cache_mb must be a number >= 0 (0: off), got {self.prefix_cache_mb!r}")
-        if self.deterministic and self.backend != "transformers":
-            raise UsageError(
-                "deterministic is an option of the transformers backend (backend='transformers'); vLLM "
-                "honours each call's seed, and its own batch invariance is a vLLM setting"
-            )
+        if not isinstance(self.engine, EngineSettings):
+            raise UsageError(f"engine must be an agl.engine.EngineSettings, got {type(self.engine).__name__}")
+        self.engine.check_backend(self.backend)  # a setting the backend cannot honour is refused by name
         if self.backend == "scripted" and self.script is None:
             raise UsageError("backend='scripted' needs script= (replies, see agl.gateway.ScriptedBackend)")
         self.run_dir = Path(self.run_dir)

@@ -286,12 +286,9 @@ class Steps:
         # not the autocast update's (bf16 rounding differs with every shape), so the ratio is taken
         # against the update's own log-probs and the mismatch is a bounded weight, not a clip
         precision = getattr(t.policy, "precision", "no")
-        # likewise for an engine apart from the trainer (vLLM): other kernels, often another dtype
-        engine = "vllm" if t.serving.backend == "vllm" and t.behaviour_logprobs else None
-        # and for the embedded engine serving in another dtype than the policy's (bf16 on a CPU with
-        # native bf16, Serving.engine_dtype): same kernels, other rounding
-        if engine is None and t.behaviour_logprobs and self._engine_dtype_differs():
-            engine = "transformers (other dtype)"
+        # likewise for an engine whose numerics are not the policy's (vLLM, or the embedded engine in
+        # another dtype): the run environment knows which engine serves
+        engine = t.env.engine_differs(t.policy) if t.behaviour_logprobs else None
         decoupled = t.loop.off_policy == "tis" or precision != "no" or engine is not None
         tis = {"tis_cap": t.loop.tis_cap} if decoupled else {}
         update = t.policy.step(train_ts, advantages, **tis)
@@ -316,13 +313,6 @@ class Steps:
             **baselines,
             **update,
         }
-
-    def _engine_dtype_differs(self) -> bool:
-        """Whether the in-process engine computes in another dtype than the policy."""
-        from agl.engine.dtype import serves_other_dtype
-
-        gateway = getattr(self.t.env, "gateway", None)
-        return serves_other_dtype(getattr(gateway, "backend", None), self.t.policy)
 
     # ------------------------------------------------------------------- checkpoint, state
     def checkpoint(self, order: TaskOrder, extra: dict[str, Any] | None = None) -> None:

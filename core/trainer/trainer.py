@@ -214,22 +214,16 @@ class Trainer:
         self._tokenizer = s.tokenizer if s.tokenizer is not None else load_tokenizer(source or s.model)
         if training:
             self.build_policy(source)
-        engine = {"default_temperature": self.config.temperature, "default_top_p": self.config.top_p}
-        if s.batched_lora:  # mixed-adapter rows through one batched LoRA product (adapter_per_agent)
-            engine["batched_lora"] = True
-        if s.deterministic:  # batch-invariant generation: one row at a time (reproducible runs)
-            engine["deterministic"] = True
-        if s.engine_dtype is not None:  # bf16 serving where native (see agl.engine.dtype)
-            engine["dtype"] = s.engine_dtype
-        if s.prefix_cache_mb != 128.0:  # the engine's default (agl.engine.prefix_cache)
-            engine["prefix_cache_mb"] = float(s.prefix_cache_mb)
+        # the engine's settings travel whole in ``serving.engine``; the run's sampling is the engine's
+        # default for a request that sets none
+        defaults = {"default_temperature": self.config.temperature, "default_top_p": self.config.top_p}
         env.start(
             agent,
             policy=self.policy if training else None,
             tokenizer=self._tokenizer,
             source=source,
             base_url=base_url,
-            engine=engine,
+            defaults=defaults,
             worker_id="agl-trainer",
             # programs that set no max_tokens/temperature (written for a hosted API) get the run's; a
             # program asking more than max_tokens is capped (agl.gateway.sampling)
@@ -342,7 +336,7 @@ class Trainer:
             source=self.model_source,
             agent=agent,
             agents=self.agents,
-            adapters=self.agent_adapters,
+            adapters=self.agent_loras,
             lora=self.config.lora,
             config=run_config(self.algorithm, **parts),
         )

@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from agl.cli.config_args import add_engine_arguments
 from agl.config import LoopConfig, RunConfig
 from agl.run.settings import Serving
 from examples._cli import add_config_options, add_schedule_options, train_settings
@@ -67,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
         lora_r={"help": "LoRA rank"},
     )
     add_config_options(t, Serving, ["runners"], runners={"default": 8, "help": "rollouts run at once"})
-    add_config_options(t, Serving, ["batched_lora"])
+    add_engine_arguments(t, only=["batched_lora"])
     add_config_options(t, LoopConfig, ["seed", "resume", "checkpoint_every"])
 
     for sp in (d, t):

@@ -22,7 +22,12 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from agl.cli.config_args import add_config_arguments, config_from_args  # noqa: E402 (after the environment defaults)
+from agl.cli.config_args import (  # noqa: E402 (after the environment defaults)
+    add_config_arguments,
+    add_engine_arguments,
+    config_from_args,
+    engine_from_args,
+)
 from agl.config import LoopConfig, RunConfig  # noqa: E402
 from agl.run.settings import Serving  # noqa: E402
 
@@ -42,7 +47,9 @@ def _trainer(args: argparse.Namespace, seed: int, run_dir: Path) -> Any:
     store = f"sqlite:///{(run_dir / 'store.db').resolve()}"  # inspectable after the run
     return agl.Trainer(
         algo,
-        serving=config_from_args(Serving, args, run_dir=run_dir, store=store),
+        serving=config_from_args(
+            Serving, args, run_dir=run_dir, store=store, engine=engine_from_args(args, process_threads=True)
+        ),
         loop=config_from_args(LoopConfig, args, seed=seed),
         agents=["calculator_agent"],
         sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
@@ -182,19 +189,11 @@ def _common(sp: argparse.ArgumentParser) -> None:
             "max_tokens": {"default": 16, "help": "longest reply in tokens (default: 16)"},
         },
     )
-    sp.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    add_engine_arguments(sp, only=["threads", "deterministic", "dtype", "prefix_cache_mb"])
     add_config_arguments(
         sp,
         Serving,
-        only=[
-            "backend",
-            "vllm_url",
-            "vllm_python",
-            "vllm_args",
-            "deterministic",
-            "engine_dtype",
-            "prefix_cache_mb",
-        ],
+        only=["backend", "vllm_url", "vllm_python", "vllm_args"],
         overrides={
             "backend": {
                 "choices": ["transformers", "vllm"],

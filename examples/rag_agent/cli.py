@@ -9,6 +9,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from agl.cli.config_args import add_engine_arguments
 from agl.config import LoopConfig, RunConfig
 from agl.run.settings import Serving
 from examples._cli import (
@@ -87,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
         kl_coef={"help": "KL penalty to the starting policy (keeps RL near the warm start)"},
     )
     add_config_options(t, Serving, ["runners"], runners={"default": 8, "help": "rollouts run at once"})
-    add_config_options(t, Serving, ["batched_lora"])
+    add_engine_arguments(t, only=["batched_lora"])
     add_config_options(t, LoopConfig, ["seed", "resume", "checkpoint_every"])
     t.add_argument(
         "--judge",

@@ -281,7 +281,7 @@ def test_smollm2_answers_the_anthropic_sdk_with_the_chat_prompt_ids(store: Any) 
             max_tokens=6,
             messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
         )
-    backend._executor.shutdown(wait=False)
+    backend.engine._executor.shutdown(wait=False)
     assert msg.content and msg.content[0].text.strip() and streamed.strip()
     m1, m2 = server_spans(store, ro_m[0])
     (c1,) = server_spans(store, ro_c[0])

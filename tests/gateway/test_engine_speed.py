@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from agl.engine import EngineSettings  # noqa: E402
 from agl.engine.batching import Batch, Row, draw, sample  # noqa: E402
 from agl.engine.dtype import cpu_has_native_bf16, resolve_dtype, serves_other_dtype  # noqa: E402
 from agl.engine.kv import SLACK, SlackLayer  # noqa: E402
@@ -88,7 +89,7 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_has_it_and_the_trainer_is_told() 
     class Policy:
         model = tiny()
 
-    engine = TransformersBackend.for_policy(Policy, dtype="bfloat16")
+    engine = TransformersBackend.for_policy(Policy, settings=EngineSettings(dtype="bfloat16"))
     assert engine.serving_dtype is torch.bfloat16 and serves_other_dtype(engine, Policy)
     assert next(Policy.model.parameters()).dtype is torch.float32  # the policy's weights are not cast
     same = TransformersBackend.for_policy(Policy)
@@ -105,7 +106,7 @@ def test_a_push_into_a_bf16_engine_copies_the_trainable_tensors_cast() -> None:
 
     for name, p in Policy.model.named_parameters():
         p.requires_grad_("q_proj" in name)  # the trainable tensors (LoRA's role); the rest frozen
-    engine = TransformersBackend.for_policy(Policy, dtype="bfloat16")
+    engine = TransformersBackend.for_policy(Policy, settings=EngineSettings(dtype="bfloat16"))
     with torch.no_grad():
         for p in Policy.model.parameters():
             if p.requires_grad:
@@ -130,7 +131,7 @@ def test_a_bf16_engine_serves_a_lora_policy_merged_and_each_push_remerges_it() -
         model = get_peft_model(tiny(2), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
 
     lora_layers = {n: m for n, m in Policy.model.named_modules() if isinstance(m, LoraLayer)}
-    engine = TransformersBackend.for_policy(Policy, dtype="bfloat16")
+    engine = TransformersBackend.for_policy(Policy, settings=EngineSettings(dtype="bfloat16"))
     # no peft module left in the engine: the adapter is in the weights
     assert not any(isinstance(m, LoraLayer) for m in engine.model.modules())
     assert engine.serving_dtype is torch.bfloat16 and serves_other_dtype(engine, Policy)

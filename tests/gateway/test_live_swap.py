@@ -76,7 +76,7 @@ async def test_an_in_place_push_lands_between_decode_steps_of_a_running_call() -
     model = tiny(seed=1)
     slow = Slow(model, delay_s=0.02)
     backend = TransformersBackend(model, model_name="tiny")
-    backend._eos_ids = [-1]  # greedy on a random model: never end before N_TOKENS
+    backend.engine.eos_ids = [-1]  # greedy on a random model: never end before N_TOKENS
     before = await backend.generate(request())
     assert before.weight_versions == [(0, N_TOKENS)]
     running = asyncio.create_task(backend.generate(request()))
@@ -96,7 +96,7 @@ async def test_an_in_place_push_lands_between_decode_steps_of_a_running_call() -
     assert max(moved) > 1e-3  # the rest came from the new weights
     after = await backend.generate(request())
     assert after.weight_versions == [(3, N_TOKENS)] and after.weight_version == 3
-    backend._executor.shutdown(wait=False)
+    backend.engine._executor.shutdown(wait=False)
 
 
 def test_a_push_mid_call_is_recorded_on_the_span_and_the_transition(store: Any, tmp_path: Path) -> None:
@@ -105,7 +105,7 @@ def test_a_push_mid_call_is_recorded_on_the_span_and_the_transition(store: Any, 
     model = tiny(seed=1)
     slow = Slow(model, delay_s=0.02)
     backend = TransformersBackend(model, model_name="tiny")
-    backend._eos_ids = [-1]
+    backend.engine.eos_ids = [-1]
     other = tiny(seed=2)
     path = tmp_path / "new.safetensors"
     save_file({k: v.contiguous() for k, v in other.state_dict().items() if k != "lm_head.weight"}, str(path))
@@ -143,4 +143,4 @@ def test_a_push_mid_call_is_recorded_on_the_span_and_the_transition(store: Any, 
     (t,) = Adapter().from_store(store, [store.get_rollout(rid)])
     assert t.weight_versions == ((0, flat[1]), (5, flat[3]))
     assert t.weight_version == 0  # its staleness: the oldest weights that drew a token
-    backend._executor.shutdown(wait=False)
+    backend.engine._executor.shutdown(wait=False)

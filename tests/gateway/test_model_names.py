@@ -11,6 +11,7 @@ import pytest
 from gw_helpers import server_spans
 
 from agl import semconv as sc
+from agl.engine import EngineSettings
 from agl.errors import UsageError
 from agl.gateway.testing import ScriptedBackend, serve_gateway
 
@@ -150,7 +151,9 @@ def test_serve_maps_names_to_the_policys_adapters(
         seed=0,
         adapters=["writer"],
     )
-    backend = TransformersBackend.for_policy(policy, model_name="tiny", max_batch_size=2)
+    backend = TransformersBackend.for_policy(
+        policy, model_name="tiny", settings=EngineSettings(max_batch_size=2)
+    )
     serve = {"writer-model": "writer", "judge-model": "base"}
     with serve_gateway(backend, store, serve=serve) as url:
         client = _client(url.for_rollout(*rollout))

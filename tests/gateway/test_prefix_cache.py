@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from agl.chat.tokenizer import load_default_tokenizer  # noqa: E402
+from agl.engine import EngineSettings  # noqa: E402
 from agl.engine.prefix_cache import MIN_HIT, PrefixCache  # noqa: E402
 from agl.gateway.backends.base import GenerationRequest, GenerationResult  # noqa: E402
 from agl.gateway.backends.transformers import TransformersBackend  # noqa: E402
@@ -65,7 +66,7 @@ def pair(kind: str, **kw: Any) -> tuple[TransformersBackend, TransformersBackend
     plain.load_state_dict(model.state_dict())
     return (
         TransformersBackend(model, model_name="tiny", **kw),
-        TransformersBackend(plain, model_name="tiny", prefix_cache_mb=0),
+        TransformersBackend(plain, model_name="tiny", settings=EngineSettings(prefix_cache_mb=0)),
     )
 
 
@@ -152,31 +153,8 @@ def test_the_cache_keeps_to_its_budget_and_a_longer_entry_replaces_its_prefix() 
     assert len(cache) == 0 and cache.nbytes == 0 and cache.epoch == 1
 
 
-@pytest.mark.parametrize("bad", [-1, float("inf"), "64", True, None])
-def test_a_bad_prefix_cache_size_is_refused(bad: Any) -> None:
-    with pytest.raises(ValueError, match="prefix_cache_mb"):
-        TransformersBackend(tiny("llama"), model_name="tiny", prefix_cache_mb=bad)
-
-
 def test_deterministic_serving_keeps_the_cache_off() -> None:
-    backend = TransformersBackend(tiny("llama"), model_name="tiny", deterministic=True)
+    backend = TransformersBackend(
+        tiny("llama"), model_name="tiny", settings=EngineSettings(deterministic=True)
+    )
     assert backend.prefix_stats() == {}
-
-
-@pytest.mark.parametrize("bad", [-1, float("nan"), "64", True])
-def test_a_bad_prefix_cache_size_is_refused_by_the_run_settings(bad: Any) -> None:
-    from agl.errors import UsageError
-    from agl.run.settings import Serving
-
-    with pytest.raises(UsageError, match="prefix_cache_mb"):
-        Serving(prefix_cache_mb=bad)
-    assert Serving(prefix_cache_mb=0).prefix_cache_mb == 0
-
-
-def test_the_gateway_command_takes_the_cache_size_and_refuses_a_bad_one(capsys: Any) -> None:
-    from agl.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(["gateway", "serve", "--backend", "transformers", "--prefix-cache-mb", "-5"])
-    assert exc.value.code == 2
-    assert "expected a number of MB >= 0, got '-5'" in capsys.readouterr().err

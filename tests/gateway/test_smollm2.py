@@ -92,7 +92,7 @@ def test_models_prepare_then_serve_smollm2(
         logp = (backend.model(torch.tensor([prompt + response])).logits[0].float() / 0.7).log_softmax(-1)
     recomputed = [logp[len(prompt) - 1 + k, t].item() for k, t in enumerate(response)]
     assert sampled.attributes[sc.AGL_LLM_RESPONSE_LOGPROBS] == pytest.approx(recomputed, abs=1e-3)
-    backend._executor.shutdown(wait=False)
+    backend.engine._executor.shutdown(wait=False)
 
 
 def test_tool_choice_required_makes_smollm2_call_the_tool(
@@ -139,4 +139,4 @@ def test_tool_choice_required_makes_smollm2_call_the_tool(
     tok = load_default_tokenizer()
     assert forced > 0 and tok.decode(prompt[-forced:]).startswith("<tool_call>")
     assert "<tool_call>" not in tok.decode(span.attributes[sc.AGL_LLM_RESPONSE_TOKEN_IDS])
-    backend._executor.shutdown(wait=False)
+    backend.engine._executor.shutdown(wait=False)

@@ -55,7 +55,7 @@ def model() -> Any:
 def backend(model: Any) -> Iterator[TransformersBackend]:
     be = TransformersBackend(model, model_name="tiny", default_max_tokens=12)
     yield be
-    be._executor.shutdown(wait=False)
+    be.engine._executor.shutdown(wait=False)
 
 
 def recompute_logprobs(
@@ -270,7 +270,7 @@ def test_weight_swap_between_requests(store: Any, rollout: tuple[str, int], tmp_
     assert s1.attributes[sc.AGL_LLM_WEIGHT_VERSION] == 0
     assert s2.attributes[sc.AGL_LLM_WEIGHT_VERSION] == 7
     check_span(other, s2, messages)  # the second call ran the new weights
-    be._executor.shutdown(wait=False)
+    be.engine._executor.shutdown(wait=False)
 
 
 def test_lora_adapter_swap(store: Any, rollout: tuple[str, int], tmp_path: Path) -> None:
@@ -295,7 +295,7 @@ def test_lora_adapter_swap(store: Any, rollout: tuple[str, int], tmp_path: Path)
     (span,) = server_spans(store, rollout[0])
     assert span.attributes[sc.AGL_LLM_WEIGHT_VERSION] == 1
     check_span(lora, span, messages)
-    be._executor.shutdown(wait=False)
+    be.engine._executor.shutdown(wait=False)
 
 
 def test_context_window_and_unknown_model(store: Any, backend: Any) -> None:
@@ -332,7 +332,7 @@ def test_disconnect_cancels_a_running_generation(store: Any, rollout: tuple[str,
         assert url.gateway.stats["cancelled_calls"] == 1
     (span,) = server_spans(store, rollout[0])  # the cancelled call is on record, as an ERROR (issue 18)
     assert span.status.code == "ERROR" and "disconnected" in (span.status.message or "")
-    be._executor.shutdown(wait=False)
+    be.engine._executor.shutdown(wait=False)
 
 
 def test_completions_raw_prompt(store: Any, rollout: tuple[str, int], backend: Any, model: Any) -> None:

@@ -101,7 +101,7 @@ def setup(request: Any) -> Iterator[tuple[TransformersBackend, Steps]]:
     steps = Steps(model)
     be = TransformersBackend(model, model_name="tiny", default_max_tokens=12)
     yield be, steps
-    be._executor.shutdown(wait=False)
+    be.engine._executor.shutdown(wait=False)
 
 
 async def test_batched_rows_generate_what_they_generate_alone(
@@ -146,7 +146,7 @@ async def test_a_request_joins_a_running_batch_between_decode_steps() -> None:
     decode = steps.decode_batches()
     assert decode[:3] == [1, 1, 1] and 2 in decode and decode[-1] == 1  # joined, then left
     assert list(backend.batch_sizes)[-2:] == [1, 2]
-    backend._executor.shutdown(wait=False)
+    backend.engine._executor.shutdown(wait=False)
 
 
 async def test_a_cancelled_request_leaves_the_batch() -> None:
@@ -172,7 +172,7 @@ async def test_a_cancelled_request_leaves_the_batch() -> None:
     after = [b for b, n in steps.shapes[seen + 1 :] if n == 1]
     assert after and set(after) == {1}  # the cancelled row left at the next step
     assert len(steps.shapes) < 60  # far from its 400 tokens
-    backend._executor.shutdown(wait=False)
+    backend.engine._executor.shutdown(wait=False)
 
 
 async def test_streams_under_batching_get_their_own_tokens_as_drawn() -> None:
@@ -211,7 +211,7 @@ async def test_streams_under_batching_get_their_own_tokens_as_drawn() -> None:
         assert_same(end, ref)
         assert first < last - 0.1  # the first token came long before the end
     assert_same(plain, alone[1])
-    backend._executor.shutdown(wait=False)
+    backend.engine._executor.shutdown(wait=False)
 
 
 async def test_a_weight_swap_waits_for_the_running_batch() -> None:
@@ -231,7 +231,7 @@ async def test_a_weight_swap_waits_for_the_running_batch() -> None:
     assert after.weight_version == 3
     new, old = after.choices[0].logprobs, before.choices[0].logprobs
     assert max(abs(x - y) for x, y in zip(new, old, strict=False)) > 1e-3  # the new weights serve now
-    backend._executor.shutdown(wait=False)
+    backend.engine._executor.shutdown(wait=False)
 
 
 def test_concurrent_clients_over_http_mix_streams_and_replies(store: Any) -> None:
@@ -267,7 +267,7 @@ def test_concurrent_clients_over_http_mix_streams_and_replies(store: Any) -> Non
         ref.attributes[sc.AGL_LLM_RESPONSE_LOGPROBS], abs=1e-4
     )
     assert max(backend.batch_sizes) > 1
-    backend._executor.shutdown(wait=False)
+    backend.engine._executor.shutdown(wait=False)
 
 
 async def test_the_models_own_processors_apply_per_row() -> None:
@@ -277,7 +277,7 @@ async def test_the_models_own_processors_apply_per_row() -> None:
     plain = TransformersBackend(model, model_name="tiny")
     spec = {"content": "Say something.", "temperature": 0, "max_tokens": 10}
     unpenalised = await plain.generate(make(spec))
-    plain._executor.shutdown(wait=False)
+    plain.engine._executor.shutdown(wait=False)
     model.generation_config.repetition_penalty = 1.5
     backend = TransformersBackend(model, model_name="tiny")
     other = {"content": "word " * 7, "temperature": 0.9, "seed": 3, "max_tokens": 10}
@@ -289,7 +289,7 @@ async def test_the_models_own_processors_apply_per_row() -> None:
         out = model.generate(input_ids=ids, max_new_tokens=10, do_sample=False, eos_token_id=TOK.eos_token_id)
     assert alone.choices[0].response_ids == out[0, ids.shape[1] :].tolist()
     assert alone.choices[0].response_ids != unpenalised.choices[0].response_ids  # the penalty mattered
-    backend._executor.shutdown(wait=False)
+    backend.engine._executor.shutdown(wait=False)
 
 
 async def test_a_sliding_window_model_batches_without_joining() -> None:
@@ -327,4 +327,4 @@ async def test_a_sliding_window_model_batches_without_joining() -> None:
     assert_same(first.result(), alone[0])
     assert_same(second, alone[1])
     assert 2 not in steps.decode_batches()
-    backend._executor.shutdown(wait=False)
+    backend.engine._executor.shutdown(wait=False)

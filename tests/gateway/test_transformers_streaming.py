@@ -55,7 +55,7 @@ def slow_backend() -> Iterator[tuple[TransformersBackend, list[int]]]:
     model, calls = slow_tiny_model(0.04)
     be = TransformersBackend(model, model_name="tiny", default_max_tokens=24)
     yield be, calls
-    be._executor.shutdown(wait=False)
+    be.engine._executor.shutdown(wait=False)
 
 
 def test_first_chunk_arrives_before_generation_ends_and_ids_match(

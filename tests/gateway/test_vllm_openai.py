@@ -290,7 +290,7 @@ def test_vllm_adapter_per_agent_refused_load_keeps_the_routing(
         assert r.status_code == 400 and "No adapter found" in r.json()["error"]["message"]
         assert httpx.get(url.root + "/agl/v1/status").json()["weight_version"] == 0
     assert ("unload_lora_adapter", {"lora_name": f"{MODEL}-writer-v1"}) in fake.requests
-    assert backend.agent_adapters == {"writer": None, "rewriter": None}
+    assert backend.lora_served == {"writer": None, "rewriter": None}
 
 
 def test_vllm_serves_adapters_given_up_front(

@@ -115,7 +115,7 @@ def test_per_agent_push_pauses_once_for_all_its_adapters(
 
     async def run() -> None:
         await backend.start()
-        await backend.load_agent_adapters({"writer": str(tmp_path / "w"), "rewriter": str(tmp_path / "r")})
+        await backend.load_agent_loras({"writer": str(tmp_path / "w"), "rewriter": str(tmp_path / "r")})
         await backend.close()
 
     asyncio.run(run())
@@ -197,9 +197,7 @@ def test_a_failed_per_agent_load_unloads_this_pushs_copies_and_resumes(
     async def run() -> None:
         await backend.start()
         with pytest.raises(BackendError, match="rewriter-v1"):
-            await backend.load_agent_adapters(
-                {"writer": str(tmp_path / "w"), "rewriter": str(tmp_path / "r")}
-            )
+            await backend.load_agent_loras({"writer": str(tmp_path / "w"), "rewriter": str(tmp_path / "r")})
         await backend.close()
 
     asyncio.run(run())
@@ -211,7 +209,7 @@ def test_a_failed_per_agent_load_unloads_this_pushs_copies_and_resumes(
         ("resume", None),
     ]
     assert not fake.paused and not fake.loras
-    assert backend.agent_adapters == {"writer": None, "rewriter": None} and backend.weight_version == 0
+    assert backend.lora_served == {"writer": None, "rewriter": None} and backend.weight_version == 0
 
 
 def test_a_failed_resume_is_an_error(upstream: tuple[FakeVLLM, str]) -> None:

@@ -89,6 +89,7 @@ def adapter_gateway(
     from agl.algorithms.lightning_rl import LightningRL
     from agl.algorithms.update import PolicyUpdate
     from agl.config import RunConfig
+    from agl.engine import EngineSettings
     from agl.gateway.backends.transformers import TransformersBackend
     from agl.gateway.testing import serve_gateway
     from agl.store.memory import MemoryStore
@@ -112,7 +113,10 @@ def adapter_gateway(
         model, load_tokenizer(), config, output_dir=tmp_path / "ckpt", seed=0, adapters=list(request.param)
     )
     backend = TransformersBackend.for_policy(
-        policy, model_name=AdapterGateway.MODEL, max_batch_size=4, batch_window_s=0.01
+        policy,
+        model_name=AdapterGateway.MODEL,
+        settings=EngineSettings(max_batch_size=4),
+        batch_window_s=0.01,
     )
     store = MemoryStore()
     tracing.setup_tracing(store, agl_tracer.provider)

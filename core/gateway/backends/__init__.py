@@ -38,8 +38,10 @@ __all__ = [
 NAMES = ("transformers", "vllm", "scripted", "openai")
 
 
-def from_spec(name: str, **options: Any) -> Backend:
-    """The backend called ``name``, built from ``options`` (each backend's own constructor arguments):
+def from_spec(name: str, *, settings: Any = None, **options: Any) -> Backend:
+    """The backend called ``name``, built from ``options`` (each backend's own constructor arguments)
+    and ``settings`` (an :class:`agl.engine.EngineSettings`, carried whole to the embedded engine; any
+    non-default one asked of another backend is refused by name):
 
     - ``transformers``: ``model`` (a path, a loaded model or None for the default), or ``policy`` (a
       ``PolicyUpdate`` whose frozen weights the engine shares), plus the constructor's keywords;
@@ -52,6 +54,10 @@ def from_spec(name: str, **options: Any) -> Backend:
     makers = {"transformers": _transformers, "scripted": _scripted, "vllm": _vllm, "openai": _openai}
     if name not in makers:
         raise ValueError(f"unknown backend {name!r}: one of {', '.join(NAMES)}")
+    if name == "transformers":
+        return _transformers(settings=settings, **options)
+    if settings is not None:
+        settings.check_backend(name)
     return makers[name](**options)
 
 

@@ -232,7 +232,7 @@ class Backend(abc.ABC):
         if policy.is_lora and getattr(policy, "adapters", None):  # an adapter per agent
             path = os.path.abspath(policy.save_adapter(target))
             names = list(policy.adapters.values())
-            return await self.load_agent_adapters({n: os.path.join(path, n) for n in names}, version=version)
+            return await self.load_agent_loras({n: os.path.join(path, n) for n in names}, version=version)
         if policy.is_lora and overrides:
             path = os.path.abspath(policy.save_adapter(target))
             return await self.load_adapter(path, version=version)
@@ -253,7 +253,7 @@ class Backend(abc.ABC):
             cls.push is not Backend.push
             or cls.load_adapter is not Backend.load_adapter
             or cls.load_weights is not Backend.load_weights
-            or cls.load_agent_adapters is not Backend.load_agent_adapters
+            or cls.load_agent_loras is not Backend.load_agent_loras
         )
 
     async def load_weights(self, source: Any, *, version: int | None = None) -> int:
@@ -264,7 +264,7 @@ class Backend(abc.ABC):
         """Swap in a LoRA adapter; returns the new weight version."""
         raise BackendError(f"the {self.name} backend cannot load adapters")
 
-    async def load_agent_adapters(self, paths: dict[str, str], *, version: int | None = None) -> int:
+    async def load_agent_loras(self, paths: dict[str, str], *, version: int | None = None) -> int:
         """Swap in new weights of named agent adapters (``{adapter: peft adapter folder}``), all at
         once as one weight version; returns it."""
         raise BackendError(f"the {self.name} backend cannot serve an adapter per agent")

@@ -33,7 +33,7 @@ An adapter per agent (``adapters=["writer", "rewriter"]``, :mod:`agl.algorithms.
 adapter is loaded by name at run time as ``<policy>-<adapter>-v<version>`` (vLLM refuses a name twice),
 and each call goes to the adapter :meth:`Backend.route` picked for it (``model="<base>:writer"`` or the
 caller's baggage ``agl.agent``). Until an adapter's first load its calls go to the base model, which is
-what a fresh LoRA adapter computes (B = 0). A push (:meth:`load_agent_adapters`) loads every adapter
+what a fresh LoRA adapter computes (B = 0). A push (:meth:`load_agent_loras`) loads every adapter
 whose weights changed, then switches the routing of all of them at once, so one weight version names
 one set of adapters. An unchanged adapter keeps serving its loaded copy only when the push just before
 loaded it (else it is loaded again from this push's folder): vLLM may re-read an evicted adapter from
@@ -155,12 +155,12 @@ class VLLMBackend(HttpUpstreamBackend):
         self._start_error: str | None = "not started"
         #: an adapter per agent: ``{adapter: upstream LoRA name serving it}`` (None: the base model, until
         #: its first load); the loaded names of each, oldest first; the digest of each one's last file
-        self.agent_adapters: dict[str, str | None] = {name: None for name in adapters or ()}
-        self._agent_loras: dict[str, list[str]] = {name: [] for name in self.agent_adapters}
+        self.lora_served: dict[str, str | None] = {name: None for name in adapters or ()}
+        self._lora_loaded: dict[str, list[str]] = {name: [] for name in self.lora_served}
         self._agent_digest: dict[str, tuple[str, int]] = {}
         #: ``{adapter: folder}`` given up front (``agl gateway serve --adapter``): loaded once vLLM answers
         self._initial = dict(adapters) if isinstance(adapters, dict) else {}
-        for name in self.agent_adapters:
+        for name in self.lora_served:
             if not is_lora_name(name):
                 raise UsageError(f"adapter name {name!r} is not one an agent's adapter has")
         #: who renders chats: "agl" (this gateway, as the embedded engine: prompt ids sent), "upstream"
@@ -203,7 +203,7 @@ class VLLMBackend(HttpUpstreamBackend):
         if self._start_error is None:
             self._setup_rendering(entries)
         if self._initial and self._start_error is None:
-            await self.load_agent_adapters(self._initial, version=self.weight_version)
+            await self.load_agent_loras(self._initial, version=self.weight_version)
             self._initial = {}
 
     async def _model_entries(self) -> list[dict[str, Any]]:
@@ -275,10 +275,10 @@ class VLLMBackend(HttpUpstreamBackend):
         """The policy's name and the upstream's models, then ``"<policy>:<adapter>"`` for each agent's."""
         names = [self.policy_name] if self.policy_name else []
         names += [m for m in self.upstream_models if m not in names]
-        return names + [f"{self.policy_name}:{a}" for a in self.agent_adapters if self.policy_name]
+        return names + [f"{self.policy_name}:{a}" for a in self.lora_served if self.policy_name]
 
     def agent_loras(self) -> list[str]:
-        return list(self.agent_adapters)
+        return list(self.lora_served)
 
     def check_model(self, model: str) -> None:
         if not self.upstream_models:  # not listed yet: the call retries and says what the upstream answered
@@ -290,16 +290,16 @@ class VLLMBackend(HttpUpstreamBackend):
         """The upstream model that serves ``request``: its agent's adapter (the base model until that
         is loaded), the base for another call under per-agent adapters, else the newest policy adapter."""
         model = request.model
-        if self.agent_adapters:
+        if self.lora_served:
             if request.adapter is not None:
-                return self.agent_adapters.get(request.adapter) or self.policy_name or model
+                return self.lora_served.get(request.adapter) or self.policy_name or model
             base, sep, _ = model.rpartition(":")
             return (self.policy_name or model) if sep and base == self.policy_name else model
         return (self.current_upstream or model) if model == self.policy_name else model
 
     def _served_by(self, request: GenerationRequest) -> str | None:
         """The adapter recorded on the call's span (``agl.llm.adapter``): None without agent adapters."""
-        return (request.adapter or BASE_ADAPTER) if self.agent_adapters else None
+        return (request.adapter or BASE_ADAPTER) if self.lora_served else None
 
     def chat_body(self, request: GenerationRequest, model: str) -> dict[str, Any]:
         body = super().chat_body(request, model)
@@ -467,22 +467,22 @@ class VLLMBackend(HttpUpstreamBackend):
     async def _reload_adapters(self) -> None:
         """Load the adapters that served the current weight version again, under their names; the
         older copies (kept for calls in flight) died with the server."""
-        current = [n for n in self.agent_adapters.values() if n]
-        if not self.agent_adapters and self.current_upstream in self.adapters:
+        current = [n for n in self.lora_served.values() if n]
+        if not self.lora_served and self.current_upstream in self.adapters:
             current = [self.current_upstream]
         for lora_name in current:
             await self._load_lora(lora_name, self._lora_paths[lora_name], replace=True)
             if lora_name not in self.upstream_models:
                 self.upstream_models.append(lora_name)
         self.adapters = [n for n in self.adapters if n in current]
-        for adapter, names in self._agent_loras.items():
-            self._agent_loras[adapter] = [n for n in names if n in current]
+        for adapter, names in self._lora_loaded.items():
+            self._lora_loaded[adapter] = [n for n in names if n in current]
 
     async def load_adapter(self, path: str, *, name: str | None = None, version: int | None = None) -> int:
         """Load a LoRA adapter into vLLM and route the policy's requests to it (``name`` an agent's
-        adapter: that adapter's new weights, :meth:`load_agent_adapters`)."""
-        if name is not None and name in self.agent_adapters:
-            return await self.load_agent_adapters({name: path}, version=version)
+        adapter: that adapter's new weights, :meth:`load_agent_loras`)."""
+        if name is not None and name in self.lora_served:
+            return await self.load_agent_loras({name: path}, version=version)
         await self._ensure_started()
         new_version = self.weight_version + 1 if version is None else int(version)
         lora_name = name or f"{self.policy_name}-agl-v{new_version}"
@@ -497,17 +497,15 @@ class VLLMBackend(HttpUpstreamBackend):
             await self._unload_lora(self.adapters.pop(0))
         return self.weight_version
 
-    async def load_agent_adapters(self, paths: dict[str, str], *, version: int | None = None) -> int:
+    async def load_agent_loras(self, paths: dict[str, str], *, version: int | None = None) -> int:
         """Serve each agent's adapter from its folder (``{adapter: path}``) as weight ``version``: the
         changed ones are loaded by name, then every call is routed to its adapter's new copy at once;
         the copies ``keep_adapters`` loads back are unloaded. A refused load leaves the routing as it
         was (the copies this push loaded are unloaded) and raises BackendError."""
         await self._ensure_started()
-        unknown = sorted(set(paths) - set(self.agent_adapters))
-        if self.agent_adapters and unknown:
-            raise BackendError(
-                f"no agent adapter {unknown}: this gateway serves {sorted(self.agent_adapters)}"
-            )
+        unknown = sorted(set(paths) - set(self.lora_served))
+        if self.lora_served and unknown:
+            raise BackendError(f"no agent adapter {unknown}: this gateway serves {sorted(self.lora_served)}")
         new_version = self.weight_version + 1 if version is None else int(version)
         changed = self._changed(paths)  # the files are read before the pause, which stays short
         if changed:
@@ -518,7 +516,7 @@ class VLLMBackend(HttpUpstreamBackend):
             loaded = {}
             self._bump_version(new_version)
         for adapter in loaded:
-            names = self._agent_loras[adapter]
+            names = self._lora_loaded[adapter]
             while len(names) > self.keep_adapters:
                 await self._unload_lora(names.pop(0))
         return self.weight_version
@@ -548,9 +546,9 @@ class VLLMBackend(HttpUpstreamBackend):
                 await self._unload_lora(lora_name)
             raise
         for adapter, lora_name in loaded.items():
-            self.agent_adapters[adapter] = lora_name
+            self.lora_served[adapter] = lora_name
             self._agent_digest[adapter] = (changed[adapter][1], new_version)
-            self._agent_loras.setdefault(adapter, []).append(lora_name)
+            self._lora_loaded.setdefault(adapter, []).append(lora_name)
         return loaded
 
     @asynccontextmanager
