@@ -60,6 +60,9 @@ def run_seed(seed: int, threads: int, keep: Path | None) -> dict[str, object]:
         "before": checks[0][1],
         "after": checks[-1][1],
         "checks": checks,
+        "decoding": sorted(
+            {str(r.get("val_decoding", "sampled")) for r in records if r.get("val_reward") is not None}
+        ),
         "train_reward": trains,
         "wall_s": round(wall, 1),
         "load_start": round(load0, 2),

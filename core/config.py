@@ -270,6 +270,14 @@ class LoopConfig:
             "measure the held-out reward before the first update (False when the warm start was measured)"
         ),
     )
+    val_samples: int = field(
+        default=0,
+        metadata=_help(
+            "held-out decoding: 0 decodes each held-out task once greedily (temperature 0, as deployed "
+            "agents and benchmarks are scored); K >= 1 samples K rollouts per task at the run's "
+            "temperature, reported as their mean (val_reward) and pass@K (val_pass_at_k)"
+        ),
+    )
     dynamic_sampling: int = field(
         default=0,
         metadata=_help(
@@ -348,6 +356,7 @@ class LoopConfig:
             raise UsageError("val_every and checkpoint_every must be >= 0")
         if not isinstance(self.val_before, bool):
             raise UsageError(f"val_before must be True or False, got {self.val_before!r}")
+        _check_count("val_samples", self.val_samples)
         if (
             isinstance(self.dynamic_sampling, bool)
             or not isinstance(self.dynamic_sampling, int)

@@ -97,6 +97,11 @@ SEED_SOURCE_AGENT = "agent"
 # place in the run, and that place ("<mode>:s<step>[r<round>]/t<task position>/m<group member>")
 ROLLOUT_SEED_KEY = "agl.seed"
 ROLLOUT_PLACE_KEY = "agl.place"
+# a held-out rollout decoded greedily (LoopConfig.val_samples=0): the temperature every call of the rollout is
+# decoded at, whatever the request asked (the gateway forces it and records the source on the span)
+ROLLOUT_TEMPERATURE_KEY = "agl.temperature"
+AGL_LLM_TEMPERATURE_SOURCE = "agl.llm.temperature_source"
+TEMPERATURE_SOURCE_ROLLOUT = "rollout"
 # branching at a call (agl.trainer.branching, agl.gateway.replay): a branch rollout's metadata names its
 # parent rollout, the parent's attempt, the branch call's index in it, the agent and the branch member;
 # the gateway replays the parent's calls before that index (their spans carry ``agl.llm.replayed``) and
@@ -131,6 +136,13 @@ AGL_HANDOFF_FROM = "agl.handoff.from"
 AGL_HANDOFF_TO = "agl.handoff.to"
 AGL_GUARDRAIL_NAME = "agl.guardrail.name"
 AGL_GUARDRAIL_TRIGGERED = "agl.guardrail.triggered"  # bool: the guardrail's tripwire fired
+# an agent's calls whose output the app threw away (agl.adapter: left out of training unless
+# Adapter(keep_discarded=True), then Transition.discarded): on an invoke_agent span, the windows
+# [start_ns, end_ns, start_ns, end_ns, ...] in which its LLM calls started, and why ("input_guardrail": an
+# input guardrail tripped while the agent's turn ran, so the SDK discarded the turn's reply)
+AGL_DISCARDED_WINDOWS = "agl.discarded.windows"
+AGL_DISCARDED_REASON = "agl.discarded.reason"
+DISCARDED_INPUT_GUARDRAIL = "input_guardrail"
 
 # LangChain / LangGraph integration: where an agent span came from
 AGL_LANGCHAIN_RUN_ID = "agl.langchain.run_id"  # the LangChain run id (joins with LangSmith traces)

@@ -461,6 +461,9 @@ class Transition(_Model):
     #: how the rollout's attempt ended (agl.adapter.failures.failure_kind): "task" (finished with a
     #: reward), "no_reward", "agent" (its own code failed) or "infra" (never trained on); None: not known
     failure_kind: Literal["infra", "agent", "task", "no_reward"] | None = None
+    #: the app threw the call's output away (an input guardrail tripped during the agent's turn: the
+    #: span's ``agl.discarded.windows``); the adapter leaves such calls out unless ``keep_discarded=True``
+    discarded: bool = False
 
     @field_validator("reward", "intermediate_reward", "final_reward")
     @classmethod

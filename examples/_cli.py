@@ -80,7 +80,7 @@ def add_train_options(t: argparse.ArgumentParser, name: str, item: str) -> None:
     )
     t.add_argument("--group-size", type=int, default=8)
     t.add_argument("--val-tasks", type=int, help=f"held-out {item} evaluated (0: none)")
-    add_config_options(t, LoopConfig, ["val_every"], val_every={"default": None})
+    add_config_options(t, LoopConfig, ["val_every", "val_samples"], val_every={"default": None})
     add_schedule_options(t)
     add_config_options(
         t,

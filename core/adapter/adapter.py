@@ -68,7 +68,9 @@ class Adapter:
     sets the automatic intermediate rewards (``None`` or ``AIR.off()`` for none). ``missing_reward`` is
     the final reward of an attempt that never reported one, when set; unset (None, the default) such an
     attempt is ``no_reward`` and the trainer leaves it out of its group (a silent zero is never a
-    reward), while its transitions carry 0.0.
+    reward), while its transitions carry 0.0. ``keep_discarded``: also turn the calls whose
+    output the app threw away (an input guardrail tripped during the agent's turn, the agent span's
+    ``agl.discarded.windows``) into transitions, marked ``discarded=True``; by default they are left out.
 
     ``Transition.reward`` is the credited return (:mod:`agl.adapter.credit`) under ``algorithm``'s
     credit rule (anything with ``.credit`` and ``.gamma``; by default LightningRL's ``identical`` rule,
@@ -85,6 +87,7 @@ class Adapter:
         *,
         algorithm: Any = None,
         include_intermediate: bool = True,
+        keep_discarded: bool = False,
     ) -> None:
         self._match = agent_matcher(agents)
         self.agents = agents
@@ -108,6 +111,11 @@ class Adapter:
         #: defaults of :class:`agl.LightningRL`, without importing the algorithms layer)
         self.algorithm = algorithm
         self.include_intermediate = include_intermediate
+        if not isinstance(keep_discarded, bool):
+            raise UsageError(f"keep_discarded must be True or False, got {keep_discarded!r}")
+        #: keep the calls whose output the app threw away (``Transition.discarded=True``); by default
+        #: they are left out and counted (``AdapterStats.discarded``): their reward is not about them
+        self.keep_discarded = keep_discarded
         self.stats = AdapterStats()
         self.last_stats = AdapterStats()
         #: final rewards of the rollouts of the last :meth:`from_store` call, by (rollout id, attempt)
@@ -310,7 +318,9 @@ class Adapter:
         st.unselected = len(calls) - len(selected)
         mine = [k for k in selected if not _served_by_other(tree.S, calls[k])]
         st.other_adapter += len(selected) - len(mine)
-        selected = mine
+        thrown = {k for k in mine if tree.discarded(calls[k].anchor, calls[k].start)}
+        st.discarded += len(thrown)
+        selected = mine if self.keep_discarded else [k for k in mine if k not in thrown]
         sel_set = set(selected)
         for k, value in enumerate(inter):
             if value != 0.0 and k not in sel_set:
@@ -332,6 +342,7 @@ class Adapter:
                 reward=g,
                 intermediate_reward=inter[k],
                 final_reward=big_r,
+                discarded=k in thrown,
             )
             out.append(Transition.model_construct(**data))
         st.transitions = len(out)

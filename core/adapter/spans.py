@@ -128,6 +128,23 @@ class _Tree:
         """The name of span ``i``'s nearest ``invoke_agent`` ancestor (itself included), or None."""
         return _agent_of(i, self.S, self.kind, self.parent, self.agent_at)
 
+    def discarded(self, i: int, start_ns: int) -> bool:
+        """Whether the call at span ``i``, started at ``start_ns``, started in one of its nearest
+        ``invoke_agent`` ancestor's discard windows (``agl.discarded.windows``): the app threw its
+        output away."""
+        j = i
+        while j >= 0 and self.kind[j] != _AGENT:
+            j = self.parent[j]
+        if j < 0:
+            return False
+        w = self.S[j].attributes.get(sc.AGL_DISCARDED_WINDOWS)
+        if not isinstance(w, (list, tuple)) or len(w) % 2:
+            return False
+        return any(
+            isinstance(a, int) and isinstance(b, int) and a <= start_ns <= b
+            for a, b in zip(w[::2], w[1::2], strict=True)
+        )
+
     def relink(self, st: AdapterStats) -> None:
         """Join a server chat span with no parent here to the client chat span with the same response id,
         so it is attributed and not counted twice: a framework dropped ``traceparent``, or a span between

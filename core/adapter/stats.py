@@ -32,6 +32,7 @@ class AdapterStats:
     no_tokenizer: int = 0  #: calls that needed re-tokenising but no tokenizer was given
     retokenise_failed: int = 0  #: calls the tokenizer could not render (e.g. template errors)
     failed_calls: int = 0  #: LLM calls that errored without a response
+    discarded: int = 0  #: selected calls whose output the app threw away (agl.discarded.windows), left out
     bad_messages: int = 0  #: message attributes that were not valid JSON
     logprobs_dropped: int = 0  #: logprobs whose length did not match the response ids
     reward_spans: int = 0  #: agl.reward spans read

@@ -32,7 +32,12 @@ What this cannot order: calls one attempt makes *concurrently* (``asyncio.gather
 are numbered in arrival order, which the event loop decides; a program whose calls within one rollout
 follow each other (the common case) is numbered the same way every run.
 
-The rollout's seed is read from the store once per rollout and kept (the last ``max_rollouts``); the
+**A forced temperature.** A held-out rollout the trainer decodes greedily (``LoopConfig.val_samples=0``)
+carries :data:`agl.semconv.ROLLOUT_TEMPERATURE_KEY` (0.0) in its metadata; every call of that rollout is
+then decoded at that temperature whatever the request asked (:func:`force_temperature`), and the span
+records it (``gen_ai.request.temperature``, ``agl.llm.temperature_source: rollout``).
+
+The rollout's seed (and temperature) is read from the store once per rollout and kept (the last ``max_rollouts``); the
 call counters of the last ``max_rollouts`` attempts likewise.
 """
 
@@ -47,7 +52,16 @@ from typing import Any
 from agl import semconv as sc
 from agl.gateway.backends.base import GenerationRequest
 
-__all__ = ["SEED_BITS", "CallSeeds", "call_seed", "derive_seed", "rollout_place", "rollout_seed"]
+__all__ = [
+    "SEED_BITS",
+    "CallSeeds",
+    "call_seed",
+    "derive_seed",
+    "force_temperature",
+    "rollout_meta",
+    "rollout_place",
+    "rollout_seed",
+]
 
 SEED_BITS = 31
 
@@ -92,7 +106,7 @@ class CallSeeds:
         self.store = store
         self.max_rollouts = max_rollouts
         self.in_loop = bool(getattr(store, "in_process", False))  # read on the event loop (no network wait)
-        self._seeds: OrderedDict[str, int | None] = OrderedDict()
+        self._seeds: OrderedDict[str, tuple[int | None, float | None]] = OrderedDict()
         self._calls: OrderedDict[tuple[str, int], int] = OrderedDict()
 
     def next_index(self, rollout: tuple[str, int]) -> int:
@@ -105,21 +119,25 @@ class CallSeeds:
         return n
 
     async def assign(self, gen: GenerationRequest) -> None:
-        """Number ``gen`` within its attempt and set its seed (see the module docstring)."""
+        """Number ``gen`` within its attempt, set its seed and the rollout's forced temperature (see the
+        module docstring)."""
         if gen.rollout is None or self.store is None:
             return
         gen.call_index = self.next_index(gen.rollout)
+        base, temperature = await self._rollout_meta(gen.rollout[0])
+        if temperature is not None:
+            force_temperature(gen, temperature)
         if gen.seed is not None:
             gen.seed_source = sc.SEED_SOURCE_AGENT
             return
-        base = await self._rollout_seed(gen.rollout[0])
         if base is not None:
             gen.seed = call_seed(base, gen.rollout[1], gen.call_index)
             gen.seed_source = sc.SEED_SOURCE_RUN
             if gen.api in _FORWARDED and isinstance(gen.raw, dict):
                 gen.raw["seed"] = gen.seed  # a pass-through backend (vLLM) forwards the raw body
 
-    async def _rollout_seed(self, rollout_id: str) -> int | None:
+    async def _rollout_meta(self, rollout_id: str) -> tuple[int | None, float | None]:
+        """The rollout's seed and forced temperature (either None), read once and kept."""
         if rollout_id in self._seeds:
             self._seeds.move_to_end(rollout_id)
             return self._seeds[rollout_id]
@@ -130,10 +148,29 @@ class CallSeeds:
                 rollout = await asyncio.to_thread(self.store.get_rollout, rollout_id)
         except Exception as exc:  # noqa: BLE001 - an unknown rollout is served unseeded, as before
             log.debug("agl gateway: no seed for rollout %s: %s", rollout_id, exc)
-            return None
-        raw = rollout.metadata.get(sc.ROLLOUT_SEED_KEY)
-        seed = raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
-        self._seeds[rollout_id] = seed
+            return None, None
+        meta = rollout_meta(rollout.metadata)
+        self._seeds[rollout_id] = meta
         while len(self._seeds) > self.max_rollouts:
             self._seeds.popitem(last=False)
-        return seed
+        return meta
+
+
+def rollout_meta(metadata: dict[str, Any]) -> tuple[int | None, float | None]:
+    """A rollout's seed (:data:`agl.semconv.ROLLOUT_SEED_KEY`) and forced temperature
+    (:data:`agl.semconv.ROLLOUT_TEMPERATURE_KEY`) from its metadata; a value of the wrong kind is None."""
+    raw = metadata.get(sc.ROLLOUT_SEED_KEY)
+    seed = raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
+    t = metadata.get(sc.ROLLOUT_TEMPERATURE_KEY)
+    ok = isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t <= 2
+    return seed, float(t) if ok else None
+
+
+def force_temperature(gen: GenerationRequest, temperature: float) -> None:
+    """Decode ``gen`` at ``temperature`` whatever the request asked (a greedy held-out rollout: its
+    score must not depend on the temperature the program passes), in the body a pass-through backend
+    forwards too; the span records the source (``agl.llm.temperature_source``)."""
+    gen.temperature = temperature
+    gen.temperature_source = sc.TEMPERATURE_SOURCE_ROLLOUT
+    if gen.api in _FORWARDED and isinstance(gen.raw, dict):
+        gen.raw["temperature"] = temperature

@@ -381,6 +381,8 @@ def _request_attrs(
         base[sc.AGL_LLM_BRANCH_POINT] = True
     if request.temperature is not None:
         base[sc.GEN_AI_REQUEST_TEMPERATURE] = float(request.temperature)
+        if request.temperature_source:  # forced by the rollout (a greedy held-out one)
+            base[sc.AGL_LLM_TEMPERATURE_SOURCE] = request.temperature_source
     if request.top_p is not None:
         base[sc.GEN_AI_REQUEST_TOP_P] = float(request.top_p)
     if request.max_tokens is not None:

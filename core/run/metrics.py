@@ -130,13 +130,17 @@ class MetricsLog:
         # tasks given, not the rollouts that finished with a reward: a held-out rollout the step timeout
         # cancelled must not hide the comparison (histories written before val_tasks existed fall back).
         before = next((h for h in checks if h["step"] == 0), None)
+        # Likewise a check decoded otherwise (a resumed run given another val_samples).
         if before is not None and after is not None and _val_set_size(before) != _val_set_size(after):
+            before = None
+        if before is not None and after is not None and _decoded(before) != _decoded(after):
             before = None
         return {
             "run_dir": str(self.run_dir),
             "steps": steps,
             "val_reward_before": before["val_reward"] if before else None,
             "val_reward_after": after["val_reward"] if after else None,
+            **held_out_decoding(before, after),
             "history": self.history,
         }
 
@@ -149,6 +153,25 @@ class MetricsLog:
                 tracker.finish(summary or {})
             except Exception as exc:  # noqa: BLE001 - one tracker failing to close must not hide the rest
                 log.warning("agl: closing %s failed: %s", tracker.name, exc)
+
+
+def _decoded(record: dict[str, Any]) -> tuple[Any, Any]:
+    """How a check was decoded; records older than ``val_decoding`` were sampled once per task."""
+    return record.get("val_decoding", "sampled"), record.get("val_samples", 1)
+
+
+def held_out_decoding(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any]:
+    """The summary's word on how its held-out figures were decoded (agl.trainer.heldout):
+    ``val_decoding``, ``val_samples`` and, sampled, ``val_pass_at_k_before``/``after``."""
+    last = after or before
+    if last is None:
+        return {}
+    decoding, k = _decoded(last)
+    out: dict[str, Any] = {"val_decoding": decoding, "val_samples": k}
+    if decoding == "sampled" and "val_pass_at_k" in last:
+        out["val_pass_at_k_before"] = before.get("val_pass_at_k") if before else None
+        out["val_pass_at_k_after"] = after.get("val_pass_at_k") if after else None
+    return out
 
 
 def _val_set_size(record: dict[str, Any]) -> int | None:
@@ -164,6 +187,8 @@ def bar_postfix(record: dict[str, Any], history: Sequence[dict[str, Any]]) -> di
     post = {"reward": f"{reward:.3f}" if reward is not None else "-"}
     if record.get("val_reward") is not None:
         post["val"] = f"{record['val_reward']:.3f}"
+        if record.get("val_decoding") == "greedy":
+            post["val"] += " greedy"
     if record.get("no_update"):
         post["update"] = "none"
     for key, short in _FLAGGED:  # shown only when the step had any: a failure or a reward for nothing

@@ -69,6 +69,32 @@ def _val_series(records: Sequence[dict[str, Any]]) -> list[tuple[int | None, lis
     return [(size, xs, ys) for size, (xs, ys) in out.items()]
 
 
+def decoding_title(runs: Sequence[Sequence[dict[str, Any]]]) -> str:
+    """The held-out panel's title, saying how its checks were decoded (agl.trainer.heldout): greedy,
+    or the mean of K samples with pass@K dashed; runs decoded in several ways say so, records older
+    than ``val_decoding`` say nothing."""
+    kinds = {(r["val_decoding"], r.get("val_samples", 1)) for rs in runs for r in rs if r.get("val_decoding")}
+    if not kinds:
+        return "held-out reward"
+    if len(kinds) > 1:
+        return "held-out reward (decoded in several ways: see val_decoding)"
+    decoding, k = kinds.pop()
+    if decoding == "greedy":
+        return "held-out reward (greedy)"
+    return f"held-out reward (mean of {k} sampled; dashed: pass@{k})"
+
+
+def _draw_pass_at_k(ax: Any, records: Sequence[dict[str, Any]], color: Any) -> int:
+    """A sampled run's ``val_pass_at_k``, dashed in its held-out colour; how many lines drawn."""
+    pts = [
+        (float(r["step"]), float(r["val_pass_at_k"])) for r in records if r.get("val_pass_at_k") is not None
+    ]
+    if not pts:
+        return 0
+    ax.plot([x for x, _ in pts], [y for _, y in pts], linestyle="--", marker=".", color=color)
+    return 1
+
+
 def adapter_keys(records: Sequence[dict[str, Any]]) -> list[str]:
     """The adapters with a per-adapter train reward (``train_reward/<adapter>``), in first-seen order."""
     seen: dict[str, None] = {}
@@ -171,6 +197,7 @@ def reward_figure(
                 named = f"{label or 'held-out'}, n={size if size is not None else '?'}"
             color = axes[1].plot(xs, ys, marker=marker, color=color, label=named)[0].get_color()
             drawn += 1
+        drawn += _draw_pass_at_k(axes[1], records, color)
     for (name, value), style in zip((baselines or {}).items(), itertools.cycle(("--", ":", "-."))):
         axes[1].axhline(float(value), linestyle=style, color="grey", label=f"{name} ({float(value):.3f})")
         axes[1].set_xlim(left=-0.5)
@@ -187,7 +214,9 @@ def reward_figure(
         if apo
         else (f"train reward (moving mean of {smooth})" if smooth > 1 else "train reward")
     )
-    axes[1].set_title("validation reward (best in beam; dots: candidates)" if apo else "held-out reward")
+    axes[1].set_title(
+        "validation reward (best in beam; dots: candidates)" if apo else decoding_title([r for _, r in runs])
+    )
     for ax in axes:
         ax.set_xlabel("APO round" if apo else "training step")
         if apo:

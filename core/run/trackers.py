@@ -5,6 +5,10 @@ the held-out checks (``val_reward``) and the per-agent and per-adapter series
 (``train_reward/<adapter>``, named as the dashboard names them) included — goes to every tracker
 named, at the record's ``step``; so do the run's resolved configuration (when the run starts), the
 reward-curve plot (when it ends) and the held-out reward before and after (the run's summary).
+How the held-out checks were decoded (``LoopConfig.val_samples``, :mod:`agl.trainer.heldout`) is in
+the configuration (``loop.val_samples``), in each check's metrics (``val_samples``, and
+``val_pass_at_k`` when sampled), in W&B's summary (``val_decoding``), as TensorBoard text and as an
+MLflow tag (``val_decoding``: ``greedy`` or ``sampled, K per task``).
 
 ==============  =========================  =========================================================
 name            extra                      where it writes
@@ -150,6 +154,13 @@ def numeric_metrics(record: Mapping[str, Any], prefix: str = "") -> dict[str, fl
     return out
 
 
+def held_out_note(summary: Mapping[str, Any]) -> str:
+    """``greedy`` or ``sampled, K per task``: a run summary's held-out decoding, for a tracker's tag."""
+    if summary.get("val_decoding") == "sampled":
+        return f"sampled, {summary.get('val_samples', 1)} per task"
+    return str(summary.get("val_decoding"))
+
+
 def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """A nested configuration as ``section.key`` -> a scalar (what MLflow's params and W&B's config show)."""
     out: dict[str, Any] = {}
@@ -263,6 +274,8 @@ class TensorBoard(Tracker):
         self.writer.flush()
 
     def finish(self, summary: Mapping[str, Any]) -> None:
+        if summary.get("val_decoding"):  # how the held-out figures were decoded (agl.trainer.heldout)
+            self.writer.add_text("val_decoding", held_out_note(summary))
         self.writer.close()
 
 
@@ -380,6 +393,8 @@ class Mlflow(Tracker):
         self.client.log_artifact(self.run_id, str(path))
 
     def finish(self, summary: Mapping[str, Any]) -> None:
+        if summary.get("val_decoding"):  # how the held-out figures were decoded (agl.trainer.heldout)
+            self.client.set_tag(self.run_id, "val_decoding", held_out_note(summary))
         self.client.set_terminated(self.run_id)
 
 

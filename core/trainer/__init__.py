@@ -13,7 +13,8 @@ Its modules, all of them:
   are the two schedules it runs;
 - :mod:`~agl.trainer.pipeline`, :mod:`~agl.trainer.sampling`, :mod:`~agl.trainer.branching`,
   :mod:`~agl.trainer.order`: groups of rollouts in flight, dynamic sampling, K continuations at an
-  agent's call, the task order;
+  agent's call, the task order; :mod:`~agl.trainer.heldout`: how held-out checks decode (greedy, or K
+  samples with pass@K) and what their record says;
 - :mod:`~agl.trainer.state` (``trainer_state.json``, where a run resumes from),
   :mod:`~agl.trainer.distributed` (the Trainer on several processes);
 - :mod:`~agl.trainer.checks`, :mod:`~agl.trainer.notes`, :mod:`~agl.trainer.report`: a step's checks,

@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 from agl.run.metrics import mean
+from agl.trainer.heldout import enqueue_held_out
 from agl.trainer.order import TaskOrder
 from agl.trainer.pipeline import (
     PIPELINE_KEY,
@@ -97,7 +98,7 @@ class AsyncSchedule:
             self.pipe.fill(self.budget_at(step), step, self.draw)
         else:  # nothing trains any more: groups still running would only slow the held-out check
             self.pipe.cancel_outstanding()
-        val_ids = s.enqueue(val_tasks, version, step, 1)
+        val_ids = enqueue_held_out(s, val_tasks, version, step, self.cfg.val_samples)
         record: dict[str, Any] = {"step": step, "resources_version": version, "max_staleness": self.k}
         ids: list[str] = []
         transitions: dict[str, list[Transition]] = {}

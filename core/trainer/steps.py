@@ -28,6 +28,7 @@ from agl.algorithms.lightning_rl import prior_from_history
 from agl.gateway.seeds import rollout_place, rollout_seed
 from agl.run.metrics import engine_share, mean, rollouts_postfix
 from agl.run.record import CHECKPOINT_FILE
+from agl.trainer.heldout import held_out_record
 from agl.trainer.order import TaskOrder
 from agl.trainer.pipeline import cancel_rollouts
 from agl.trainer.state import read_state, write_state
@@ -130,17 +131,28 @@ class Steps:
 
     # ------------------------------------------------------------------------ rollouts
     def enqueue(
-        self, tasks: Sequence[Task], version: int, step: int, repeat: int, group_suffix: str = ""
+        self,
+        tasks: Sequence[Task],
+        version: int,
+        step: int,
+        repeat: int,
+        group_suffix: str = "",
+        extra: dict[str, Any] | None = None,
     ) -> list[str]:
         """``repeat`` rollouts of each task pinned to ``version``, one group per task; returns their ids.
-        A task drawn again in a later sampling round of the same step is a group of its own."""
+        A task drawn again in a later sampling round of the same step is a group of its own. ``extra``
+        goes into every rollout's metadata (a greedy held-out check's temperature, agl.trainer.heldout)."""
         rollouts = [
             NewRollout.from_task(
                 task,
                 group_id=f"{task.id}-s{step}{group_suffix}",
                 resources_version=version,
                 config=self.t.rollout_config,
-                metadata={"step": step, **self.seeded(step, i, member, group_suffix, task.mode)},
+                metadata={
+                    "step": step,
+                    **self.seeded(step, i, member, group_suffix, task.mode),
+                    **(extra or {}),
+                },
             )
             for i, task in enumerate(tasks)
             for member in range(repeat)
@@ -309,9 +321,9 @@ class Steps:
 
     def val_record(self, val_ids: Sequence[str], rewards: Mapping[str, float], tasks: int) -> dict[str, Any]:
         """The held-out part of a step's record: ``val_reward`` (the mean over the held-out rollouts
-        that finished with a reward), ``val_rollouts`` and ``val_tasks``."""
-        vr = [rewards[r] for r in val_ids if r in rewards]
-        return {"val_reward": mean(vr), "val_rollouts": len(vr), "val_tasks": tasks}
+        that finished with a reward), ``val_rollouts``, ``val_tasks`` and how they were decoded
+        (:func:`agl.trainer.heldout.held_out_record`)."""
+        return held_out_record(val_ids, rewards, tasks, self.loop.val_samples)
 
     def train_record(
         self,

@@ -17,6 +17,7 @@ from typing import Any
 
 from agl.run.served import prove_calls
 from agl.trainer.branching import Branching
+from agl.trainer.heldout import enqueue_held_out
 from agl.trainer.order import TaskOrder
 from agl.trainer.sampling import resample
 from agl.trainer.steps import Steps
@@ -66,7 +67,7 @@ class SyncSchedule:
         version = s.publish()
         sync_s = s.push(version)
         ids = s.enqueue(batch, version, step, s.group_size)
-        val_ids = s.enqueue(val_tasks, version, step, 1)
+        val_ids = enqueue_held_out(s, val_tasks, version, step, self.cfg.val_samples)
         t0 = time.perf_counter()
         with s.adapting(step):
             transitions, rewards, finished = s.collect(ids + val_ids, bar, f"step {step}")

@@ -282,7 +282,7 @@ class Trainer:
             self.env.close()
         self.rewarding.close()
         summary = self.metrics.summary(self.loop.steps)
-        self.metrics.close({k: summary[k] for k in ("val_reward_before", "val_reward_after")})
+        self.metrics.close({k: v for k, v in summary.items() if k.startswith("val_")})
 
     def sync_weights(self, version: int) -> float:
         """Push the policy's weights to the inference engine as ``version``; returns seconds taken."""

@@ -56,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--group-size", type=int, default=4)
     t.add_argument("--val-tasks", type=int, default=24, help="held-out tasks evaluated (0: none)")
-    add_config_options(t, LoopConfig, ["val_every"], val_every={"default": 8})
+    add_config_options(t, LoopConfig, ["val_every", "val_samples"], val_every={"default": 8})
     add_schedule_options(t)
     add_config_options(
         t,

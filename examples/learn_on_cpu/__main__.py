@@ -108,8 +108,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = _fresh_run_dir(args)
     out = _train_one(args, args.seed, run_dir)
     print(
-        f"held-out reward {out['val_reward_before']:.3f} -> {out['val_reward_after']:.3f} "
-        f"in {out['steps']} steps, {out['wall_s'] / 60:.1f} min; curve: {run_dir / 'reward_curve.png'}"
+        f"held-out reward ({out.get('val_decoding')}) {out['val_reward_before']:.3f} -> "
+        f"{out['val_reward_after']:.3f} in {out['steps']} steps, {out['wall_s'] / 60:.1f} min; curve: {run_dir / 'reward_curve.png'}"
     )
     return 0
 
@@ -250,7 +250,7 @@ def _train_flags(sp: argparse.ArgumentParser, name: str) -> None:
     add_config_arguments(
         sp,
         LoopConfig,
-        only=["val_every", "max_staleness"],
+        only=["val_every", "val_samples", "max_staleness"],
         overrides={
             "val_every": {"default": 2, "help": "measure held-out reward every N steps (default: 2)"},
             "max_staleness": {"metavar": "K"},

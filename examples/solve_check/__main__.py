@@ -254,7 +254,7 @@ def _train_flags(sp: argparse.ArgumentParser) -> None:
     add_config_arguments(
         sp,
         LoopConfig,
-        only=["steps", "tasks_per_step", "val_every"],
+        only=["steps", "tasks_per_step", "val_every", "val_samples"],
         overrides={
             "steps": {"default": 8, "help": "LightningRL steps (default: 8)"},
             "tasks_per_step": {"default": 4, "help": "tasks per step (default: 4)"},

@@ -27,6 +27,7 @@ import contextvars
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,8 @@ class _Entry:
     agent: str | None  # SDK span id of the nearest agent span (itself for an agent span)
     trace_id: str
     tokens: tuple[object, contextvars.Token[str | None]] | None = None
+    start_ns: int = 0  # when the SDK span started (a tripped turn's discard window begins here)
+    windows: list[int] = field(default_factory=list)  # an agent's discard windows (agl.discarded.windows)
 
 
 @dataclass
@@ -86,6 +89,26 @@ def _usage(attrs: dict[str, Any], usage: Mapping[str, Any] | Any | None) -> None
         value = get(key)
         if isinstance(value, int) and not isinstance(value, bool):
             attrs[name] = value
+
+
+def _error_status(error: Mapping[str, Any]) -> Status:
+    """The OTel status of an SDK span error: ERROR with its message (and the error's detail, if any)."""
+    data = error.get("data")
+    detail = data.get("error") if isinstance(data, Mapping) else None
+    message = str(error.get("message") or "error")
+    return Status(StatusCode.ERROR, f"{message}: {detail}" if detail else message)
+
+
+def _input_trip(error: Mapping[str, Any], *, named: bool = False) -> bool:
+    """Whether an SDK span error is an input guardrail's tripwire: on a turn span, any guardrail's
+    trip but an output guardrail's (whose trip is about the output it judged: that call stays a
+    transition, its low reward is about it); with ``named`` (an agent span, where output guardrails'
+    trips land too) only one the SDK names ``input_guardrail`` (the streamed run's)."""
+    data = error.get("data")
+    kind = data.get("type") if isinstance(data, Mapping) else None
+    if not str(error.get("message", "")).startswith("Guardrail tripwire"):
+        return False
+    return kind == "input_guardrail" if named else kind != "output_guardrail"
 
 
 def _handoff_tool_name(agent_name: str) -> str:
@@ -237,7 +260,7 @@ class AglTracingProcessor(TracingProcessor):
             ctx = trace.set_span_in_context(otel_span, parent_ctx)
             if kind == "agent":  # the agent's model calls carry its name: the gateway serves its adapter
                 ctx = agent_context(ctx, data.name)
-        entry = _Entry(otel=otel_span, ctx=ctx, agent=agent, trace_id=span.trace_id)
+        entry = _Entry(otel=otel_span, ctx=ctx, agent=agent, trace_id=span.trace_id, start_ns=time.time_ns())
         if kind in _ATTACHING:
             entry.tokens = (otel_context.attach(ctx), _ATTACHED.set(span.span_id))
         with self._lock:
@@ -266,6 +289,8 @@ class AglTracingProcessor(TracingProcessor):
                     self._pending_calls.pop(span.span_id, None)
             if entry.otel is not None:
                 self._finish(entry, span, kind, data)
+            elif span.error:
+                self._lift_error(entry, span)
         finally:
             self._detach(entry, span.span_id)
 
@@ -308,14 +333,42 @@ class AglTracingProcessor(TracingProcessor):
                 attrs[semconv.GEN_AI_INPUT_MESSAGES] = safe_json(data.input)
         if attrs:
             otel.set_attributes(attrs)
-        error = span.error
-        if error:
-            detail = (
-                (error.get("data") or {}).get("error") if isinstance(error.get("data"), Mapping) else None
-            )
-            message = str(error.get("message") or "error")
-            otel.set_status(Status(StatusCode.ERROR, f"{message}: {detail}" if detail else message))
+        if span.error:
+            otel.set_status(_error_status(span.error))
+            if kind == "agent" and _input_trip(
+                span.error, named=True
+            ):  # streamed: the SDK marks the agent itself
+                self._discard(entry, entry.start_ns)
         otel.end()
+
+    def _lift_error(self, entry: _Entry, span: SdkSpan[Any]) -> None:
+        """An error the SDK set on a span agl does not map (its turn span: where an input guardrail's trip
+        lands) marks the nearest mapped ancestor, the agent, as the SDK marks it for an output guardrail's
+        trip, so a trip reads the same either way; an input guardrail's trip also discards the turn's
+        calls (their reply never reached the app)."""
+        assert span.error is not None
+        target = trace.get_current_span(entry.ctx)
+        if target.is_recording():
+            target.set_status(_error_status(span.error))
+        if span.span_data.type == "turn" and _input_trip(span.error):
+            with self._lock:
+                agent = self._spans.get(entry.agent) if entry.agent else None
+            if agent is not None:
+                self._discard(agent, entry.start_ns)
+
+    @staticmethod
+    def _discard(agent: _Entry, start_ns: int) -> None:
+        """The agent's calls started from ``start_ns`` until now were thrown away by the SDK: add the
+        window to the agent span's ``agl.discarded.windows`` (the adapter leaves them out)."""
+        if agent.otel is None:
+            return
+        agent.windows += [start_ns, time.time_ns()]
+        agent.otel.set_attributes(
+            {
+                semconv.AGL_DISCARDED_WINDOWS: list(agent.windows),
+                semconv.AGL_DISCARDED_REASON: semconv.DISCARDED_INPUT_GUARDRAIL,
+            }
+        )
 
     def _match_call(self, agent: str | None, name: str, arguments: str | None) -> str | None:
         if agent is None:

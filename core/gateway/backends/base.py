@@ -57,6 +57,8 @@ class GenerationRequest:
     #: rollout's seed, agl.gateway.seeds); None when the call has no seed; and the call's index in its
     #: rollout attempt (0-based, in the order the attempt made its calls)
     seed_source: str | None = None
+    #: "rollout" when the rollout forced ``temperature`` (a greedy held-out rollout, agl.gateway.seeds)
+    temperature_source: str | None = None
     call_index: int | None = None
     rollout: tuple[str, int] | None = None
     #: the calling agent (W3C baggage ``agl.agent``), and the named adapter that serves the call (None:
