@@ -35,7 +35,8 @@ def test_train_flags_and_keys_come_from_the_typed_configs() -> None:
 
     keys = resolved_config(*_parse("train", ["--agent", "m:f"]))
     for cls in (LoopConfig, LightningRL, Serving):
-        missing = {f.name for f in config_fields(cls)} - set(keys) - {"script"}
+        # Serving.engine is an EngineSettings, whose fields are keys of their own (checked below)
+        missing = {f.name for f in config_fields(cls)} - set(keys) - {"script", "engine"}
         assert not missing, f"{cls.__name__} fields without a key: {missing}"
     assert {"temperature", "top_p", "max_tokens"} <= set(keys)
     assert {"rollout_timeout_s", "lease_s", "max_attempts", "infra_retries"} <= set(keys)
@@ -43,6 +44,7 @@ def test_train_flags_and_keys_come_from_the_typed_configs() -> None:
     # defaults are the dataclasses' own, under the field's name (an off switch under the setting's)
     assert keys["steps"] == LoopConfig().steps and keys["group_size"] == LightningRL().group_size
     assert keys["lora"] is True and keys["progress"] is True and "no_lora" not in keys
+    assert {"engine_dtype", "prefix_cache_mb", "batched_lora", "deterministic", "threads"} <= set(keys)
 
 
 def test_a_flag_overrides_the_file_and_yaml_and_toml_read_the_same(tmp_path: Path) -> None:

@@ -116,7 +116,7 @@ def test_k_samples_give_mean_and_pass_at_k(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     engine = Engine()
     trainer = one_task_trainer(
-        tmp_path, script=engine, val_samples=3, sampling={"temperature": 0.7}, report_to="mlflow"
+        tmp_path, script=engine, val_samples=3, config=agl.RunConfig(temperature=0.7), report_to="mlflow"
     )
     summary = trainer.fit(hot_app, TRAIN, VAL)
     held = [t for q, t in engine.seen if q in {v["q"] for v in VAL}]

@@ -312,12 +312,15 @@ def one_task_trainer(
     run: str = "run",
     script: Any = None,
     tokenizer: Any = None,
+    config: RunConfig | None = None,
+    report_to: Any = None,
     **loop: Any,
 ) -> Trainer:
     """A Trainer on a fresh tiny model and the scripted engine: one training task a step, one step,
     held-out checks at step 0 and the end only, the writer trained (``loop``: LoopConfig fields that
-    change any of it)."""
+    change any of it; ``config``: the run's sampling; ``report_to``: trackers)."""
     serving = Serving(
+        report_to=report_to,
         backend="scripted",
         script=script if script is not None else Script(),
         store="memory://",
@@ -331,6 +334,7 @@ def one_task_trainer(
         model=tiny_model(),
         serving=serving,
         loop=LoopConfig(**{"tasks_per_step": 1, "steps": 1, "val_every": 0, **loop}),
+        config=config,
         agents=["writer"],
     )
 

@@ -182,11 +182,17 @@ class Steps:
         kind = self.t.adapter.failure_kind(self.store, rollout)
         if kind != "task":
             self._count(f"errored_rollouts/{kind}")
-        if kind == "infra" or (kind == "no_reward" and self.t.adapter.missing_reward is None):
+        if kind == "infra" or (kind == "no_reward" and not self._scored_without_reward()):
             return [], None  # no verdict: out of the rewards, the groups and the update
         reward = self.reward(rollout, ts)
         self._flag_for_nothing(rollout, kind, ts, reward)
         return ts, reward
+
+    def _scored_without_reward(self) -> bool:
+        """Whether a rollout that reported no reward still gets a verdict: the user set the adapter's
+        ``missing_reward`` explicitly, or a judge scores the run's rollouts (``reward="judge"`` or a mix
+        with a judge weight above 0), whose score is that rollout's reward."""
+        return self.t.adapter.missing_reward is not None or self.t.rewarding.weights.get("judge", 0.0) > 0
 
     def _count(self, key: str) -> None:
         self.failures[key] = self.failures.get(key, 0) + 1

@@ -193,6 +193,9 @@ def test_the_gate_rolls_back_to_the_last_checkpoint_when_its_monitor_fires(tmp_p
             progress=False,
         ),
         loop=LoopConfig(tasks_per_step=2, steps=3, val_every=0, val_before=False, checkpoint_every=1),
+        # the agent reports no reward: scored 0.0 only because the test says so (unset, such rollouts
+        # are no verdict and left out of their groups)
+        adapter=agl.Adapter(missing_reward=0.0),
     )
     trainer.fit(no_reward_agent, [{"q": f"What is {i} * 6?"} for i in range(6)])
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
