@@ -267,6 +267,11 @@ def render_chat(
 
 
 def _parse_call(obj: Any) -> tuple[str, str] | None:
+    """``(name, arguments JSON)`` of one call object, or None when it is not a call. The arguments of a
+    call are a JSON object (OpenAI's and Anthropic's wire formats both say so): a number, list or string
+    that decodes to one of those is no call (``{"name": "add", "arguments": 2`` is text the model was
+    still writing, not a call with arguments 2); ``null`` is no arguments; a string that is not JSON is
+    kept as the model wrote it, so the agent sees, and AIR penalises, arguments that do not parse."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -275,6 +280,10 @@ def _parse_call(obj: Any) -> tuple[str, str] | None:
             args = json.loads(args)
         except ValueError:
             return obj["name"], args
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return None
     return obj["name"], json.dumps(args, ensure_ascii=False)
 
 

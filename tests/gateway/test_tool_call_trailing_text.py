@@ -59,6 +59,19 @@ def _span_repairs(store: Any, rollout: tuple[str, int]) -> list[Any]:
     return [s.attributes.get(sc.AGL_LLM_TOOL_CALL_REPAIRS) for s in server_spans(store, rollout[0])]
 
 
+def test_a_call_whose_arguments_are_not_an_object_is_no_call() -> None:
+    """Seen from vLLM's SmolLM2 on a forced call: ``{"name": "add", "arguments": 2`` then more text. The
+    arguments of a call are a JSON object, so such a block stays content; null is no arguments."""
+    for text in (
+        '<tool_call>{"name": "add", "arguments": 2}, 3)',
+        '<tool_call>{"name": "add", "arguments": [2, 3]}',
+    ):
+        parsed = parse_reply(text, allowed={"add"})
+        assert parsed.tool_calls == [] and parsed.content == text
+    (call,) = parse_reply('<tool_call>{"name": "add", "arguments": null}</tool_call>').tool_calls
+    assert (call.name, call.arguments) == ("add", "{}")
+
+
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("streamed", [False, True])
 def test_chat_completions(store: Any, rollout: tuple[str, int], form: str, streamed: bool) -> None:

@@ -20,7 +20,7 @@ from gw_helpers import ADD_TOOL, server_spans, start_rollout
 from vllm_real import SERVER_ARGS, hf_logprobs, make_adapter, max_diff, model_dir, vllm_config
 
 from agl import semconv as sc
-from agl.chat.format import TOOL_CALL_OPEN
+from agl.chat.format import TOOL_CALL_OPEN, parse_reply
 from agl.chat.tokenizer import load_default_tokenizer
 from agl.gateway.backends.vllm import VLLMBackend
 from agl.gateway.testing import serve_gateway
@@ -201,11 +201,14 @@ def test_a_forced_tool_call_is_rendered_and_parsed_as_on_the_embedded_engine(
     assert prompt == TOK.encode(TOK.render(chat, [ADD_TOOL])) + TOK.encode(opening)
     calls = reply.choices[0].message.tool_calls or []
     text = opening + TOK.decode([t for t in response if t != TOK.eos_token_id])
-    if "</tool_call>" in text and calls:  # the model closed a JSON call: parsed exactly as agl parses it
+    parsed = parse_reply(text, allowed={"add"})  # what agl's parser makes of the same text
+    assert [c.function.name for c in calls] == [c.name for c in parsed.tool_calls]
+    if calls:  # the model wrote a whole JSON call (closed, or followed by more text): parsed as agl parses it
         assert calls[0].function.name == "add" and isinstance(json.loads(calls[0].function.arguments), dict)
+        assert json.loads(calls[0].function.arguments) == json.loads(parsed.tool_calls[0].arguments)
         assert reply.choices[0].finish_reason == "tool_calls"
     else:  # it did not: the text stays content, never a made-up call
-        assert not calls and reply.choices[0].message.content == text
+        assert reply.choices[0].message.content == text
 
 
 def test_lora_pushes_serve_the_pushed_weights_and_unload_old_adapters(
