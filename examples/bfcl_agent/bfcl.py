@@ -45,6 +45,7 @@ EXTRA_PACKAGES = (
     "boto3==1.44.8",
     "botocore==1.44.8",
     "s3transfer==0.19.3",
+    "jmespath==1.1.0",  # botocore imports it; without it `import accelerate` fails (it probes boto3)
     "qwen-agent==0.0.34",
     "soundfile==0.14.0",
     "dashscope==2.0.2",
