@@ -222,3 +222,55 @@ def train_settings(
         **serving_kw,
     }
     return loop, config_from_args(Serving, args, **values), rest
+
+
+def lightning_rl(args: argparse.Namespace, **more: Any) -> Any:
+    """The LightningRL of ``train``'s update flags (``more``: an example's own, e.g. ``running_window``)."""
+    from agl import LightningRL
+
+    return LightningRL(
+        credit=args.credit,
+        advantage_level=args.advantage_level,
+        group_size=args.group_size,
+        learning_rate=args.learning_rate,
+        lora_r=args.lora_r,
+        lora_alpha=2 * args.lora_r,
+        kl_coef=args.kl_coef,
+        gradient_checkpointing=checkpointing_arg(args),
+        micro_batch_tokens=args.micro_batch_tokens,
+        mask_truncated=args.mask_truncated,
+        **more,
+    )
+
+
+def fit(
+    args: argparse.Namespace,
+    keywords: dict[str, Any],
+    *,
+    algorithm: Any,
+    agents: Any,
+    rollout: Any,
+    train_tasks: list[dict[str, Any]],
+    val_tasks: list[dict[str, Any]] | None,
+    **serving: Any,
+) -> Any:
+    """``train``: the Trainer from the flags (:func:`train_settings`), fitted; held-out tasks decoded
+    greedily (before/after figures then compare policies, not luck); prints the run's summary line."""
+    import json
+
+    from agl import Trainer
+
+    loop, serving_config, rest = train_settings(args, keywords, **serving)
+    trainer = Trainer(
+        algorithm,
+        serving=serving_config,
+        loop=loop,
+        agents=agents,
+        config=RunConfig(max_tokens=args.max_tokens, temperature=args.temperature),
+        **rest,
+    )
+    val = [{**t, "temperature": 0.0} for t in val_tasks] if val_tasks else None
+    summary = trainer.fit(rollout, train_tasks, val)
+    keys = ("run_dir", "steps", "val_reward_before", "val_reward_after")
+    print(json.dumps({k: summary.get(k) for k in keys}, indent=2))
+    return summary

@@ -11,7 +11,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from examples._cli import checkpointing_arg, example_parser, oracle_backend, train_settings
+from examples._cli import (
+    example_parser,
+    fit,
+    lightning_rl,
+    oracle_backend,
+)
 
 __all__ = ["dev", "evaluate", "main", "parser", "train"]
 
@@ -181,38 +186,21 @@ def dev(
 
 
 def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, **trainer_kw: Any) -> Any:
-    from agl import LightningRL, RunConfig, Trainer
     from examples.bfcl_agent import data
     from examples.bfcl_agent.agent import AGENT, make_rollout
 
-    algorithm = LightningRL(
-        credit=args.credit,
-        advantage_level=args.advantage_level,
-        group_size=args.group_size,
-        learning_rate=args.learning_rate,
-        lora_r=args.lora_r,
-        lora_alpha=2 * args.lora_r,
-        kl_coef=args.kl_coef,
-        gradient_checkpointing=checkpointing_arg(args),
-        micro_batch_tokens=args.micro_batch_tokens,
-        mask_truncated=args.mask_truncated,
-    )
-    loop, serving, rest = train_settings(args, trainer_kw, model=model, tokenizer=tokenizer)
-    trainer = Trainer(
-        algorithm,
-        serving=serving,
-        loop=loop,
+    val = data.load_tasks("test", limit=args.val_tasks) if args.val_tasks else None
+    return fit(
+        args,
+        trainer_kw,
+        algorithm=lightning_rl(args),
         agents=[AGENT],
-        config=RunConfig(max_tokens=args.max_tokens, temperature=args.temperature),
-        **rest,
+        rollout=make_rollout(),
+        train_tasks=data.load_tasks("train"),
+        val_tasks=val,
+        model=model,
+        tokenizer=tokenizer,
     )
-    val = None
-    if args.val_tasks:
-        val = [{**t, "temperature": 0.0} for t in data.load_tasks("test", limit=args.val_tasks)]
-    summary = trainer.fit(make_rollout(), data.load_tasks("train"), val)
-    keys = ("run_dir", "steps", "val_reward_before", "val_reward_after")
-    print(json.dumps({k: summary.get(k) for k in keys}, indent=2))
-    return summary
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from examples._cli import (
-    checkpointing_arg,
     example_parser,
+    fit,
+    lightning_rl,
     oracle_backend,
-    train_settings,
 )
 
 __all__ = ["dev", "main", "parser", "train"]
@@ -112,11 +112,6 @@ def apo(args: argparse.Namespace, **serving_kw: Any) -> Any:
     return summary
 
 
-def _val_tasks(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Held-out tasks are decoded greedily, so before/after figures compare policies, not luck."""
-    return [{**t, "temperature": 0.0} for t in tasks]
-
-
 def dev(
     args: argparse.Namespace,
     *,
@@ -162,39 +157,21 @@ def dev(
 
 
 def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, **trainer_kw: Any) -> Any:
-    from agl import LightningRL, RunConfig, Trainer
     from examples.calc_agent import data
     from examples.calc_agent.agent import AGENT, make_rollout
 
-    algorithm = LightningRL(
-        credit=args.credit,
-        advantage_level=args.advantage_level,
-        group_size=args.group_size,
-        learning_rate=args.learning_rate,
-        lora_r=args.lora_r,
-        lora_alpha=2 * args.lora_r,
-        kl_coef=args.kl_coef,
-        gradient_checkpointing=checkpointing_arg(args),
-        micro_batch_tokens=args.micro_batch_tokens,
-        mask_truncated=args.mask_truncated,
-    )
-    loop, serving, rest = train_settings(args, trainer_kw, model=model, tokenizer=tokenizer)
-    trainer = Trainer(
-        algorithm,
-        serving=serving,
-        loop=loop,
+    val = data.load_tasks("test", limit=args.val_tasks) if args.val_tasks else None
+    return fit(
+        args,
+        trainer_kw,
+        algorithm=lightning_rl(args),
         agents=[AGENT],
-        config=RunConfig(max_tokens=args.max_tokens, temperature=args.temperature),
-        **rest,
+        rollout=make_rollout(),
+        train_tasks=data.load_tasks("train"),
+        val_tasks=val,
+        model=model,
+        tokenizer=tokenizer,
     )
-    val = _val_tasks(data.load_tasks("test", limit=args.val_tasks)) if args.val_tasks else None
-    summary = trainer.fit(make_rollout(), data.load_tasks("train"), val)
-    print(
-        json.dumps(
-            {k: summary[k] for k in ("run_dir", "steps", "val_reward_before", "val_reward_after")}, indent=2
-        )
-    )
-    return summary
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,7 +14,11 @@ from typing import Any
 from agl.cli.config_args import add_engine_arguments
 from agl.config import LoopConfig, RunConfig
 from agl.run.settings import Serving
-from examples._cli import add_config_options, add_schedule_options, train_settings
+from examples._cli import (
+    add_config_options,
+    add_schedule_options,
+    fit,
+)
 
 __all__ = ["dev", "main", "parser", "train"]
 
@@ -109,11 +113,6 @@ def researcher(args: argparse.Namespace) -> Iterator[dict[str, str] | None]:
         yield None
 
 
-def _val_tasks(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Held-out tasks are decoded greedily, so before/after figures compare policies, not luck."""
-    return [{**t, "temperature": 0.0} for t in tasks]
-
-
 def dev(
     args: argparse.Namespace,
     *,
@@ -159,7 +158,7 @@ def dev(
 
 
 def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, **trainer_kw: Any) -> Any:
-    from agl import LightningRL, RunConfig, Trainer
+    from agl import LightningRL
     from examples.crew_agent import data
     from examples.crew_agent.agent import TRAINED_AGENTS, make_rollout
 
@@ -169,24 +168,19 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         lora_r=args.lora_r,
         lora_alpha=2 * args.lora_r,
     )
-    loop, serving, rest = train_settings(args, trainer_kw, model=model, tokenizer=tokenizer)
-    trainer = Trainer(
-        algorithm,
-        serving=serving,
-        loop=loop,
-        agents=TRAINED_AGENTS,
-        config=RunConfig(max_tokens=args.max_tokens, temperature=args.temperature),
-        **rest,
-    )
-    val = _val_tasks(data.load_tasks("test", limit=args.val_tasks)) if args.val_tasks else None
+    val = data.load_tasks("test", limit=args.val_tasks) if args.val_tasks else None
     with researcher(args) as fixed:
-        summary = trainer.fit(make_rollout(fixed), data.load_tasks("train"), val)
-    print(
-        json.dumps(
-            {k: summary[k] for k in ("run_dir", "steps", "val_reward_before", "val_reward_after")}, indent=2
+        return fit(
+            args,
+            trainer_kw,
+            algorithm=algorithm,
+            agents=TRAINED_AGENTS,
+            rollout=make_rollout(fixed),
+            train_tasks=data.load_tasks("train"),
+            val_tasks=val,
+            model=model,
+            tokenizer=tokenizer,
         )
-    )
-    return summary
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,7 +4,6 @@ build the corpus and its embedding cache. See README.md for what each prints and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -17,8 +16,8 @@ from examples._cli import (
     add_schedule_options,
     add_update_options,
     checkpointing_arg,
+    fit,
     oracle_backend,
-    train_settings,
 )
 
 __all__ = ["dev", "main", "parser", "train"]
@@ -109,11 +108,6 @@ def _scale(args: argparse.Namespace) -> int:
     return args.scale if args.scale is not None else data.DEFAULT_SCALE
 
 
-def _val_tasks(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Held-out tasks are decoded greedily, so before/after figures compare policies, not luck."""
-    return [{**t, "temperature": 0.0} for t in tasks]
-
-
 def _prepare_index(args: argparse.Namespace) -> None:
     """Embed the corpus before any rollout starts (once; later runs read the cache)."""
     from examples.rag_agent.agent import get_index
@@ -178,7 +172,7 @@ def _judge_kw(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, **trainer_kw: Any) -> Any:
-    from agl import LightningRL, RunConfig, Trainer
+    from agl import LightningRL
     from examples.rag_agent import data
     from examples.rag_agent.agent import TRAINED_AGENTS, make_rollout
 
@@ -192,27 +186,20 @@ def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None,
         micro_batch_tokens=args.micro_batch_tokens,
         mask_truncated=args.mask_truncated,
     )
-    loop, serving, rest = train_settings(
-        args, {**_judge_kw(args), **trainer_kw}, model=model, tokenizer=tokenizer
-    )
-    trainer = Trainer(
-        algorithm,
-        serving=serving,
-        loop=loop,
-        agents=TRAINED_AGENTS,
-        config=RunConfig(max_tokens=args.max_tokens, temperature=args.temperature),
-        **rest,
-    )
     scale = _scale(args)
     _prepare_index(args)
-    val = _val_tasks(data.load_tasks("test", scale=scale, limit=args.val_tasks)) if args.val_tasks else None
-    summary = trainer.fit(make_rollout(args.data_dir), data.load_tasks("train", scale=scale), val)
-    print(
-        json.dumps(
-            {k: summary[k] for k in ("run_dir", "steps", "val_reward_before", "val_reward_after")}, indent=2
-        )
+    val = data.load_tasks("test", scale=scale, limit=args.val_tasks) if args.val_tasks else None
+    return fit(
+        args,
+        {**_judge_kw(args), **trainer_kw},
+        algorithm=algorithm,
+        agents=TRAINED_AGENTS,
+        rollout=make_rollout(args.data_dir),
+        train_tasks=data.load_tasks("train", scale=scale),
+        val_tasks=val,
+        model=model,
+        tokenizer=tokenizer,
     )
-    return summary
 
 
 def main(argv: Sequence[str] | None = None) -> int:

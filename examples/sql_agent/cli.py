@@ -4,7 +4,6 @@ build the databases. See README.md for what each prints and the figures measured
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -13,10 +12,10 @@ from agl.algorithms.lightning_rl import LightningRL
 from agl.config import LoopConfig
 from examples._cli import (
     add_config_options,
-    checkpointing_arg,
     example_parser,
+    fit,
+    lightning_rl,
     oracle_backend,
-    train_settings,
 )
 
 __all__ = ["dev", "main", "parser", "train"]
@@ -64,11 +63,6 @@ def parser() -> argparse.ArgumentParser:
         },
     )
     return p
-
-
-def _val_tasks(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Held-out tasks are decoded greedily, so before/after figures compare policies, not luck."""
-    return [{**t, "temperature": 0.0} for t in tasks]
 
 
 def dev(
@@ -119,40 +113,21 @@ def dev(
 
 
 def train(args: argparse.Namespace, *, model: Any = None, tokenizer: Any = None, **trainer_kw: Any) -> Any:
-    from agl import RunConfig, Trainer
     from examples.sql_agent import data
     from examples.sql_agent.agent import TRAINED_AGENTS, make_rollout
 
-    algorithm = LightningRL(
-        credit=args.credit,
-        advantage_level=args.advantage_level,
-        group_size=args.group_size,
-        learning_rate=args.learning_rate,
-        lora_r=args.lora_r,
-        lora_alpha=2 * args.lora_r,
-        kl_coef=args.kl_coef,
-        gradient_checkpointing=checkpointing_arg(args),
-        micro_batch_tokens=args.micro_batch_tokens,
-        mask_truncated=args.mask_truncated,
-        running_window=args.running_window,
-    )
-    loop, serving, rest = train_settings(args, trainer_kw, model=model, tokenizer=tokenizer)
-    trainer = Trainer(
-        algorithm,
-        serving=serving,
-        loop=loop,
+    val = data.load_tasks("test", args.data_dir, limit=args.val_tasks) if args.val_tasks else None
+    return fit(
+        args,
+        trainer_kw,
+        algorithm=lightning_rl(args, running_window=args.running_window),
         agents=TRAINED_AGENTS,
-        config=RunConfig(max_tokens=args.max_tokens, temperature=args.temperature),
-        **rest,
+        rollout=make_rollout(args.data_dir),
+        train_tasks=data.load_tasks("train", args.data_dir),
+        val_tasks=val,
+        model=model,
+        tokenizer=tokenizer,
     )
-    val = _val_tasks(data.load_tasks("test", args.data_dir, limit=args.val_tasks)) if args.val_tasks else None
-    summary = trainer.fit(make_rollout(args.data_dir), data.load_tasks("train", args.data_dir), val)
-    print(
-        json.dumps(
-            {k: summary[k] for k in ("run_dir", "steps", "val_reward_before", "val_reward_after")}, indent=2
-        )
-    )
-    return summary
 
 
 def main(argv: Sequence[str] | None = None) -> int:
