@@ -182,3 +182,20 @@ def test_a_nan_reward_is_refused_naming_the_rollout() -> None:
     with pytest.raises(UsageError, match="missing_reward"):
         Adapter(missing_reward=float("inf"))
     assert Adapter().missing_reward is None  # unset by default: a silent zero is never a reward
+
+
+def test_a_resumed_pipeline_counts_a_requeued_member_once(store: MemoryStore) -> None:
+    """The asynchronous schedule's restore (after a trainer kill): a member that failed on the
+    infrastructure and was requeued before the kill gives its place to its replacement, so the group
+    has its group_size members, not one more, and the failed one is never requeued again."""
+    from agl.trainer.pipeline import PIPELINE_KEY, REQUEUED_FROM_KEY, GroupPipeline
+
+    meta = {PIPELINE_KEY: True}
+    a, b = store.enqueue([NewRollout(group_id="g", mode="train", metadata=meta) for _ in range(2)])
+    (again,) = store.enqueue(
+        [NewRollout(group_id="g", mode="train", metadata={**meta, REQUEUED_FROM_KEY: b.id})]
+    )
+    pipe = GroupPipeline(store, lambda r: ([], None), 2, RolloutConfig())
+    assert pipe.restore({"consumed_groups": []}) == 1
+    group = pipe.outstanding["g"]
+    assert group.ids == [a.id, again.id] and group.replaced == [b.id]

@@ -21,6 +21,7 @@ pytest.importorskip("peft")
 pytest.importorskip("openai")
 
 import agl  # noqa: E402
+from agl import semconv as sc  # noqa: E402
 from agl.algorithms.update import PolicyUpdate  # noqa: E402
 from agl.config import LoopConfig, RolloutSettings  # noqa: E402
 from agl.engine import EngineSettings  # noqa: E402
@@ -66,7 +67,9 @@ class FaultSwitch:
         TransformersBackend.generate = self.real  # type: ignore[method-assign]
 
 
-def _fit(tmp_path: Path, name: str, infra_retries: int = 2) -> tuple[Trainer, list[tuple[Any, ...]]]:
+def _fit(
+    tmp_path: Path, name: str, infra_retries: int = 2, **loop: Any
+) -> tuple[Trainer, list[tuple[Any, ...]]]:
     from tests.test_reproducible import TASKS, tiny_model, two_call_agent
 
     trainer = Trainer(
@@ -80,7 +83,7 @@ def _fit(tmp_path: Path, name: str, infra_retries: int = 2) -> tuple[Trainer, li
             tokenizer=load_tokenizer(),
             progress=False,
         ),
-        loop=LoopConfig(tasks_per_step=2, steps=1, val_every=0, val_before=False, seed=5),
+        loop=LoopConfig(tasks_per_step=2, steps=1, val_every=0, val_before=False, seed=5, **loop),
         # every retry is the trainer's requeue at the seed place (a store retry is a new, reseeded attempt)
         rollout=RolloutSettings(max_attempts=1, infra_retries=infra_retries),
     )
@@ -125,3 +128,31 @@ def test_a_spent_retry_budget_leaves_the_rollout_out_and_no_nan(tmp_path: Path) 
     assert rec["requeued_rollouts"] == 4 and rec["errored_rollouts/infra"] == 8  # 4 places, 2 tries each
     assert rec["train_reward"] is None and rec["dropped_groups"] == 0 and rec["effective_group_size"] is None
     assert b.policy.global_step == 0  # no update: nothing a failure produced reached one
+
+
+def test_the_async_schedule_requeues_a_502_in_its_group_and_trains_what_the_faultless_run_trains(
+    tmp_path: Path,
+) -> None:
+    """max_staleness=1: the pipeline's member that got the 502 is classified infra and requeued at its
+    seed place; its replacement takes its place in the group, so the step trains the faultless run's
+    transitions (as a set: the asynchronous schedule takes groups in completion order)."""
+    a, ts_a = _fit(tmp_path, "a", max_staleness=1)
+    with FaultSwitch("Say something", times=1) as switch:
+        b, ts_b = _fit(tmp_path, "b", max_staleness=1)
+    assert switch.fired == 1
+    assert ts_a and sorted(ts_b) == sorted(ts_a)  # token ids, seeds, advantages
+    assert all(t[4] == "task" for t in ts_b)
+    rec_a, rec_b = a.history[-1], b.history[-1]
+    assert rec_a["errored_rollouts/infra"] == 0 and rec_a["requeued_rollout_ids"] == []
+    assert rec_b["errored_rollouts/infra"] == 1 and rec_b["requeued_rollouts"] == 1
+    (failed_id,) = rec_b["requeued_rollout_ids"]
+    assert failed_id not in rec_b["trained_rollout_ids"] and len(rec_b["trained_rollout_ids"]) == 4
+    failed = b.store.get_rollout(failed_id)
+    assert b.adapter.failure_kind(b.store, failed) == "infra"  # its client retried: the 502 span decides
+    (again,) = [
+        r for r in b.store.query_rollouts(mode="train") if r.metadata.get("agl.requeued_from") == failed_id
+    ]
+    assert again.id in rec_b["trained_rollout_ids"] and again.group_id == failed.group_id
+    assert again.metadata[sc.ROLLOUT_PLACE_KEY] == failed.metadata[sc.ROLLOUT_PLACE_KEY]
+    assert again.metadata[sc.ROLLOUT_SEED_KEY] == failed.metadata[sc.ROLLOUT_SEED_KEY]
+    assert rec_b["train_reward"] == rec_a["train_reward"] and rec_b["effective_group_size"] == 2
