@@ -4,7 +4,10 @@
 Real pieces throughout, as in tests/test_reproducible.py: the embedded transformers engine (deterministic
 mode) on a tiny random Llama, agl's gateway on 127.0.0.1, 4 runners, the OpenAI SDK as the agent's
 client, the real update. The fault switch makes the real engine fail one chosen call; the gateway then
-answers a real 502 and the agent's client raises.
+answers a real 502 and the agent's client raises. The same in the asynchronous schedule; a real
+``agl runner`` process SIGKILLed mid-rollout (over a store server) instead of a 502; and the honest
+failures beside them: an agent raising in its own code (``agent``, penalised by AIR, never requeued)
+and a wrong answer (``task``, its reward 0).
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ class FaultSwitch:
 
 
 def _fit(
-    tmp_path: Path, name: str, infra_retries: int = 2, **loop: Any
+    tmp_path: Path, name: str, infra_retries: int = 2, agent: Any = None, tasks: Any = None, **loop: Any
 ) -> tuple[Trainer, list[tuple[Any, ...]]]:
     from tests.test_reproducible import TASKS, tiny_model, two_call_agent
 
@@ -101,11 +104,14 @@ def _fit(
             (t.prompt_ids, t.response_ids, t.seed, round(a, 6), t.failure_kind)
             for t, a in zip(transitions, advantages, strict=True)
         )
+        trained.extend(transitions)
         return real(self, transitions, advantages, **k)
 
+    trained: list[Any] = []
+    trainer.trained = trained  # type: ignore[attr-defined] - the transitions the update got
     PolicyUpdate.step = spy  # type: ignore[method-assign]
     try:
-        trainer.fit(two_call_agent, TASKS)
+        trainer.fit(agent or two_call_agent, tasks or TASKS)
     finally:
         PolicyUpdate.step = real  # type: ignore[method-assign]
     return trainer, seen
@@ -319,3 +325,44 @@ def test_a_runner_sigkilled_mid_rollout_is_infra_requeued_and_the_step_trains_th
     assert rec_a["requeued_rollouts"] == 0 and rec_b["requeued_rollouts"] >= 1
     assert rec_b["errored_rollouts/infra"] >= 1 and rec_b["errored_rollouts/agent"] == 0
     assert rec_b["train_reward"] == rec_a["train_reward"] and rec_b["effective_group_size"] == 2
+
+
+def buggy_or_wrong(task: dict, resources: agl.Resources) -> float:
+    """One call; then the ``bug`` task's own code raises (after the call that led to it), and the other
+    task's answer is graded: a wrong one earns 0, as honestly as a right one earns 1."""
+    import openai
+
+    llm = resources.llm
+    assert llm is not None
+    client = openai.OpenAI(base_url=llm.base_url, api_key="x", max_retries=0)
+    out = client.chat.completions.create(
+        model=llm.model,
+        messages=[{"role": "user", "content": f"Say something about {task['q']}."}],
+        max_tokens=6,
+    )
+    if task.get("bug"):
+        raise KeyError("the agent's own bug, after the call")
+    return 1.0 if out.choices[0].message.content == "a right answer the random model never writes" else 0.0
+
+
+def test_an_agent_that_raises_is_agent_penalised_by_air_never_requeued_a_wrong_answer_is_task(
+    tmp_path: Path,
+) -> None:
+    """In a training step: the group whose agent raises in its own code is classified ``agent``, never
+    requeued, and trained with AIR's exception penalty on the call before the raise (its final reward
+    the adapter's default, 0); the wrong answers are ``task``, trained with their reward of 0."""
+    tasks = [{"q": "cats", "bug": True}, {"q": "dogs"}]
+    b, _ = _fit(tmp_path, "b", agent=buggy_or_wrong, tasks=tasks)
+    rec = b.history[-1]
+    assert rec["errored_rollouts/agent"] == 2 and rec["errored_rollouts/infra"] == 0
+    assert rec["requeued_rollouts"] == 0 and rec["rollouts_failed"] == 2
+    assert len(b.store.query_rollouts(mode="train")) == 4  # nothing enqueued again
+    trained = b.trained  # type: ignore[attr-defined]
+    assert len(trained) == 4  # one call per rollout, every rollout trained
+    kinds = {t.rollout_id: t.failure_kind for t in trained}
+    bug = [t for t in trained if kinds[t.rollout_id] == "agent"]
+    wrong = [t for t in trained if kinds[t.rollout_id] == "task"]
+    assert len(bug) == 2 and len(wrong) == 2
+    assert all(t.intermediate_reward == pytest.approx(-0.1) and t.final_reward == 0.0 for t in bug)
+    assert all(t.intermediate_reward == 0.0 and t.final_reward == 0.0 for t in wrong)
+    assert rec["air_penalty"] == pytest.approx(-0.05)  # the step's record: -0.1 on 2 of its 4 rollouts
