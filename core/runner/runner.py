@@ -641,7 +641,10 @@ class Runner:
             # a call still waiting on the engine: the infrastructure's failure (agl.adapter.failures)
             waiting = open_llm_calls(rid, number)
             why = f" while {waiting} LLM call(s) waited on a reply" if waiting else ""
-            exc = TimeoutError(f"rollout {rid} ran past its {timeout:g} s timeout{why}")
+            limit = min(
+                t for t in (self.timeout_s, self.agent.timeout_s, claim.rollout.config.timeout_s) if t
+            )
+            exc = TimeoutError(f"rollout {rid} ran past its {limit:g} s timeout{why}")
             await self._record_in_context(rid, number, exc, infra=True if waiting else None)
             status, error = "failed", AttemptError(type="TimeoutError", message=str(exc))
             self.stats.timed_out += 1
