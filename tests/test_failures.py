@@ -182,3 +182,82 @@ def test_a_nan_reward_is_refused_naming_the_rollout() -> None:
     with pytest.raises(UsageError, match="missing_reward"):
         Adapter(missing_reward=float("inf"))
     assert Adapter().missing_reward is None  # unset by default: a silent zero is never a reward
+
+
+def test_a_resumed_pipeline_counts_a_requeued_member_once(store: MemoryStore) -> None:
+    """The asynchronous schedule's restore (after a trainer kill): a member that failed on the
+    infrastructure and was requeued before the kill gives its place to its replacement, so the group
+    has its group_size members, not one more, and the failed one is never requeued again."""
+    from agl.trainer.pipeline import PIPELINE_KEY, REQUEUED_FROM_KEY, GroupPipeline
+
+    meta = {PIPELINE_KEY: True}
+    a, b = store.enqueue([NewRollout(group_id="g", mode="train", metadata=meta) for _ in range(2)])
+    (again,) = store.enqueue(
+        [NewRollout(group_id="g", mode="train", metadata={**meta, REQUEUED_FROM_KEY: b.id})]
+    )
+    pipe = GroupPipeline(store, lambda r: ([], None), 2, RolloutConfig())
+    assert pipe.restore({"consumed_groups": []}) == 1
+    group = pipe.outstanding["g"]
+    assert group.ids == [a.id, again.id] and group.replaced == [b.id]
+
+
+def slow_agent(task: dict, resources: agl.Resources) -> float:
+    """Runs past its rollout's timeout: waiting on a blocked engine, or in its own code."""
+    if task["do"] == "blocked_engine":
+        _ask(resources, "BLOCK")  # the engine holds the call past the rollout's timeout
+    else:
+        _ask(resources, "hi")  # answered at once: no call is left waiting
+        time.sleep(TIMEOUT_S * 2)  # the agent's own slow code
+    return 1.0
+
+
+TIMEOUT_S = 1.5
+
+
+def blocking_script(request: Any) -> Any:
+    from agl.gateway.backends.scripted import reply
+
+    text = str(request.messages[-1]["content"]) if request.messages else ""
+    return reply("late", delay_s=TIMEOUT_S * 2) if "BLOCK" in text else "ok"
+
+
+@pytest.mark.parametrize("first", ["runner", "store"])
+def test_a_timeout_while_a_call_waits_on_the_engine_is_infra_one_in_the_agents_code_is_not(
+    store: MemoryStore, first: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both rollouts run past their timeout. One's LLM call was still waiting on a blocked engine
+    (the runner saw the call's span open: ``open_llm_calls``) — infra; the other's call had been
+    answered and its own code was slow — the agent's failure. ``first``: who ends the attempt. A live
+    runner stops the agent just before the store's deadline and finishes it ``failed``; with the
+    runner late (``store``), the store ends it ``timed_out`` and the runner's stale exception span still
+    gives the verdict (before, every store timeout was infra)."""
+    from agl.gateway.testing import ScriptedBackend, serve_gateway
+    from agl.runner import runner as runner_module
+
+    if first == "store":  # the runner's timer fires after the store's deadline
+        monkeypatch.setattr(runner_module, "report_margin", lambda timeout_s: -0.3)
+
+    agl.instrument("openai")  # as `agl runner` does: the client's call spans say what is in flight
+    with serve_gateway(ScriptedBackend(blocking_script), store) as url:
+        store.add_resources({"main": LLM(base_url=str(url), model="scripted")})
+        cfg = RolloutConfig(max_attempts=1, timeout_s=TIMEOUT_S)
+        made = store.enqueue(
+            [
+                NewRollout(id=f"ro-{do}", input={"do": do}, config=cfg)
+                for do in ("blocked_engine", "slow_code")
+            ]
+        )
+        try:
+            stats = Runner(slow_agent, store, concurrency=2, claim_timeout_s=0.05).run(until_idle=True)
+        finally:
+            agl.uninstrument()
+    assert stats.timed_out == 2
+    adapter = Adapter()
+    kinds = {r.id: adapter.failure_kind(store, r) for r in store.query_rollouts(ids=[r.id for r in made])}
+    assert kinds == {"ro-blocked_engine": "infra", "ro-slow_code": "agent"}
+    ended = {r.id: [a.status for a in r.attempts] for r in store.query_rollouts(ids=[r.id for r in made])}
+    assert ended == {rid: ["failed" if first == "runner" else "timed_out"] for rid in ended}
+    if first == "runner":
+        blocked = store.get_rollout("ro-blocked_engine")
+        assert "waited on a reply" in (blocked.attempts[-1].error.message or "")
+        assert "waited" not in (store.get_rollout("ro-slow_code").attempts[-1].error.message or "")

@@ -18,7 +18,7 @@ from agl import semconv as sc
 from agl.adapter.air import AirPass
 from agl.adapter.air_rules import AIR
 from agl.adapter.credit import credit_returns
-from agl.adapter.failures import FailureKind, failure_kind
+from agl.adapter.failures import FailureKind, deciding_attempt, failure_kind
 from agl.adapter.messages import (
     _cut_at_max_tokens,
     _float_list,
@@ -177,9 +177,11 @@ class Adapter:
         att = finishing_attempt(rollout)
         if att is not None and (rollout.id, att) in self._kinds:
             return self._kinds[(rollout.id, att)]  # type: ignore[return-value]
-        spans = (
-            [] if att is None else store.query_spans(rollout_id=rollout.id, attempt=att, include_stale=False)
-        )
+        if att is None:  # no attempt finished: the last one's spans, stale ones too (deciding_attempt)
+            att = deciding_attempt(rollout)
+            spans = [] if att is None else store.query_spans(rollout_id=rollout.id, attempt=att)
+        else:
+            spans = store.query_spans(rollout_id=rollout.id, attempt=att, include_stale=False)
         return failure_kind(rollout, spans)
 
     @staticmethod

@@ -8,14 +8,17 @@ from the agent's own failures and from honest outcomes. The first row that match
 | kind        | when                                                                                   |
 |-------------|----------------------------------------------------------------------------------------|
 | `infra`     | no attempt finished (every one was `lost` or `timed_out`: the runner died or lost its  |
-|             | lease); an `agl.exception` span marked infra (`agl.emit_exception(exc, infra=True)`,    |
+|             | lease; but see `agent`); an `agl.exception` span marked infra (`agl.emit_exception(exc, infra=True)`,    |
 |             | an `agl.InfraError`); an LLM call span in ERROR with an infrastructure error (the       |
 |             | gateway's 502 `BackendError`, an unreachable or closed upstream) — also when the agent  |
 |             | caught it and returned a reward of its own; the attempt's error is an infrastructure    |
 |             | one (a connection error, a 5xx answer, the runner's shutdown); a rollout timeout while  |
-|             | one of its LLM calls failed or was cut off                                             |
+|             | one of its LLM calls failed, was cut off or still waited on its reply (the runner marks |
+|             | that timeout's ``agl.exception`` span infra: ``agl.tracing.provider.open_llm_calls``)   |
 | `agent`     | the attempt failed otherwise: the agent's own code raised (a bug, a crashed tool), or  |
-|             | it ran past its timeout with no LLM call left waiting                                  |
+|             | it ran past its timeout with no LLM call left waiting — also when the store's timeout  |
+|             | ended the attempt first and the live runner's verdict (its ``TimeoutError`` span, not  |
+|             | marked infra) came after                                                               |
 | `task`      | the attempt succeeded with a reward span, good or bad                                  |
 | `no_reward` | the attempt succeeded without a reward span                                            |
 
@@ -34,7 +37,14 @@ from agl.adapter.rewards import final_reward
 from agl.adapter.spans import finishing_attempt
 from agl.types import AttemptError, Rollout, Span
 
-__all__ = ["FAILURE_KINDS", "INFRA_ERROR_TYPES", "FailureKind", "failure_kind", "is_infra_error"]
+__all__ = [
+    "FAILURE_KINDS",
+    "INFRA_ERROR_TYPES",
+    "FailureKind",
+    "deciding_attempt",
+    "failure_kind",
+    "is_infra_error",
+]
 
 FailureKind = Literal["infra", "agent", "task", "no_reward"]
 FAILURE_KINDS: tuple[str, ...] = ("infra", "agent", "task", "no_reward")
@@ -106,14 +116,47 @@ def _timed_out_waiting(error: AttemptError, spans: list[Span]) -> bool:
     return any(s.name in _LLM_SPANS and s.status.code == "ERROR" for s in spans)
 
 
+def deciding_attempt(rollout: Rollout) -> int | None:
+    """The attempt whose spans decide ``rollout``'s kind: its finishing attempt, else the last one the
+    store ended (``lost``/``timed_out``; its spans are stale, but hold the runner's verdict when the
+    runner lived to give one), else None. Pass its spans, stale ones included, to :func:`failure_kind`."""
+    att = finishing_attempt(rollout)
+    if att is None and rollout.attempts:
+        return rollout.attempts[-1].number
+    return att
+
+
+def _timed_out_in_own_code(rollout: Rollout, attempt: int, spans: list[Span]) -> bool:
+    """The store timed the attempt out, but its live runner recorded the timeout (a ``TimeoutError``
+    exception span) with no sign of the infrastructure: no call was left waiting, none failed."""
+    mine = [s for s in spans if s.rollout_id == rollout.id and s.attempt == attempt]
+    said = any(
+        s.name == sc.SPAN_EXCEPTION and s.attributes.get(sc.AGL_EXCEPTION_TYPE) == "TimeoutError"
+        for s in mine
+    )
+    return (
+        said
+        and not _infra_in_spans(mine)
+        and not any(s.name in _LLM_SPANS and s.status.code == "ERROR" for s in mine)
+    )
+
+
 def failure_kind(rollout: Rollout, spans: Iterable[Span]) -> FailureKind:
     """The failure kind of ``rollout``'s finishing attempt (the table in the module docstring).
 
-    ``spans`` are that attempt's spans (others and stale ones are ignored), as the adapter reads them.
-    A rollout still running has no kind yet: it is classified as what it is now (``no_reward``)."""
+    ``spans`` are the spans of its :func:`deciding_attempt` (others, and stale ones of a finishing
+    attempt, are ignored), as the adapter reads them. A rollout still running has no kind yet: it is
+    classified as what it is now (``no_reward``)."""
+    spans = list(spans)
     att = finishing_attempt(rollout)
     if att is None:
         ended = [a for a in rollout.attempts if a.status in ("lost", "timed_out")]
+        if (
+            ended
+            and ended[-1].status == "timed_out"
+            and _timed_out_in_own_code(rollout, ended[-1].number, spans)
+        ):
+            return "agent"
         return "infra" if ended or rollout.status == "failed" else "no_reward"
     live = [s for s in spans if not s.stale and s.rollout_id == rollout.id and s.attempt == att]
     if _infra_in_spans(live):

@@ -27,6 +27,7 @@ from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from agl.adapter.failures import deciding_attempt, failure_kind
 from agl.dashboard.index import Filters, RolloutIndex
 from agl.dashboard.views import (
     KEY_METRICS,
@@ -275,7 +276,11 @@ class Dashboard:
         counts = {}
         for a in r.attempts:
             counts[a.number] = len(self._spans(r.id, a.number, r.status in TERMINAL_ROLLOUT_STATUSES))
-        return JSONResponse(rollout_view(r, counts, time.time()))
+        kind = None
+        if r.done and r.status != "cancelled":  # how the trainer treats it (agl.adapter.failures)
+            att = deciding_attempt(r)
+            kind = failure_kind(r, self._spans(r.id, att, True) if att is not None else [])
+        return JSONResponse(rollout_view(r, counts, time.time(), kind))
 
     def _attempt(self, request: Request) -> tuple[Any, int]:
         r = self.store.get_rollout(request.path_params["rollout_id"])

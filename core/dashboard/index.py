@@ -16,6 +16,8 @@ dashboard keeps one summary row per rollout in memory (about 200 bytes each: 100
   read whole each round. Page requests never wait for a round (except the very first).
 - ``version`` goes up whenever a round sees a change; browsers long-poll :meth:`wait_for_change`
   (held up to ~25 s, woken at once on a change), so the page updates live without timers.
+- The failure kind of a terminal rollout (infra, agent, task, no_reward: what the trainer does with
+  it, :mod:`agl.adapter.failures`) is read for the rows of the page shown, once each.
 - The reward of a terminal rollout (the final primary ``agl.reward`` of its finishing attempt, the
   value the adapter uses) is read from that attempt's reward spans once and cached: the rows on the
   page shown and up to ``reward_fetch_budget`` per reward-filtered request at once, the rest newest
@@ -127,6 +129,8 @@ class RolloutIndex:
         self._clock = clock
         self._state = _State()
         self._rewards: dict[str, float | None] = {}
+        #: failure kinds of terminal rollouts (agl.adapter.failures), read for the rows shown only
+        self._kinds: dict[str, str | None] = {}
         self._cond = threading.Condition()
         self._refresh_lock = threading.Lock()
         self.version = 0
@@ -322,6 +326,22 @@ class RolloutIndex:
         self._rewards[rid] = value
         return value
 
+    def kind(self, row: dict[str, Any]) -> str | None:
+        """The failure kind of a finished row (``infra``, ``agent``, ``task``, ``no_reward``: the trainer's
+        :func:`agl.adapter.failures.failure_kind`), read once and cached; None while it runs and for a
+        cancelled one. Read for the rows of the page shown only: it needs the rollout and its deciding
+        attempt's spans, not just the reward spans."""
+        rid = row["id"]
+        if rid in self._kinds:
+            return self._kinds[rid]
+        if row["status"] not in TERMINAL_ROLLOUT_STATUSES or row["status"] == "cancelled":
+            return None
+        from agl.reports.inspect import failure_kind_of
+
+        value = failure_kind_of(self.store, self.store.get_rollout(rid))
+        self._kinds[rid] = value
+        return value
+
     def _warm_rewards(self, budget: int) -> None:
         done = 0
         for row in reversed(self._state.rows):
@@ -381,8 +401,7 @@ class RolloutIndex:
             window = match[offset : offset + limit]
         out = []
         for r in window:
-            reward = self.reward(r)
-            out.append({**r, "reward": reward})
+            out.append({**r, "reward": self.reward(r), "failure_kind": self.kind(r)})
         return {
             "rollouts": out,
             "total": total,

@@ -113,11 +113,11 @@ def final_reward_of(store: Any, rollout: Any) -> float | None:
 def failure_kind_of(store: Any, rollout: Any) -> str | None:
     """How a finished rollout ended (:func:`agl.adapter.failures.failure_kind`: infra, agent, task,
     no_reward); None while it is not finished."""
-    from agl.adapter import failure_kind, finishing_attempt
+    from agl.adapter.failures import deciding_attempt, failure_kind
 
     if not rollout.done or rollout.status == "cancelled":
         return None
-    attempt = finishing_attempt(rollout)
+    attempt = deciding_attempt(rollout)
     spans = [] if attempt is None else store.query_spans(rollout_id=rollout.id, attempt=attempt)
     return failure_kind(rollout, spans)
 

@@ -231,6 +231,12 @@ class RunnerStats:
         }
 
 
+def report_margin(timeout_s: float) -> float:
+    """How long before the store's ``timeout_s`` a live runner stops a rollout, to record why and finish
+    the attempt itself: a fifth of it, at most a second."""
+    return min(1.0, 0.2 * timeout_s)
+
+
 class _Lost(Exception):
     """The store ended our attempt (lease expired or rollout cancelled): stop working on it."""
 
@@ -582,7 +588,15 @@ class Runner:
         return self._resources[version]
 
     def _timeout_for(self, claim: Claim) -> float | None:
-        limits = [t for t in (self.timeout_s, self.agent.timeout_s, claim.rollout.config.timeout_s) if t]
+        """The rollout's time limit here: the smallest of the runner's, the agent's and the rollout's.
+        The rollout's own ``config.timeout_s`` is the store's too, which ends the attempt ``timed_out``
+        as a backstop for a dead runner; a live runner stops the agent a moment earlier
+        (:func:`report_margin`), so its own verdict (a call still waiting on the engine, or the agent's
+        slow code: agl.adapter.failures) ends the attempt, not the store's blind one."""
+        store_limit = claim.rollout.config.timeout_s
+        limits = [t for t in (self.timeout_s, self.agent.timeout_s) if t]
+        if store_limit:
+            limits.append(store_limit - report_margin(store_limit))
         return min(limits) if limits else None
 
     async def _run_claim(self, claim: Claim) -> None:
@@ -622,8 +636,16 @@ class Runner:
             return
         except asyncio.TimeoutError:
             agent_task.cancel()
-            exc = TimeoutError(f"rollout {rid} ran past its {timeout:g} s timeout")
-            await self._record_in_context(rid, number, exc)
+            from agl.tracing.provider import open_llm_calls
+
+            # a call still waiting on the engine: the infrastructure's failure (agl.adapter.failures)
+            waiting = open_llm_calls(rid, number)
+            why = f" while {waiting} LLM call(s) waited on a reply" if waiting else ""
+            limit = min(
+                t for t in (self.timeout_s, self.agent.timeout_s, claim.rollout.config.timeout_s) if t
+            )
+            exc = TimeoutError(f"rollout {rid} ran past its {limit:g} s timeout{why}")
+            await self._record_in_context(rid, number, exc, infra=True if waiting else None)
             status, error = "failed", AttemptError(type="TimeoutError", message=str(exc))
             self.stats.timed_out += 1
         except Exception as exc:  # noqa: BLE001 - the agent's own failure (or its endpoint's)
@@ -677,13 +699,16 @@ class Runner:
         with _invoke(rid, number, resources):
             return _settle(await agent.invoke(task_input, resources))
 
-    async def _record_in_context(self, rid: str, number: int, exc: BaseException) -> None:
-        """An error the runner itself detected (timeout, shutdown), recorded on the rollout's trace."""
+    async def _record_in_context(
+        self, rid: str, number: int, exc: BaseException, infra: bool | None = None
+    ) -> None:
+        """An error the runner itself detected (timeout, shutdown), recorded on the rollout's trace
+        (``infra``: as ``agl.emit_exception`` takes it)."""
         from agl.tracing.emit import emit_exception
 
         def record() -> None:
             with _invoke(rid, number, None, span=False):
-                emit_exception(exc)
+                emit_exception(exc, infra=infra)
 
         try:
             await self._blocking(record)

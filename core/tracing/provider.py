@@ -50,6 +50,7 @@ __all__ = [
     "flush",
     "get_tracer",
     "get_tracer_provider",
+    "open_llm_calls",
     "reset_tracing",
     "rollout_context",
     "setup_tracing",
@@ -63,6 +64,33 @@ _ROLLOUT: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVa
 
 _ROLLOUT_KEY = semconv.AGL_ROLLOUT_ID
 _ATTEMPT_KEY = semconv.AGL_ATTEMPT
+
+#: the span names of an LLM call (client or gateway side), as agl.adapter.failures reads them
+_LLM_SPANS = frozenset({semconv.SPAN_CHAT, semconv.OP_TEXT_COMPLETION, semconv.OP_GENERATE_CONTENT})
+_open_calls: dict[tuple[str, int], int] = {}
+_open_lock = threading.Lock()
+
+
+def _count_call(attributes: Any, delta: int) -> None:
+    """One LLM call span of a rollout started (+1) or ended (-1) in this process."""
+    try:
+        key = (str(attributes[_ROLLOUT_KEY]), int(attributes[_ATTEMPT_KEY]))
+    except (KeyError, TypeError, ValueError):
+        return
+    with _open_lock:
+        n = _open_calls.get(key, 0) + delta
+        if n > 0:
+            _open_calls[key] = n
+        else:
+            _open_calls.pop(key, None)
+
+
+def open_llm_calls(rollout_id: str, attempt: int) -> int:
+    """How many LLM call spans of ``rollout_id``'s ``attempt`` this process has started and not ended:
+    calls still waiting on a reply. The runner asks when a rollout runs past its timeout: a timeout
+    while a call waits on the engine is the infrastructure's failure, not the agent's."""
+    with _open_lock:
+        return _open_calls.get((rollout_id, int(attempt)), 0)
 
 
 def _log_once(key: str, level: int, msg: str, *args: Any) -> None:
@@ -309,16 +337,20 @@ class RolloutSpanProcessor(SpanProcessor):
         attributes = getattr(span, "_attributes", None)  # the SDK span's own mapping: no proxy per span
         if attributes is None:
             attributes = span.attributes
-        if attributes is not None and _ROLLOUT_KEY in attributes:
-            return  # instrumentation that knows the rollout set it already (the openai wrapper does)
-        found = _rollout_from_baggage(parent_context) if parent_context is not None else None
-        if found is None:
-            found = _ROLLOUT.get() or _rollout_from_baggage(None)
-        if found is None:
-            return
-        span.set_attributes({_ROLLOUT_KEY: found[0], _ATTEMPT_KEY: found[1]})
+        if attributes is None or _ROLLOUT_KEY not in attributes:
+            # else instrumentation that knows the rollout set it already (the openai wrapper does)
+            found = _rollout_from_baggage(parent_context) if parent_context is not None else None
+            if found is None:
+                found = _ROLLOUT.get() or _rollout_from_baggage(None)
+            if found is None:
+                return
+            span.set_attributes({_ROLLOUT_KEY: found[0], _ATTEMPT_KEY: found[1]})
+        if span.name in _LLM_SPANS:  # a call now waiting on its reply (open_llm_calls)
+            _count_call(span.attributes, +1)
 
     def on_end(self, span: ReadableSpan) -> None:
+        if span.name in _LLM_SPANS:
+            _count_call(span.attributes, -1)
         export = self.export
         if export is not None:
             export.on_end(span)

@@ -12,9 +12,19 @@ differences that keep the engine busy while the policy updates:
   ``stale_groups_dropped``, and replaced by a fresh group. So is a group with a call whose served
   version was not recorded (its gateway span lost with a killed process): it cannot be proven fresh.
 
+A member that failed on the infrastructure (:func:`agl.adapter.failures.failure_kind` says ``infra``:
+a 502, a runner that died, a timeout while its call waited on the engine) is requeued as the
+synchronous schedule requeues it (:meth:`~agl.trainer.steps.Steps.retry`): the same task, group and
+seed place, within ``RolloutSettings.infra_retries``; the replacement takes its place in the group,
+which completes when the replacement ends. Its zero never reaches the group's baseline. A spent budget
+leaves the member out (the group is then judged by ``LightningRL.min_group_fraction``).
+
 Each step's record adds ``staleness_mean``/``staleness_max`` (updates behind this one, over the
-trained transitions), ``stale_groups_dropped`` (their rollouts in ``dropped_rollout_ids``), ``trained_rollout_ids``, ``trainer_idle_s`` (waiting
-for complete groups) and, with the in-process engine, ``engine_busy_s``/``engine_idle_s``.
+trained transitions), ``stale_groups_dropped`` (their rollouts in ``dropped_rollout_ids``),
+``trained_rollout_ids``, ``requeued_rollout_ids`` (members of the step's groups replaced after an
+infrastructure failure; ``requeued_rollouts`` and ``errored_rollouts/<kind>`` count as in the
+synchronous record), ``trainer_idle_s`` (waiting for complete groups) and, with the in-process
+engine, ``engine_busy_s``/``engine_idle_s``.
 
 Resume (``resume=True``) after a kill, even SIGKILL: the policy, task order and the ids of the groups
 already consumed come from the last checkpoint's ``trainer_state.json`` (written atomically after the
@@ -61,7 +71,12 @@ class AsyncSchedule:
         self.train_tasks = train_tasks
         self.order = TaskOrder(len(train_tasks), self.cfg.seed)
         self.pipe = GroupPipeline(
-            steps.store, steps.adapt, steps.group_size, steps.rollout_config, self.cfg.seed
+            steps.store,
+            steps.adapt,
+            steps.group_size,
+            steps.rollout_config,
+            self.cfg.seed,
+            retry=steps.retry,  # a member failed on the infrastructure runs again in its place
         )
         #: a scripted or hosted engine never serves the pushed versions: staleness is unknown there
         self.versions_known = steps.serves_pushed_weights
@@ -156,6 +171,7 @@ class AsyncSchedule:
             staleness_max=max(lags) if lags else None,
             stale_groups_dropped=len(dropped),
             dropped_rollout_ids=[rid for g in dropped for rid in g.ids],
+            requeued_rollout_ids=[rid for g in (*groups, *dropped) for rid in g.replaced],
             trained_groups=len(groups),
             trained_rollout_ids=ids,
             trainer_idle_s=idle_s,

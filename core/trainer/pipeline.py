@@ -51,10 +51,20 @@ def cancel_rollouts(store: Any, ids: Sequence[str]) -> int:
     return n
 
 
-__all__ = ["Group", "GroupPipeline", "PIPELINE_KEY", "VersionLedger", "group_lag", "wait_for_groups"]
+__all__ = [
+    "Group",
+    "GroupPipeline",
+    "PIPELINE_KEY",
+    "REQUEUED_FROM_KEY",
+    "VersionLedger",
+    "group_lag",
+    "wait_for_groups",
+]
 
 #: the rollout metadata key that marks a rollout as the pipeline's (so a resumed run finds its groups)
 PIPELINE_KEY = "pipeline"
+#: a requeued rollout's metadata: the id of the rollout, failed on the infrastructure, whose place it takes
+REQUEUED_FROM_KEY = "agl.requeued_from"
 
 
 @dataclass
@@ -66,6 +76,8 @@ class Group:
     transitions: dict[str, list[Transition]] = field(default_factory=dict)
     rewards: dict[str, float] = field(default_factory=dict)
     finished: dict[str, Rollout] = field(default_factory=dict)
+    #: members that failed on the infrastructure and were requeued (their places now hold the new ids)
+    replaced: list[str] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -82,15 +94,25 @@ class Group:
 
 #: adapt one terminal rollout: its transitions and its reward (None: no reward, e.g. cancelled)
 Adapt = Callable[[Rollout], "tuple[list[Transition], float | None]"]
+#: requeue one terminal rollout that failed on the infrastructure: its replacement's id, else None
+Retry = Callable[[Rollout], "str | None"]
 
 
 class GroupPipeline:
     """The outstanding groups of an asynchronous run and the ones already consumed."""
 
     def __init__(
-        self, store: Any, adapt: Adapt, group_size: int, rollout_config: Any, seed: int | None = None
+        self,
+        store: Any,
+        adapt: Adapt,
+        group_size: int,
+        rollout_config: Any,
+        seed: int | None = None,
+        retry: Retry | None = None,
     ) -> None:
         self.store = store
+        #: requeues a member that failed on the infrastructure (``Steps.retry``); None: never
+        self.retry = retry
         #: the run's seed: each group's rollouts get seeds from it and the group's serial number (the
         #: n-th group enqueued takes the n-th task of the seeded order, whatever the timing; agl.gateway.seeds)
         self.seed = seed
@@ -146,16 +168,23 @@ class GroupPipeline:
 
     # ------------------------------------------------------------------------------- poll
     def poll(self, timeout_s: float = 0.2) -> None:
-        """Adapt every outstanding rollout that has become terminal (waiting up to ``timeout_s``)."""
+        """Adapt every outstanding rollout that has become terminal (waiting up to ``timeout_s``). A
+        member that failed on the infrastructure and is requeued (``retry``) gives its place in the
+        group to its replacement: the group completes when the replacement ends."""
         pending = [rid for g in self.outstanding.values() for rid in g.ids if rid not in g.finished]
         if not pending:
             return
         by_id = {rid: g for g in self.outstanding.values() for rid in g.ids}
         for r in self.store.wait_for_rollouts(pending, timeout_s=timeout_s):
             g = by_id.get(r.id)
-            if g is None or r.id in g.finished:
+            if g is None or r.id in g.finished or r.id not in g.ids:
                 continue
             ts, reward = self.adapt(r)
+            again = self.retry(r) if self.retry is not None else None
+            if again is not None:
+                g.ids[g.ids.index(r.id)] = again
+                g.replaced.append(r.id)
+                continue
             g.transitions[r.id] = ts
             if reward is not None:
                 g.rewards[r.id] = reward
@@ -191,10 +220,16 @@ class GroupPipeline:
         self.consumed = list(state.get("consumed_groups", []))
         done = set(self.consumed)
         self.outstanding.clear()
-        for r in self.store.query_rollouts(mode="train"):
-            if not r.metadata.get(PIPELINE_KEY) or r.group_id is None or r.group_id in done:
-                continue
-            self.outstanding.setdefault(r.group_id, Group(r.group_id, [])).ids.append(r.id)
+        rows = [
+            r
+            for r in self.store.query_rollouts(mode="train")
+            if r.metadata.get(PIPELINE_KEY) and r.group_id is not None and r.group_id not in done
+        ]
+        # a member requeued before the kill gave its place to its replacement: only that one counts
+        replaced = {r.metadata.get(REQUEUED_FROM_KEY) for r in rows} - {None}
+        for r in rows:
+            group = self.outstanding.setdefault(str(r.group_id), Group(str(r.group_id), []))
+            (group.replaced if r.id in replaced else group.ids).append(r.id)
         self.serial = len(self.consumed) + len(self.outstanding)
         return len(self.outstanding)
 

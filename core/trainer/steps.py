@@ -30,7 +30,7 @@ from agl.run.metrics import engine_share, mean, rollouts_postfix
 from agl.run.record import CHECKPOINT_FILE
 from agl.trainer.heldout import held_out_record
 from agl.trainer.order import TaskOrder
-from agl.trainer.pipeline import cancel_rollouts
+from agl.trainer.pipeline import REQUEUED_FROM_KEY, cancel_rollouts
 from agl.trainer.state import read_state, write_state
 from agl.types import NewRollout, Rollout, Task, Transition
 
@@ -220,8 +220,9 @@ class Steps:
 
     def requeue(self, rollout: Rollout) -> str | None:
         """A new rollout in the place of ``rollout``, which failed on the infrastructure: the same task,
-        group, pinned weights and seed place (so a reproducible run stays reproducible: its calls get
-        the seeds the failed one's got), while ``RolloutSettings.infra_retries`` allows; its id, else
+        group, weights (the synchronous schedule's pinned version; the asynchronous one pins none) and
+        seed place (so a reproducible run stays reproducible: its calls get the seeds the failed one's
+        got), its metadata naming the rollout it replaces (``REQUEUED_FROM_KEY``), while ``RolloutSettings.infra_retries`` allows; its id, else
         None (the budget is spent: the rollout stays out of the step)."""
         tries = int(rollout.metadata.get(INFRA_RETRY_KEY, 0))
         if tries >= self.t.rollout.infra_retries:
@@ -233,13 +234,21 @@ class Steps:
             group_id=rollout.group_id,
             resources_version=rollout.resources_version,
             config=rollout.config,
-            metadata={**rollout.metadata, INFRA_RETRY_KEY: tries + 1},
+            metadata={**rollout.metadata, INFRA_RETRY_KEY: tries + 1, REQUEUED_FROM_KEY: rollout.id},
         )
         self.failures["requeued_rollouts"] = self.failures.get("requeued_rollouts", 0) + 1
         log.info(
             "agl trainer: rollout %s failed on the infrastructure; requeued (try %d)", rollout.id, tries + 1
         )
         return str(self.store.enqueue([again])[0].id)
+
+    def retry(self, rollout: Rollout) -> str | None:
+        """:meth:`requeue` ``rollout`` when it failed on the infrastructure; its replacement's id, else
+        None. A cancelled rollout is never requeued, whatever its earlier attempts were (the trainer
+        cancelled it: it no longer wants it). Both schedules call this on every terminal rollout."""
+        if rollout.status == "cancelled" or self.t.adapter.failure_kind(self.store, rollout) != "infra":
+            return None
+        return self.requeue(rollout)
 
     def take_failures(self) -> dict[str, int]:
         """The counts since the last call (``errored_rollouts/<kind>``, ``requeued_rollouts`` and the
@@ -272,7 +281,7 @@ class Steps:
                 transitions[key], reward = self.adapt(r)
                 if reward is not None:
                     rewards[key] = reward
-                again = self.requeue(r) if self.t.adapter.failure_kind(self.store, r) == "infra" else None
+                again = self.retry(r)
                 if again is not None:
                     pending.add(again)
                     slot[again] = key

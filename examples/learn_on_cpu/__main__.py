@@ -43,6 +43,7 @@ def _trainer(args: argparse.Namespace, seed: int, run_dir: Path) -> Any:
         clip_eps=0.2,
         kl_coef=0.0,
         micro_batch_tokens=args.micro_batch_tokens,
+        loss_balance=args.loss_balance,
     )
     store = f"sqlite:///{(run_dir / 'store.db').resolve()}"  # inspectable after the run
     return agl.Trainer(
@@ -236,7 +237,7 @@ def _train_flags(sp: argparse.ArgumentParser, name: str) -> None:
     add_config_arguments(
         sp,
         RunConfig,
-        only=["learning_rate", "lora_r", "micro_batch_tokens"],
+        only=["learning_rate", "lora_r", "micro_batch_tokens", "loss_balance"],
         overrides={
             "learning_rate": {"flags": ["--lr"], "default": 1e-3, "help": "learning rate (default: 1e-3)"},
             "lora_r": {"help": "LoRA rank; alpha is 2r (default: 16)"},

@@ -307,3 +307,43 @@ def test_runs_page_carries_the_monitors_warnings_and_metrics(store: MemoryStore,
     assert run["warnings"] == [warning]  # the malformed entry is dropped, the step and evidence kept
     assert run["records"][1]["monitor_length_drift"] == 0.7
     assert ["response-length drift", "monitor_length_drift"] in body["key_metrics"]
+
+
+def test_rows_and_attempts_show_the_failure_kind() -> None:
+    """Rollouts ended each way by a real run (agl's gateway with the scripted engine answering a 502 on
+    chosen calls, the openai client, the Runner): each table row and the rollout's page say its failure
+    kind — what the trainer does with it — and so does the attempt that decided it; a queued or
+    cancelled rollout has none."""
+    pytest.importorskip("openai")
+    from agl.gateway.testing import ScriptedBackend, serve_gateway
+    from agl.runner.runner import Runner
+    from agl.tracing import provider as tracing
+    from agl.types import LLM, RolloutConfig
+    from tests.test_failures import agent, script
+
+    cases = {"raised_502": "infra", "bug": "agent", "wrong": "task", "no_reward": "no_reward"}
+    s = MemoryStore()
+    try:
+        with serve_gateway(ScriptedBackend(script), s) as url:
+            s.add_resources({"main": LLM(base_url=str(url), model="scripted")})
+            cfg = RolloutConfig(max_attempts=1)
+            s.enqueue([NewRollout(id=f"ro-{do}", input={"do": do}, config=cfg) for do in cases])
+            Runner(agent, s, concurrency=2, claim_timeout_s=0.05).run(until_idle=True)
+        s.enqueue([NewRollout(id="ro-queued"), NewRollout(id="ro-cancelled")])
+        s.cancel("ro-cancelled")
+        with TestClient(create_dashboard_app(s)) as client:
+            rows = client.get("/api/rollouts?limit=50").json()["rollouts"]
+            kinds = {r["id"]: r["failure_kind"] for r in rows}
+            assert kinds == {
+                **{f"ro-{do}": k for do, k in cases.items()},
+                "ro-queued": None,
+                "ro-cancelled": None,
+            }
+            for do, kind in cases.items():
+                page = client.get(f"/api/rollouts/ro-{do}").json()
+                assert page["failure_kind"] == kind
+                assert [a["failure_kind"] for a in page["attempts"]] == [kind]
+            assert client.get("/api/rollouts/ro-queued").json()["failure_kind"] is None
+    finally:
+        tracing.reset_tracing()
+        s.close()

@@ -266,11 +266,12 @@ function RolloutsPage({ query }) {
         ${data.error ? html`<span class="banner warn">refresh failed: ${data.error}</span>` : null}
       </div>
       <table id="rollouts-table" class="card">
-        <thead><tr><th>id</th><th>status</th><th>mode</th><th class="num">reward</th><th>attempts</th><th>version</th><th>group</th><th>worker</th><th>created</th><th>last error</th></tr></thead>
+        <thead><tr><th>id</th><th>status</th><th>mode</th><th class="num">reward</th><th>kind</th><th>attempts</th><th>version</th><th>group</th><th>worker</th><th>created</th><th>last error</th></tr></thead>
         <tbody>${data.rollouts.map((r) => html`<tr data-id=${r.id} data-status=${r.status}>
           <td class="mono"><a href=${rolloutHref(r.id)}>${r.id}</a></td>
           <td><${Status} s=${r.status} /></td><td>${r.mode}</td>
           <td class="num reward">${fmtNum(r.reward)}</td>
+          <td class="kind"><${Kind} k=${r.failure_kind} /></td>
           <td>${r.attempts.map((a) => html`<span class=${`badge st-${a}`}>${a}</span> `)}</td>
           <td>${r.resources_version !== null ? `v${r.resources_version}` : "–"}</td>
           <td class="mono">${r.group_id || "–"}</td><td class="mono">${r.worker_id || "–"}</td>
@@ -281,11 +282,23 @@ function RolloutsPage({ query }) {
 }
 
 // ---------------------------------------------------------------------------------- rollout detail
+// how the trainer treats a finished rollout (agl.adapter.failures): infra is requeued, never scored
+const KIND_TITLES = {
+  infra: "failed on the infrastructure: requeued by the trainer, never scored",
+  agent: "the agent's own failure: trained on, penalised where AIR sees a cause",
+  task: "finished with a reward, good or bad",
+  no_reward: "finished without a reward span",
+};
+function Kind({ k }) {
+  return k ? html`<span class=${`badge kind-${k}`} title=${KIND_TITLES[k] || ""}>${k}</span>` : "–";
+}
+
 function Attempts({ rollout, selected }) {
-  return html`<table id="attempts"><thead><tr><th>#</th><th>status</th><th>worker</th><th>started</th><th>took</th><th>version</th><th class="num">spans</th><th>error</th></tr></thead>
+  return html`<table id="attempts"><thead><tr><th>#</th><th>status</th><th>kind</th><th>worker</th><th>started</th><th>took</th><th>version</th><th class="num">spans</th><th>error</th></tr></thead>
     <tbody>${rollout.attempts.map((a) => html`<tr data-attempt=${a.number} class=${a.number === selected ? "selected" : ""}>
       <td><a href=${rolloutHref(rollout.id, a.number)}>#${a.number}</a>${a.finishing ? html` <span class="badge exact" title="the attempt the adapter trains on">trained</span>` : null}</td>
       <td><${Status} s=${a.status} />${a.stale ? html` <span class="badge stale" title="lost or timed out: its spans are never trained on">stale</span>` : null}</td>
+      <td class="kind"><${Kind} k=${a.failure_kind} /></td>
       <td class="mono">${a.worker_id || "–"}</td><td>${fmtTime(a.started_at)}</td><td>${fmtDur(a.duration_s)}</td>
       <td>${a.resources_version !== null ? `v${a.resources_version}` : "–"}</td><td class="num">${a.spans}</td>
       <td>${a.error ? html`<details class="attempt-error"><summary><b>${a.error.type}</b>: ${a.error.message}</summary>${a.error.traceback ? html`<pre>${a.error.traceback}</pre>` : html`<p class="muted">no traceback</p>`}</details>` : ""}</td>
