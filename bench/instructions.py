@@ -19,7 +19,7 @@ Cases (each in a fresh interpreter, ``--child CASE N``):
   torch's in both trees).
 
 ``--vs-python`` is an interpreter whose ``import agl`` is the other checkout (its own venv, or a
-wrapper that selects it). The two trees must both have ``agl.gateway.app.create_app``,
+wrapper script that selects it and execs python: valgrind follows the exec). The two trees must both have ``agl.gateway.app.create_app``,
 ``ScriptedBackend`` and ``TransformersBackend``; the engine case takes either constructor
 (``settings=EngineSettings(...)`` from 0.2, keywords before).
 """
@@ -143,15 +143,15 @@ def instructions(python: str, case: str, n: int) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
         cmd = [
-            "valgrind", "--tool=callgrind", "--smc-check=all", f"--callgrind-out-file={out}",
+            "valgrind", "--tool=callgrind", "--smc-check=all", "--trace-children=yes", f"--callgrind-out-file={out}",
             python, __file__, "--child", case, str(n),
         ]  # fmt: skip
         env = {**os.environ, "PYTHONMALLOC": "malloc", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        found = re.search(r"Collected : (\d+)", proc.stderr)
-        if proc.returncode != 0 or found is None:
+        found = re.findall(r"Collected : (\d+)", proc.stderr)  # the last: python, after a wrapper's exec
+        if proc.returncode != 0 or not found:
             raise SystemExit(f"{case} under valgrind failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-        return int(found.group(1))
+        return int(found[-1])
 
 
 def per_repetition(python: str, case: str, n: int) -> float:

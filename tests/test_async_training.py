@@ -128,8 +128,10 @@ def _tiny_async_trainer(tmp_path: Path, k: int, **loop: Any) -> Trainer:
 
 def _stale_first_group_fit(tmp_path: Path, k: int, **loop: Any) -> Trainer:
     """k, one task a step. The first group's calls are served by the first version, then its agents wait
-    until two updates are recorded: by then the policy is two versions ahead of it."""
-    box: dict[str, Trainer] = {}
+    until two updates are recorded: by then the policy is two versions ahead of it. The other groups'
+    agents finish only once both first-group calls are answered, so no update can come before one of
+    them (on a loaded machine a runner may start a first-group member late)."""
+    box: dict[str, Any] = {"first_answered": set()}
 
     def agent(task: dict, resources: agl.Resources) -> float:
         content = _ask(task, resources)
@@ -137,6 +139,10 @@ def _stale_first_group_fit(tmp_path: Path, k: int, **loop: Any) -> Trainer:
         rid = tracing.current_rollout()[0]
         first_group = store.get_rollout(rid).group_id == store.query_rollouts(mode="train")[0].group_id
         deadline = time.monotonic() + 30
+        if first_group:
+            box["first_answered"].add(rid)
+        while not first_group and len(box["first_answered"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
         while first_group and len(box["t"].history) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         return float(len(content) % 2)
