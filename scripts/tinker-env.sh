@@ -11,8 +11,9 @@
 # with a hard-coded `uv run ... -m tx.tinker.engine`: DIR/bin/uv is a shim that runs DIR's python, so
 # a PATH with DIR/bin first is all the server needs.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 venv="${1:?usage: scripts/tinker-env.sh DIR}"
+case "$venv" in /*) ;; *) venv="$PWD/$venv" ;; esac  # the uv shim names it: absolute
+cd "$(dirname "$0")/.."
 version="${AGL_SKYRL_TX_VERSION:-0.3.0}"
 sdk="${AGL_TINKER_SDK_VERSION:-0.12.0}"   # the SDK release that speaks skyrl-tx 0.3.0's wire format
 if [ -x "$venv/bin/python" ] && [ -x "$venv/bin/uv" ] \

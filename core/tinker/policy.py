@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from agl.adapter.trajectories import merge_transitions, per_call_trajectories, token_advantages
 from agl.algorithms.balance import balance_weights
-from agl.errors import UsageError
+from agl.errors import InfraError, UsageError
 from agl.tinker.server import DATA_BUCKET
 from agl.tinker.service import POLICY, TinkerService
 
@@ -163,9 +163,17 @@ class TinkerPolicy:
             raise ValueError(f"{len(transitions)} transitions but {len(advantages)} advantages")
         merge = self.config.merge_turns if merge_turns is None else merge_turns
         groups = self._groups(transitions, advantages)
-        per: dict[str, dict[str, float]] = {}
-        for name, (ts, adv) in groups.items():
-            per[name] = self._step_adapter(name, ts, adv, merge)
+        seen = self.service.restarts
+        try:
+            per = {name: self._step_adapter(name, ts, adv, merge) for name, (ts, adv) in groups.items()}
+        except InfraError as exc:
+            # a managed server that died mid-update: restarted on the last saved state, the step redone
+            if not self.service.recover(seen):
+                raise
+            log.warning(
+                "agl tinker: update %d redone after the server's restart (%s)", self.global_step + 1, exc
+            )
+            per = {name: self._step_adapter(name, ts, adv, merge) for name, (ts, adv) in groups.items()}
         self.global_step += 1
         t0 = time.perf_counter()
         self.service.save_state(self.global_step)

@@ -130,6 +130,8 @@ class SkyRLServer:
         self.log_path = Path(log_path) if log_path is not None else self.state_dir / "tinker.log"
         self.startup_timeout_s = startup_timeout_s
         self.env = env
+        #: JAX's persistent compilation cache (``$AGL_JAX_CACHE``, else ``~/.cache/agl/jax``)
+        self.jax_cache = Path(os.environ.get("AGL_JAX_CACHE") or Path.home() / ".cache" / "agl" / "jax")
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self._lock = threading.Lock()
@@ -180,6 +182,8 @@ class SkyRLServer:
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("JAX_PLATFORMS", "cpu")
+        # compiled shapes kept on disk: a restarted server (or the next run) compiles none again
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", str(self.jax_cache))
         for key in ("VIRTUAL_ENV", "PYTHONPATH", "AGL_SRC"):  # nothing of agl's venv leaks in
             env.pop(key, None)
         return env

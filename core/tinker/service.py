@@ -141,7 +141,15 @@ class TinkerService:
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agl-tinker")
         try:
             fut = pool.submit(lambda: _wait(fn(), limit))
-            return fut.result(timeout=limit)
+            end = time.monotonic() + limit
+            while True:  # a managed server seen dead fails the call at once, not after the timeout
+                try:
+                    return fut.result(timeout=min(1.0, max(end - time.monotonic(), 0.01)))
+                except concurrent.futures.TimeoutError:
+                    if self.server is not None and not self.server.alive():
+                        raise InfraError(self._lost(what, "the server process exited")) from None
+                    if time.monotonic() >= end:
+                        raise
         except concurrent.futures.TimeoutError:
             raise InfraError(self._lost(what, f"no answer within {limit:.0f} s")) from None
         except InfraError:
@@ -272,16 +280,17 @@ class TinkerService:
         return sampler.sample(prompt=prompt, num_samples=n, sampling_params=sp), version
 
     # ------------------------------------------------------------------------------ recovery
-    def recover(self) -> bool:
+    def recover(self, seen: int | None = None) -> bool:
         """After the managed server died: restart it, reconnect, load the last saved state and serve
-        it again as the current version. False when there is no server to restart (the caller fails
-        the run, naming the URL and the last good step)."""
+        it again as the current version. ``seen``: the :attr:`restarts` count the caller saw fail (a
+        recovery done since then is not repeated). False when there is no server to restart (the caller
+        fails the run, naming the URL and the last good step)."""
         if self.server is None:
             return False
         with self._lock:
-            if self.alive() and self._client is not None and self.server.starts > self.restarts + 1:
-                return True  # another thread recovered it already
-            log.warning("agl tinker: the Tinker server at %s died; restarting it", self.url)
+            if seen is not None and self.restarts != seen:
+                return True  # another caller recovered it already
+            log.warning("agl tinker: the Tinker server at %s failed; restarting it", self.url)
             self.server.restart()
             self.restarts += 1
             self._client, self._base_sampler = None, None
@@ -290,7 +299,7 @@ class TinkerService:
             if self.states:
                 last = max(self.states)
                 self.load_state(self.states[last])
-                log.warning("agl tinker: restored the state of step %d (%s)", last, self.states[last])
+                log.warning("agl tinker: restored the state of step %d", last)
             self.publish(self.version)
         return True
 
@@ -311,7 +320,28 @@ class TinkerService:
         tmp.write_text(json.dumps(body, indent=2))
         tmp.replace(self.state_file)
 
+    def _unload(self, client: Any) -> None:
+        import httpx
+
+        model_id = getattr(client, "model_id", None)
+        if not model_id:
+            return
+        try:
+            httpx.post(
+                self.url + "/api/v1/unload_model",
+                json={"model_id": model_id, "type": "unload_model"},
+                headers={"X-API-Key": self._api_key},
+                timeout=10,
+            )
+        except httpx.HTTPError:
+            log.debug("agl tinker: unloading %s failed", model_id, exc_info=True)
+
     def close(self) -> None:
+        """Unload the run's training clients on the service (``POST /api/v1/unload_model``, the
+        Tinker API's own route: a LoRA slot is freed at once, not when the session times out), then
+        drop the clients. Best effort: a service that is gone frees them itself."""
+        for client in self.training.values():
+            self._unload(client)
         self._client, self._base_sampler = None, None
         self.training, self.samplers = {}, {}
 

@@ -140,10 +140,11 @@ class TinkerBackend(Backend):
         service: ``staging_dir`` is not used)."""
         target = self.weight_version + 1 if version is None else int(version)
         await self._wait_recovery()
+        seen = self.service.restarts
         try:
             await asyncio.to_thread(self.service.publish, target)
         except Exception as exc:
-            if not await asyncio.to_thread(self._recover_now):
+            if not await asyncio.to_thread(self._recover_now, seen):
                 raise
             log.warning(
                 "agl gateway: the Tinker push of v%d failed (%s); retried after recovery", target, exc
@@ -160,12 +161,12 @@ class TinkerBackend(Backend):
         with self._recover_lock:
             if self._recovering is None or self._recovering.done():
                 pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agl-tinker-recover")
-                self._recovering = pool.submit(self._recover_now)
+                self._recovering = pool.submit(self._recover_now, self.service.restarts)
                 pool.shutdown(wait=False)
 
-    def _recover_now(self) -> bool:
+    def _recover_now(self, seen: int | None = None) -> bool:
         try:
-            return bool(self.service.recover())
+            return bool(self.service.recover(seen))
         except Exception:  # noqa: BLE001 - the next calls fail on the service and say so
             log.exception("agl gateway: recovering the Tinker server failed")
             return False
