@@ -3,7 +3,7 @@
 What the trainer and the gateway share: the SDK's ``ServiceClient``, one LoRA training client per
 adapter (one for the policy, or one per agent with ``LoopConfig.adapter_per_agent``, all on the same
 base model), and the sampling client that serves each adapter's current weight version. The trainer
-sends it each step's data (:mod:`agl.tinker.policy`); the gateway's ``tinker`` backend samples through
+sends it each step's data (:mod:`agl.algorithms.tinker_update`); the gateway's ``tinker`` backend samples through
 it (:mod:`agl.gateway.backends.tinker`).
 
 Written against the SDK's public clients only (``ServiceClient.create_lora_training_client``,

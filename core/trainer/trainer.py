@@ -140,7 +140,7 @@ class Trainer:
                 "(for full fine-tuning serve with backend='transformers' or restart vLLM on a checkpoint)"
             )
         if backend == "tinker":  # what the service's losses cannot express, refused before anything starts
-            from agl.tinker.policy import check_settings
+            from agl.algorithms.tinker_update import check_settings
 
             check_settings(self.config, off_policy=self.loop.off_policy)
         if (
@@ -284,9 +284,9 @@ class Trainer:
 
     def _tinker_policy(self, source: Any, tokenizer: Any = None) -> Any:
         """The policy of a ``tinker`` run: LoRA training clients on the run's Tinker service (one per
-        agent with ``adapter_per_agent``), updated there (:class:`agl.tinker.policy.TinkerPolicy`)."""
+        agent with ``adapter_per_agent``), updated there (:class:`agl.algorithms.tinker_update.TinkerPolicy`)."""
+        from agl.algorithms.tinker_update import TinkerPolicy
         from agl.run.environment import Environment
-        from agl.tinker.policy import TinkerPolicy
 
         if tokenizer is not None:
             self._tokenizer = tokenizer

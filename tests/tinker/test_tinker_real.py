@@ -81,8 +81,8 @@ def test_an_update_on_the_service_changes_the_samplers_logprobs(skyrl: Any) -> N
     sampler gives those tokens other log-probs (higher: the reply was rewarded)."""
     import tinker
 
+    from agl.algorithms.tinker_update import TinkerPolicy
     from agl.config import RunConfig
-    from agl.tinker.policy import TinkerPolicy
     from agl.tinker.service import TinkerService
     from agl.types import Transition
 
@@ -98,6 +98,7 @@ def test_an_update_on_the_service_changes_the_samplers_logprobs(skyrl: Any) -> N
         t = Transition(
             rollout_id="r",
             attempt=1,
+            index=0,
             prompt_ids=tuple(prompt),
             response_ids=tuple(seq.tokens),
             response_logprobs=tuple(seq.logprobs),
@@ -111,7 +112,7 @@ def test_an_update_on_the_service_changes_the_samplers_logprobs(skyrl: Any) -> N
         after = sampler.compute_logprobs(tinker.ModelInput.from_ints(prompt + list(seq.tokens))).result(
             timeout=300
         )
-        after = [float(x) for x in after[len(prompt) :]]
+        after = [float(x) for x in after[-len(seq.tokens) :]]  # the prompt's first token has none
         assert v2 == 2
         assert max(abs(a - b) for a, b in zip(after, seq.logprobs, strict=True)) > 1e-3
         assert sum(after) > sum(seq.logprobs)  # the rewarded reply became more likely
