@@ -138,10 +138,19 @@ class TinkerService:
         """``fn()`` (an SDK call; an APIFuture or concurrent future is waited for), at most
         ``timeout_s``; a timeout or connection failure is an InfraError naming the service."""
         limit = self.timeout_s if timeout_s is None else timeout_s
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agl-tinker")
+        # a daemon thread, not a pool: an SDK call that never returns (it retries a dead service for
+        # hours) must not keep the interpreter from exiting
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def work() -> None:
+            try:
+                fut.set_result(_wait(fn(), limit))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+
+        threading.Thread(target=work, name="agl-tinker-call", daemon=True).start()
+        end = time.monotonic() + limit
         try:
-            fut = pool.submit(lambda: _wait(fn(), limit))
-            end = time.monotonic() + limit
             while True:  # a managed server seen dead fails the call at once, not after the timeout
                 try:
                     return fut.result(timeout=min(1.0, max(end - time.monotonic(), 0.01)))
@@ -158,8 +167,6 @@ class TinkerService:
             if _is_connection_error(exc):
                 raise InfraError(self._lost(what, f"{type(exc).__name__}: {exc}")) from exc
             raise
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
 
     def _lost(self, what: str, why: str) -> str:
         step = "none yet" if self.last_good_step is None else str(self.last_good_step)

@@ -221,14 +221,16 @@ def test_an_adapter_per_agent_routes_each_agents_calls_to_its_own_sampler(skyrl:
         assert record[f"trained_transitions/{name}"] <= 2.0
 
 
-def _kill_during(trainer: agl.Trainer, step: int, done: threading.Event, after_s: float = 2.0) -> None:
+def _kill_during(trainer: agl.Trainer, step: int, done: threading.Event) -> None:
+    """SIGKILL the run's server as soon as a rollout of ``step`` runs (its LLM call is then in flight)."""
     while not done.is_set():
         env = trainer.env
-        if len(trainer.history) >= step and env is not None and env.tinker is not None:
-            time.sleep(after_s)
-            env.tinker.server.kill()
-            return
-        time.sleep(0.2)
+        if len(trainer.history) >= step and env is not None and env.tinker is not None and trainer.store:
+            if trainer.store.query_rollouts(status=["running"]):
+                time.sleep(0.3)
+                env.tinker.server.kill()
+                return
+        time.sleep(0.05)
 
 
 def test_a_killed_managed_server_is_restarted_and_the_run_goes_on(tinker_python: str, tmp_path: Path) -> None:
