@@ -16,6 +16,7 @@ import pytest
 
 import agl
 from agl import semconv as sc
+from agl.config import RolloutSettings
 
 pytest.importorskip("openai")
 
@@ -254,7 +255,7 @@ def test_a_killed_managed_server_is_restarted_and_the_run_goes_on(tinker_python:
             tinker_timeout_s=300.0,
         ),
         loop=agl.LoopConfig(tasks_per_step=1, steps=2, val_every=0, seed=0),
-        rollout=agl.RolloutSettings(infra_retries=3),
+        rollout=RolloutSettings(infra_retries=3),
         config=agl.RunConfig(max_tokens=MAX_TOKENS),
     )
     done = threading.Event()
@@ -291,7 +292,7 @@ def test_a_lost_service_fails_the_run_in_bounded_time_naming_it(tinker_python: s
         agents=["calculator_agent"],
         serving=_serving(tmp_path / "run", server, runners=4, tinker_timeout_s=20.0),
         loop=agl.LoopConfig(tasks_per_step=1, steps=3, val_every=0, seed=0),
-        rollout=agl.RolloutSettings(infra_retries=1),
+        rollout=RolloutSettings(infra_retries=1),
         config=agl.RunConfig(max_tokens=MAX_TOKENS),
     )
 

@@ -99,3 +99,19 @@ def test_the_derived_model_folder_reads_under_transformers_4(tmp_path: Path) -> 
     )
     assert (out / "model.safetensors").is_symlink()
     assert server_model_folder(src, tmp_path / "model") == out  # idempotent
+
+
+def test_export_model_refuses_a_checkpoint_that_lives_on_the_service(tmp_path: Path) -> None:
+    """A tinker run's checkpoint holds the service's paths, not weights: ``agl export model`` says so."""
+    import json
+
+    from agl.reports.model_export import export_model
+
+    ckpt = tmp_path / "run" / "checkpoints" / "checkpoint-2"
+    ckpt.mkdir(parents=True)
+    (ckpt / "tinker_state.json").write_text(
+        json.dumps({"adapters": {"policy": "tinker://model_x/weights/s2"}})
+    )
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    with pytest.raises(UsageError, match="tinker://model_x/weights/s2"):
+        export_model(tmp_path / "run", tmp_path / "out")
