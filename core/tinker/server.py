@@ -149,7 +149,7 @@ class SkyRLServer:
 
     def command(self) -> list[str]:
         backend_config = {
-            "max_lora_adapters": self.adapters + 1,
+            "max_lora_adapters": self.adapters + 2,  # index 0 is the base model; one spare for a restore
             "max_lora_rank": self.lora_rank,
             # fixed batch shapes: a JAX engine compiles once per shape (about a minute each on a CPU)
             "sample_max_num_sequences": SAMPLE_BUCKET,

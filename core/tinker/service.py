@@ -239,6 +239,8 @@ class TinkerService:
     def publish(self, version: int) -> dict[str, str]:
         """Serve every adapter's current weights as ``version``: one sampler per adapter
         (``save_weights_and_get_sampling_client``), switched all at once; returns their names."""
+        if sorted(self.training) != sorted(self.adapters):
+            raise InfraError(self._lost("save the sampler weights", "its training clients are gone"))
         fresh: dict[str, tuple[Any, int]] = {}
         for name, client in self.training.items():
             sampler = self._call(
@@ -272,6 +274,8 @@ class TinkerService:
             name = adapter or (self.adapters[0] if len(self.adapters) == 1 else None)
             if name is not None and name in self.samplers:
                 return self.samplers[name]
+            if name in self.adapters and self.version > 0:  # trained weights exist, their sampler is gone
+                raise InfraError(self._lost(f"serve {name}", "its sampler is gone (a restart not restored)"))
         return self.base_sampler(), 0
 
     def sample_future(
