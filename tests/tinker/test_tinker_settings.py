@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import agl
+from agl.engine import EngineSettings
 from agl.errors import UsageError
 
 
@@ -38,7 +39,7 @@ def test_tinker_settings_belong_to_the_tinker_backend(tmp_path: Path) -> None:
             backend="tinker",
             tinker_url="http://h:1",
             base_model="m",
-            engine=agl.engine.EngineSettings(deterministic=True),
+            engine=EngineSettings(deterministic=True),
         )
 
 
