@@ -96,7 +96,7 @@ class TinkerBackend(Backend):
         await self._wait_recovery()
         try:
             future, version = self.service.sample_future(request.adapter, rendered.ids, request.n, params)
-            response = await asyncio.wait_for(asyncio.wrap_future(future), self.service.sample_timeout_s)
+            response = await self._result(future)
         except asyncio.TimeoutError:
             self._check_server()
             raise BackendError(
@@ -104,6 +104,7 @@ class TinkerBackend(Backend):
                 f"{self.service.sample_timeout_s:.0f} s"
             ) from None
         except BackendError:
+            self._check_server()
             raise
         except Exception as exc:  # the SDK's errors, a closed connection, a dead server
             self._check_server()
@@ -133,6 +134,26 @@ class TinkerBackend(Backend):
             weight_version=version,
             adapter=(request.adapter or BASE_ADAPTER) if self.adapters else None,
         )
+
+    async def _result(self, future: concurrent.futures.Future[Any]) -> Any:
+        """The SDK future's answer, at most ``sample_timeout_s``. The SDK retries a refused connection
+        for hours, so a managed server found dead fails the call at once (BackendError: requeued)."""
+        waiting = asyncio.wrap_future(future)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.service.sample_timeout_s
+        server = getattr(self.service, "server", None)
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiting), min(1.0, max(end - loop.time(), 0.01)))
+            except asyncio.TimeoutError:
+                if server is not None and not server.alive():
+                    future.cancel()
+                    raise BackendError(
+                        f"the Tinker server at {self.service.url} died during the call"
+                    ) from None
+                if loop.time() >= end:
+                    future.cancel()
+                    raise
 
     # ------------------------------------------------------------------------------ weights
     async def push(self, policy: Any, *, version: int | None = None, staging_dir: Any = None) -> int:
