@@ -42,6 +42,9 @@ SAMPLE_BUCKET = 4
 #: data per training micro-batch on the server (agl pads each forward_backward to a multiple of it)
 DATA_BUCKET = 4
 
+#: the fewest LoRA slots a managed server has (the slot count is part of every compiled shape)
+MIN_SLOTS = 4
+
 #: where tests and the ``tinker`` tox env name the interpreter that has skyrl-tx installed
 PYTHON_ENV = "AGL_TINKER_PYTHON"
 _MODULE = "tx.tinker.api"
@@ -149,7 +152,9 @@ class SkyRLServer:
 
     def command(self) -> list[str]:
         backend_config = {
-            "max_lora_adapters": self.adapters + 2,  # index 0 is the base model; one spare for a restore
+            # index 0 is the base model, one spare slot for a restore; at least MIN_SLOTS, so servers
+            # of one or two adapters have the same parameter shapes (and share compiled programs)
+            "max_lora_adapters": max(self.adapters + 2, MIN_SLOTS),
             "max_lora_rank": self.lora_rank,
             # fixed batch shapes: a JAX engine compiles once per shape (about a minute each on a CPU)
             "sample_max_num_sequences": SAMPLE_BUCKET,

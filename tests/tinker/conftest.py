@@ -47,7 +47,9 @@ def tinker_python() -> str:
 
 @pytest.fixture(scope="session")
 def skyrl(tinker_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """SkyRL's Tinker server on the default model (SmolLM2-135M-Instruct), two LoRA slots of rank 8."""
+    """SkyRL's Tinker server on the default model (SmolLM2-135M-Instruct): LoRA slots of rank 8 for two
+    adapters (the per-agent test) and a restore; the runs' own servers have the same slot count, so the
+    compiled programs in the JAX cache serve them all."""
     from agl.chat.models import prepare_default_model
     from agl.tinker.server import SkyRLServer
 
@@ -56,7 +58,7 @@ def skyrl(tinker_python: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
         python=tinker_python,
         state_dir=tmp_path_factory.mktemp("skyrl"),
         lora_rank=8,
-        adapters=3,
+        adapters=2,
     )
     server.start()
     try:
