@@ -255,7 +255,9 @@ def test_a_killed_managed_server_is_restarted_and_the_run_goes_on(tinker_python:
             tinker_timeout_s=300.0,
         ),
         loop=agl.LoopConfig(tasks_per_step=1, steps=2, val_every=0, seed=0),
-        rollout=RolloutSettings(infra_retries=3),
+        # one attempt per rollout: a call the kill cuts fails its rollout, which the trainer requeues
+        # (with more attempts the store retries the rollout itself, also without scoring the failure)
+        rollout=RolloutSettings(max_attempts=1, infra_retries=3),
         config=agl.RunConfig(max_tokens=MAX_TOKENS),
     )
     done = threading.Event()
