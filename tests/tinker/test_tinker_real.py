@@ -202,11 +202,10 @@ def test_an_adapter_per_agent_routes_each_agents_calls_to_its_own_sampler(skyrl:
         loop=agl.LoopConfig(adapter_per_agent=True, tasks_per_step=1, steps=1, val_every=0, seed=0),
         config=agl.RunConfig(max_tokens=MAX_TOKENS),
     )
-    agl.instrument("openai")
-    try:
-        trainer.fit(_two_agents, train[:1])
-    finally:
-        agl.uninstrument()
+    agl.instrument(
+        "openai"
+    )  # idempotent; learn_on_cpu's module turned it on too (left on for the next tests)
+    trainer.fit(_two_agents, train[:1])
     states = json.loads((tmp_path / "run" / "tinker" / "versions.json").read_text())["states"]["1"]
     assert sorted(states) == ["checker", "solver"]  # two training clients, two models on the service
     assert len({path.split("/")[2] for path in states.values()}) == 2
@@ -241,6 +240,7 @@ def test_a_killed_managed_server_is_restarted_and_the_run_goes_on(tinker_python:
     from examples.learn_on_cpu.agent import calc_agent
     from examples.learn_on_cpu.data import split
 
+    agl.instrument("openai")  # the agent's client spans name its calls (idempotent)
     train, _ = split(n_val=4)
     run = tmp_path / "run"
     trainer = agl.Trainer(
@@ -288,6 +288,7 @@ def test_a_lost_service_fails_the_run_in_bounded_time_naming_it(tinker_python: s
     server = SkyRLServer(
         prepare_default_model(progress=False), python=tinker_python, state_dir=tmp_path / "skyrl", lora_rank=8
     ).start()
+    agl.instrument("openai")  # the agent's client spans name its calls (idempotent)
     train, _ = split(n_val=4)
     trainer = agl.Trainer(
         agl.LightningRL(group_size=4, learning_rate=3e-3, lora_r=8, kl_coef=0.0),
