@@ -288,6 +288,11 @@ def test_a_lost_service_fails_the_run_in_bounded_time_naming_it(tinker_python: s
     server = SkyRLServer(
         prepare_default_model(progress=False), python=tinker_python, state_dir=tmp_path / "skyrl", lora_rank=8
     ).start()
+    from agl.tinker.service import TinkerService
+
+    # the engine loads the model after the API answers (~40 s): wait for it here, so the run's short
+    # timeout measures the lost service, not the start
+    TinkerService(server.url, base_model=server.base_model, lora_rank=8, timeout_s=300).connect().close()
     agl.instrument("openai")  # the agent's client spans name its calls (idempotent)
     train, _ = split(n_val=4)
     trainer = agl.Trainer(
