@@ -209,6 +209,7 @@ def find_checkpoint(
         _, n, p, s = max(scored, key=lambda x: (x[0], x[1]))  # ties: the later checkpoint
     else:
         n, p, s = steps[-1]
+    _check_on_service(p)
     kind, adapters = _kind(p)
     return Checkpoint(
         path=p.resolve(),
@@ -427,6 +428,22 @@ def export_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(out=out_path, kind=manifest["kind"], checkpoint=ckpt, manifest=manifest)
+
+
+def _check_on_service(path: Path) -> None:
+    """A checkpoint of a ``tinker`` run holds no weights, only the service's paths of its saved state:
+    refused, naming them (skyrl-tx 0.3.0 serves no adapter download; Tinker's is the SDK's
+    ``RestClient.get_checkpoint_archive_url``)."""
+    from agl.algorithms.tinker_update import STATE_FILE
+
+    state = Path(path) / STATE_FILE
+    if state.is_file():
+        paths = json.loads(state.read_text()).get("adapters", {})
+        raise UsageError(
+            f"{path} is a checkpoint of a run trained on a Tinker service: its adapter lives there "
+            f"({', '.join(f'{k}: {v}' for k, v in paths.items())}); agl cannot fetch it from skyrl-tx "
+            "0.3.0, and on Tinker the SDK's RestClient.get_checkpoint_archive_url names its archive"
+        )
 
 
 def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -88,6 +88,9 @@ class Environment:
         self._runner: RunnerThread | None = None
         #: the vLLM server this run started (``serving.vllm_python``), stopped by :meth:`close`
         self.vllm_server: Any = None
+        #: the Tinker service of a ``tinker`` run (:meth:`tinker_service`) and the server agl started
+        #: for it (``serving.tinker_python``), stopped by :meth:`close`
+        self.tinker: Any = None
 
     # ------------------------------------------------------------------------------ start
     def open_store(self) -> Store:
@@ -176,6 +179,8 @@ class Environment:
             return from_spec("scripted", script=s.script, accept_any_model=True, on_exhausted="repeat")
         if s.backend == "vllm":
             return self._vllm_backend(policy, source, tokenizer)
+        if s.backend == "tinker":
+            return self._tinker_backend(policy, source, tokenizer)
         options = dict(defaults or {}, model_name=self.served_name(source), settings=s.engine)
         if policy is not None:
             # the engine serves the policy itself: frozen base weights shared, LoRA tensors pushed
@@ -221,6 +226,62 @@ class Environment:
         render_with = chat if hasattr(chat, "encode_chat") else folder
         return from_spec(
             "vllm", url=url, model=name, adapters=adapters, server=self.vllm_server, tokenizer=render_with
+        )
+
+    def tinker_service(
+        self, source: Any = None, *, adapters: list[str] | None = None, lora_rank: int = 16, seed: int = 0
+    ) -> Any:
+        """The run's :class:`~agl.tinker.service.TinkerService` (made once): at ``tinker_url``, or at
+        SkyRL's server started here (``tinker_python``) on the run's model folder ``source``, with
+        ``adapters`` LoRA training clients (one per agent, else one) of rank ``lora_rank``."""
+        if self.tinker is not None:
+            return self.tinker
+        from agl.tinker.service import POLICY, TinkerService
+
+        s = self.serving
+        names = list(adapters or []) or [POLICY]
+        server, url, base = None, s.tinker_url, s.base_model
+        state = s.run_dir / "tinker"
+        if s.tinker_python:
+            from agl.tinker.server import SkyRLServer
+
+            folder = str(source) if isinstance(source, (str, os.PathLike)) else str(self.model_source())
+            server = SkyRLServer(
+                folder, python=s.tinker_python, state_dir=state, lora_rank=lora_rank, adapters=len(names)
+            )
+            log.info("agl: starting SkyRL's Tinker server (%s); its log: %s", folder, server.log_path)
+            server.start()
+            url, base = server.url, base or server.base_model
+        self.tinker = TinkerService(
+            url or "",
+            base_model=base or "",
+            lora_rank=lora_rank,
+            adapters=names,
+            api_key=os.environ.get(s.tinker_api_key_env) or None,
+            seed=seed,
+            server=server,
+            timeout_s=s.tinker_timeout_s,
+            sample_timeout_s=s.tinker_timeout_s,
+            state_file=state / "versions.json",
+        )
+        return self.tinker
+
+    def _tinker_backend(self, policy: Any, source: Any, tokenizer: Any) -> Any:
+        """The tinker backend: sampling through the run's Tinker service (the policy's, when training),
+        rendered with the run's tokenizer (the trainer's, else the model folder's)."""
+        from agl.chat.tokenizer import as_chat_tokenizer
+        from agl.gateway.backends import from_spec
+
+        service = getattr(policy, "service", None) or self.tinker_service(source)
+        adapters = list(getattr(policy, "adapters", {}).values()) or None
+        chat = as_chat_tokenizer(tokenizer) if tokenizer is not None else None
+        render_with = chat if hasattr(chat, "encode_chat") else str(source or self.model_source())
+        return from_spec(
+            "tinker",
+            service=service,
+            tokenizer=render_with,
+            model_name=self.served_name(source) or self.served_name(service.base_model),
+            adapters=adapters,
         )
 
     def _advertised(self, bound_url: str, host: str) -> str:
@@ -328,6 +389,8 @@ class Environment:
         native bf16), None for the in-process engine in the policy's dtype."""
         if self.serving.backend == "vllm":
             return "vllm"
+        if self.serving.backend == "tinker":  # one service samples and trains: its ppo ratio is its own
+            return None
         from agl.engine.dtype import serves_other_dtype
 
         backend = self.gateway.backend if self.gateway is not None else None
@@ -362,6 +425,12 @@ class Environment:
         if self.vllm_server is not None:
             self.vllm_server.stop()
             self.vllm_server = None
+        if self.tinker is not None:
+            server = self.tinker.server
+            self.tinker.close()
+            self.tinker = None
+            if server is not None:
+                server.stop()
 
 
 def prune(folder: Path, keep: int) -> None:

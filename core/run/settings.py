@@ -20,7 +20,7 @@ from agl.gateway.serve import API_KEY_ENV, check_public_bind
 __all__ = ["BACKENDS", "Serving"]
 
 #: the backend names a run can serve with (besides a ``Backend`` instance)
-BACKENDS = ("transformers", "vllm", "scripted", "openai")
+BACKENDS = ("transformers", "vllm", "scripted", "openai", "tinker")
 
 
 def _help(text: str) -> dict[str, str]:
@@ -35,8 +35,9 @@ class Serving:
         default="transformers",
         metadata=_help(
             "what serves the policy: transformers (embedded, in-process weight swaps), vllm (vllm_url; "
-            "LoRA adapters loaded at run time), scripted (script; tests), openai (base_url; dev only), "
-            "or an agl.gateway Backend instance"
+            "LoRA adapters loaded at run time), tinker (a Tinker-API training service: tinker_url or "
+            "tinker_python; the update runs there too), scripted (script; tests), openai (base_url; dev "
+            "only), or an agl.gateway Backend instance"
         ),
     )
     model: Any = field(
@@ -63,6 +64,39 @@ class Serving:
     )
     vllm_port: int = field(
         default=0, metadata=_help("vllm backend, managed server: its port (0: a free one)")
+    )
+    tinker_url: str | None = field(
+        default=None,
+        metadata=_help(
+            "tinker backend: a Tinker-API service's URL (Tinker, Fireworks, a running skyrl-tx; else give "
+            "tinker_python); its key is read from $TINKER_API_KEY (tinker_api_key_env), never stored"
+        ),
+    )
+    tinker_python: str | None = field(
+        default=None,
+        metadata=_help(
+            "tinker backend: an interpreter with skyrl-tx installed (scripts/tinker-env.sh); agl starts "
+            "SkyRL's Tinker server on the run's model, logs to run_dir/tinker/tinker.log, restarts it "
+            "if it dies, stops it at the end"
+        ),
+    )
+    base_model: str | None = field(
+        default=None,
+        metadata=_help(
+            "tinker backend: the service's name of the base model (e.g. Qwen/Qwen3-8B; default with "
+            "tinker_python: the run's model); the tokenizer comes from model (a local folder)"
+        ),
+    )
+    tinker_api_key_env: str = field(
+        default="TINKER_API_KEY",
+        metadata=_help("tinker backend: the environment variable holding the service's API key"),
+    )
+    tinker_timeout_s: float = field(
+        default=600.0,
+        metadata=_help(
+            "tinker backend: the longest one call to the service may take (a lost service fails the "
+            "run within a few of these, naming its URL and the last good step)"
+        ),
     )
     script: Any = field(default=None, metadata=_help("scripted backend: the replies"))
     store: Any = field(default=None, metadata=_help("a Store or URL (None: SQLite in run_dir)"))
@@ -119,6 +153,7 @@ class Serving:
                 "backend='vllm' needs vllm_url (a running vLLM OpenAI server, e.g. http://host:8000/v1) or "
                 "vllm_python (an interpreter with vLLM installed: agl starts the server)"
             )
+        self._check_tinker()
         if self.vllm_url and self.vllm_python:
             raise UsageError("give vllm_url (a running server) or vllm_python (agl starts one), not both")
         if not isinstance(self.engine, EngineSettings):
@@ -131,6 +166,38 @@ class Serving:
         host, _ = self.bind
         if self.gateway_url is None:
             check_public_bind(host, self.gateway_api_key)
+
+    def _check_tinker(self) -> None:
+        """The tinker backend's settings: a service (URL or an interpreter to start one), a base model
+        name for a URL, a sane timeout; and none of them asked of another backend."""
+        given = [k for k in ("tinker_url", "tinker_python", "base_model") if getattr(self, k)]
+        if self.backend != "tinker":
+            if given:
+                raise UsageError(f"{', '.join(given)}: settings of backend='tinker', not {self.backend!r}")
+            return
+        if not self.tinker_url and not self.tinker_python:
+            raise UsageError(
+                "backend='tinker' needs tinker_url (a Tinker-API service, e.g. https://...) or "
+                "tinker_python (an interpreter with skyrl-tx installed: agl starts SkyRL's server)"
+            )
+        if self.tinker_url and self.tinker_python:
+            raise UsageError(
+                "give tinker_url (a running service) or tinker_python (agl starts one), not both"
+            )
+        if self.tinker_url and not self.base_model:
+            raise UsageError(
+                "backend='tinker' with tinker_url needs base_model: the service's name of the base model "
+                "(e.g. 'Qwen/Qwen3-4B-Instruct-2507'); model= names the local folder of its tokenizer"
+            )
+        if self.tinker_url and not str(self.tinker_url).startswith(("http://", "https://")):
+            raise UsageError(f"tinker_url must be an http(s) URL, got {self.tinker_url!r}")
+        timeout = self.tinker_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise UsageError(f"tinker_timeout_s must be a number of seconds > 0, got {timeout!r}")
+        if self.vllm_url or self.vllm_python or self.base_url:
+            raise UsageError(
+                "backend='tinker' samples from the service: vllm_url, vllm_python and base_url do not apply"
+            )
 
     @property
     def bind(self) -> tuple[str, int]:

@@ -139,6 +139,10 @@ class Trainer:
                 "the vllm backend takes new weights as LoRA adapters: use LightningRL(lora=True) "
                 "(for full fine-tuning serve with backend='transformers' or restart vLLM on a checkpoint)"
             )
+        if backend == "tinker":  # what the service's losses cannot express, refused before anything starts
+            from agl.algorithms.tinker_update import check_settings
+
+            check_settings(self.config, off_policy=self.loop.off_policy)
         if (
             self.serving.runners == 0
             and self.serving.gateway_url is None
@@ -202,7 +206,7 @@ class Trainer:
         trained weights (the transformers and vllm backends)."""
         if self.loop.behaviour_logprobs is not None:
             return self.loop.behaviour_logprobs
-        return self.serving.backend in ("transformers", "vllm")
+        return self.serving.backend in ("transformers", "vllm", "tinker")
 
     # ------------------------------------------------------------------------------ setup
     def _start(self, agent: Any, *, training: bool, base_url: str | None = None) -> None:
@@ -251,6 +255,8 @@ class Trainer:
         ``source``'s), then the seeded :class:`~agl.algorithms.update.PolicyUpdate` (a LoRA per agent when asked), its warm
         start, and on rank 0 of several processes the :class:`~agl.trainer.distributed.LeaderPolicy`
         around it. Every rank builds it the same way (:func:`agl.trainer.distributed.follow_fit`)."""
+        if self.serving.backend == "tinker":
+            return self._tinker_policy(source, tokenizer)
         import torch
 
         from agl.algorithms.update import PolicyUpdate
@@ -274,6 +280,35 @@ class Trainer:
 
             load_adapter_checkpoint(self.policy, str(self.warm_adapters))
         self.policy = distributed.lead(self.policy)  # rank 0 of several: its updates run on every rank
+        return self.policy
+
+    def _tinker_policy(self, source: Any, tokenizer: Any = None) -> Any:
+        """The policy of a ``tinker`` run: LoRA training clients on the run's Tinker service (one per
+        agent with ``adapter_per_agent``), updated there (:class:`agl.algorithms.tinker_update.TinkerPolicy`)."""
+        from agl.algorithms.tinker_update import TinkerPolicy
+        from agl.run.environment import Environment
+
+        if tokenizer is not None:
+            self._tokenizer = tokenizer
+        if self.warm_adapters is not None:
+            raise UsageError(
+                "backend='tinker': warm_adapters start local LoRA folders; the service trains its own"
+            )
+        env = self.env if self.env is not None else Environment(self.serving)
+        self.env = env
+        service = env.tinker_service(
+            source,
+            adapters=list(self.agent_loras.values()) or None,
+            lora_rank=int(self.config.lora_r),
+            seed=self.loop.seed,
+        )
+        self.policy = TinkerPolicy(
+            service,
+            self.config,
+            output_dir=self.run_dir / "checkpoints",
+            adapters=dict(self.agent_loras) or None,
+            off_policy=self.loop.off_policy,
+        )
         return self.policy
 
     def close(self) -> None:

@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 #: the backend names :func:`from_spec` knows
-NAMES = ("transformers", "vllm", "scripted", "openai")
+NAMES = ("transformers", "vllm", "scripted", "openai", "tinker")
 
 
 def from_spec(name: str, *, settings: Any = None, **options: Any) -> Backend:
@@ -49,9 +49,17 @@ def from_spec(name: str, *, settings: Any = None, **options: Any) -> Backend:
     - ``vllm``: ``url`` (required), ``model``, ``api_key``, ``adapters``, ``tokenizer`` and ``render`` (who
       renders chats: agl by default where the tokenizer is found), ``server`` (a managed server, restarted
       when it dies);
-    - ``openai``: ``url`` (required), ``api_key``, ``models``, ``timeout_s``.
+    - ``openai``: ``url`` (required), ``api_key``, ``models``, ``timeout_s``;
+    - ``tinker``: ``service`` (an :class:`agl.tinker.service.TinkerService`, required), ``tokenizer``,
+      ``model_name``, ``adapters`` (an adapter per agent).
     """
-    makers = {"transformers": _transformers, "scripted": _scripted, "vllm": _vllm, "openai": _openai}
+    makers = {
+        "transformers": _transformers,
+        "scripted": _scripted,
+        "vllm": _vllm,
+        "openai": _openai,
+        "tinker": _tinker,
+    }
     if name not in makers:
         raise ValueError(f"unknown backend {name!r}: one of {', '.join(NAMES)}")
     if name == "transformers":
@@ -91,3 +99,11 @@ def _openai(*, url: str | None = None, **options: Any) -> Backend:
     if not url:
         raise ValueError("the openai backend needs base_url (an OpenAI-compatible endpoint)")
     return OpenAIBackend(url, **options)
+
+
+def _tinker(*, service: Any = None, **options: Any) -> Backend:
+    from agl.gateway.backends.tinker import TinkerBackend
+
+    if service is None:
+        raise ValueError("backend='tinker' needs service= (an agl.tinker.service.TinkerService)")
+    return TinkerBackend(service, **options)
