@@ -143,7 +143,7 @@ def instructions(python: str, case: str, n: int) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
         cmd = [
-            "valgrind", "--tool=callgrind", "--smc-check=all", "--trace-children=yes", f"--callgrind-out-file={out}",
+            "valgrind", "--tool=callgrind", "--trace-children=yes", f"--callgrind-out-file={out}",
             python, __file__, "--child", case, str(n),
         ]  # fmt: skip
         env = {**os.environ, "PYTHONMALLOC": "malloc", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -165,7 +165,11 @@ def main() -> None:
     parser.add_argument("--vs-python", required=False, help="an interpreter whose agl is the other checkout")
     parser.add_argument("--requests", type=int, default=1000, help="gateway requests counted (stored, plain)")
     parser.add_argument("--calls", type=int, default=2, help="engine replies counted (32 tokens each)")
-    parser.add_argument("--cases", default="stored,plain,engine")
+    parser.add_argument(
+        "--cases",
+        default="stored,plain",
+        help="stored, plain, engine (engine: over 10 min a run under callgrind)",
+    )
     parser.add_argument("--child", nargs=2, metavar=("CASE", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
