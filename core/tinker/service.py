@@ -27,6 +27,7 @@ run's config, its record or its logs.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import logging
@@ -37,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agl.errors import InfraError, UsageError
+from agl.errors import BackendError, InfraError, UsageError
 
 __all__ = ["API_KEY_ENV", "POLICY", "TinkerService"]
 
@@ -104,6 +105,9 @@ class TinkerService:
         #: (skyrl-tx), instead of summing over tokens (Tinker): the update scales for it
         self.sequence_mean = False
         self._lock = threading.RLock()
+        #: the recovery a gateway call started (one at a time), which later calls wait for
+        self._recovering: concurrent.futures.Future[bool] | None = None
+        self._recover_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------ connect
     def connect(self) -> TinkerService:
@@ -289,6 +293,82 @@ class TinkerService:
         prompt = tinker.ModelInput.from_ints(list(ids))
         sp = tinker.SamplingParams(**params)
         return sampler.sample(prompt=prompt, num_samples=n, sampling_params=sp), version
+
+    # ------------------------------------------------------------------------------ the gateway's calls
+    async def sample(
+        self, adapter: str | None, ids: list[int], n: int, params: dict[str, Any]
+    ) -> tuple[Any, int]:
+        """One sampling call of the gateway (asyncio): the SDK's ``SampleResponse`` and the weight version
+        that served it, after any recovery in progress, within ``sample_timeout_s``. Every failure is a
+        :class:`BackendError` (the gateway's 502: an infrastructure failure, requeued); a managed server
+        found dead fails the call at once and starts one recovery that later calls wait for."""
+        await self._wait_recovery()
+        try:
+            future, version = self.sample_future(adapter, ids, n, params)
+            return await self._answer(future), version
+        except asyncio.TimeoutError:
+            self._check_server()
+            raise BackendError(
+                f"the Tinker service at {self.url} did not sample within {self.sample_timeout_s:.0f} s"
+            ) from None
+        except BackendError:
+            self._check_server()
+            raise
+        except Exception as exc:  # the SDK's errors, a closed connection, a dead server
+            self._check_server()
+            raise BackendError(f"the Tinker service at {self.url}: {type(exc).__name__}: {exc}") from exc
+
+    async def _answer(self, future: concurrent.futures.Future[Any]) -> Any:
+        """The SDK future's answer, at most ``sample_timeout_s``. The SDK retries a refused connection
+        for hours, so a managed server found dead fails the call at once (BackendError: requeued)."""
+        waiting = asyncio.wrap_future(future)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.sample_timeout_s
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiting), min(1.0, max(end - loop.time(), 0.01)))
+            except asyncio.TimeoutError:
+                if self.server is not None and not self.server.alive():
+                    future.cancel()
+                    raise BackendError(f"the Tinker server at {self.url} died during the call") from None
+                if loop.time() >= end:
+                    future.cancel()
+                    raise
+
+    async def publish_for_gateway(self, version: int) -> None:
+        """:meth:`publish` from the gateway's push: a failure is retried once after a recovery (a
+        managed server restarted), else raised."""
+        await self._wait_recovery()
+        seen = self.restarts
+        try:
+            await asyncio.to_thread(self.publish, version)
+        except Exception as exc:
+            if not await asyncio.to_thread(self._recover_logged, seen):
+                raise
+            log.warning("agl tinker: the push of v%d failed (%s); retried after recovery", version, exc)
+            await asyncio.to_thread(self.publish, version)
+
+    def _check_server(self) -> None:
+        """A managed server found dead: start one recovery in a thread (the call fails as retriable)."""
+        if self.server is None or self.server.alive():
+            return
+        with self._recover_lock:
+            if self._recovering is None or self._recovering.done():
+                pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agl-tinker-recover")
+                self._recovering = pool.submit(self._recover_logged, self.restarts)
+                pool.shutdown(wait=False)
+
+    def _recover_logged(self, seen: int | None = None) -> bool:
+        try:
+            return bool(self.recover(seen))
+        except Exception:  # noqa: BLE001 - the next calls fail on the service and say so
+            log.exception("agl tinker: recovering the Tinker server failed")
+            return False
+
+    async def _wait_recovery(self) -> None:
+        pending = self._recovering
+        if pending is not None and not pending.done():
+            await asyncio.wrap_future(pending)
 
     # ------------------------------------------------------------------------------ recovery
     def recover(self, seen: int | None = None) -> bool:

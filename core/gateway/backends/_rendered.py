@@ -55,6 +55,18 @@ class Rendered:
     forced_tokens: int
     max_new: int | None
 
+    def result(self, request: GenerationRequest, choices: list[Choice], **more: Any) -> GenerationResult:
+        """The call's result: ``choices`` sampled after this prompt (``more``: the result's other fields)."""
+        return GenerationResult(
+            model=request.model,
+            choices=choices,
+            prompt_ids=list(self.ids),
+            prompt_tokens=len(self.ids),
+            prompt_text=self.text,
+            forced_tokens=self.forced_tokens,
+            **more,
+        )
+
 
 def forced_prefix(request: GenerationRequest) -> str:
     """The opening ``tool_choice`` forces (``""``: none); an unsupported value is a 400."""
@@ -184,15 +196,7 @@ def rendered_result(
                 eos,
             )
         )
-    return GenerationResult(
-        model=request.model,
-        choices=choices,
-        prompt_ids=list(rendered.ids),
-        prompt_tokens=len(rendered.ids),
-        prompt_text=rendered.text,
-        forced_tokens=rendered.forced_tokens,
-        raw={"usage": data.get("usage")} if data.get("usage") else None,
-    )
+    return rendered.result(request, choices, raw={"usage": data.get("usage")} if data.get("usage") else None)
 
 
 def check_prompt(engine_ids: Any, rendered: Rendered) -> None:

@@ -13,17 +13,13 @@ that sampler's weight version on the span. :meth:`push` takes up the weights the
 (``save_weights_and_get_sampling_client`` per adapter) as the step's version.
 
 A service error or timeout is a :class:`BackendError` (the gateway's 502, an infrastructure failure:
-the rollout is requeued, never scored). When the managed server is found dead, the call that saw it
-starts one recovery (:meth:`~agl.tinker.service.TinkerService.recover`: restart, last saved state,
-samplers again) and fails as retriable; later calls wait for the recovery before sampling.
+the rollout is requeued, never scored): :meth:`~agl.tinker.service.TinkerService.sample` bounds the
+call, and a managed server found dead starts one recovery (restart, last saved state, samplers again)
+that later calls wait for.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import logging
-import threading
 from typing import Any
 
 from agl.gateway.backends import _rendered
@@ -31,8 +27,6 @@ from agl.gateway.backends.base import Backend, BackendError, GenerationRequest, 
 from agl.semconv import BASE_ADAPTER
 
 __all__ = ["TinkerBackend"]
-
-log = logging.getLogger("agl.gateway")
 
 #: max_tokens when a call sets none (the service requires one)
 _DEFAULT_MAX_TOKENS = 512
@@ -65,8 +59,6 @@ class TinkerBackend(Backend):
         self.model_name = model_name or "model"
         self.adapters = list(adapters or [])
         self.max_context = max_context
-        self._recovering: concurrent.futures.Future[bool] | None = None
-        self._recover_lock = threading.Lock()
 
     @property
     def restarts(self) -> int:
@@ -93,24 +85,7 @@ class TinkerBackend(Backend):
         raw = request.raw if isinstance(request.raw, dict) else {}
         if raw.get("top_k") is not None:
             params["top_k"] = int(raw["top_k"])
-        await self._wait_recovery()
-        try:
-            future, version = self.service.sample_future(request.adapter, rendered.ids, request.n, params)
-            response = await self._result(future)
-        except asyncio.TimeoutError:
-            self._check_server()
-            raise BackendError(
-                f"the Tinker service at {self.service.url} did not sample within "
-                f"{self.service.sample_timeout_s:.0f} s"
-            ) from None
-        except BackendError:
-            self._check_server()
-            raise
-        except Exception as exc:  # the SDK's errors, a closed connection, a dead server
-            self._check_server()
-            raise BackendError(
-                f"the Tinker service at {self.service.url}: {type(exc).__name__}: {exc}"
-            ) from exc
+        response, version = await self.service.sample(request.adapter, rendered.ids, request.n, params)
         choices = [
             _rendered.rendered_choice(
                 self.tokenizer,
@@ -124,75 +99,13 @@ class TinkerBackend(Backend):
             )
             for seq in response.sequences
         ]
-        return GenerationResult(
-            model=request.model,
-            choices=choices,
-            prompt_ids=list(rendered.ids),
-            prompt_tokens=len(rendered.ids),
-            prompt_text=rendered.text,
-            forced_tokens=rendered.forced_tokens,
-            weight_version=version,
-            adapter=(request.adapter or BASE_ADAPTER) if self.adapters else None,
-        )
-
-    async def _result(self, future: concurrent.futures.Future[Any]) -> Any:
-        """The SDK future's answer, at most ``sample_timeout_s``. The SDK retries a refused connection
-        for hours, so a managed server found dead fails the call at once (BackendError: requeued)."""
-        waiting = asyncio.wrap_future(future)
-        loop = asyncio.get_running_loop()
-        end = loop.time() + self.service.sample_timeout_s
-        server = getattr(self.service, "server", None)
-        while True:
-            try:
-                return await asyncio.wait_for(asyncio.shield(waiting), min(1.0, max(end - loop.time(), 0.01)))
-            except asyncio.TimeoutError:
-                if server is not None and not server.alive():
-                    future.cancel()
-                    raise BackendError(
-                        f"the Tinker server at {self.service.url} died during the call"
-                    ) from None
-                if loop.time() >= end:
-                    future.cancel()
-                    raise
+        adapter = (request.adapter or BASE_ADAPTER) if self.adapters else None
+        return rendered.result(request, choices, weight_version=version, adapter=adapter)
 
     # ------------------------------------------------------------------------------ weights
     async def push(self, policy: Any, *, version: int | None = None, staging_dir: Any = None) -> int:
         """Serve the service's current weights of every adapter as ``version`` (the files stay on the
         service: ``staging_dir`` is not used)."""
         target = self.weight_version + 1 if version is None else int(version)
-        await self._wait_recovery()
-        seen = self.service.restarts
-        try:
-            await asyncio.to_thread(self.service.publish, target)
-        except Exception as exc:
-            if not await asyncio.to_thread(self._recover_now, seen):
-                raise
-            log.warning(
-                "agl gateway: the Tinker push of v%d failed (%s); retried after recovery", target, exc
-            )
-            await asyncio.to_thread(self.service.publish, target)
+        await self.service.publish_for_gateway(target)
         return self._bump_version(target)
-
-    # ------------------------------------------------------------------------------ recovery
-    def _check_server(self) -> None:
-        """A managed server found dead: start one recovery in a thread (the call fails as retriable)."""
-        server = getattr(self.service, "server", None)
-        if server is None or server.alive():
-            return
-        with self._recover_lock:
-            if self._recovering is None or self._recovering.done():
-                pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agl-tinker-recover")
-                self._recovering = pool.submit(self._recover_now, self.service.restarts)
-                pool.shutdown(wait=False)
-
-    def _recover_now(self, seen: int | None = None) -> bool:
-        try:
-            return bool(self.service.recover(seen))
-        except Exception:  # noqa: BLE001 - the next calls fail on the service and say so
-            log.exception("agl gateway: recovering the Tinker server failed")
-            return False
-
-    async def _wait_recovery(self) -> None:
-        pending = self._recovering
-        if pending is not None and not pending.done():
-            await asyncio.wrap_future(pending)
