@@ -56,7 +56,7 @@ def test_wheel_maps_core_and_integrations(wheel: zipfile.ZipFile) -> None:
 def test_wheel_metadata_has_extras_entry_points_and_script(wheel: zipfile.ZipFile) -> None:
     dist_info = next(n.split("/")[0] for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
     metadata = wheel.read(f"{dist_info}/METADATA").decode()
-    for extra in ("langchain", "openai-agents", "autogen", "crewai", "train", "all"):
+    for extra in ("langchain", "openai-agents", "autogen", "crewai", "train", "tinker", "all"):
         assert f"Provides-Extra: {extra}" in metadata
     # The pins that keep a resolver off the legacy autogen 0.2 line.
     assert "autogen-agentchat==0.7.5" in metadata
