@@ -5,6 +5,7 @@ pushes every agent's adapter by name as one weight version, and each agent's cal
 from __future__ import annotations
 
 import copy
+import hashlib
 import itertools
 import sys
 import threading
@@ -84,8 +85,24 @@ def test_vllm_loads_each_agents_adapter_by_name_and_routes_its_calls(tmp_path: P
     versions = [r["resources_version"] for r in trainer.history]
     loads = [(b["lora_name"], Path(b["lora_path"])) for k, b in fake.requests if k == "load_lora_adapter"]
     pushed = sorted({int(p.parent.name[1:]) for _, p in loads})
-    assert len(loads) == 2 * len(versions)
-    assert pushed == versions  # each step pushes before its rollouts: both adapters, every version
+    assert pushed == versions  # each step pushes before its rollouts
+    # a push loads every adapter whose weights changed since the push before (all of them the first
+    # time); one an update left unchanged (no gradient reached it) keeps serving its loaded copy
+    digests = {
+        (v, a): hashlib.sha256(
+            (tmp_path / "adapters" / f"v{v}" / a / "adapter_model.safetensors").read_bytes()
+        ).hexdigest()
+        for v in versions
+        for a in AGENTS
+    }
+    expected = {
+        (f"v{v}", a)
+        for i, v in enumerate(versions)
+        for a in AGENTS
+        if i == 0 or digests[(v, a)] != digests[(versions[i - 1], a)]
+    }
+    assert sorted((p.parent.name, p.name) for _, p in loads) == sorted(expected)
+    assert len(expected) > len(AGENTS)  # the update changed at least one adapter, which was loaded again
     for name, path in loads:
         adapter = path.name
         assert name == f"policy-{adapter}-{path.parent.name}" and adapter in AGENTS
