@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import agl
+import agl.store
 from agl import semconv as sc
 from agl.config import RolloutSettings
 
@@ -320,3 +321,34 @@ def test_a_lost_service_fails_the_run_in_bounded_time_naming_it(tinker_python: s
         server.stop()
     assert killed and time.monotonic() - killed[0] < 8 * 20.0  # a few timeouts, not the SDK's two hours
     assert server.url in str(info.value) and "last good step was 1" in str(info.value)
+
+
+def test_agl_train_backend_tinker_trains_the_unchanged_agent(skyrl: Any, tmp_path: Path) -> None:
+    """``agl train --backend tinker --tinker-url URL --base-model NAME``: the command line a user types
+    trains learn_on_cpu's agent, unchanged, one step on the service, exact ids on every span, and the
+    run's config records the service but no key."""
+    from agl.cli import main
+    from examples.learn_on_cpu.data import split
+
+    train, _ = split(n_val=4)
+    tasks = tmp_path / "train.jsonl"
+    tasks.write_text("".join(json.dumps(t) + "\n" for t in train[:4]))
+    run = tmp_path / "run"
+    argv = [
+        "train", "--agent", "examples.learn_on_cpu.agent:calc_agent", "--train", str(tasks),
+        "--backend", "tinker", "--tinker-url", skyrl.url, "--base-model", skyrl.base_model,
+        "--tinker-timeout-s", "300", "--steps", "1", "--tasks-per-step", "1", "--group-size", "4",
+        "--lora-r", "8", "--learning-rate", "3e-3", "--max-tokens", str(MAX_TOKENS), "--val-every", "0",
+        "--run-dir", str(run), "--seed", "0",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    steps = [r for r in _records(run) if "rollouts" in r]
+    assert len(steps) == 1 and steps[0]["rollouts_failed"] == 0 and steps[0]["exact_token_ratio"] == 1.0
+    store = agl.store.open(f"sqlite:///{run / 'store.db'}")
+    try:
+        spans = _server_spans(store)
+        assert len(spans) == 4 and all(s.attributes[sc.AGL_LLM_EXACT] is True for s in spans)
+    finally:
+        store.close()
+    saved = (run / "config.yaml").read_text()
+    assert "backend: tinker" in saved and skyrl.url in saved and "sk-" not in saved
