@@ -320,24 +320,7 @@ def datums(
     import tinker
 
     built = _Built()
-    seqs, _ = (merge_transitions if merge else per_call_trajectories)(transitions)
-    trained = {
-        i
-        for i, t in enumerate(transitions)
-        if t.response_ids and not (config.mask_truncated and t.truncated) and float(advantages[i]) != 0.0
-    }
-    factors = balance_weights(transitions, trained, config.loss_balance)
-    weighted = [float(a) * w for a, w in zip(advantages, factors, strict=True)]
-    rows = []
-    for seq in seqs:
-        mask = list(seq.loss_mask)
-        for seg in seq.segments:
-            if seg.transition not in trained:
-                mask[seg.start : seg.end] = [0] * (seg.end - seg.start)
-        if not any(mask):
-            continue
-        built.trained_calls += sum(1 for seg in seq.segments if seg.transition in trained)
-        rows.append((seq, mask, token_advantages(seq, weighted)))
+    rows = _rows(transitions, advantages, config, merge, built)
     n_tok = sum(sum(m) for _, m, _ in rows)
     if not rows:
         return built
@@ -373,7 +356,52 @@ def datums(
     built.real = len(built.data)
     built.sequences = len(rows)
     built.trained_tokens = n_tok
-    while len(built.data) < n_data:  # zero-weight data: the same shape, no gradient
+    _pad(built, n_data)
+    if any(seq.logprobs is None for seq, _, _ in rows):
+        log.warning(
+            "agl tinker: some sequences carry no behaviour log-probs; their ratio is taken against 0 "
+            "(record them: the tinker backend returns them on every call)"
+        )
+    return built
+
+
+def _rows(
+    transitions: Sequence[Transition],
+    advantages: Sequence[float],
+    config: RunConfig,
+    merge: bool,
+    built: _Built,
+) -> list[tuple[Any, list[int], list[float]]]:
+    """``(sequence, loss mask, token advantages)`` of each sequence with a trained token: the calls
+    that train (a reply, not masked as truncated, a non-zero advantage) keep their mask, weighted by
+    the loss balance; ``built.trained_calls`` counts them."""
+    seqs, _ = (merge_transitions if merge else per_call_trajectories)(transitions)
+    trained = {
+        i
+        for i, t in enumerate(transitions)
+        if t.response_ids and not (config.mask_truncated and t.truncated) and float(advantages[i]) != 0.0
+    }
+    factors = balance_weights(transitions, trained, config.loss_balance)
+    weighted = [float(a) * w for a, w in zip(advantages, factors, strict=True)]
+    rows = []
+    for seq in seqs:
+        mask = list(seq.loss_mask)
+        for seg in seq.segments:
+            if seg.transition not in trained:
+                mask[seg.start : seg.end] = [0] * (seg.end - seg.start)
+        if not any(mask):
+            continue
+        built.trained_calls += sum(1 for seg in seq.segments if seg.transition in trained)
+        rows.append((seq, mask, token_advantages(seq, weighted)))
+    return rows
+
+
+def _pad(built: _Built, n_data: int) -> None:
+    """Zero-weight data up to ``n_data``: the same shape as the first datum, no gradient (the service
+    then compiles one program per bucket of data, not one per batch)."""
+    import tinker
+
+    while len(built.data) < n_data:
         first = built.data[0]
         zeros = [0.0] * len(first.loss_fn_inputs["advantages"].data)
         built.data.append(
@@ -387,12 +415,6 @@ def datums(
                 },
             )
         )
-    if any(seq.logprobs is None for seq, _, _ in rows):
-        log.warning(
-            "agl tinker: some sequences carry no behaviour log-probs; their ratio is taken against 0 "
-            "(record them: the tinker backend returns them on every call)"
-        )
-    return built
 
 
 def _outputs(out: Any) -> list[dict[str, Any]]:
