@@ -284,17 +284,7 @@ class VLLMServer:
     def stop(self, timeout_s: float = 40.0) -> None:
         """SIGTERM the launcher (it stops the server), then SIGKILL the whole group if it lingers."""
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            try:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-            finally:
-                _kill_group(proc.pid)
-                proc.wait(timeout=10)
-        elif proc is not None:
-            _kill_group(proc.pid)  # the launcher is gone: anything left in its group goes too
+        stop_process(proc, timeout_s)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -324,6 +314,22 @@ class VLLMServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def stop_process(proc: subprocess.Popen[Any] | None, timeout_s: float) -> None:
+    """Stop a server started through the launcher: SIGTERM (it stops the server), up to ``timeout_s``,
+    then SIGKILL its whole process group — also when the launcher is gone, so nothing it left runs on."""
+    if proc is None:
+        return
+    try:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        _kill_group(proc.pid)
+        proc.wait(timeout=10)
 
 
 def _kill_group(pgid: int) -> None:

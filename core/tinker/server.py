@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agl.engine.vllm_server import _LAUNCHER, _LIVE, _free_port, _kill_group
+from agl.engine.vllm_server import _LAUNCHER, _LIVE, _free_port, _kill_group, stop_process
 from agl.errors import InfraError, UsageError
 
 __all__ = ["PYTHON_ENV", "SkyRLServer", "server_model_folder", "tinker_python_from_env"]
@@ -253,18 +253,8 @@ class SkyRLServer:
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM the launcher (it stops the server and its engine), then SIGKILL the group."""
-        import signal
-
         proc, self.proc = self.proc, None
-        if proc is not None:
-            if proc.poll() is None:
-                try:
-                    proc.send_signal(signal.SIGTERM)
-                    proc.wait(timeout=timeout_s)
-                except subprocess.TimeoutExpired:
-                    pass
-            _kill_group(proc.pid)
-            proc.wait(timeout=10)
+        stop_process(proc, timeout_s)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
