@@ -261,8 +261,25 @@ def test_an_adapter_per_agent_is_served_by_name(
     assert {f"{NAME}-writer-v21", f"{NAME}-rewriter-v21"} <= set(listed)
 
 
-#: the in-flight call's length: long enough to stream on well past the push's return, under load too
-LONG = 200
+def in_flight_length(client: Any, push_s: float) -> int:
+    """How many tokens the in-flight call asks for: enough to stream on for the push's time thrice
+    and 5 s more at this machine's decode rate (measured on a short call), 200 at the least, under
+    the server's context. A fixed length raced: a CPU with fast bf16 kernels can stream 200 tokens
+    before a push has paused the server, so the "in flight" call was already over (a CI failure)."""
+    arrivals: list[float] = []
+    stream = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append(time.monotonic())
+    rate = (len(arrivals) - 1) / max(arrivals[-1] - arrivals[0], 1e-3)  # tokens a second, past the first
+    return int(min(max(200, rate * (3 * push_s + 5)), 1800))
 
 
 def test_a_call_in_flight_keeps_its_adapter_across_a_paused_push(
@@ -271,25 +288,32 @@ def test_a_call_in_flight_keeps_its_adapter_across_a_paused_push(
     url, _ = vllm
     chat = [{"role": "user", "content": "Count from one to one hundred."}]
     seen: list[float] = []  # arrival time of each streamed chunk
+    failed: list[BaseException] = []  # what the call raised, in its thread
     with serve_gateway(VLLMBackend(url, pause_on_push=True), store) as gw:
         client = openai.OpenAI(base_url=gw.for_rollout(*rollout), api_key="x")
         # a first push, with nothing in flight, asks the server once whether it pauses (its OpenAPI
         # schema: over a second under load), so the timed push below pauses at once
         first = {"path": str(adapters[1]), "version": 30}
+        began = time.monotonic()
         assert httpx.post(gw.root + "/agl/v1/adapters", json=first, timeout=600).status_code == 200
+        rate_client = openai.OpenAI(base_url=gw.for_rollout(*start_rollout(store, "ro-rate")), api_key="x")
+        long = in_flight_length(rate_client, time.monotonic() - began)
 
         def call() -> None:
-            stream = client.chat.completions.create(
-                model=NAME,
-                messages=chat,
-                max_tokens=LONG,
-                temperature=1.0,
-                seed=5,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            )
-            for _ in stream:
-                seen.append(time.monotonic())
+            try:
+                stream = client.chat.completions.create(
+                    model=NAME,
+                    messages=chat,
+                    max_tokens=long,
+                    temperature=1.0,
+                    seed=5,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                for _ in stream:
+                    seen.append(time.monotonic())
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the test's thread below
+                failed.append(exc)
 
         worker = threading.Thread(target=call)
         worker.start()
@@ -301,14 +325,18 @@ def test_a_call_in_flight_keeps_its_adapter_across_a_paused_push(
         )
         pushed_at = time.monotonic()
         worker.join(timeout=600)
-        assert r.status_code == 200 and not httpx.get(url[:-3] + "/is_paused").json()["is_paused"]
+        if failed:
+            raise failed[0]
+        assert r.status_code == 200, r.text
+        assert not httpx.get(url[:-3] + "/is_paused").json()["is_paused"]
     # the push happened while the call was generating: it began before the call's end, and the
     # call went on after it returned (the old copies are unloaded after the resume, while the
     # call streams on: a short call could end before the push returns)
-    assert before_push < len(seen) and seen[-1] > pushed_at
+    timing = f"{before_push} of {len(seen)} chunks before the push; the last {seen[-1] - pushed_at:+.2f} s after it"
+    assert before_push < len(seen) and seen[-1] > pushed_at, timing
     (span,) = server_spans(store, rollout[0])
     prompt, response, served = span_ids(span)
-    assert len(response) == LONG and span.attributes[sc.AGL_LLM_WEIGHT_VERSION] == 30
+    assert len(response) == long and span.attributes[sc.AGL_LLM_WEIGHT_VERSION] == 30
     # every token, before and after the push, came from the weights the call was admitted with
     assert max_diff(served, adapter_logprobs(base, adapters[1], prompt, response)) < BF16_TOL
     assert max_diff(served, adapter_logprobs(base, adapters[2], prompt, response)) > BF16_TOL
