@@ -85,12 +85,13 @@ def add_train_options(t: argparse.ArgumentParser, name: str, item: str) -> None:
     add_config_options(
         t,
         RunConfig,
-        ["max_tokens", "temperature", "learning_rate", "lora_r", "kl_coef"],
+        ["max_tokens", "temperature", "learning_rate", "lora_r", "kl_coef", "loss_balance"],
         max_tokens={"help": "the longest reply the agent's model may write"},
         temperature={"default": 0.7, "help": "the sampling temperature (the update's too)"},
         learning_rate={"default": None, "help": "the update's learning rate (default: the example's)"},
         lora_r={"help": "LoRA rank"},
         kl_coef={"help": "KL penalty to the starting policy (keeps RL near the warm start)"},
+        loss_balance={"choices": ["token", "transition", "rollout"]},
     )
     t.add_argument(
         "--credit",
@@ -239,6 +240,7 @@ def lightning_rl(args: argparse.Namespace, **more: Any) -> Any:
         gradient_checkpointing=checkpointing_arg(args),
         micro_batch_tokens=args.micro_batch_tokens,
         mask_truncated=args.mask_truncated,
+        loss_balance=args.loss_balance,
         **more,
     )
 
