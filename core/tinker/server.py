@@ -18,21 +18,18 @@ a test against the real server needs it started with what nothing in its own mes
 - readiness: ``GET /api/v1/healthz`` answers 200 (the engine then loads the model on its own: the
   first request waits for it); a server that exits first fails at once with the end of its log;
 - its output goes to ``log_path`` (the run directory's ``tinker.log``); it stops with :meth:`stop`,
-  at interpreter exit, and when agl's process dies (the launcher of :mod:`agl.engine.vllm_server`).
+  at interpreter exit, and when agl's process dies (:class:`agl.engine.process.ManagedProcess`, as
+  the managed vLLM server).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
-import subprocess
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
-from agl.engine.vllm_server import _LAUNCHER, _LIVE, _free_port, _kill_group, stop_process
+from agl.engine.process import ManagedProcess
 from agl.errors import InfraError, UsageError
 
 __all__ = ["PYTHON_ENV", "SkyRLServer", "server_model_folder", "tinker_python_from_env"]
@@ -48,7 +45,6 @@ MIN_SLOTS = 4
 #: where tests and the ``tinker`` tox env name the interpreter that has skyrl-tx installed
 PYTHON_ENV = "AGL_TINKER_PYTHON"
 _MODULE = "tx.tinker.api"
-_LOG_TAIL = 3000
 
 
 def tinker_python_from_env() -> str | None:
@@ -92,7 +88,7 @@ def _write_json(path: Path, data: Any) -> None:
         tmp.replace(path)
 
 
-class SkyRLServer:
+class SkyRLServer(ManagedProcess):
     """``SkyRLServer(model_dir, python="/work/tinker-venv/bin/python", state_dir=...).start()`` →
     ``.url`` (the service URL the Tinker SDK takes as ``base_url``) and ``.base_model`` (the name its
     clients ask for: the derived folder's path).
@@ -101,6 +97,11 @@ class SkyRLServer:
     ``max_lora_adapters``, plus one spare for a restore); ``lora_rank``: the largest rank asked for.
     ``port=0``: a free port, kept across restarts.
     """
+
+    what = "Tinker server"
+    error = InfraError
+    poll_s = 0.5
+    stop_timeout_s = 20.0
 
     def __init__(
         self,
@@ -116,7 +117,14 @@ class SkyRLServer:
         startup_timeout_s: float = 300.0,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.python = python or tinker_python_from_env()
+        state = Path(state_dir).resolve()
+        super().__init__(
+            host=host,
+            port=port,
+            log_path=log_path if log_path is not None else state / "tinker.log",
+            startup_timeout_s=startup_timeout_s,
+            python=python or tinker_python_from_env(),
+        )
         if not self.python:
             raise UsageError(
                 "a managed Tinker server needs an interpreter with skyrl-tx installed (tinker_python=, "
@@ -126,19 +134,12 @@ class SkyRLServer:
             raise UsageError(f"tinker_python {self.python!r}: no such interpreter")
         if int(lora_rank) < 1 or int(adapters) < 1:
             raise UsageError(f"lora_rank and adapters must be >= 1, got {lora_rank} and {adapters}")
-        self.state_dir = Path(state_dir).resolve()
+        self.state_dir = state
         self.model_dir = server_model_folder(model, self.state_dir / "model")
-        self.host, self.port = host, int(port)
         self.lora_rank, self.adapters = int(lora_rank), int(adapters)
-        self.log_path = Path(log_path) if log_path is not None else self.state_dir / "tinker.log"
-        self.startup_timeout_s = startup_timeout_s
         self.env = env
         #: JAX's persistent compilation cache (``$AGL_JAX_CACHE``, else ``~/.cache/agl/jax``)
         self.jax_cache = Path(os.environ.get("AGL_JAX_CACHE") or Path.home() / ".cache" / "agl" / "jax")
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-        self._lock = threading.Lock()
-        self._log_file: Any = None
 
     @property
     def base_model(self) -> str:
@@ -147,8 +148,7 @@ class SkyRLServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{self.hostport}"
 
     def command(self) -> list[str]:
         backend_config = {
@@ -193,93 +193,11 @@ class SkyRLServer:
             env.pop(key, None)
         return env
 
-    def start(self) -> SkyRLServer:
-        """Start the server and wait until it answers; InfraError (with the end of its log) when it
-        exits first or does not come up in time."""
-        with self._lock:
-            if self.alive():
-                return self
-            if self.port == 0:
-                self.port = _free_port(self.host)
-            self._spawn()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _spawn(self) -> None:
-        argv = self.command()
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+    def prepare(self) -> None:
         (self.state_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - kept open while the server runs
-        self._log_file.write(f"\n=== agl: {shlex.join(argv)}\n".encode())
-        self._log_file.flush()
-        self.proc = subprocess.Popen(
-            [str(self.python), "-c", _LAUNCHER, str(os.getpid()), *argv],
-            env=self.environment(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # the API server and its engine: one process group
-        )
-        self.starts += 1
-        _LIVE.add(self)  # type: ignore[arg-type]  # stopped at interpreter exit like a vLLM server
 
-    def wait_ready(self) -> None:
+    def is_ready(self) -> bool:
+        """``GET /api/v1/healthz`` answers 200 (the engine then loads the model on its own)."""
         import httpx
 
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise InfraError(
-                    f"the Tinker server exited with status {self.proc.returncode if self.proc else '?'} "
-                    f"before it was ready: {self._log_tail()}"
-                )
-            try:
-                if httpx.get(self.url + "/api/v1/healthz", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise InfraError(
-            f"the Tinker server did not answer on {self.url} within {self.startup_timeout_s:.0f} s: "
-            f"{self._log_tail()}"
-        )
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM the launcher (it stops the server and its engine), then SIGKILL the group."""
-        proc, self.proc = self.proc, None
-        stop_process(proc, timeout_s)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-        _LIVE.discard(self)  # type: ignore[arg-type]
-
-    def restart(self) -> SkyRLServer:
-        self.stop()
-        return self.start()
-
-    def kill(self) -> None:
-        """SIGKILL the server's whole process group at once (what a crash does; for tests)."""
-        if self.proc is not None:
-            _kill_group(self.proc.pid)
-            self.proc.wait(timeout=10)
-
-    def _log_tail(self) -> str:
-        if not self.log_path.exists():
-            return "(no log)"
-        if self._log_file is not None:
-            self._log_file.flush()
-        data = self.log_path.read_bytes()[-_LOG_TAIL:].decode(errors="replace")
-        return f"the end of {self.log_path}:\n{data}"
-
-    def __enter__(self) -> SkyRLServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        return httpx.get(self.url + "/api/v1/healthz", timeout=5).status_code == 200
