@@ -16,7 +16,7 @@ import pytest
 
 import agl
 from agl.adapter import Adapter, failure_kind
-from agl.adapter.failures import is_infra_error
+from agl.adapter.failures import attempt_kind, is_infra_error
 from agl.errors import InfraError, UsageError
 from agl.runner.runner import Runner
 from agl.store.memory import MemoryStore
@@ -101,6 +101,7 @@ def test_each_way_an_attempt_ends_gets_its_kind(store: MemoryStore) -> None:
         assert kind == CASES[r.input["do"]], (r.input["do"], r.status, r.attempts[-1].error)
         spans = store.query_spans(rollout_id=r.id, attempt=1)
         assert failure_kind(r, spans) == kind  # the function alone says the same
+        assert attempt_kind(r, 1, spans) == kind  # and so does the one attempt's own kind
     # every transition carries its rollout's kind: the "wrong" answer's call is a task, its reward 0
     kinds = {t.rollout_id: t.failure_kind for t in transitions}
     assert kinds["ro-wrong"] == "task" and kinds["ro-bug"] == "agent" and kinds["ro-no_reward"] == "no_reward"
@@ -112,6 +113,43 @@ def test_each_way_an_attempt_ends_gets_its_kind(store: MemoryStore) -> None:
     rows = {line.split()[0]: line.split() for line in table.splitlines()[1:-1]}
     assert table.splitlines()[0].split()[5] == "KIND"
     assert {rid: row[5] for rid, row in rows.items()} == {f"ro-{do}": kind for do, kind in CASES.items()}
+
+
+def test_each_retried_attempt_says_why_it_was_retried(store: MemoryStore) -> None:
+    """A rollout tried three times by the store: a 502 (infra), then the agent's bug (agent), then an
+    answer (task). Each attempt carries its own kind in `agl rollouts show` and on the dashboard's
+    rollout page; the rollout's kind is its deciding attempt's."""
+    from starlette.testclient import TestClient
+
+    from agl.dashboard import create_dashboard_app
+    from agl.gateway.testing import ScriptedBackend, serve_gateway
+    from agl.reports.inspect import attempt_kinds_of, failure_kind_of, format_rollout
+
+    tries: list[int] = []
+
+    def flaky(task: dict, resources: agl.Resources) -> float:
+        tries.append(1)
+        if len(tries) == 1:
+            _ask(resources, "FAIL")  # the gateway's 502: the client raises
+        if len(tries) == 2:
+            raise KeyError("the agent's own bug")
+        return 1.0 if _ask(resources, "hi") == "ok" else 0.0
+
+    with serve_gateway(ScriptedBackend(script), store) as url:
+        store.add_resources({"main": LLM(base_url=str(url), model="scripted")})
+        (r,) = store.enqueue([NewRollout(id="ro-thrice", config=RolloutConfig(max_attempts=3))])
+        Runner(flaky, store, concurrency=1, claim_timeout_s=0.05).run(until_idle=True)
+    rollout = store.get_rollout(r.id)
+    assert [a.status for a in rollout.attempts] == ["failed", "failed", "succeeded"]
+    kinds = attempt_kinds_of(store, rollout)
+    assert kinds == {1: "infra", 2: "agent", 3: "task"} and failure_kind_of(store, rollout) == "task"
+    shown = format_rollout(rollout, kinds=kinds).splitlines()
+    lines = {n: next(line for line in shown if line.startswith(f"  #{n} ")) for n in kinds}
+    assert all(line.rstrip().endswith(kinds[n]) for n, line in lines.items()), lines
+    with TestClient(create_dashboard_app(store)) as client:
+        page = client.get(f"/api/rollouts/{r.id}").json()
+    assert page["failure_kind"] == "task"
+    assert [a["failure_kind"] for a in page["attempts"]] == ["infra", "agent", "task"]
 
 
 def test_an_attempt_whose_runner_died_is_infra(store: MemoryStore) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "FAILURE_KINDS",
     "INFRA_ERROR_TYPES",
     "FailureKind",
+    "attempt_kind",
     "deciding_attempt",
     "failure_kind",
     "is_infra_error",
@@ -170,3 +171,16 @@ def failure_kind(rollout: Rollout, spans: Iterable[Span]) -> FailureKind:
             return "infra"
         return "agent"
     return "task" if final_reward(live) is not None else "no_reward"
+
+
+def attempt_kind(rollout: Rollout, number: int, spans: Iterable[Span]) -> FailureKind | None:
+    """The failure kind of attempt ``number`` alone, as if it had been the rollout's only attempt (the
+    same table): a retried attempt says why it was retried (``infra``: requeued; ``agent``: the store's
+    retry). For the :func:`deciding_attempt` this is :func:`failure_kind`. None while it runs.
+    ``spans``: the rollout's spans, stale ones included (those of other attempts are ignored)."""
+    attempt = next((a for a in rollout.attempts if a.number == number), None)
+    if attempt is None or attempt.status == "running":
+        return None
+    status = "succeeded" if attempt.status == "succeeded" else "failed"
+    alone = rollout.model_copy(update={"attempts": [attempt], "status": status})
+    return failure_kind(alone, [s for s in spans if s.attempt == number])

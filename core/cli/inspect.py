@@ -15,6 +15,7 @@ from typing import Any, TextIO
 from agl.cli._util import add_store_args, open_store_from_args
 from agl.errors import UsageError
 from agl.reports.inspect import (
+    attempt_kinds_of,
     failure_kind_of,
     final_reward_of,
     format_rollout,
@@ -95,7 +96,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
         if args.json:
             out.write(json.dumps(rollout.model_dump(mode="json"), indent=2) + "\n")
         else:
-            out.write(format_rollout(rollout, span_counts=counts, tracebacks=args.traceback) + "\n")
+            kinds = attempt_kinds_of(store, rollout)
+            out.write(
+                format_rollout(rollout, span_counts=counts, tracebacks=args.traceback, kinds=kinds) + "\n"
+            )
 
     return _run(args, body)
 

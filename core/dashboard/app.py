@@ -27,7 +27,7 @@ from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from agl.adapter.failures import deciding_attempt, failure_kind
+from agl.adapter.failures import attempt_kind, deciding_attempt, failure_kind
 from agl.dashboard.index import Filters, RolloutIndex
 from agl.dashboard.views import (
     KEY_METRICS,
@@ -273,14 +273,16 @@ class Dashboard:
 
     def rollout(self, request: Request) -> Response:
         r = self.store.get_rollout(request.path_params["rollout_id"])
-        counts = {}
-        for a in r.attempts:
-            counts[a.number] = len(self._spans(r.id, a.number, r.status in TERMINAL_ROLLOUT_STATUSES))
-        kind = None
-        if r.done and r.status != "cancelled":  # how the trainer treats it (agl.adapter.failures)
-            att = deciding_attempt(r)
-            kind = failure_kind(r, self._spans(r.id, att, True) if att is not None else [])
-        return JSONResponse(rollout_view(r, counts, time.time(), kind))
+        terminal = r.status in TERMINAL_ROLLOUT_STATUSES
+        spans = {a.number: self._spans(r.id, a.number, terminal) for a in r.attempts}
+        kind, kinds = None, {}
+        if r.status != "cancelled":  # how the trainer treats it and each attempt (agl.adapter.failures)
+            kinds = {n: attempt_kind(r, n, s) for n, s in spans.items()}
+            if r.done:
+                att = deciding_attempt(r)
+                kind = failure_kind(r, spans.get(att, []) if att is not None else [])
+        counts = {n: len(s) for n, s in spans.items()}
+        return JSONResponse(rollout_view(r, counts, time.time(), kind, kinds))
 
     def _attempt(self, request: Request) -> tuple[Any, int]:
         r = self.store.get_rollout(request.path_params["rollout_id"])

@@ -122,24 +122,26 @@ def _monitor_warnings(raw: Any) -> list[dict[str, Any]]:
 
 
 def rollout_view(
-    r: Rollout, span_counts: dict[int, int], now: float, kind: str | None = None
+    r: Rollout,
+    span_counts: dict[int, int],
+    now: float,
+    kind: str | None = None,
+    attempt_kinds: dict[int, str | None] | None = None,
 ) -> dict[str, Any]:
-    """A rollout with its attempts (worker, timing, error and traceback, stale marker) and its failure
-    ``kind`` (:func:`agl.adapter.failures.failure_kind`; None while it runs), which the attempt that
-    decided it carries too (``failure_kind``, None on the others)."""
+    """A rollout with its attempts (worker, timing, error and traceback, stale marker, each one's
+    ``failure_kind`` from ``attempt_kinds``: :func:`agl.adapter.failures.attempt_kind`) and its own
+    failure ``kind`` (:func:`agl.adapter.failures.failure_kind`; None while it runs)."""
     from agl.adapter import finishing_attempt
-    from agl.adapter.failures import deciding_attempt
 
     data = r.model_dump(mode="json")
     fin = finishing_attempt(r)
-    decided = deciding_attempt(r) if kind is not None else None
     for a in data["attempts"]:
         end = a["ended_at"] if a["ended_at"] is not None else now
         a["duration_s"] = max(0.0, end - a["started_at"])
         a["stale"] = a["status"] in ("lost", "timed_out")
         a["spans"] = span_counts.get(a["number"], 0)
         a["finishing"] = a["number"] == fin
-        a["failure_kind"] = kind if a["number"] == decided else None
+        a["failure_kind"] = (attempt_kinds or {}).get(a["number"])
     data["finishing_attempt"] = fin
     data["failure_kind"] = kind
     return data

@@ -14,6 +14,7 @@ from typing import Any
 from agl import semconv as sc
 
 __all__ = [
+    "attempt_kinds_of",
     "error_from_spans",
     "failure_kind_of",
     "format_rollout",
@@ -155,10 +156,26 @@ def format_rollouts(
     return "\n".join(line.rstrip() for line in lines)
 
 
+def attempt_kinds_of(store: Any, rollout: Any) -> dict[int, str | None]:
+    """Each attempt's failure kind (:func:`agl.adapter.failures.attempt_kind`), by attempt number; a
+    cancelled rollout's attempts have none (nothing decides what a cancelled run teaches)."""
+    from agl.adapter.failures import attempt_kind
+
+    if rollout.status == "cancelled":
+        return {a.number: None for a in rollout.attempts}
+    spans = store.query_spans(rollout_id=rollout.id, include_stale=True)
+    return {a.number: attempt_kind(rollout, a.number, spans) for a in rollout.attempts}
+
+
 def format_rollout(
-    rollout: Any, *, span_counts: dict[int, int] | None = None, tracebacks: bool = False
+    rollout: Any,
+    *,
+    span_counts: dict[int, int] | None = None,
+    tracebacks: bool = False,
+    kinds: dict[int, str | None] | None = None,
 ) -> str:
-    """One rollout and each of its attempts: status, worker, timing, error."""
+    """One rollout and each of its attempts: status, worker, timing, failure kind (``kinds``, by
+    attempt number: :func:`attempt_kinds_of`), error."""
     r = rollout
     lines = [
         f"rollout   {r.id}",
@@ -181,6 +198,7 @@ def format_rollout(
             f"{'took' if a.ended_at else 'running for'} {_duration(took)}"
             + (f", resources v{a.resources_version}" if a.resources_version is not None else "")
             + spans
+            + (f", {kinds[a.number]}" if kinds and kinds.get(a.number) else "")
         )
         if a.error is not None:
             lines.append(f"     error: {a.error.type}: {_cut(a.error.message, 200)}")

@@ -1,6 +1,7 @@
 """A short LightningRL run with the policy served by a real vLLM server that the run starts itself
 (``Serving(backend="vllm", vllm_python=...)``), SIGKILLed in the middle of a step: the run restarts it
-with the last pushed adapter, loses no rollout and says so in the step's metrics. Skipped unless
+with the last pushed adapter, loses no rollout and says so in the step's metrics: the cut attempts are
+``infra``, requeued, never scored (issue 64). Skipped unless
 AGL_VLLM_PYTHON is set (vllm_real.py); ``tox -e vllm`` runs it."""
 
 from __future__ import annotations
@@ -25,14 +26,27 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+def _running_requests(url: str) -> float:
+    """vLLM's own gauge of the requests it is generating now (``GET /metrics``, Prometheus text)."""
+    import httpx
+
+    try:
+        text = httpx.get(url[: -len("/v1")] + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return 0.0
+    lines = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+
+
 def _kill_during_step(trainer: Any, step: int, done: threading.Event) -> None:
-    """SIGKILL the run's vLLM server a few seconds into ``step``'s rollouts."""
+    """SIGKILL the run's vLLM server once ``step``'s rollouts have a request generating on it (vLLM's
+    gauge says so): a kill after a fixed delay could land between the rollouts on a fast machine."""
     while not done.is_set():
-        if len(trainer.history) >= step and trainer.env is not None and trainer.env.vllm_server is not None:
-            time.sleep(3.0)
-            trainer.env.vllm_server.kill()
+        server = trainer.env.vllm_server if trainer.env is not None else None
+        if len(trainer.history) >= step and server is not None and _running_requests(server.url) > 0:
+            server.kill()
             return
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def test_lightning_rl_trains_through_a_managed_vllm_that_crashes_mid_step(tmp_path: Path) -> None:
@@ -72,6 +86,12 @@ def test_lightning_rl_trains_through_a_managed_vllm_that_crashes_mid_step(tmp_pa
     assert all(r["rollouts"] == 8 and r["rollouts_failed"] == 0 for r in steps)  # nothing lost
     assert all(r["exact_token_ratio"] == 1.0 for r in steps)
     assert steps[0].get("engine_restarts") is None and steps[1]["engine_restarts"] == 1
+    # the calls the kill cut are infrastructure failures (issue 64): their attempts are requeued at
+    # their seed place and never scored, so every group trains whole, on finished attempts only
+    killed = steps[1]["errored_rollouts/infra"]
+    assert killed >= 1 and steps[1]["requeued_rollouts"] == killed, steps[1]
+    assert steps[0]["errored_rollouts/infra"] == 0 and steps[0]["requeued_rollouts"] == 0
+    assert all(r["effective_group_size"] == 4 and r["dropped_groups"] == 0 for r in steps)
     assert out["val_reward_before"] is not None and out["val_reward_after"] is not None
     log = (tmp_path / "run" / "vllm.log").read_text()
     assert log.count("=== agl:") == 2  # started, then restarted after the kill
