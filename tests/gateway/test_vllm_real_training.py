@@ -26,31 +26,37 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
-def _running_requests(url: str) -> float:
-    """vLLM's own gauge of the requests it is generating now (``GET /metrics``, Prometheus text)."""
+def _metric(url: str, name: str) -> float | None:
+    """One of vLLM's own metrics (``GET /metrics``, Prometheus text), summed over its labels."""
     import httpx
 
     try:
         text = httpx.get(url[: -len("/v1")] + "/metrics", timeout=5).text
     except httpx.HTTPError:
-        return 0.0
-    lines = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+        return None
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def _kill_during_step(trainer: Any, step: int, done: threading.Event) -> None:
-    """SIGKILL the run's vLLM server once ``step``'s rollouts have a request generating on it (vLLM's
-    gauge says so): a kill after a fixed delay could land between the rollouts on a fast machine."""
+    """SIGKILL the run's vLLM server while ``step``'s rollouts generate: once its count of generated
+    tokens grows between two reads and it has requests running (a kill after a fixed delay could land
+    between the rollouts on a fast machine; the running gauge alone keeps its last value when idle)."""
+    last = None
     while not done.is_set():
         server = trainer.env.vllm_server if trainer.env is not None else None
-        if len(trainer.history) >= step and server is not None and _running_requests(server.url) > 0:
-            server.kill()
-            return
-        time.sleep(0.05)
+        if len(trainer.history) >= step and server is not None:
+            now = _metric(server.url, "vllm:generation_tokens_total")
+            if last is not None and now is not None and now > last:
+                if (_metric(server.url, "vllm:num_requests_running") or 0) > 0:
+                    server.kill()
+                    return
+            last = now
+        time.sleep(0.02)
 
 
 def test_lightning_rl_trains_through_a_managed_vllm_that_crashes_mid_step(tmp_path: Path) -> None:
     import agl
+    from agl.config import RolloutSettings
     from examples.learn_on_cpu.agent import calc_agent
     from examples.learn_on_cpu.data import split
 
@@ -72,6 +78,9 @@ def test_lightning_rl_trains_through_a_managed_vllm_that_crashes_mid_step(tmp_pa
         ),
         loop=agl.LoopConfig(tasks_per_step=2, steps=2, val_every=2, seed=0),
         config=agl.RunConfig(temperature=1.0, max_tokens=16),
+        # every retry is the trainer's requeue at the seed place (the store's own retry, max_attempts=2,
+        # would run a new, reseeded attempt of the same rollout, and the cut one would not be counted)
+        rollout=RolloutSettings(max_attempts=1),
     )
     done = threading.Event()
     killer = threading.Thread(target=_kill_during_step, args=(trainer, 1, done), daemon=True)
