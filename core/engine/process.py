@@ -33,9 +33,9 @@ import weakref
 from pathlib import Path
 from typing import Any, ClassVar
 
-from agl.errors import InfraError
+from agl.errors import InfraError, UsageError
 
-__all__ = ["ManagedProcess", "free_port", "stop_process"]
+__all__ = ["ManagedProcess", "free_port", "kill_group", "stop_process"]
 
 _LOG_TAIL = 3000
 
@@ -192,8 +192,6 @@ class ManagedProcess:
 
             found = shutil.which(argv[0])
             if found is None:
-                from agl.errors import UsageError
-
                 raise UsageError(f"cannot start the {self.what}: {argv[0]!r} is not on PATH")
             argv[0] = found
         self.prepare()
@@ -203,14 +201,18 @@ class ManagedProcess:
             self._log_file.write(f"\n=== agl: {shlex.join(argv)}\n".encode())
             self._log_file.flush()
         out = self._log_file if self._log_file is not None else subprocess.DEVNULL
-        self.proc = subprocess.Popen(
-            [str(self.python or sys.executable), "-c", _LAUNCHER, str(os.getpid()), *argv],
-            env=self.environment(),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: stopped together, not by the terminal's ^C
-        )
+        try:
+            self.proc = subprocess.Popen(
+                [str(self.python or sys.executable), "-c", _LAUNCHER, str(os.getpid()), *argv],
+                env=self.environment(),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: stopped together, not by the terminal's ^C
+            )
+        except OSError:
+            self.stop()  # the log file closed again: a start that never ran leaves nothing open
+            raise
         self.starts += 1
         _LIVE.add(self)
 
