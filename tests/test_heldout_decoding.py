@@ -47,18 +47,21 @@ def _instrumented() -> Iterator[None]:
 
 class Engine:
     """The scripted engine: records the temperature each call reached it with, by the question asked;
-    answers alternate good and bad (so a sampled task's K rollouts differ)."""
+    answers alternate good and bad per question (so a sampled task's K >= 2 rollouts hold some of
+    each, in whatever order the runners' concurrent calls arrive: one counter shared by all questions
+    could hand one task every good answer and the other every bad one)."""
 
     def __init__(self) -> None:
-        self.n = 0
+        self.n: dict[str, int] = {}
         self.lock = threading.Lock()
         self.seen: list[tuple[str, float | None]] = []
 
     def __call__(self, request: Any) -> str:
+        question = request.messages[-1]["content"]
         with self.lock:
-            self.n += 1
-            self.seen.append((request.messages[-1]["content"], request.temperature))
-            return GOOD if self.n % 2 else BAD
+            self.n[question] = self.n.get(question, 0) + 1
+            self.seen.append((question, request.temperature))
+            return GOOD if self.n[question] % 2 else BAD
 
 
 def hot_app(task: dict, resources: agl.Resources) -> float:
