@@ -4,6 +4,7 @@ checkpoint served by the gateway's transformers backend through the real OpenAI 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,19 @@ def test_nothing_to_train_on_is_a_clear_error(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()  # nothing half-written
     with pytest.raises(FileNotFoundError, match="agl sft"):
         warm_start_model(tmp_path)
+
+
+def test_sft_config_does_not_warn_about_transformers_checkpointing_rename(tmp_path: Path) -> None:
+    """TRL's SFTConfig still passes ``gradient_checkpointing``, which transformers 5 renamed; the
+    warning it raises on every ``agl sft`` is noise no user can act on, so agl hides it."""
+    from agl.algorithms.sft import _trl_args
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trl_args(SFT(), tmp_path, 0, False)
+    assert not [w for w in caught if "gradient_checkpointing" in str(w.message)], [
+        str(w.message) for w in caught
+    ]
 
 
 def test_sft_learns_its_demonstrations_and_the_gateway_serves_the_result(tmp_path: Path) -> None:

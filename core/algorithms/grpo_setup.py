@@ -51,6 +51,16 @@ def _load_model(
     return model, tokenizer
 
 
+def silence_checkpointing_rename() -> None:
+    """Hide transformers 5's ``gradient_checkpointing`` -> ``activation_checkpointing`` rename warning.
+
+    TRL 1.16's configs still spell the field the old way, so the warning fires on every config and
+    forward of both the RL update and ``agl sft``; no agl user can act on it."""
+    warnings.filterwarnings(
+        "ignore", message=r".*(is_)?gradient_checkpointing.* is deprecated", category=FutureWarning
+    )
+
+
 def _grpo_args(
     config: RunConfig,
     *,
@@ -66,11 +76,7 @@ def _grpo_args(
     if mixed_precision is None:
         mixed_precision = "bf16" if use_cuda and torch.cuda.is_bf16_supported() else "no"
     eps, eps_high = float(config.clip_eps), config.clip_eps_high
-    # TRL 1.16 still spells transformers 5's `activation_checkpointing` the deprecated way (a warning
-    # on every config and forward); not actionable for agl's users.
-    warnings.filterwarnings(
-        "ignore", message=r".*(is_)?gradient_checkpointing.* is deprecated", category=FutureWarning
-    )
+    silence_checkpointing_rename()
     return GRPOConfig(
         output_dir=str(output_dir),
         report_to=[],

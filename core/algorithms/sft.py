@@ -353,7 +353,10 @@ def _trl_args(cfg: SFT, run_dir: Path, seed: int, progress: bool) -> tuple[Any, 
     import torch
     from trl import SFTConfig
 
+    from agl.algorithms.grpo_setup import silence_checkpointing_rename
+
     use_cuda = torch.cuda.is_available()
+    silence_checkpointing_rename()
     args = SFTConfig(
         output_dir=str(run_dir / "checkpoints"),
         report_to=[],
