@@ -19,12 +19,20 @@ import time
 import torch
 
 
+def positive(text: str) -> int:
+    """An argparse type: a whole number above 0 (a zero batch or length has no tokens to time)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--length", type=int, default=457)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=positive, default=2)
+    ap.add_argument("--batch", type=positive, default=4)
+    ap.add_argument("--length", type=positive, default=457)
+    ap.add_argument("--rounds", type=positive, default=2)
     args = ap.parse_args()
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
