@@ -6,9 +6,9 @@ SmolLM2-135M-Instruct (``agl models prepare``) with the LoRA ``agl sft`` trains 
 linear layer), one AdamW step on a fixed random batch of ``--batch`` x ``--length`` tokens (457: the
 mean BFCL demonstration, examples/bfcl_agent/README.md). Each round times 3 steps in fp32, then 3 under
 ``torch.autocast("cpu", bfloat16)``, after one warm-up step each, and prints tokens per second; the
-ratio is taken within a round. ``agl sft`` itself runs fp32 on a CPU today (bf16 only on a GPU that has
-it); this is the measurement that would justify a CPU bf16 option, on a CPU with AMX or AVX512-BF16
-(`lscpu`), where bf16 matmuls are fast. A probe of speed, not of what bf16 does to learning.
+ratio is taken within a round. ``agl sft`` runs fp32 on a CPU by default (``--precision auto``) and this
+autocast under ``--precision bf16``; this is the measurement behind that option, on a CPU with AMX or
+AVX512-BF16 (`lscpu`), where bf16 matmuls are fast. A probe of speed, not of what bf16 does to learning.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ checkpoint served by the gateway's transformers backend through the real OpenAI 
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,7 @@ def test_selection_drops_the_calls_air_penalised() -> None:
         {"lora": "yes"},
         {"max_length": 1},
         {"merge_turns": 1},
+        {"precision": "fp16"},
     ],
 )
 def test_bad_settings_are_refused(kw: dict[str, Any]) -> None:
@@ -132,6 +134,36 @@ def test_sft_config_does_not_warn_about_transformers_checkpointing_rename(tmp_pa
     assert not [w for w in caught if "gradient_checkpointing" in str(w.message)], [
         str(w.message) for w in caught
     ]
+
+
+def test_precision_runs_bf16_autocast_on_a_cpu_only_when_asked(tmp_path: Path) -> None:
+    """``auto`` keeps a CPU on fp32 (bf16 is far slower there without AMX/AVX512-BF16); ``bf16``
+    turns on transformers' CPU autocast; a bf16 run trains and saves fp32 weights that load anywhere."""
+    from agl.algorithms.sft import _trl_args
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU choice")
+    assert _trl_args(SFT(), tmp_path, 0, False)[0].bf16 is False
+    assert _trl_args(SFT(precision="fp32"), tmp_path, 0, False)[0].bf16 is False
+    assert _trl_args(SFT(precision="bf16"), tmp_path, 0, False)[0].bf16 is True
+
+    from agl.trainer.trainer import load_tokenizer
+
+    summary = SFT(epochs=2, batch_size=1, learning_rate=2e-2, lora=False, precision="bf16").fit(
+        [demo("good", QUESTION, ANSWER)],
+        tiny_model(),
+        tokenizer=load_tokenizer(),
+        run_dir=tmp_path / "sft",
+        progress=False,
+    )
+    records = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["sft_loss"] for r in records if "sft_loss" in r]
+    assert summary["steps"] == len(losses) == 2 and all(map(math.isfinite, losses))
+    assert losses[1] < losses[0], losses  # the second step sees the first one's update
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(warm_start_model(tmp_path / "sft"))
+    assert next(merged.parameters()).dtype == torch.float32
 
 
 def test_sft_learns_its_demonstrations_and_the_gateway_serves_the_result(tmp_path: Path) -> None:

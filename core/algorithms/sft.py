@@ -52,7 +52,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from agl.algorithms.per_agent_lora import warm_adapters_dir
 from agl.errors import UsageError
@@ -100,6 +100,13 @@ class SFT:
     lora_r: int = field(default=16, metadata=_help("LoRA rank"))
     lora_alpha: int = field(default=32, metadata=_help("LoRA alpha"))
     max_grad_norm: float = field(default=1.0, metadata=_help("gradient clipping norm"))
+    precision: Literal["auto", "fp32", "bf16"] = field(
+        default="auto",
+        metadata=_help(
+            "auto: bf16 on a GPU that has it, fp32 on a CPU; bf16: bf16 autocast on a CPU too (x1.5 on "
+            "a CPU with AMX or AVX512-BF16, far slower without); fp32: never bf16"
+        ),
+    )
     max_length: int | None = field(
         default=None, metadata=_help("truncate longer sequences (prompt start first)")
     )
@@ -136,6 +143,8 @@ class SFT:
             or not math.isfinite(self.min_reward)
         ):
             raise UsageError(f"SFT.min_reward must be a finite number or None, got {self.min_reward!r}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise UsageError(f"SFT.precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
         if self.max_length is not None and (
             isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 2
         ):
@@ -347,6 +356,34 @@ def _log_callback(cfg: SFT, metrics: Any) -> Any:
     return _Log()
 
 
+def _use_bf16(precision: str, use_cuda: bool) -> bool:
+    """Whether the step runs under bf16 autocast (fp32 master weights either way). ``auto`` keeps a
+    CPU on fp32: without AMX or AVX512-BF16 bf16 matmuls are far slower there, and with them the gain
+    (x1.46-1.51 on a LoRA step, bench/sft_precision.py) is the user's to take. A GPU without bf16
+    asked for it is refused rather than silently run in fp32."""
+    import torch
+
+    if precision == "fp32":
+        return False
+    if use_cuda:
+        if not torch.cuda.is_bf16_supported():
+            if precision == "bf16":
+                raise UsageError("SFT.precision='bf16': this GPU does not support bf16 (use 'auto' or 'fp32')")
+            return False
+        return True
+    if precision == "bf16" and not _cpu_has_fast_bf16():
+        log.warning("SFT.precision='bf16' on a CPU without AMX or AVX512-BF16: expect it slower than fp32")
+    return precision == "bf16"
+
+
+def _cpu_has_fast_bf16() -> bool:
+    """AMX or AVX512-BF16, as torch's CPU capability probes report them (False where torch has none)."""
+    import torch
+
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
 def _trl_args(cfg: SFT, run_dir: Path, seed: int, progress: bool) -> tuple[Any, Any]:
     """TRL's ``SFTConfig`` for ``cfg`` (completion-only loss, no saving or eval during training) and
     the LoRA config (None for full fine-tuning)."""
@@ -356,6 +393,7 @@ def _trl_args(cfg: SFT, run_dir: Path, seed: int, progress: bool) -> tuple[Any, 
     from agl.algorithms.grpo_setup import silence_checkpointing_rename
 
     use_cuda = torch.cuda.is_available()
+    bf16 = _use_bf16(cfg.precision, use_cuda)
     silence_checkpointing_rename()
     args = SFTConfig(
         output_dir=str(run_dir / "checkpoints"),
@@ -374,7 +412,7 @@ def _trl_args(cfg: SFT, run_dir: Path, seed: int, progress: bool) -> tuple[Any, 
         eval_strategy="no",
         seed=seed,
         use_cpu=not use_cuda,
-        bf16=use_cuda and torch.cuda.is_bf16_supported(),
+        bf16=bf16,
         disable_tqdm=not progress,
         dataloader_num_workers=0,
         remove_unused_columns=False,

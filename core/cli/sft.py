@@ -28,6 +28,7 @@ _SFT_FLAGS = {
     "lora_r": "lora_r",
     "lora": "full",
     "max_length": "max_length",
+    "precision": "precision",
     "merge_turns": "per_call",
     "adapter_per_agent": "adapter_per_agent",
 }
@@ -57,7 +58,7 @@ def register_cli(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(
         parser,
         SFT,
-        only=["epochs", "batch_size", "learning_rate", "lora_r", "lora", "max_length"],
+        only=["epochs", "batch_size", "learning_rate", "lora_r", "lora", "max_length", "precision"],
         overrides={"lora": {"flags": ["--full"], "help": "full fine-tuning instead of LoRA"}},
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the data order and the adapter")
