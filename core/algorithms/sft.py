@@ -368,7 +368,9 @@ def _use_bf16(precision: str, use_cuda: bool) -> bool:
     if use_cuda:
         if not torch.cuda.is_bf16_supported():
             if precision == "bf16":
-                raise UsageError("SFT.precision='bf16': this GPU does not support bf16 (use 'auto' or 'fp32')")
+                raise UsageError(
+                    "SFT.precision='bf16': this GPU does not support bf16 (use 'auto' or 'fp32')"
+                )
             return False
         return True
     if precision == "bf16" and not _cpu_has_fast_bf16():
