@@ -373,17 +373,15 @@ def _use_bf16(precision: str, use_cuda: bool) -> bool:
                 )
             return False
         return True
-    if precision == "bf16" and not _cpu_has_fast_bf16():
-        log.warning("SFT.precision='bf16' on a CPU without AMX or AVX512-BF16: expect it slower than fp32")
-    return precision == "bf16"
+    if precision == "bf16":
+        from agl.engine.dtype import cpu_has_native_bf16
 
-
-def _cpu_has_fast_bf16() -> bool:
-    """AMX or AVX512-BF16, as torch's CPU capability probes report them (False where torch has none)."""
-    import torch
-
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+        if not cpu_has_native_bf16():
+            log.warning(
+                "SFT.precision='bf16' on a CPU without AMX or AVX512-BF16: expect it slower than fp32"
+            )
+        return True
+    return False
 
 
 def _trl_args(cfg: SFT, run_dir: Path, seed: int, progress: bool) -> tuple[Any, Any]:
@@ -453,6 +451,7 @@ def _train(
 
     from agl.run.metrics import MetricsLog
 
+    args, peft_config = _trl_args(cfg, run_dir, seed, progress)  # refuses bf16 where it is missing
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = MetricsLog(run_dir)
     metrics.reset()
@@ -460,7 +459,6 @@ def _train(
     model, tok, source = _load(model, tokenizer, progress)
     dataset, n_resp = _dataset(_sequences(rows, cfg.merge_turns), cfg.max_length)
 
-    args, peft_config = _trl_args(cfg, run_dir, seed, progress)
     trainer = SFTTrainer(
         model=model,
         args=args,
