@@ -52,9 +52,10 @@ def figure(results: dict[str, Any]) -> Any:
     ax.set_xticks(range(len(cats)))
     ax.set_xticklabels([f"{c}\n(n={n[c]})" for c in cats], fontsize=8)
     ax.set_ylabel("held-out accuracy, BFCL's checker (%)")
-    ax.set_ylim(0, 105)
+    ax.set_ylim(0, 128)  # room above 100 for the legend
+    ax.set_yticks(range(0, 101, 20))
     ax.set_title(results.get("title", "BFCL, held-out, greedy"), fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper center", ncol=3)
     fig.tight_layout()
     return fig
 
