@@ -38,9 +38,7 @@ def figure(results: dict[str, Any]) -> Any:
                 [m - min(p) for m, p in zip(means, per, strict=True)],
                 [max(p) - m for m, p in zip(means, per, strict=True)],
             ]
-            bars = ax.bar(
-                xs, means, width, yerr=err, capsize=3, label=f"{label} (mean of {len(per[0])} seeds)"
-            )
+            ax.bar(xs, means, width, yerr=err, capsize=3, label=f"{label} (mean of {len(per[0])} seeds)")
             for x, m, p in zip(xs, means, per, strict=True):  # above the whisker, not on it
                 ax.text(x, max(p) + 1.5, f"{m:.0f}", ha="center", va="bottom", fontsize=6)
             for x, p in zip(xs, per, strict=True):
@@ -60,11 +58,27 @@ def figure(results: dict[str, Any]) -> Any:
     return fig
 
 
+def load(path: Path) -> dict[str, Any]:
+    """RESULTS.json, refused in one line when it is missing, not JSON or lacks a key the plot reads."""
+    try:
+        results = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"{path}: no such file") from None
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"{path}: not JSON ({exc})") from None
+    missing = [k for k in ("categories", "n", "models") if k not in results]
+    if missing:
+        raise SystemExit(f"{path}: no {', '.join(missing)} (see this module's docstring)")
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
         raise SystemExit("usage: python -m examples.bfcl_agent.plot RESULTS.json OUT.png")
-    results = json.loads(Path(argv[0]).read_text())
+    results = load(Path(argv[0]))
+    if not Path(argv[1]).parent.is_dir():
+        raise SystemExit(f"{argv[1]}: its folder does not exist")
     fig = figure(results)
     fig.savefig(argv[1], dpi=120)
     print(f"wrote {argv[1]}")

@@ -29,15 +29,28 @@ def test_the_plot_draws_every_model_and_category(tmp_path: Path) -> None:
 
     results = json.loads(RESULTS.read_text())
     fig = plot.figure(results)
-    bars = [p for p in fig.axes[0].patches]
-    assert len(bars) == len(results["categories"]) * (len(results["models"]) + len(results["seeds"]))
+    assert len(fig.axes[0].patches) == len(results["categories"]) * (
+        len(results["models"]) + len(results["seeds"])
+    )
     out = tmp_path / "bfcl.png"
     assert plot.main([str(RESULTS), str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_plot_refuses_a_wrong_command_line() -> None:
+def test_the_plot_refuses_bad_input_and_writes_nothing(tmp_path: Path) -> None:
     from examples.bfcl_agent import plot
 
+    out = tmp_path / "out.png"
     with pytest.raises(SystemExit, match="usage"):
         plot.main(["only-one-argument"])
+    with pytest.raises(SystemExit, match="no such file"):
+        plot.main([str(tmp_path / "missing.json"), str(out)])
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(SystemExit, match="not JSON"):
+        plot.main([str(tmp_path / "bad.json"), str(out)])
+    (tmp_path / "partial.json").write_text('{"categories": []}')
+    with pytest.raises(SystemExit, match="no n, models"):
+        plot.main([str(tmp_path / "partial.json"), str(out)])
+    with pytest.raises(SystemExit, match="folder does not exist"):
+        plot.main([str(RESULTS), str(tmp_path / "no" / "out.png")])
+    assert not out.exists()
